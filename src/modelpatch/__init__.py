@@ -1,0 +1,88 @@
+"""modelpatch: restructure transformers models at load time and save them back in their original format.
+
+The public API, layered bottom-up:
+
+* weight conversion (``modelpatch.conversion``): operations, ``WeightConverter`` / ``WeightRenaming``, and the
+  per-model-type registry;
+* class patching (``modelpatch.patching``): the patch registry, ``apply_patches`` and ``Patcher``;
+* loading and saving (``modelpatch.loading``): ``from_pretrained``, ``from_config``, ``save_pretrained``.
+"""
+
+from .conversion import (
+    Chunk,
+    Concatenate,
+    Conv3dToLinear,
+    ConversionOperation,
+    LinearToConv3d,
+    MergeModulelist,
+    SplitModulelist,
+    Transpose,
+    WeightConverter,
+    WeightRenaming,
+    WeightTransform,
+    get_checkpoint_conversion_mapping,
+    register_checkpoint_conversion_mapping,
+)
+from .errors import (
+    CheckpointError,
+    ConversionError,
+    FusionError,
+    LoadPlanError,
+    ModelPatchError,
+    PatchRegistryError,
+)
+from .fusions import ModuleFusionSpec, available_fusions, register_fusion, unregister_fusion
+from .loading import LoadReport, from_config, from_pretrained, get_load_report, save_pretrained
+from .patching import (
+    Patcher,
+    apply_patches,
+    clear_patch_mapping,
+    get_patch_mapping,
+    get_patchable_namespaces,
+    register_patch_mapping,
+    register_patchable_namespace,
+    unregister_patch_mapping,
+    unregister_patchable_namespace,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "Chunk",
+    "Concatenate",
+    "Conv3dToLinear",
+    "ConversionError",
+    "ConversionOperation",
+    "FusionError",
+    "LinearToConv3d",
+    "LoadReport",
+    "LoadPlanError",
+    "MergeModulelist",
+    "ModuleFusionSpec",
+    "ModelPatchError",
+    "PatchRegistryError",
+    "Patcher",
+    "SplitModulelist",
+    "Transpose",
+    "WeightConverter",
+    "WeightRenaming",
+    "WeightTransform",
+    "apply_patches",
+    "available_fusions",
+    "clear_patch_mapping",
+    "from_config",
+    "from_pretrained",
+    "get_checkpoint_conversion_mapping",
+    "get_load_report",
+    "get_patch_mapping",
+    "get_patchable_namespaces",
+    "register_checkpoint_conversion_mapping",
+    "register_fusion",
+    "register_patch_mapping",
+    "register_patchable_namespace",
+    "save_pretrained",
+    "unregister_fusion",
+    "unregister_patch_mapping",
+    "unregister_patchable_namespace",
+]

@@ -1,0 +1,228 @@
+"""A checkpoint directory: one safetensors file, a sharded safetensors index, or (opt-in) a pickle checkpoint."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+
+import torch
+
+from modelpatch.checkpoint.safetensors_file import SafetensorsFile, TensorInfo
+from modelpatch.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+SAFE_INDEX = "model.safetensors.index.json"
+SAFE_SINGLE = "model.safetensors"
+PICKLE_INDEX = "pytorch_model.bin.index.json"
+PICKLE_SINGLE = "pytorch_model.bin"
+
+_Source = SafetensorsFile | dict[str, torch.Tensor]
+
+
+class Checkpoint:
+    """Read-only view of the tensors of a local checkpoint directory.
+
+    Safetensors tensors are zero-copy views of memory-mapped files; pickle tensors are loaded with
+    ``torch.load(weights_only=True, mmap=True)``.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        infos: dict[str, TensorInfo],
+        sources: dict[Path, _Source],
+        is_sharded: bool,
+    ) -> None:
+        self.directory = directory
+        self.is_sharded = is_sharded
+        self._infos = infos
+        self._sources = sources
+        self._files = sorted(sources)
+
+    @classmethod
+    def open(cls, directory: str | Path, *, allow_pickle: bool = False) -> Checkpoint:
+        """Open the checkpoint in local ``directory``; pickle checkpoints need ``allow_pickle=True``."""
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise CheckpointError(
+                f"{directory}: not a local directory (checkpoints are only read from local directories, never a hub)"
+            )
+        if (directory / SAFE_INDEX).is_file():
+            return cls._open_index(directory, directory / SAFE_INDEX, _load_safetensors)
+        if (directory / SAFE_SINGLE).is_file():
+            path = directory / SAFE_SINGLE
+            source = _load_safetensors(path)
+            return cls(directory, dict(source.tensors), {path: source}, is_sharded=False)
+
+        pickle_path = next(
+            (directory / name for name in (PICKLE_INDEX, PICKLE_SINGLE) if (directory / name).is_file()),
+            None,
+        )
+        if pickle_path is None:
+            raise CheckpointError(
+                f"{directory}: no checkpoint found (looked for {SAFE_INDEX}, {SAFE_SINGLE}, "
+                f"{PICKLE_INDEX}, {PICKLE_SINGLE})"
+            )
+        if not allow_pickle:
+            raise CheckpointError(
+                f"{pickle_path}: pickle checkpoints are refused unless allow_pickle=True "
+                "(they are then loaded with torch.load(weights_only=True); prefer safetensors)"
+            )
+        if pickle_path.name == PICKLE_INDEX:
+            return cls._open_index(directory, pickle_path, _load_pickle)
+        state = _load_pickle(pickle_path)
+        return cls(directory, _pickle_infos(pickle_path, state), {pickle_path: state}, is_sharded=False)
+
+    @classmethod
+    def _open_index(
+        cls,
+        directory: Path,
+        index_path: Path,
+        load: Callable[[Path], _Source],
+    ) -> Checkpoint:
+        weight_map = _read_weight_map(index_path)
+        shard_paths = {name: _confined_shard(directory, index_path, name) for name in sorted(set(weight_map.values()))}
+
+        infos: dict[str, TensorInfo] = {}
+        sources: dict[Path, _Source] = {}
+        for name, path in shard_paths.items():
+            source = load(path)
+            sources[path] = source
+            shard_infos = source.tensors if isinstance(source, SafetensorsFile) else _pickle_infos(path, source)
+            for key, info in shard_infos.items():
+                if key in infos:
+                    raise CheckpointError(
+                        f"{index_path}: key {key!r} is stored in both {infos[key].path.name} and {name}"
+                    )
+                infos[key] = info
+
+        for key, name in weight_map.items():
+            found = infos.get(key)
+            if found is None or found.path != shard_paths[name]:
+                raise CheckpointError(
+                    f"{index_path}: key {key!r} is mapped to {name} but that shard has no such tensor"
+                )
+        unmapped = sorted(set(infos) - set(weight_map))
+        if unmapped:
+            logger.warning(
+                "%s: %d tensor(s) present in shard headers but missing from weight_map, included anyway: %s",
+                index_path,
+                len(unmapped),
+                ", ".join(unmapped[:10]) + (", ..." if len(unmapped) > 10 else ""),
+            )
+        return cls(directory, infos, sources, is_sharded=True)
+
+    def keys(self) -> list[str]:
+        """All tensor keys, sorted."""
+        return sorted(self._infos)
+
+    def info(self, key: str) -> TensorInfo:
+        """Location, dtype and shape of tensor ``key``."""
+        info = self._infos.get(key)
+        if info is None:
+            raise CheckpointError(f"{self.directory}: checkpoint has no tensor named {key!r}")
+        return info
+
+    def tensor(self, key: str) -> torch.Tensor:
+        """Tensor ``key``; a zero-copy memory-mapped view for safetensors files."""
+        info = self.info(key)
+        source = self._sources.get(info.path)
+        if source is None:
+            raise CheckpointError(f"{info.path}: checkpoint is closed (reading {key!r})")
+        if isinstance(source, SafetensorsFile):
+            return source.tensor(key)
+        return source[key]
+
+    @property
+    def files(self) -> list[Path]:
+        """The tensor files of this checkpoint, sorted."""
+        return list(self._files)
+
+    @property
+    def total_bytes(self) -> int:
+        """Sum of the data sizes of all tensors."""
+        return sum(info.nbytes for info in self._infos.values())
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The ``__metadata__`` of the first safetensors file ({} for pickle checkpoints)."""
+        for path in self.files:
+            source = self._sources.get(path)
+            if isinstance(source, SafetensorsFile):
+                return source.metadata
+        return {}
+
+    def close(self) -> None:
+        """Release open files; tensors already returned stay valid."""
+        for source in self._sources.values():
+            if isinstance(source, SafetensorsFile):
+                source.close()
+        self._sources = {}
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({str(self.directory)!r}, {len(self._infos)} tensors, sharded={self.is_sharded})"
+
+
+def _load_safetensors(path: Path) -> SafetensorsFile:
+    return SafetensorsFile.open(path)
+
+
+def _load_pickle(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        # weights_only=True restricts unpickling to tensors and plain containers: no arbitrary code runs.
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:
+        raise CheckpointError(f"{path}: refused or unreadable pickle checkpoint: {exc}") from exc
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: expected a state dict, got {type(state).__name__}")
+    for key, value in state.items():
+        if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+            raise CheckpointError(
+                f"{path}: entry {key!r} is not a tensor ({type(value).__name__}); expected a flat state dict"
+            )
+    return state
+
+
+def _pickle_infos(path: Path, state: dict[str, torch.Tensor]) -> dict[str, TensorInfo]:
+    return {key: TensorInfo(key, t.dtype, tuple(t.shape), path, -1, -1) for key, t in state.items()}
+
+
+def _read_weight_map(index_path: Path) -> dict[str, str]:
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"{index_path}: cannot read index JSON: {exc}") from exc
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise CheckpointError(f"{index_path}: 'weight_map' must be a JSON object of tensor key to shard file name")
+    return weight_map
+
+
+def _confined_shard(directory: Path, index_path: Path, name: str) -> Path:
+    """Resolve shard ``name`` and make sure it stays inside ``directory`` (no absolute, ``..`` or symlink escape)."""
+    relative = Path(name)
+    if not name or relative.is_absolute() or ".." in relative.parts:
+        raise CheckpointError(f"{index_path}: shard name {name!r} must be a relative path inside the directory")
+    path = directory / relative
+    if not path.resolve().is_relative_to(directory.resolve()):
+        raise CheckpointError(f"{index_path}: shard {name!r} resolves outside {directory} (symlink escape)")
+    if not path.is_file():
+        raise CheckpointError(f"{index_path}: shard {name!r} does not exist in {directory}")
+    return path

@@ -1,0 +1,255 @@
+"""Header-validated, zero-copy reader for a single ``.safetensors`` file."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from itertools import pairwise
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from modelpatch.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+MAX_HEADER_BYTES = 100_000_000
+"""Upper bound on the JSON header length; the safetensors reference implementation uses the same limit."""
+
+
+def _build_dtype_table() -> dict[str, torch.dtype]:
+    table: dict[str, torch.dtype] = {
+        "F64": torch.float64,
+        "F32": torch.float32,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "I64": torch.int64,
+        "I32": torch.int32,
+        "I16": torch.int16,
+        "I8": torch.int8,
+        "U8": torch.uint8,
+        "BOOL": torch.bool,
+        "C64": torch.complex64,
+    }
+    optional = {
+        "F8_E4M3": "float8_e4m3fn",
+        "F8_E5M2": "float8_e5m2",
+        "F8_E4M3FNUZ": "float8_e4m3fnuz",
+        "F8_E5M2FNUZ": "float8_e5m2fnuz",
+        "U16": "uint16",
+        "U32": "uint32",
+        "U64": "uint64",
+    }
+    for name, attr in optional.items():
+        dtype = getattr(torch, attr, None)
+        if isinstance(dtype, torch.dtype):
+            table[name] = dtype
+    return table
+
+
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = _build_dtype_table()
+"""Safetensors dtype strings this reader accepts, mapped to torch dtypes."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives: dtype, shape and absolute byte range ``[start, end)`` inside ``path``.
+
+    For tensors that do not come from a safetensors file, ``start`` and ``end`` are -1.
+    """
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    path: Path
+    start: int
+    end: int
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the tensor data in bytes."""
+        return self.numel * self.dtype.itemsize
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"duplicate key {key!r}")
+        result[key] = value
+    return result
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class SafetensorsFile:
+    """A validated safetensors header plus lazy, zero-copy access to the tensor data.
+
+    Tensors are views of a private (copy-on-write) memory map: writing to them never modifies the file.
+    """
+
+    def __init__(self, path: Path, metadata: dict[str, str], tensors: dict[str, TensorInfo]) -> None:
+        self.path = path
+        self.metadata = metadata
+        self.tensors = tensors
+        self._mmap: mmap.mmap | None = None
+        self._closed = False
+
+    @classmethod
+    def open(cls, path: str | Path) -> SafetensorsFile:
+        """Read and validate the header of ``path``; no tensor data is read."""
+        path = Path(path)
+        try:
+            with path.open("rb") as f:
+                file_size = os.fstat(f.fileno()).st_size
+                prefix = f.read(8)
+                if len(prefix) < 8:
+                    raise CheckpointError(
+                        f"{path}: file is {file_size} bytes, too short for a safetensors header (needs at least 8)"
+                    )
+                (header_len,) = struct.unpack("<Q", prefix)
+                if header_len > MAX_HEADER_BYTES:
+                    raise CheckpointError(
+                        f"{path}: header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit"
+                    )
+                if 8 + header_len > file_size:
+                    raise CheckpointError(
+                        f"{path}: header length {header_len} runs past the end of the {file_size}-byte file"
+                    )
+                raw_header = f.read(header_len)
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot read safetensors file: {exc}") from exc
+        data_start = 8 + header_len
+        metadata, tensors = _parse_header(path, raw_header, data_start, file_size - data_start)
+        logger.debug("opened %s: %d tensors", path, len(tensors))
+        return cls(path, metadata, tensors)
+
+    def tensor(self, key: str) -> torch.Tensor:
+        """Return tensor ``key`` as a writable view of the memory-mapped file (no copy)."""
+        info = self.tensors.get(key)
+        if info is None:
+            raise CheckpointError(f"{self.path}: no tensor named {key!r}")
+        if info.numel == 0:
+            # torch.frombuffer refuses count=0, and there is no data to share anyway.
+            return torch.empty(info.shape, dtype=info.dtype)
+        mm = self._mapping()
+        if info.end > len(mm):
+            raise CheckpointError(
+                f"{self.path}: tensor {key!r} ends at byte {info.end} but the file is now {len(mm)} bytes "
+                "(was it truncated after opening?)"
+            )
+        # frombuffer keeps a reference to `mm`, so the mapping lives as long as any tensor viewing it.
+        flat = torch.frombuffer(mm, dtype=info.dtype, count=info.numel, offset=info.start)
+        return flat.reshape(info.shape)
+
+    def _mapping(self) -> mmap.mmap:
+        if self._closed:
+            raise CheckpointError(f"{self.path}: file is closed")
+        if self._mmap is None:
+            try:
+                with self.path.open("rb") as f:
+                    self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            except (OSError, ValueError) as exc:
+                raise CheckpointError(f"{self.path}: cannot memory-map file: {exc}") from exc
+        return self._mmap
+
+    def close(self) -> None:
+        """Release this object's reference to the memory map.
+
+        The map is never closed explicitly: ``torch.frombuffer`` holds a plain reference rather than a
+        buffer export, so ``mmap.close()`` would succeed and leave handed-out tensors dangling (segfault).
+        Dropping the reference unmaps immediately once no tensor views it.
+        """
+        self._mmap = None
+        self._closed = True
+
+    def __enter__(self) -> SafetensorsFile:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"SafetensorsFile({str(self.path)!r}, {len(self.tensors)} tensors)"
+
+
+def _parse_header(
+    path: Path, raw_header: bytes, data_start: int, data_len: int
+) -> tuple[dict[str, str], dict[str, TensorInfo]]:
+    try:
+        header = json.loads(raw_header.decode("utf-8"), object_pairs_hook=_reject_duplicate_keys)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: header is not valid UTF-8 JSON: {exc}") from exc
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header must be a JSON object, got {type(header).__name__}")
+
+    raw_metadata = header.pop("__metadata__", {})
+    if not isinstance(raw_metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in raw_metadata.items()
+    ):
+        raise CheckpointError(f"{path}: __metadata__ must be a JSON object of string to string")
+
+    tensors: dict[str, TensorInfo] = {}
+    for key, entry in header.items():
+        tensors[key] = _parse_entry(path, key, entry, data_start, data_len)
+    _check_no_overlap(path, tensors)
+    return dict(raw_metadata), tensors
+
+
+def _parse_entry(path: Path, key: str, entry: object, data_start: int, data_len: int) -> TensorInfo:
+    where = f"{path}: tensor {key!r}"
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"{where}: header entry must be a JSON object")
+    dtype_name = entry.get("dtype")
+    if not isinstance(dtype_name, str) or dtype_name not in SAFETENSORS_DTYPES:
+        raise CheckpointError(f"{where}: unknown dtype {dtype_name!r} (supported: {', '.join(SAFETENSORS_DTYPES)})")
+    dtype = SAFETENSORS_DTYPES[dtype_name]
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise CheckpointError(f"{where}: shape must be a list of non-negative integers, got {shape!r}")
+    offsets = entry.get("data_offsets")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_int(o) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise CheckpointError(f"{where}: data_offsets must be two integers 0 <= begin <= end, got {offsets!r}")
+    begin, end = offsets
+    if end > data_len:
+        raise CheckpointError(
+            f"{where}: data ends at byte {end} of the data section but only {data_len} bytes are present "
+            "(truncated file?)"
+        )
+    expected = math.prod(shape) * dtype.itemsize
+    if end - begin != expected:
+        raise CheckpointError(
+            f"{where}: {dtype_name} {shape} needs {expected} bytes but data_offsets span {end - begin}"
+        )
+    return TensorInfo(key, dtype, tuple(shape), path, data_start + begin, data_start + end)
+
+
+def _check_no_overlap(path: Path, tensors: dict[str, TensorInfo]) -> None:
+    spans = sorted((info.start, info.end, key) for key, info in tensors.items() if info.end > info.start)
+    for (_, prev_end, prev_key), (start, _, key) in pairwise(spans):
+        if start < prev_end:
+            raise CheckpointError(f"{path}: byte ranges of tensors {prev_key!r} and {key!r} overlap")

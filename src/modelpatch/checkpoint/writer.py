@@ -1,0 +1,282 @@
+"""Atomic writer of safetensors checkpoint directories (single file or sharded with an index)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Mapping
+from itertools import pairwise
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from modelpatch.checkpoint.checkpoint import SAFE_INDEX, SAFE_SINGLE
+from modelpatch.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+
+
+def parse_size(size: int | str, *, context: Path) -> int:
+    """Parse ``50GB`` / ``500MB`` / ``10KB`` (decimal), ``1GiB`` (binary) or a plain int into bytes."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        match = _SIZE_RE.match(size) if isinstance(size, str) else None
+        unit = match.group(2).upper() if match else ""
+        if match is None or unit not in _SIZE_UNITS:
+            raise CheckpointError(
+                f"{context}: cannot parse max_shard_size {size!r} (use e.g. '5GB', '500MB' or an int)"
+            )
+        value = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if value <= 0:
+        raise CheckpointError(f"{context}: max_shard_size must be positive, got {size!r}")
+    return value
+
+
+def write_checkpoint(
+    directory: str | Path,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    extra_files: Mapping[str, bytes] = {},
+    metadata: Mapping[str, str] | None = None,
+    max_shard_size: int | str = "50GB",
+) -> list[Path]:
+    """Atomically (re)write ``directory`` with ``tensors`` as safetensors plus ``extra_files``.
+
+    Everything is written to a temporary sibling and swapped in with renames; files of an existing
+    ``directory`` that this writer does not produce (tokenizer files, ...) are carried over.
+    Returns the paths written (tensor files, index, extra files) inside ``directory``.
+    """
+    directory = Path(directory).absolute()
+    if directory.is_symlink():
+        raise CheckpointError(f"{directory}: is a symlink; refusing to replace it (pass the real directory)")
+    if directory.exists() and not directory.is_dir():
+        raise CheckpointError(f"{directory}: exists and is not a directory")
+    limit = parse_size(max_shard_size, context=directory)
+    file_metadata = {"format": "pt", **(metadata or {})}
+    _validate_inputs(directory, tensors, extra_files, file_metadata)
+    shards = _plan_shards(sorted(tensors), tensors, limit)
+
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    _recover_stale_siblings(directory)
+
+    tmp = directory.parent / f".{directory.name}.modelpatch-tmp-{secrets.token_hex(8)}"
+    tmp.mkdir()
+    try:
+        written = _write_contents(tmp, directory, tensors, shards, extra_files, file_metadata)
+        if directory.exists():
+            _carry_over_user_files(directory, tmp, produced=set(written) | set(extra_files))
+        _fsync_dir(tmp)
+        _swap_in(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("wrote %d tensors to %s (%d tensor file(s))", len(tensors), directory, len(shards))
+    return [directory / name for name in written]
+
+
+def _validate_inputs(
+    directory: Path,
+    tensors: Mapping[str, torch.Tensor],
+    extra_files: Mapping[str, bytes],
+    metadata: Mapping[str, str],
+) -> None:
+    for key, value in tensors.items():
+        if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"{directory}: entry {key!r} must map a str key to a torch.Tensor")
+    for meta_key, meta_value in metadata.items():
+        if not isinstance(meta_key, str) or not isinstance(meta_value, str):
+            raise CheckpointError(f"{directory}: metadata entry {meta_key!r} must map str to str")
+    for name, content in extra_files.items():
+        if (
+            not isinstance(name, str)
+            or name in ("", ".", "..")
+            or "/" in name
+            or os.sep in name
+            or (os.altsep is not None and os.altsep in name)
+        ):
+            raise CheckpointError(f"{directory}: extra file name {name!r} must be a plain file name")
+        if name == SAFE_INDEX or name.endswith(".safetensors"):
+            raise CheckpointError(f"{directory}: extra file {name!r} would clash with the tensor files")
+        if not isinstance(content, bytes):
+            raise CheckpointError(f"{directory}: content of extra file {name!r} must be bytes")
+    _check_no_shared_memory(directory, tensors)
+
+
+def _check_no_shared_memory(directory: Path, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Reject tensors whose memory overlaps (tied weights); disjoint slices of one storage are fine.
+
+    Compares each tensor's [first, last] byte span, so interleaved views (e.g. ``w[:, :n]`` and
+    ``w[:, n:]``) count as overlapping; callers can ``.clone()`` those.
+    """
+    spans: list[tuple[torch.device, int, int, int, str]] = []
+    for key, t in tensors.items():
+        if t.device.type == "meta" or t.numel() == 0:
+            continue
+        base = t.untyped_storage().data_ptr()
+        first = int(t.storage_offset()) * t.element_size()
+        extent = (
+            sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True)) + 1
+        ) * t.element_size()
+        spans.append((t.device, base, first, first + extent, key))
+    spans.sort(key=lambda s: (str(s[0]), s[1], s[2], s[3]))
+    for prev, cur in pairwise(spans):
+        if prev[0] == cur[0] and prev[1] == cur[1] and cur[2] < prev[3]:
+            raise CheckpointError(
+                f"{directory}: tensors {prev[4]!r} and {cur[4]!r} share memory (tied weights?); "
+                "pass each tensor only once, or .clone() views of one weight"
+            )
+
+
+def _plan_shards(keys: list[str], tensors: Mapping[str, torch.Tensor], limit: int) -> list[list[str]]:
+    """Greedy, in key order: a new shard starts when the next tensor would push the current one past ``limit``."""
+    shards: list[list[str]] = [[]]
+    current = 0
+    for key in keys:
+        size = tensors[key].numel() * tensors[key].element_size()
+        if shards[-1] and current + size > limit:
+            shards.append([])
+            current = 0
+        shards[-1].append(key)
+        current += size
+    return shards
+
+
+def _shard_names(count: int) -> list[str]:
+    if count == 1:
+        return [SAFE_SINGLE]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def _write_contents(
+    tmp: Path,
+    directory: Path,
+    tensors: Mapping[str, torch.Tensor],
+    shards: list[list[str]],
+    extra_files: Mapping[str, bytes],
+    metadata: dict[str, str],
+) -> list[str]:
+    names = _shard_names(len(shards))
+    for name, keys in zip(names, shards, strict=True):
+        # Converted one shard at a time so that at most one shard's worth of CPU copies exists.
+        prepared: dict[str, torch.Tensor] = {}
+        for key in keys:
+            try:
+                prepared[key] = tensors[key].detach().to("cpu").contiguous()
+            except Exception as exc:
+                raise CheckpointError(f"{directory / name}: cannot move tensor {key!r} to CPU: {exc}") from exc
+        try:
+            save_file(prepared, str(tmp / name), metadata=metadata)
+        except Exception as exc:
+            raise CheckpointError(f"{directory / name}: cannot write safetensors file: {exc}") from exc
+        _fsync_file(tmp / name)
+        del prepared
+    written = list(names)
+
+    if len(names) > 1:
+        index = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+            "weight_map": {key: name for name, keys in zip(names, shards, strict=True) for key in keys},
+        }
+        _write_bytes(tmp / SAFE_INDEX, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+        written.append(SAFE_INDEX)
+    for name, content in extra_files.items():
+        _write_bytes(tmp / name, content)
+        written.append(name)
+    return written
+
+
+def _carry_over_user_files(directory: Path, tmp: Path, produced: set[str]) -> None:
+    """Copy into ``tmp`` everything in the old ``directory`` that is not one of this writer's file names.
+
+    Old shards and index are dropped (replaced); any other file, e.g. ``tokenizer.json`` or an
+    ``adapter_model.safetensors``, is kept.
+    """
+    for entry in directory.iterdir():
+        name = entry.name
+        if name in produced or name in (SAFE_SINGLE, SAFE_INDEX) or _SHARD_RE.match(name):
+            continue
+        target = tmp / name
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, target, symlinks=True)
+        else:
+            shutil.copy2(entry, target, follow_symlinks=False)
+        logger.debug("kept %s from the previous %s", name, directory)
+
+
+def _swap_in(tmp: Path, directory: Path) -> None:
+    if not directory.exists():
+        os.rename(tmp, directory)
+        _fsync_dir(directory.parent)
+        return
+    old = directory.parent / f".{directory.name}.modelpatch-old-{secrets.token_hex(8)}"
+    os.rename(directory, old)
+    try:
+        os.rename(tmp, directory)
+    except BaseException:
+        os.rename(old, directory)
+        raise
+    _fsync_dir(directory.parent)
+    try:
+        shutil.rmtree(old)
+    except OSError as exc:
+        # The new checkpoint is already in place; a leftover is removed by the next save.
+        logger.warning("%s: saved, but could not remove previous version %s: %s", directory, old, exc)
+
+
+def _recover_stale_siblings(directory: Path) -> None:
+    """Clean up after a save that was killed: drop temp dirs, restore or drop previous versions."""
+    parent, name = directory.parent, directory.name
+    for tmp in parent.glob(f".{glob.escape(name)}.modelpatch-tmp-*"):
+        logger.warning("%s: removing leftover temporary directory %s", directory, tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+    olds = sorted(parent.glob(f".{glob.escape(name)}.modelpatch-old-*"), key=lambda p: p.stat().st_mtime)
+    if olds and not directory.exists():
+        # Killed between the two renames of a swap: the newest previous version is the checkpoint.
+        restored = olds.pop()
+        logger.warning("%s: missing; restoring previous version from %s", directory, restored)
+        os.rename(restored, directory)
+    for old in olds:
+        logger.warning("%s: removing leftover previous version %s", directory, old)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_bytes(path: Path, content: bytes) -> None:
+    with path.open("wb") as f:
+        f.write(content)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_file(path: Path) -> None:
+    with path.open("rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,38 @@
+"""Exception types raised by modelpatch.
+
+Every error names what is at fault (a key, class, pattern or file) so that a user can act on it without a debugger.
+Each subclasses the built-in exception a caller would naturally catch (``ValueError``, ``TypeError``).
+"""
+
+from __future__ import annotations
+
+
+class ModelPatchError(Exception):
+    """Base class of every error raised by modelpatch."""
+
+
+class PatchRegistryError(ModelPatchError, ValueError):
+    """A patch mapping was rejected: bad pattern, duplicate key, unknown key."""
+
+
+class CheckpointError(ModelPatchError, ValueError):
+    """A checkpoint on disk is missing, malformed, truncated, or tries to reach outside its directory."""
+
+
+class ConversionError(ModelPatchError, ValueError):
+    """A weight conversion cannot be planned or applied (incompatible shapes, incomplete groups, ...)."""
+
+
+class LoadPlanError(ModelPatchError, ValueError):
+    """The checkpoint does not cover the model: missing parameters, shape or dtype mismatches.
+
+    Raised before any tensor data is read. ``problems`` groups the offending keys by kind.
+    """
+
+    def __init__(self, message: str, problems: dict[str, list[str]]):
+        super().__init__(message)
+        self.problems = problems
+
+
+class FusionError(ModelPatchError, ValueError):
+    """An unknown fusion name, invalid fusion options, or a fusion spec that cannot be registered."""

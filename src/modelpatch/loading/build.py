@@ -1,0 +1,35 @@
+"""Build a model's module tree under the active patches, on the meta device (no memory, no weights) or for real."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import ExitStack
+
+import torch
+from transformers import PretrainedConfig, PreTrainedModel
+
+from ..patching.mapping import PatchMapping
+from ..patching.scope import patch_scope
+
+
+def build_empty_model(
+    model_class: type[PreTrainedModel], config: PretrainedConfig, dtype: torch.dtype, layers: Sequence[PatchMapping]
+) -> PreTrainedModel:
+    """Instantiate ``model_class(config)`` on the meta device with floating parameters in ``dtype``.
+
+    ``layers`` are the patch mappings to apply, highest priority first. transformers' own init contexts are used so
+    the result is the same module tree and dtype layout that stock ``from_pretrained`` builds.
+    """
+    with ExitStack() as stack:
+        for context in model_class.get_init_context(dtype, False, False, None):
+            stack.enter_context(context)
+        stack.enter_context(patch_scope(*layers))
+        return model_class(config)
+
+
+def build_initialized_model(
+    model_class: type[PreTrainedModel], config: PretrainedConfig, dtype: torch.dtype | None, layers: Sequence[PatchMapping]
+) -> PreTrainedModel:
+    """Instantiate and initialise ``model_class`` from ``config`` like stock ``from_config``, under the patches."""
+    with patch_scope(*layers):
+        return model_class._from_config(config, **({"dtype": dtype} if dtype is not None else {}))

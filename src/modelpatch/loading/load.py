@@ -1,0 +1,197 @@
+"""``from_pretrained`` and ``from_config``: build a patched model and fill it from a local checkpoint.
+
+Data flow of a load:
+
+1. read ``config.json`` and resolve the concrete class (an Auto class is resolved from the config);
+2. collect the patch layers (Patcher mapping, fusions, the global registry) and the weight transforms (the model
+   type's mapping adjusted by the Patcher, plus fusion transforms);
+3. build the model on the meta device under those patches;
+4. read the safetensors *headers* and plan: every parameter's source keys and bound operations; validate coverage,
+   shapes and dtypes, raising one error naming every offending key before any tensor data is read;
+5. execute the plan (zero-copy for unconverted tensors), then let transformers initialise non-persistent buffers and
+   requested new parameters and tie weights exactly as stock does;
+6. attach a :class:`LoadReport` to the model (it is what ``save_pretrained`` reverses).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
+
+from ..checkpoint import Checkpoint
+from ..conversion.planner import TensorMeta
+from ..conversion.registry import get_checkpoint_conversion_mapping
+from ..conversion.transforms import WeightTransform
+from ..fusions.apply import PreparedFusions, prepare_fusions
+from ..patching import registry
+from ..patching.mapping import PatchMapping
+from ..patching.patcher import Patcher
+from .build import build_empty_model, build_initialized_model
+from .config import RUNTIME_LAYOUT_ATTRIBUTE, checkpoint_directory, load_config, resolve_dtype, resolve_model_class
+from .materialize import load_into_model
+from .plan import UnexpectedKeys, plan_model_load
+from .report import REPORT_ATTRIBUTE, LoadReport
+
+logger = logging.getLogger(__name__)
+
+FusionConfig = Mapping[str, bool | Mapping[str, Any]]
+
+
+def model_conversions(model: PreTrainedModel) -> list[WeightTransform]:
+    """The registered transforms of ``model``'s type and of its nested sub-models' types, in that order."""
+    transforms: list[WeightTransform] = []
+    seen: set[str] = set()
+    for module in model.modules():
+        model_type = getattr(getattr(module, "config", None), "model_type", None)
+        if isinstance(module, PreTrainedModel) and model_type and model_type not in seen:
+            seen.add(model_type)
+            transforms.extend(get_checkpoint_conversion_mapping(model_type) or [])
+    return transforms
+
+
+def _check_patcher(patcher: Patcher | None) -> None:
+    if patcher is not None and not isinstance(patcher, Patcher):
+        raise TypeError(f"patcher must be a modelpatch.Patcher, got {patcher!r}.")
+
+
+def _load_setup(
+    model_class: type[PreTrainedModel], config: PretrainedConfig, patcher: Patcher | None, fusion_config: FusionConfig | None
+):
+    """Patch layers (highest priority first) and the fusion transforms of one load."""
+    base_layers = [patcher.mapping] if patcher is not None else []
+    base_layers.append(registry.snapshot())
+    fusions = prepare_fusions(model_class, config, fusion_config, base_layers)
+    return [*base_layers[:-1], fusions.mapping, base_layers[-1]], fusions
+
+
+def _conversions(model: PreTrainedModel, patcher: Patcher | None, fusions: PreparedFusions) -> list[WeightTransform]:
+    transforms = fusions.adjust_conversions(model_conversions(model))
+    return patcher.adjust_conversions(transforms) if patcher is not None else transforms
+
+
+def from_pretrained(
+    model_class: type,
+    path: str | Path,
+    *,
+    patcher: Patcher | None = None,
+    fusion_config: FusionConfig | None = None,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+    device_map: str | Mapping[str, Any] | None = None,
+    new_parameters: Sequence[str] = (),
+    unexpected_keys: UnexpectedKeys = "warn",
+    allow_pickle: bool = False,
+) -> PreTrainedModel:
+    """Load a local checkpoint into ``model_class`` with patches, fusions and weight conversions applied.
+
+    Args:
+        model_class: An Auto class (``AutoModelForCausalLM``) or a concrete ``PreTrainedModel`` subclass.
+        path: A local checkpoint directory (``config.json`` + safetensors files). Hubs are never contacted.
+        patcher: Class replacements and conversion adjustments for this load only.
+        fusion_config: ``{fusion name: True / False / options}``; defaults to the one stored in the config.
+        dtype: Like transformers: None (torch's default), ``"auto"`` (the config's dtype) or a ``torch.dtype``.
+        device: Where parameters go (default CPU). Unconverted CPU tensors stay memory-mapped (zero-copy).
+        device_map: Spread the model over several devices with accelerate (``"auto"`` or a module -> device map).
+        new_parameters: Regex patterns of parameters that may be absent from the checkpoint; they are initialised
+            as stock transformers initialises them (a fresh task head, say). Any other absent parameter is an error.
+        unexpected_keys: What to do with checkpoint keys the model has no place for: "warn", "error" or "ignore".
+        allow_pickle: Accept ``pytorch_model.bin`` checkpoints, read with ``torch.load(weights_only=True)``.
+
+    Raises:
+        CheckpointError: ``path`` is not a local checkpoint directory, or a file in it is malformed.
+        LoadPlanError: The checkpoint does not cover the model (every offending key is named); nothing is loaded.
+    """
+    _check_patcher(patcher)
+    if device is not None and device_map is not None:
+        raise ValueError("Pass either device or device_map, not both.")
+    directory = checkpoint_directory(path)
+    config = load_config(directory)
+    concrete = resolve_model_class(model_class, config)
+    resolved_dtype = resolve_dtype(dtype, config)
+    target_device = torch.device(device) if device is not None else torch.device("cpu")
+
+    config = copy.deepcopy(config)
+    config.name_or_path = str(directory)
+    layers, fusions = _load_setup(concrete, config, patcher, fusion_config)
+
+    with Checkpoint.open(directory, allow_pickle=allow_pickle) as checkpoint:
+        metas = {key: TensorMeta(checkpoint.info(key).shape, checkpoint.info(key).dtype) for key in checkpoint.keys()}
+        model = build_empty_model(concrete, config, resolved_dtype, layers)
+        transforms = _conversions(model, patcher, fusions)
+        runtime_layout = bool(getattr(config, RUNTIME_LAYOUT_ATTRIBUTE, False))
+        plan = plan_model_load(
+            model,
+            metas,
+            [] if runtime_layout else transforms,
+            new_parameters=new_parameters,
+            unexpected_keys=unexpected_keys,
+        )
+        load_into_model(model, plan, checkpoint.tensor, target_device, checkpoint.total_bytes)
+
+    _finalize(model, plan.expected.keys() - set(plan.loaded_keys()), target_device)
+    fusions.record(model)
+    generation_file = directory / "generation_config.json"
+    if model.can_generate() and generation_file.is_file():
+        model.generation_config = GenerationConfig.from_pretrained(str(directory), local_files_only=True)
+
+    report = LoadReport(
+        source=directory,
+        checkpoint_keys=tuple(metas),
+        direct={k: v for k, v in plan.conversion.direct.items() if k in plan.expected},
+        groups=tuple(plan.conversion.groups),
+        transforms=tuple(transforms if runtime_layout else plan.transforms),
+        new_parameters=tuple(plan.new_parameters),
+        dropped=tuple(plan.dropped),
+        unexpected=tuple(plan.unexpected),
+        tied=dict(plan.tied),
+        runtime_layout=runtime_layout,
+    )
+    setattr(model, REPORT_ATTRIBUTE, report)
+    logger.info("%s", report.summary())
+    if device_map is not None:
+        from .dispatch import dispatch
+
+        model = dispatch(model, device_map)
+    return model
+
+
+def _finalize(model: PreTrainedModel, missing: set[str], device: torch.device) -> None:
+    """Non-persistent buffers, requested new parameters and tied weights, the way stock transformers does them.
+
+    ``missing`` holds every parameter the checkpoint did not fill: new parameters and tied ones.
+    """
+    for key in getattr(model, "all_tied_weights_keys", {}) or {}:
+        model.get_parameter(key)._is_hf_initialized = True
+    model._move_missing_keys_from_meta_to_device(missing, {"": device}, None, None)
+    model._initialize_missing_keys(is_quantized=False)
+    model.tie_weights(missing_keys=missing, recompute_mapping=False)
+    model.eval()
+
+
+def from_config(
+    model_class: type,
+    config: PretrainedConfig,
+    *,
+    patcher: Patcher | None = None,
+    fusion_config: FusionConfig | None = None,
+    dtype: torch.dtype | str | None = None,
+) -> PreTrainedModel:
+    """Build a freshly initialised model from ``config`` with patches and fusions applied (no weights read).
+
+    Args mirror :func:`from_pretrained`; ``model_class`` may be an Auto class.
+    """
+    _check_patcher(patcher)
+    if not isinstance(config, PretrainedConfig):
+        raise TypeError(f"config must be a transformers PretrainedConfig, got {config!r}.")
+    concrete = resolve_model_class(model_class, config)
+    config = copy.deepcopy(config)
+    layers, fusions = _load_setup(concrete, config, patcher, fusion_config)
+    model = build_initialized_model(concrete, config, None if dtype is None else resolve_dtype(dtype, config), layers)
+    fusions.record(model)
+    return model

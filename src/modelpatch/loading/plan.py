@@ -1,0 +1,161 @@
+"""The load plan: checkpoint keys -> model parameters, validated against the model before any tensor is read."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from transformers import PreTrainedModel
+
+from ..conversion.planner import ConversionPlan, TensorMeta, plan_load
+from ..conversion.transforms import WeightRenaming, WeightTransform
+from ..errors import LoadPlanError
+
+logger = logging.getLogger(__name__)
+
+UnexpectedKeys = Literal["warn", "error", "ignore"]
+
+
+@dataclass
+class LoadPlan:
+    """What a load will do, computed from safetensors headers and the meta-device model."""
+
+    conversion: ConversionPlan
+    transforms: list[WeightTransform]
+    expected: dict[str, TensorMeta]
+    tied: dict[str, str]
+    new_parameters: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+
+    def loaded_keys(self) -> list[str]:
+        """Runtime keys that receive checkpoint data."""
+        return [k for k in self.conversion.outputs if k in self.expected]
+
+
+def model_expectations(model: PreTrainedModel) -> dict[str, TensorMeta]:
+    """Every parameter and persistent buffer of ``model`` (meta tensors are fine)."""
+    return {k: TensorMeta(tuple(v.shape), v.dtype) for k, v in model.state_dict(keep_vars=True).items()}
+
+
+def _kind(dtype: torch.dtype) -> str:
+    if dtype.is_floating_point:
+        return "floating"
+    if dtype.is_complex:
+        return "complex"
+    return "bool" if dtype == torch.bool else "integer"
+
+
+def _compile_any(patterns: Iterable[str]) -> re.Pattern[str] | None:
+    patterns = [p for p in patterns if p]
+    return re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns else None
+
+
+def _prefix_variants(model: PreTrainedModel, checkpoint_keys: Iterable[str]) -> list[list[WeightTransform]]:
+    """Extra renamings to try so a task model loads from a base-model checkpoint and the other way round."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    variants: list[list[WeightTransform]] = [[]]
+    if not prefix:
+        return variants
+    escaped = re.escape(prefix)
+    model_has_prefix = any(k.startswith(prefix + ".") for k in model.state_dict(keep_vars=True))
+    checkpoint_has_prefix = any(k.startswith(prefix + ".") for k in checkpoint_keys)
+    if model_has_prefix and not checkpoint_has_prefix:
+        variants.append([WeightRenaming(rf"^(?!{escaped}\.)", f"{prefix}.")])
+    if checkpoint_has_prefix and not model_has_prefix:
+        variants.append([WeightRenaming(rf"^{escaped}\.", "")])
+    return variants
+
+
+def plan_model_load(
+    model: PreTrainedModel,
+    checkpoint: Mapping[str, TensorMeta],
+    transforms: Sequence[WeightTransform],
+    *,
+    new_parameters: Sequence[str] = (),
+    unexpected_keys: UnexpectedKeys = "warn",
+) -> LoadPlan:
+    """Plan and validate a load. Raises :class:`LoadPlanError` naming every offending key, grouped by problem."""
+    expected = model_expectations(model)
+    tied = dict(getattr(model, "all_tied_weights_keys", {}) or {})
+
+    best: tuple[int, ConversionPlan, list[WeightTransform]] | None = None
+    for extra in _prefix_variants(model, checkpoint):
+        candidate = [*transforms, *extra]
+        conversion = plan_load(checkpoint, candidate)
+        score = len(conversion.outputs.keys() & expected.keys())
+        if best is None or score > best[0]:
+            best = (score, conversion, candidate)
+    assert best is not None
+    _, conversion, used = best
+
+    problems: dict[str, list[str]] = defaultdict(list)
+    for kind, items in conversion.problems.items():
+        problems[kind].extend(items)
+
+    sources = _sources_by_output(conversion)
+    for key, meta in conversion.outputs.items():
+        if key not in expected:
+            continue
+        want = expected[key]
+        if tuple(meta.shape) != tuple(want.shape):
+            problems["shape mismatches"].append(
+                f"{key}: checkpoint {sources[key]} gives {list(meta.shape)}, model expects {list(want.shape)}"
+            )
+        elif _kind(meta.dtype) != _kind(want.dtype):
+            problems["dtype mismatches"].append(
+                f"{key}: checkpoint {sources[key]} is {meta.dtype}, model expects {want.dtype}"
+            )
+
+    allowed_new = _compile_any([*new_parameters, *(getattr(model, "_keys_to_ignore_on_load_missing", None) or [])])
+    plan = LoadPlan(conversion=conversion, transforms=used, expected=expected, tied=tied)
+    # A tied pair needs one of its two keys; transformers ties the missing one to the present one.
+    provided = conversion.outputs.keys() & expected.keys()
+    not_needed = {t for t, s in tied.items() if s in provided or t not in provided} | {
+        s for t, s in tied.items() if t in provided
+    }
+    for key in sorted(expected.keys() - provided - not_needed):
+        if allowed_new is not None and allowed_new.search(key):
+            plan.new_parameters.append(key)
+        else:
+            problems["missing from the checkpoint"].append(key)
+
+    quiet = _compile_any(
+        [
+            *(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []),
+            *(re.escape(name) + "$" for name, _ in model.named_buffers() if name not in expected),
+            r"rotary_emb\.inv_freq$",
+        ]
+    )
+    for key in sorted(conversion.outputs.keys() - expected.keys()):
+        (plan.dropped if quiet is not None and quiet.search(key) else plan.unexpected).append(key)
+    if plan.unexpected and unexpected_keys == "error":
+        problems["unexpected in the checkpoint"].extend(plan.unexpected)
+
+    if any(problems.values()):
+        lines = [f"The checkpoint does not match {type(model).__name__}; nothing was loaded."]
+        for kind, items in problems.items():
+            if items:
+                lines.append(f"{kind} ({len(items)}):")
+                lines.extend(f"  - {item}" for item in items)
+        if problems.get("missing from the checkpoint"):
+            lines.append("Pass new_parameters=[...] (regex patterns) for parameters you want freshly initialised.")
+        raise LoadPlanError("\n".join(lines), {k: list(v) for k, v in problems.items() if v})
+    if plan.unexpected and unexpected_keys == "warn":
+        logger.warning(
+            "%d checkpoint keys are not used by %s: %s", len(plan.unexpected), type(model).__name__, ", ".join(plan.unexpected)
+        )
+    return plan
+
+
+def _sources_by_output(conversion: ConversionPlan) -> dict[str, str]:
+    sources = {out: repr(src) for out, src in conversion.direct.items()}
+    for group in conversion.groups:
+        described = f"{group.source_keys()[:3]}{'...' if len(group.source_keys()) > 3 else ''} via {group.converter!r}"
+        sources.update(dict.fromkeys(group.target_keys(), described))
+    return sources

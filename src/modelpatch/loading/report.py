@@ -1,0 +1,66 @@
+"""What a load did, kept on the model for inspection and for saving back to the checkpoint's layout."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torch import nn
+
+from ..conversion.planner import ConversionGroup
+from ..conversion.transforms import WeightTransform
+
+REPORT_ATTRIBUTE = "modelpatch_report"
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """The outcome of :func:`modelpatch.from_pretrained`.
+
+    Attributes:
+        source: The checkpoint directory.
+        checkpoint_keys: Every key of the source checkpoint.
+        direct: Runtime key -> the checkpoint key it was read from unchanged (possibly renamed).
+        groups: Converted groups, with operations bound to the checkpoint's shapes (their reverse is exact).
+        transforms: The transforms the load used (model type mapping, Patcher adjustments, fusions).
+        new_parameters: Parameters initialised freshly because the caller asked for them.
+        dropped: Checkpoint keys dropped quietly (non-persistent buffers such as ``position_ids``).
+        unexpected: Checkpoint keys the model has no place for.
+        tied: Tied parameter -> the parameter it shares storage with.
+        runtime_layout: The checkpoint was saved in the runtime layout; ``transforms`` were not applied at load and
+            are what turns it back into the original layout.
+    """
+
+    source: Path
+    checkpoint_keys: tuple[str, ...]
+    direct: Mapping[str, str]
+    groups: tuple[ConversionGroup, ...]
+    transforms: tuple[WeightTransform, ...]
+    new_parameters: tuple[str, ...] = ()
+    dropped: tuple[str, ...] = ()
+    unexpected: tuple[str, ...] = ()
+    tied: Mapping[str, str] = field(default_factory=dict)
+    runtime_layout: bool = False
+
+    @property
+    def converted(self) -> dict[str, list[str]]:
+        """Runtime key -> the checkpoint keys it was built from, for every converted parameter."""
+        return {target: group.source_keys() for group in self.groups for target in group.target_keys()}
+
+    def summary(self) -> str:
+        """A few human-readable lines."""
+        renamed = sum(1 for runtime, source in self.direct.items() if runtime != source)
+        return "\n".join(
+            [
+                f"loaded from {self.source}: {len(self.checkpoint_keys)} checkpoint tensors",
+                f"  unchanged: {len(self.direct) - renamed}, renamed: {renamed}, converted groups: {len(self.groups)}",
+                f"  tied: {len(self.tied)}, new parameters: {len(self.new_parameters)}, "
+                f"dropped: {len(self.dropped)}, unexpected: {len(self.unexpected)}",
+            ]
+        )
+
+
+def get_load_report(model: nn.Module) -> LoadReport | None:
+    """The :class:`LoadReport` of a model loaded by modelpatch, or None."""
+    return getattr(model, REPORT_ATTRIBUTE, None)

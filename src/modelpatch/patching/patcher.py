@@ -1,0 +1,116 @@
+"""``Patcher``: a scoped bundle of class replacements and weight-conversion adjustments (seed 002)."""
+
+from __future__ import annotations
+
+import contextvars
+import re
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from ..errors import PatchRegistryError
+from . import registry
+from .mapping import PatchMapping, as_patch_mapping
+from .scope import patch_scope
+
+if TYPE_CHECKING:
+    from ..conversion.transforms import WeightTransform
+
+
+def _as_list(value: object) -> list:
+    if value is None:
+        return []
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        return [value]
+    return list(value)
+
+
+class Patcher:
+    """Class replacements plus weight-conversion adjustments, active only where it is entered.
+
+    Use it as ``with patcher:`` around manual construction, or pass it to :func:`modelpatch.from_pretrained` /
+    :func:`modelpatch.from_config`. Its mapping wins over the global registry, which it never modifies; the scope
+    is local to the entering thread or asyncio task.
+
+    Args:
+        class_mapping: ``{original class name or regex pattern: replacement nn.Module subclass}``, validated like
+            :func:`modelpatch.register_patch_mapping`.
+        filtered_weight_conversion_patterns: Regex (or list of them); any conversion of the model type whose source
+            or target pattern matches one is dropped from the load (e.g. ``".gate_up_proj"`` when experts are
+            restructured).
+        extra_weight_conversions: ``WeightConverter`` / ``WeightRenaming`` (or a list), tried before the model
+            type's own conversions.
+    """
+
+    def __init__(
+        self,
+        class_mapping: Mapping[str, type[nn.Module]] | None = None,
+        filtered_weight_conversion_patterns: str | Iterable[str] | None = None,
+        extra_weight_conversions: WeightTransform | Iterable[WeightTransform] | None = None,
+    ):
+        from ..conversion.transforms import WeightTransform
+
+        self._mapping: PatchMapping = as_patch_mapping(class_mapping)
+        patterns = _as_list(filtered_weight_conversion_patterns)
+        compiled = []
+        for pattern in patterns:
+            if not isinstance(pattern, str):
+                raise TypeError(f"filtered_weight_conversion_patterns must be strings, got {pattern!r}.")
+            try:
+                compiled.append(re.compile(pattern))
+            except re.error as exc:
+                raise PatchRegistryError(f"Invalid filtered_weight_conversion_patterns entry {pattern!r}: {exc}.") from None
+        self._filters: tuple[re.Pattern[str], ...] = tuple(compiled)
+        extra = _as_list(extra_weight_conversions)
+        for transform in extra:
+            if not isinstance(transform, WeightTransform):
+                raise TypeError(
+                    f"extra_weight_conversions must be WeightConverter/WeightRenaming instances, got {transform!r}."
+                )
+        self._extra: tuple[WeightTransform, ...] = tuple(extra)
+        self._entered: contextvars.ContextVar[tuple] = contextvars.ContextVar(f"patcher_{id(self)}", default=())
+
+    @property
+    def class_mapping(self) -> dict[str, type[nn.Module]]:
+        """A copy of the class mapping."""
+        return dict(self._mapping.entries)
+
+    @property
+    def filtered_weight_conversion_patterns(self) -> list[str]:
+        return [p.pattern for p in self._filters]
+
+    @property
+    def extra_weight_conversions(self) -> list[WeightTransform]:
+        return list(self._extra)
+
+    @property
+    def mapping(self) -> PatchMapping:
+        return self._mapping
+
+    def filters_out(self, transform: WeightTransform) -> bool:
+        """Whether a conversion of the model type is dropped by ``filtered_weight_conversion_patterns``."""
+        names = [*transform.source_patterns, *transform.target_patterns]
+        return any(f.search(name) for f in self._filters for name in names)
+
+    def adjust_conversions(self, conversions: Iterable[WeightTransform]) -> list[WeightTransform]:
+        """``extra_weight_conversions`` first, then ``conversions`` minus the filtered ones."""
+        return [*self._extra, *(t for t in conversions if not self.filters_out(t))]
+
+    def __enter__(self) -> Patcher:
+        context = patch_scope(self._mapping, registry.snapshot())
+        context.__enter__()
+        self._entered.set((*self._entered.get(), context))
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        *rest, context = self._entered.get()
+        self._entered.set(tuple(rest))
+        context.__exit__(exc_type, exc, tb)
+
+    def __repr__(self) -> str:
+        return (
+            f"Patcher(class_mapping={self.class_mapping!r}, "
+            f"filtered_weight_conversion_patterns={self.filtered_weight_conversion_patterns!r}, "
+            f"extra_weight_conversions={self.extra_weight_conversions!r})"
+        )

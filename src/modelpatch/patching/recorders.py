@@ -1,0 +1,59 @@
+"""Keep transformers' output recorders working when a recorded class is replaced.
+
+transformers collects ``output_attentions`` / ``output_hidden_states`` with forward hooks attached to modules that are
+instances of the classes named in a model's ``_can_record_outputs``. A replacement that does not subclass the
+original would be skipped. We extend those specs *additively*: the original class stays and the replacement is added
+beside it, so a patched model records from its replacement modules and an unpatched model (which has no replacement
+instances) records exactly as before. The dicts are updated in place, never resized, so a forward pass installing its
+hooks concurrently iterates a consistent dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+
+from torch import nn
+
+_lock = threading.Lock()
+_done: set[tuple[type, type]] = set()
+
+
+def _with_replacement(spec: object, original: type, replacement: type) -> object:
+    """``spec`` extended so that it also targets ``replacement`` wherever it targets ``original``."""
+    from transformers.utils.output_capturing import OutputRecorder
+
+    specs = spec if isinstance(spec, list) else [spec]
+    added = []
+    for item in specs:
+        if item is original:
+            added.append(replacement)
+        elif isinstance(item, OutputRecorder) and item.target_class is original:
+            added.append(dataclasses.replace(item, target_class=replacement))
+    if not added or any(a in specs for a in added):
+        return spec
+    return [*specs, *added]
+
+
+def register_replacement_for_recorders(original: type[nn.Module], replacement: type[nn.Module]) -> None:
+    """Make every ``_can_record_outputs`` of ``original``'s modeling module also target ``replacement``."""
+    if issubclass(replacement, original) or (original, replacement) in _done:
+        return
+    from transformers import PreTrainedModel
+
+    with _lock:
+        if (original, replacement) in _done:
+            return
+        module = sys.modules.get(original.__module__)
+        seen: set[int] = set()
+        for value in list(vars(module).values()) if module is not None else ():
+            if not (isinstance(value, type) and issubclass(value, PreTrainedModel)):
+                continue
+            specs = getattr(value, "_can_record_outputs", None)
+            if not isinstance(specs, dict) or id(specs) in seen:
+                continue
+            seen.add(id(specs))
+            for key, spec in list(specs.items()):
+                specs[key] = _with_replacement(spec, original, replacement)
+        _done.add((original, replacement))
