@@ -93,6 +93,8 @@ class Concatenate(ConversionOperation):
             if len(shape) != rank or any(a != b for i, (a, b) in enumerate(zip(shape, shapes[0])) if i != dim):
                 raise ConversionError(f"{self!r}: cannot concatenate shapes {shapes} along dim {self.dim}.")
         sizes = tuple(s[dim] for s in shapes)
+        if self.sizes is not None and self.sizes != sizes:
+            raise ConversionError(f"{self!r}: the parts have sizes {sizes} along dim {self.dim}, not {self.sizes}.")
         out = list(shapes[0])
         out[dim] = sum(sizes)
         return replace(self, sizes=sizes), [tuple(out)]

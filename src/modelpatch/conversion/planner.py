@@ -32,6 +32,8 @@ from .transforms import (
 
 KeySlot = str | tuple[str, ...]
 
+_ANY_INDEX = "\x01"
+
 
 @dataclass(frozen=True)
 class TensorMeta:
@@ -118,7 +120,7 @@ def _flatten(slots: Sequence[KeySlot]) -> list[str]:
     return [k for s in slots for k in (s if isinstance(s, tuple) else (s,))]
 
 
-def _source_template(pattern: str, index: int | None) -> str:
+def _source_template(pattern: str, index: int | str | None) -> str:
     """The literal checkpoint key fragment a source pattern stands for, for saving."""
     text = literal_form(_INDEX_SEGMENT.sub(str(index), pattern) if index is not None else pattern)
     if text is None:
@@ -145,7 +147,9 @@ def _group_and_bind(
                 continue
             position, match = found
             index = int(match.group("index")) if "index" in match.re.groupindex else None
-            group_id = key[: match.start()] + "\x00" + key[match.end() :]
+            outputs = converter.source_patterns if reverse else converter.target_patterns
+            # Keys of one group render to the same first output key (whatever the index of an indexed slot).
+            group_id = _render(outputs[0], match, _ANY_INDEX, reverse)
             slot = buckets[(number, group_id)][position]
             if index in slot:
                 plan.problems["duplicate keys"].append(f"{key!r} and {slot[index][0]!r} fill the same slot of {converter!r}")
@@ -210,7 +214,7 @@ def _group_and_bind(
     return consumed
 
 
-def _render(template: str, match: re.Match[str], index: int | None, reverse: bool) -> str:
+def _render(template: str, match: re.Match[str], index: int | str | None, reverse: bool) -> str:
     if reverse:
         key = match.string
         return key[: match.start()] + _source_template(template, index) + key[match.end() :]

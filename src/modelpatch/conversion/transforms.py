@@ -41,7 +41,7 @@ def has_index(pattern: str) -> bool:
     return bool(_INDEX_SEGMENT.search(pattern))
 
 
-def render_target(template: str, match: re.Match[str], index: int | None = None) -> str:
+def render_target(template: str, match: re.Match[str], index: int | str | None = None) -> str:
     """Replace ``match``'s span in its key by ``template`` (``\\1`` back-references and a ``*`` index filled in)."""
     if index is not None:
         template = _INDEX_SEGMENT.sub(str(index), template)

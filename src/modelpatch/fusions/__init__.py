@@ -4,7 +4,21 @@ Each family lives in its own sub-package with the same shape (``modules.py``: th
 :class:`ModuleFusionSpec`), and registers itself here.
 """
 
+from .gate_up import GateUpFusionSpec
+from .linear_experts import LinearExpertsFusionSpec
+from .patch_embeddings import PatchEmbeddingsFusionSpec
+from .qkv import QKVFusionSpec
 from .registry import available_fusions, get_fusion, register_fusion, unregister_fusion
 from .spec import ModuleFusionSpec
 
-__all__ = ["ModuleFusionSpec", "available_fusions", "get_fusion", "register_fusion", "unregister_fusion"]
+register_fusion("patch_embeddings", PatchEmbeddingsFusionSpec())
+register_fusion("qkv", QKVFusionSpec())
+register_fusion("gate_up", GateUpFusionSpec())
+register_fusion("linear_experts", LinearExpertsFusionSpec())
+
+__all__ = [
+    "GateUpFusionSpec",
+    "LinearExpertsFusionSpec",
+    "ModuleFusionSpec",
+    "PatchEmbeddingsFusionSpec",
+    "QKVFusionSpec", "available_fusions", "get_fusion", "register_fusion", "unregister_fusion"]

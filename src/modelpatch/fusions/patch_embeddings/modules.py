@@ -1,0 +1,54 @@
+"""``Conv3dAsLinear``: a Conv3d whose kernel equals its stride, run as a Linear over flattened patches."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+def is_patch_conv(conv: nn.Module) -> bool:
+    """A Conv3d that tiles its input into non-overlapping patches: kernel == stride, no padding, dilation or groups."""
+    return (
+        type(conv) is nn.Conv3d
+        and tuple(conv.kernel_size) == tuple(conv.stride)
+        and tuple(conv.padding) == (0, 0, 0)
+        and tuple(conv.dilation) == (1, 1, 1)
+        and conv.groups == 1
+        and conv.padding_mode == "zeros"
+    )
+
+
+class Conv3dAsLinear(nn.Linear):
+    """``nn.Linear(C*T*H*W -> out)`` standing in for a patch Conv3d; weight is the kernel flattened in (C, T, H, W).
+
+    Called with one patch per row (``[N, C, T, H, W]``, as patch embeddings do) it is a single matmul and returns
+    ``[N, out, 1, 1, 1]`` like the convolution. Any other input falls back to the convolution with the same weights.
+    """
+
+    def __init__(self, conv: nn.Conv3d):
+        super().__init__(
+            conv.in_channels * math.prod(conv.kernel_size),
+            conv.out_channels,
+            bias=conv.bias is not None,
+            device=conv.weight.device,
+            dtype=conv.weight.dtype,
+        )
+        self.in_channels = conv.in_channels
+        self.kernel_size = tuple(conv.kernel_size)
+        if conv.weight.device.type != "meta":
+            with torch.no_grad():
+                self.weight.copy_(conv.weight.reshape(conv.out_channels, -1))
+                if self.bias is not None:
+                    self.bias.copy_(conv.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 5 and tuple(x.shape[1:]) == (self.in_channels, *self.kernel_size):
+            return F.linear(x.reshape(x.shape[0], -1), self.weight, self.bias).view(x.shape[0], -1, 1, 1, 1)
+        kernel = self.weight.view(self.out_features, self.in_channels, *self.kernel_size)
+        return F.conv3d(x, kernel, self.bias, stride=self.kernel_size)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, conv3d_kernel={self.kernel_size}"

@@ -1,0 +1,46 @@
+"""``patch_embeddings``: vision patch embeddings (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V, ...) whose Conv3d has
+kernel == stride run as one Linear; checkpoint kernels are flattened on load and restored on save."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from torch import nn
+from transformers import PretrainedConfig
+
+from ...conversion.operations import Conv3dToLinear
+from ...conversion.transforms import WeightConverter, WeightTransform
+from ..generated import make_class
+from ..spec import ModuleFusionSpec
+from .modules import Conv3dAsLinear, is_patch_conv
+
+
+def _patch_convs(module: nn.Module) -> list[str]:
+    return [name for name, child in module.named_children() if is_patch_conv(child)]
+
+
+class PatchEmbeddingsFusionSpec(ModuleFusionSpec):
+    def is_fusable(self, module: nn.Module) -> bool:
+        return bool(_patch_convs(module))
+
+    def make_fused_class(self, original_cls: type[nn.Module]) -> type[nn.Module]:
+        def __init__(self, *args, **kwargs):
+            original_cls.__init__(self, *args, **kwargs)
+            for name in _patch_convs(self):
+                setattr(self, name, Conv3dAsLinear(getattr(self, name)))
+
+        return make_class("PatchLinear", original_cls, {"__init__": __init__})
+
+    def make_transforms(
+        self, config: PretrainedConfig, modules: Mapping[str, nn.Module] | None = None
+    ) -> list[WeightTransform]:
+        """``<patch embed>.<conv>.weight``: Conv3d kernel -> Linear weight (the bias keeps its layout)."""
+        paths = sorted(
+            {(name.rpartition(".")[2], conv) for name, module in (modules or {}).items() for conv in _patch_convs(module)}
+        )
+        transforms: list[WeightTransform] = []
+        for anchor, conv in paths:
+            local = f"{anchor}.{conv}.weight" if anchor else f"{conv}.weight"
+            transforms.append(WeightConverter(rf"(?<![^.]){re.escape(local)}$", local, [Conv3dToLinear()]))
+        return transforms
