@@ -5,7 +5,9 @@ The public API, layered bottom-up:
 * weight conversion (``modelpatch.conversion``): operations, ``WeightConverter`` / ``WeightRenaming``, and the
   per-model-type registry;
 * class patching (``modelpatch.patching``): the patch registry, ``apply_patches`` and ``Patcher``;
-* loading and saving (``modelpatch.loading``): ``from_pretrained``, ``from_config``, ``save_pretrained``.
+* fusions (``modelpatch.fusions``): ``fusion_config`` families and ``ModuleFusionSpec``;
+* loading and saving (``modelpatch.loading``): ``from_pretrained``, ``from_config``, ``save_pretrained``;
+* verification (``modelpatch.verify``): stock-vs-patched equivalence reports.
 """
 
 from .conversion import (
@@ -33,6 +35,7 @@ from .errors import (
 )
 from .fusions import ModuleFusionSpec, available_fusions, register_fusion, unregister_fusion
 from .loading import LoadReport, from_config, from_pretrained, get_load_report, save_pretrained
+from .verify import VerificationReport, verify
 from .patching import (
     Patcher,
     apply_patches,
@@ -85,4 +88,6 @@ __all__ = [
     "unregister_fusion",
     "unregister_patch_mapping",
     "unregister_patchable_namespace",
+    "VerificationReport",
+    "verify",
 ]

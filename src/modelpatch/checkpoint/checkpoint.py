@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
@@ -21,6 +23,56 @@ PICKLE_INDEX = "pytorch_model.bin.index.json"
 PICKLE_SINGLE = "pytorch_model.bin"
 
 _Source = SafetensorsFile | dict[str, torch.Tensor]
+
+_OPEN_ATTEMPTS = 3
+
+
+class _Directory:
+    """Reads the files of one checkpoint directory through one open descriptor of it.
+
+    Every file then comes from the same directory, even if a save replaces the directory at this path while the
+    checkpoint is being opened: a checkpoint never mixes files of two versions.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd: int | None = None
+        if os.open in os.supports_dir_fd and os.stat in os.supports_dir_fd:
+            self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        elif not path.is_dir():
+            raise NotADirectoryError(path)
+
+    def is_file(self, name: str) -> bool:
+        try:
+            if self.fd is None:
+                return (self.path / name).is_file()
+            return stat.S_ISREG(os.stat(name, dir_fd=self.fd).st_mode)
+        except (OSError, ValueError):
+            return False
+
+    def open(self, name: str) -> int:
+        """A read-only descriptor of ``name`` (never blocks on a FIFO)."""
+        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
+        return os.open(self.path / name, flags) if self.fd is None else os.open(name, flags, dir_fd=self.fd)
+
+    def read_bytes(self, name: str) -> bytes:
+        with os.fdopen(self.open(name), "rb") as f:
+            return f.read()
+
+    def replaced(self) -> bool:
+        """Whether ``path`` now names another directory than the one opened."""
+        if self.fd is None:
+            return False
+        try:
+            opened, current = os.fstat(self.fd), os.stat(self.path)
+        except OSError:
+            return False
+        return (opened.st_dev, opened.st_ino) != (current.st_dev, current.st_ino)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 class Checkpoint:
@@ -47,50 +99,69 @@ class Checkpoint:
     def open(cls, directory: str | Path, *, allow_pickle: bool = False) -> Checkpoint:
         """Open the checkpoint in local ``directory``; pickle checkpoints need ``allow_pickle=True``."""
         directory = Path(directory)
-        if not directory.is_dir():
-            raise CheckpointError(
-                f"{directory}: not a local directory (checkpoints are only read from local directories, never a hub)"
-            )
-        if (directory / SAFE_INDEX).is_file():
-            return cls._open_index(directory, directory / SAFE_INDEX, _load_safetensors)
-        if (directory / SAFE_SINGLE).is_file():
-            path = directory / SAFE_SINGLE
-            source = _load_safetensors(path)
-            return cls(directory, dict(source.tensors), {path: source}, is_sharded=False)
+        for attempt in range(_OPEN_ATTEMPTS):
+            try:
+                handle = _Directory(directory)
+            except OSError:
+                raise CheckpointError(
+                    f"{directory}: not a local directory (checkpoints are only read from local directories, "
+                    "never a hub)"
+                ) from None
+            try:
+                return cls._open(directory, handle, allow_pickle)
+            except CheckpointError:
+                # A save swapped a new checkpoint in and deleted the one being opened: open the new one.
+                if attempt + 1 < _OPEN_ATTEMPTS and handle.replaced():
+                    logger.info("%s was replaced while it was being opened; opening it again", directory)
+                    continue
+                raise
+            finally:
+                handle.close()
+        raise AssertionError("unreachable")
 
-        pickle_path = next(
-            (directory / name for name in (PICKLE_INDEX, PICKLE_SINGLE) if (directory / name).is_file()),
-            None,
-        )
-        if pickle_path is None:
+    @classmethod
+    def _open(cls, directory: Path, handle: _Directory, allow_pickle: bool) -> Checkpoint:
+        if handle.is_file(SAFE_INDEX):
+            return cls._open_index(directory, handle, SAFE_INDEX, _load_safetensors)
+        if handle.is_file(SAFE_SINGLE):
+            source = _load_safetensors(handle, SAFE_SINGLE)
+            return cls(directory, dict(source.tensors), {source.path: source}, is_sharded=False)
+
+        pickle_name = next((name for name in (PICKLE_INDEX, PICKLE_SINGLE) if handle.is_file(name)), None)
+        if pickle_name is None:
             raise CheckpointError(
                 f"{directory}: no checkpoint found (looked for {SAFE_INDEX}, {SAFE_SINGLE}, "
                 f"{PICKLE_INDEX}, {PICKLE_SINGLE})"
             )
+        pickle_path = directory / pickle_name
         if not allow_pickle:
             raise CheckpointError(
                 f"{pickle_path}: pickle checkpoints are refused unless allow_pickle=True "
                 "(they are then loaded with torch.load(weights_only=True); prefer safetensors)"
             )
-        if pickle_path.name == PICKLE_INDEX:
-            return cls._open_index(directory, pickle_path, _load_pickle)
-        state = _load_pickle(pickle_path)
+        if pickle_name == PICKLE_INDEX:
+            return cls._open_index(directory, handle, PICKLE_INDEX, _load_pickle)
+        state = _load_pickle(handle, PICKLE_SINGLE)
         return cls(directory, _pickle_infos(pickle_path, state), {pickle_path: state}, is_sharded=False)
 
     @classmethod
     def _open_index(
         cls,
         directory: Path,
-        index_path: Path,
-        load: Callable[[Path], _Source],
+        handle: _Directory,
+        index_name: str,
+        load: Callable[[_Directory, str], _Source],
     ) -> Checkpoint:
-        weight_map = _read_weight_map(index_path)
-        shard_paths = {name: _confined_shard(directory, index_path, name) for name in sorted(set(weight_map.values()))}
+        index_path = directory / index_name
+        weight_map = _read_weight_map(handle, index_name)
+        shard_paths = {
+            name: _confined_shard(directory, handle, index_path, name) for name in sorted(set(weight_map.values()))
+        }
 
         infos: dict[str, TensorInfo] = {}
         sources: dict[Path, _Source] = {}
         for name, path in shard_paths.items():
-            source = load(path)
+            source = load(handle, name)
             sources[path] = source
             shard_infos = source.tensors if isinstance(source, SafetensorsFile) else _pickle_infos(path, source)
             for key, info in shard_infos.items():
@@ -178,11 +249,17 @@ class Checkpoint:
         return f"Checkpoint({str(self.directory)!r}, {len(self._infos)} tensors, sharded={self.is_sharded})"
 
 
-def _load_safetensors(path: Path) -> SafetensorsFile:
-    return SafetensorsFile.open(path)
+def _load_safetensors(handle: _Directory, name: str) -> SafetensorsFile:
+    path = handle.path / name
+    try:
+        fd = handle.open(name)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read safetensors file: {exc}") from exc
+    return SafetensorsFile.from_fd(path, fd)
 
 
-def _load_pickle(path: Path) -> dict[str, torch.Tensor]:
+def _load_pickle(handle: _Directory, name: str) -> dict[str, torch.Tensor]:
+    path = handle.path / name
     try:
         # weights_only=True restricts unpickling to tensors and plain containers: no arbitrary code runs.
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -202,9 +279,10 @@ def _pickle_infos(path: Path, state: dict[str, torch.Tensor]) -> dict[str, Tenso
     return {key: TensorInfo(key, t.dtype, tuple(t.shape), path, -1, -1) for key, t in state.items()}
 
 
-def _read_weight_map(index_path: Path) -> dict[str, str]:
+def _read_weight_map(handle: _Directory, index_name: str) -> dict[str, str]:
+    index_path = handle.path / index_name
     try:
-        index = json.loads(index_path.read_text(encoding="utf-8"))
+        index = json.loads(handle.read_bytes(index_name).decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise CheckpointError(f"{index_path}: cannot read index JSON: {exc}") from exc
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
@@ -215,7 +293,7 @@ def _read_weight_map(index_path: Path) -> dict[str, str]:
     return weight_map
 
 
-def _confined_shard(directory: Path, index_path: Path, name: str) -> Path:
+def _confined_shard(directory: Path, handle: _Directory, index_path: Path, name: str) -> Path:
     """Resolve shard ``name`` and make sure it stays inside ``directory`` (no absolute, ``..`` or symlink escape)."""
     relative = Path(name)
     if not name or relative.is_absolute() or ".." in relative.parts:
@@ -223,6 +301,6 @@ def _confined_shard(directory: Path, index_path: Path, name: str) -> Path:
     path = directory / relative
     if not path.resolve().is_relative_to(directory.resolve()):
         raise CheckpointError(f"{index_path}: shard {name!r} resolves outside {directory} (symlink escape)")
-    if not path.is_file():
+    if not handle.is_file(name):
         raise CheckpointError(f"{index_path}: shard {name!r} does not exist in {directory}")
     return path

@@ -7,7 +7,9 @@ import logging
 import math
 import mmap
 import os
+import stat
 import struct
+import weakref
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -102,41 +104,66 @@ class SafetensorsFile:
     Tensors are views of a private (copy-on-write) memory map: writing to them never modifies the file.
     """
 
-    def __init__(self, path: Path, metadata: dict[str, str], tensors: dict[str, TensorInfo]) -> None:
+    def __init__(
+        self, path: Path, metadata: dict[str, str], tensors: dict[str, TensorInfo], fd: int | None = None
+    ) -> None:
         self.path = path
         self.metadata = metadata
         self.tensors = tensors
         self._mmap: mmap.mmap | None = None
         self._closed = False
+        # The descriptor the header was read from: the data is mapped from that same file later, even if ``path``
+        # has been replaced meanwhile (a save swapping in a new checkpoint).
+        self._fd = fd
+        self._release_fd = weakref.finalize(self, os.close, fd) if fd is not None else None
 
     @classmethod
     def open(cls, path: str | Path) -> SafetensorsFile:
         """Read and validate the header of ``path``; no tensor data is read."""
         path = Path(path)
         try:
-            with path.open("rb") as f:
-                file_size = os.fstat(f.fileno()).st_size
-                prefix = f.read(8)
-                if len(prefix) < 8:
-                    raise CheckpointError(
-                        f"{path}: file is {file_size} bytes, too short for a safetensors header (needs at least 8)"
-                    )
-                (header_len,) = struct.unpack("<Q", prefix)
-                if header_len > MAX_HEADER_BYTES:
-                    raise CheckpointError(
-                        f"{path}: header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit"
-                    )
-                if 8 + header_len > file_size:
-                    raise CheckpointError(
-                        f"{path}: header length {header_len} runs past the end of the {file_size}-byte file"
-                    )
-                raw_header = f.read(header_len)
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         except OSError as exc:
             raise CheckpointError(f"{path}: cannot read safetensors file: {exc}") from exc
-        data_start = 8 + header_len
-        metadata, tensors = _parse_header(path, raw_header, data_start, file_size - data_start)
+        return cls.from_fd(path, fd)
+
+    @classmethod
+    def from_fd(cls, path: Path, fd: int) -> SafetensorsFile:
+        """Like :meth:`open`, reading the already opened descriptor ``fd`` of ``path``, which the result owns.
+
+        ``fd`` is closed on error, and otherwise once the file is memory-mapped or :meth:`close` is called.
+        """
+        try:
+            try:
+                status = os.fstat(fd)
+                if not stat.S_ISREG(status.st_mode):
+                    raise CheckpointError(f"{path}: not a regular file")
+                file_size = status.st_size
+                with os.fdopen(fd, "rb", closefd=False) as f:
+                    prefix = f.read(8)
+                    if len(prefix) < 8:
+                        raise CheckpointError(
+                            f"{path}: file is {file_size} bytes, too short for a safetensors header (needs at least 8)"
+                        )
+                    (header_len,) = struct.unpack("<Q", prefix)
+                    if header_len > MAX_HEADER_BYTES:
+                        raise CheckpointError(
+                            f"{path}: header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit"
+                        )
+                    if 8 + header_len > file_size:
+                        raise CheckpointError(
+                            f"{path}: header length {header_len} runs past the end of the {file_size}-byte file"
+                        )
+                    raw_header = f.read(header_len)
+            except OSError as exc:
+                raise CheckpointError(f"{path}: cannot read safetensors file: {exc}") from exc
+            data_start = 8 + header_len
+            metadata, tensors = _parse_header(path, raw_header, data_start, file_size - data_start)
+        except BaseException:
+            os.close(fd)
+            raise
         logger.debug("opened %s: %d tensors", path, len(tensors))
-        return cls(path, metadata, tensors)
+        return cls(path, metadata, tensors, fd)
 
     def tensor(self, key: str) -> torch.Tensor:
         """Return tensor ``key`` as a writable view of the memory-mapped file (no copy)."""
@@ -161,11 +188,21 @@ class SafetensorsFile:
             raise CheckpointError(f"{self.path}: file is closed")
         if self._mmap is None:
             try:
-                with self.path.open("rb") as f:
-                    self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                if self._fd is None:
+                    with self.path.open("rb") as f:
+                        self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                else:
+                    self._mmap = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
             except (OSError, ValueError) as exc:
                 raise CheckpointError(f"{self.path}: cannot memory-map file: {exc}") from exc
+            self._close_fd()  # the mapping holds the file open itself
         return self._mmap
+
+    def _close_fd(self) -> None:
+        if self._release_fd is not None:
+            self._release_fd()
+            self._release_fd = None
+            self._fd = None
 
     def close(self) -> None:
         """Release this object's reference to the memory map.
@@ -176,6 +213,7 @@ class SafetensorsFile:
         """
         self._mmap = None
         self._closed = True
+        self._close_fd()
 
     def __enter__(self) -> SafetensorsFile:
         return self

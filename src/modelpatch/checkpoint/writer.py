@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import glob
 import json
 import logging
@@ -9,9 +11,16 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Mapping
+import sys
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from itertools import pairwise
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: saves into one parent directory are not serialised
+    fcntl = None  # type: ignore[assignment]
 
 import torch
 from safetensors.torch import save_file
@@ -64,8 +73,11 @@ def write_checkpoint(
 ) -> list[Path]:
     """Atomically (re)write ``directory`` with ``tensors`` as safetensors plus ``extra_files``.
 
-    Everything is written to a temporary sibling and swapped in with renames; files of an existing
-    ``directory`` that this writer does not produce (tokenizer files, ...) are carried over.
+    Everything is written to a temporary sibling and swapped in with renames (an atomic exchange where the
+    platform has one, so ``directory`` always holds a complete checkpoint); files of an existing ``directory``
+    that this writer does not produce (tokenizer files, ...) are carried over. Saves into one parent directory
+    hold an exclusive lock on it, so concurrent saves to the same target run one after the other and the
+    clean-up of a killed save never touches a live one's files.
     Returns the paths written (tensor files, index, extra files) inside ``directory``.
     """
     directory = Path(directory).absolute()
@@ -79,19 +91,19 @@ def write_checkpoint(
     shards = _plan_shards(sorted(tensors), tensors, limit)
 
     directory.parent.mkdir(parents=True, exist_ok=True)
-    _recover_stale_siblings(directory)
-
-    tmp = directory.parent / f".{directory.name}.modelpatch-tmp-{secrets.token_hex(8)}"
-    tmp.mkdir()
-    try:
-        written = _write_contents(tmp, directory, tensors, shards, extra_files, file_metadata)
-        if directory.exists():
-            _carry_over_user_files(directory, tmp, produced=set(written) | set(extra_files))
-        _fsync_dir(tmp)
-        _swap_in(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with _parent_lock(directory):
+        _recover_stale_siblings(directory)
+        tmp = directory.parent / f".{directory.name}.modelpatch-tmp-{secrets.token_hex(8)}"
+        tmp.mkdir()
+        try:
+            written = _write_contents(tmp, directory, tensors, shards, extra_files, file_metadata)
+            if directory.exists():
+                _carry_over_user_files(directory, tmp, produced=set(written) | set(extra_files))
+            _fsync_dir(tmp)
+            _swap_in(tmp, directory)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     logger.info("wrote %d tensors to %s (%d tensor file(s))", len(tensors), directory, len(shards))
     return [directory / name for name in written]
 
@@ -188,9 +200,9 @@ def _write_contents(
                 raise CheckpointError(f"{directory / name}: cannot move tensor {key!r} to CPU: {exc}") from exc
         try:
             save_file(prepared, str(tmp / name), metadata=metadata)
+            _fsync_file(tmp / name)
         except Exception as exc:
             raise CheckpointError(f"{directory / name}: cannot write safetensors file: {exc}") from exc
-        _fsync_file(tmp / name)
         del prepared
     written = list(names)
 
@@ -199,10 +211,11 @@ def _write_contents(
             "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
             "weight_map": {key: name for name, keys in zip(names, shards, strict=True) for key in keys},
         }
-        _write_bytes(tmp / SAFE_INDEX, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+        content = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode("utf-8")
+        _write_bytes(tmp / SAFE_INDEX, content, directory / SAFE_INDEX)
         written.append(SAFE_INDEX)
     for name, content in extra_files.items():
-        _write_bytes(tmp / name, content)
+        _write_bytes(tmp / name, content, directory / name)
         written.append(name)
     return written
 
@@ -218,10 +231,13 @@ def _carry_over_user_files(directory: Path, tmp: Path, produced: set[str]) -> No
         if name in produced or name in (SAFE_SINGLE, SAFE_INDEX) or _SHARD_RE.match(name):
             continue
         target = tmp / name
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.copytree(entry, target, symlinks=True)
-        else:
-            shutil.copy2(entry, target, follow_symlinks=False)
+        try:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.copytree(entry, target, symlinks=True)
+            else:
+                shutil.copy2(entry, target, follow_symlinks=False)
+        except (OSError, shutil.Error) as exc:
+            raise CheckpointError(f"{entry}: cannot keep this file of the previous checkpoint: {exc}") from exc
         logger.debug("kept %s from the previous %s", name, directory)
 
 
@@ -230,6 +246,17 @@ def _swap_in(tmp: Path, directory: Path) -> None:
         os.rename(tmp, directory)
         _fsync_dir(directory.parent)
         return
+    if _exchange(tmp, directory):
+        # ``directory`` went from the previous checkpoint to the new one in one step; ``tmp`` now holds the previous
+        # one (a kill before it is removed leaves a temp sibling, which the next save drops).
+        _fsync_dir(directory.parent)
+        try:
+            shutil.rmtree(tmp)
+        except OSError as exc:
+            logger.warning("%s: saved, but could not remove previous version %s: %s", directory, tmp, exc)
+        return
+    # No atomic exchange: two renames. A kill between them leaves the previous checkpoint in the ``-old-`` sibling,
+    # which the next save restores.
     old = directory.parent / f".{directory.name}.modelpatch-old-{secrets.token_hex(8)}"
     os.rename(directory, old)
     try:
@@ -262,11 +289,62 @@ def _recover_stale_siblings(directory: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_bytes(path: Path, content: bytes) -> None:
-    with path.open("wb") as f:
-        f.write(content)
-        f.flush()
-        os.fsync(f.fileno())
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _load_renameat2():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # glibc < 2.28, or a libc without it
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+_renameat2 = _load_renameat2()
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap the directory entries ``a`` and ``b`` (Linux ``RENAME_EXCHANGE``); False where unsupported."""
+    if _renameat2 is None:
+        return False
+    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):  # kernel or file system lacks it
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+@contextmanager
+def _parent_lock(directory: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``directory``'s parent (released by the kernel if the process dies)."""
+    if fcntl is None:
+        yield
+        return
+    fd = os.open(directory.parent, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:  # a file system without flock: proceed unserialised
+            logger.debug("%s: cannot lock %s (%s); concurrent saves are not serialised", directory, directory.parent, exc)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _write_bytes(path: Path, content: bytes, shown: Path) -> None:
+    try:
+        with path.open("wb") as f:
+            f.write(content)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise CheckpointError(f"{shown}: cannot write file: {exc}") from exc
 
 
 def _fsync_file(path: Path) -> None:

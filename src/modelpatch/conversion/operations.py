@@ -287,7 +287,52 @@ def reverse_operations(bound: list[ConversionOperation]) -> list[ConversionOpera
 
 
 def run_operations(operations: list[ConversionOperation], slots: list[Slot]) -> list[Slot]:
-    """Apply a bound chain to tensors."""
-    for op in operations:
-        slots = op.apply(slots)
+    """Apply a bound chain to tensors.
+
+    ``MergeModulelist`` followed by ``Concatenate`` (per-expert -> fused MoE weights) runs as one step that writes
+    every expert straight into the output: no stacked temporaries, one copy instead of two.
+    """
+    position = 0
+    while position < len(operations):
+        op = operations[position]
+        following = operations[position + 1] if position + 1 < len(operations) else None
+        if isinstance(op, MergeModulelist) and isinstance(following, Concatenate) and _all_lists(slots):
+            slots = _merge_and_concatenate(op, following, slots)  # type: ignore[arg-type]
+            position += 2
+        else:
+            slots = op.apply(slots)
+            position += 1
     return slots
+
+
+def _all_lists(slots: list[Slot]) -> bool:
+    return bool(slots) and all(isinstance(slot, list) and slot for slot in slots)
+
+
+def _merge_and_concatenate(
+    merge: MergeModulelist, concatenate: Concatenate, slots: list[list[torch.Tensor]]
+) -> list[Slot]:
+    """``concatenate.apply(merge.apply(slots))`` without the stacked intermediates."""
+    first = slots[0][0]
+    rank = first.dim() + 1
+    merge_dim, cat_dim = _norm_dim(merge.dim, rank, merge), _norm_dim(concatenate.dim, rank, concatenate)
+    stacked_shapes = []
+    for slot in slots:
+        shape = list(slot[0].shape)
+        shape.insert(merge_dim, len(slot))
+        stacked_shapes.append(shape)
+    out_shape = list(stacked_shapes[0])
+    out_shape[cat_dim] = sum(shape[cat_dim] for shape in stacked_shapes)
+    out = torch.empty(out_shape, dtype=first.dtype, device=first.device)
+    offset = 0
+    for slot, shape in zip(slots, stacked_shapes):
+        region = out.narrow(cat_dim, offset, shape[cat_dim])
+        if list(region.shape) != shape:
+            raise ConversionError(f"{concatenate!r}: cannot concatenate stacked shapes {stacked_shapes} along dim {concatenate.dim}.")
+        for index, tensor in enumerate(slot):
+            target = region.select(merge_dim, index)
+            if target.shape != tensor.shape or tensor.dtype != out.dtype:
+                raise ConversionError(f"{merge!r}: cannot stack {tensor.dtype} {tuple(tensor.shape)} into {tuple(target.shape)}.")
+            target.copy_(tensor)
+        offset += shape[cat_dim]
+    return [out]

@@ -1,4 +1,4 @@
-"""Home of the classes fusions generate at run time, so that pickle can find them by name."""
+"""Home of the classes fusions generate at run time: importable by name, and picklable across processes."""
 
 from __future__ import annotations
 
@@ -7,13 +7,23 @@ import threading
 from typing import Any
 
 _lock = threading.Lock()
-_made: dict[tuple[str, type, tuple], type] = {}
+_made: dict[tuple[str, type, type | None, type], type] = {}
 
 
-def make_class(prefix: str, original: type, namespace: dict[str, Any], base: type | None = None) -> type:
-    """``class <prefix><Original>(base or original)`` with ``namespace``, created once per (prefix, original) and
-    importable as ``modelpatch.fusions.generated.<name>``."""
-    key = (prefix, original, base)
+def _rebuild(spec: Any, original: type) -> Any:
+    """Unpickling: an empty instance of ``spec``'s fused class for ``original``, generated again if this process has
+    not made it yet (a fresh interpreter has none of the generated classes)."""
+    return object.__new__(spec.make_fused_class(original))
+
+
+def make_class(prefix: str, original: type, namespace: dict[str, Any], base: type | None = None, *, spec: Any) -> type:
+    """``class <prefix><Original>(base or original)`` with ``namespace``, created once per (spec class, prefix,
+    original, base) and importable as ``modelpatch.fusions.generated.<name>``.
+
+    ``spec`` is the :class:`ModuleFusionSpec` making the class. Instances pickle as "``spec``'s fused class for
+    ``original``" plus their state, so they unpickle in a process that has not generated the class yet.
+    """
+    key = (prefix, original, base, type(spec))
     with _lock:
         if key in _made:
             return _made[key]
@@ -23,7 +33,12 @@ def make_class(prefix: str, original: type, namespace: dict[str, Any], base: typ
         while hasattr(module, name):
             suffix += 1
             name = f"{prefix}{original.__name__}{suffix}"
-        cls = type(name, (base or original,), {**namespace, "__module__": __name__, "__qualname__": name})
+
+        def __reduce_ex__(self, protocol):
+            return (_rebuild, (spec, original), self.__getstate__())
+
+        attributes = {"__reduce_ex__": __reduce_ex__, **namespace, "__module__": __name__, "__qualname__": name}
+        cls = type(name, (base or original,), attributes)
         cls.__doc__ = f"{original.__qualname__} from {original.__module__}, rebuilt by modelpatch's {prefix!r} fusion."
         setattr(module, name, cls)
         _made[key] = cls

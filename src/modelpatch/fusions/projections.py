@@ -147,7 +147,7 @@ class FusedProjectionsSpec(ModuleFusionSpec):
                 raise TypeError(f"{type(self).__name__}: this instance has no fusable {spec.groups} projections.")
             fuse_linears(self, *group)
 
-        return make_class(self.prefix, original_cls, {"__init__": __init__})
+        return make_class(self.prefix, original_cls, {"__init__": __init__}, spec=self)
 
     def make_transforms(
         self, config: PretrainedConfig, modules: Mapping[str, nn.Module] | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -63,15 +64,23 @@ def resolve_model_class(model_class: type, config: PretrainedConfig) -> type[Pre
     raise TypeError(f"model_class must be a transformers Auto class or PreTrainedModel subclass, got {model_class!r}.")
 
 
-def resolve_dtype(dtype: torch.dtype | str | None, config: PretrainedConfig) -> torch.dtype:
-    """Like transformers: None -> torch's default dtype, "auto" -> the config's dtype, or an explicit dtype."""
+def resolve_dtype(
+    dtype: torch.dtype | str | None, config: PretrainedConfig, checkpoint_dtypes: Iterable[torch.dtype] = ()
+) -> torch.dtype:
+    """Like transformers: None -> torch's default dtype, "auto" -> the config's dtype, or an explicit dtype.
+
+    "auto" with no dtype in the config falls back, like transformers, to the first floating dtype among
+    ``checkpoint_dtypes`` (the checkpoint's tensors), then to torch's default.
+    """
     if dtype is None:
         return torch.get_default_dtype()
     if dtype == "auto":
         configured = getattr(config, "dtype", None)
         if isinstance(configured, str):
             configured = getattr(torch, configured, None)
-        return configured if isinstance(configured, torch.dtype) else torch.get_default_dtype()
+        if isinstance(configured, torch.dtype):
+            return configured
+        return next((d for d in checkpoint_dtypes if d.is_floating_point), torch.get_default_dtype())
     if isinstance(dtype, str):
         resolved = getattr(torch, dtype, None)
         if not isinstance(resolved, torch.dtype):

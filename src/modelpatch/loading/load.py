@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 FusionConfig = Mapping[str, bool | Mapping[str, Any]]
 
+# Set by from_config on the model: the weight transforms of its build (a loaded model has them in its LoadReport).
+TRANSFORMS_ATTRIBUTE = "_modelpatch_transforms"
+
 
 def model_conversions(model: PreTrainedModel) -> list[WeightTransform]:
     """The registered transforms of ``model``'s type and of its nested sub-models' types, in that order."""
@@ -84,6 +87,8 @@ def from_pretrained(
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
     device_map: str | Mapping[str, Any] | None = None,
+    max_memory: Mapping[Any, Any] | None = None,
+    offload_folder: str | Path | None = None,
     new_parameters: Sequence[str] = (),
     unexpected_keys: UnexpectedKeys = "warn",
     allow_pickle: bool = False,
@@ -95,9 +100,13 @@ def from_pretrained(
         path: A local checkpoint directory (``config.json`` + safetensors files). Hubs are never contacted.
         patcher: Class replacements and conversion adjustments for this load only.
         fusion_config: ``{fusion name: True / False / options}``; defaults to the one stored in the config.
-        dtype: Like transformers: None (torch's default), ``"auto"`` (the config's dtype) or a ``torch.dtype``.
+        dtype: Like transformers 5: ``"auto"`` (the config's dtype, else the checkpoint's; what None means, as in
+            stock ``from_pretrained``) or a ``torch.dtype`` (or its name).
         device: Where parameters go (default CPU). Unconverted CPU tensors stay memory-mapped (zero-copy).
-        device_map: Spread the model over several devices with accelerate (``"auto"`` or a module -> device map).
+        device_map: Spread the model over several devices with accelerate: ``"auto"`` (fit ``max_memory``) or
+            ``{module name: device}``; ``"disk"`` entries are offloaded to ``offload_folder``.
+        max_memory: ``{device: bytes or "10GiB"}`` limits for ``device_map="auto"``.
+        offload_folder: Where weights offloaded to ``"disk"`` are written.
         new_parameters: Regex patterns of parameters that may be absent from the checkpoint; they are initialised
             as stock transformers initialises them (a fresh task head, say). Any other absent parameter is an error.
         unexpected_keys: What to do with checkpoint keys the model has no place for: "warn", "error" or "ignore".
@@ -110,10 +119,11 @@ def from_pretrained(
     _check_patcher(patcher)
     if device is not None and device_map is not None:
         raise ValueError("Pass either device or device_map, not both.")
+    if unexpected_keys not in ("warn", "error", "ignore"):
+        raise ValueError(f"unexpected_keys must be 'warn', 'error' or 'ignore', got {unexpected_keys!r}.")
     directory = checkpoint_directory(path)
     config = load_config(directory)
     concrete = resolve_model_class(model_class, config)
-    resolved_dtype = resolve_dtype(dtype, config)
     target_device = torch.device(device) if device is not None else torch.device("cpu")
 
     config = copy.deepcopy(config)
@@ -122,6 +132,9 @@ def from_pretrained(
 
     with Checkpoint.open(directory, allow_pickle=allow_pickle) as checkpoint:
         metas = {key: TensorMeta(checkpoint.info(key).shape, checkpoint.info(key).dtype) for key in checkpoint.keys()}
+        # Stock 5.x from_pretrained defaults to "auto" and records the dtype on the config and its sub-configs.
+        resolved_dtype = resolve_dtype("auto" if dtype is None else dtype, config, (m.dtype for m in metas.values()))
+        _set_config_dtype(config, resolved_dtype)
         model = build_empty_model(concrete, config, resolved_dtype, layers)
         transforms = _conversions(model, patcher, fusions)
         runtime_layout = bool(getattr(config, RUNTIME_LAYOUT_ATTRIBUTE, False))
@@ -132,7 +145,15 @@ def from_pretrained(
             new_parameters=new_parameters,
             unexpected_keys=unexpected_keys,
         )
-        load_into_model(model, plan, checkpoint.tensor, target_device, checkpoint.total_bytes)
+        # Safetensors tensors (byte range known) are views of a private file mapping; pickle ones are not.
+        load_into_model(
+            model,
+            plan,
+            checkpoint.tensor,
+            target_device,
+            checkpoint.total_bytes,
+            file_mapped=lambda key: checkpoint.info(key).start >= 0,
+        )
 
     _finalize(model, plan.expected.keys() - set(plan.loaded_keys()), target_device)
     fusions.record(model)
@@ -157,8 +178,15 @@ def from_pretrained(
     if device_map is not None:
         from .dispatch import dispatch
 
-        model = dispatch(model, device_map)
+        model = dispatch(model, device_map, max_memory=max_memory, offload_folder=offload_folder)
     return model
+
+
+def _set_config_dtype(config: PretrainedConfig, dtype: torch.dtype) -> None:
+    config.dtype = dtype
+    for name in getattr(config, "sub_configs", {}) or {}:
+        if (sub_config := getattr(config, name, None)) is not None:
+            sub_config.dtype = dtype
 
 
 def _finalize(model: PreTrainedModel, missing: set[str], device: torch.device) -> None:
@@ -194,4 +222,7 @@ def from_config(
     layers, fusions = _load_setup(concrete, config, patcher, fusion_config)
     model = build_initialized_model(concrete, config, None if dtype is None else resolve_dtype(dtype, config), layers)
     fusions.record(model)
+    # What save_pretrained runs backwards to write this never-loaded model in the checkpoint layout: the model
+    # type's mapping as adjusted by this build's Patcher and fusions.
+    setattr(model, TRANSFORMS_ATTRIBUTE, tuple(_conversions(model, patcher, fusions)))
     return model

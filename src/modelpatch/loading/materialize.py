@@ -2,11 +2,15 @@
 
 Tensors that need no conversion are memory-mapped views of the checkpoint (zero-copy) whenever their dtype and
 device already match. Converted groups are materialised one at a time, so peak memory stays near the model's size
-plus its largest group.
+plus its largest group: once a group (or a cast tensor) is materialised, the file pages its sources were read from
+are released, or they would stay resident in the mapping and count towards the process's memory.
 """
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import sys
 from collections.abc import Callable
 
 import torch
@@ -35,6 +39,38 @@ def set_tensor(model: nn.Module, key: str, value: torch.Tensor) -> None:
         raise KeyError(f"{key} is neither a parameter nor a buffer of the model.")
 
 
+def _find_madvise() -> Callable[[int, int], object] | None:
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    if advice is None or not sys.platform.startswith("linux"):
+        return None
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return lambda address, length: madvise(address, length, advice)
+
+
+_madvise = _find_madvise()
+
+
+def release_pages(tensor: torch.Tensor) -> None:
+    """Drop the resident pages lying wholly inside ``tensor``, a consumed view of a *private file* mapping.
+
+    Only for such views: the kernel re-reads a dropped page from the file if it is touched again, so nothing is lost
+    (pages of anonymous memory would come back zeroed). Pages shared with a neighbouring tensor are kept.
+    """
+    if _madvise is None or tensor.device.type != "cpu" or tensor.numel() == 0:
+        return
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    last = end // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first:
+        _madvise(first, last - first)
+
+
 def _placed(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if tensor.is_floating_point() and tensor.dtype != dtype:
         tensor = tensor.to(dtype)
@@ -47,8 +83,13 @@ def load_into_model(
     fetch: Callable[[str], torch.Tensor],
     device: torch.device,
     total_bytes: int,
+    file_mapped: Callable[[str], bool] = lambda key: False,
 ) -> None:
-    """Fill every planned parameter of ``model`` from ``fetch(checkpoint_key)``."""
+    """Fill every planned parameter of ``model`` from ``fetch(checkpoint_key)``.
+
+    ``file_mapped(key)`` says whether ``fetch(key)`` is a view of a private file mapping, whose pages
+    :func:`release_pages` may drop once the tensor has been copied or converted.
+    """
     expected = plan.expected
     with tqdm(
         total=total_bytes,
@@ -62,12 +103,25 @@ def load_into_model(
             if runtime_key not in expected:
                 continue
             tensor = fetch(checkpoint_key)
-            set_tensor(model, runtime_key, _placed(tensor, expected[runtime_key].dtype, device))
+            placed = _placed(tensor, expected[runtime_key].dtype, device)
+            set_tensor(model, runtime_key, placed)
+            if placed is not tensor and file_mapped(checkpoint_key):
+                release_pages(tensor)
             progress.update(tensor.numel() * tensor.element_size())
         for group in plan.conversion.groups:
-            outputs = group.run(fetch)
+            sources: list[torch.Tensor] = []
+
+            def fetch_source(key: str) -> torch.Tensor:
+                tensor = fetch(key)
+                if file_mapped(key):
+                    sources.append(tensor)
+                return tensor
+
+            outputs = group.run(fetch_source)
             for runtime_key, tensor in outputs.items():
                 if runtime_key in expected:
                     set_tensor(model, runtime_key, _placed(tensor.contiguous(), expected[runtime_key].dtype, device))
                 progress.update(tensor.numel() * tensor.element_size())
             del outputs
+            for tensor in sources:
+                release_pages(tensor)

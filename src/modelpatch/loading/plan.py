@@ -63,10 +63,14 @@ def _prefix_variants(model: PreTrainedModel, checkpoint_keys: Iterable[str]) -> 
     if not prefix:
         return variants
     escaped = re.escape(prefix)
-    model_has_prefix = any(k.startswith(prefix + ".") for k in model.state_dict(keep_vars=True))
+    model_keys = list(model.state_dict(keep_vars=True))
+    model_has_prefix = any(k.startswith(prefix + ".") for k in model_keys)
     checkpoint_has_prefix = any(k.startswith(prefix + ".") for k in checkpoint_keys)
     if model_has_prefix and not checkpoint_has_prefix:
-        variants.append([WeightRenaming(rf"^(?!{escaped}\.)", f"{prefix}.")])
+        # Keys under the task model's own top-level modules (a head saved next to base-model keys) keep their names.
+        own = sorted({k.split(".", 1)[0] for k in model_keys if not k.startswith(prefix + ".")})
+        keep = "|".join(re.escape(name) + r"\." for name in [prefix, *own])
+        variants.append([WeightRenaming(rf"^(?!{keep})", f"{prefix}.")])
     if checkpoint_has_prefix and not model_has_prefix:
         variants.append([WeightRenaming(rf"^{escaped}\.", "")])
     return variants

@@ -25,7 +25,7 @@ from ..checkpoint import write_checkpoint
 from ..conversion.planner import TensorMeta, plan_save
 from ..errors import ConversionError
 from .config import RUNTIME_LAYOUT_ATTRIBUTE
-from .load import model_conversions
+from .load import TRANSFORMS_ATTRIBUTE, model_conversions
 from .report import LoadReport, get_load_report
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,12 @@ def _checkpoint_layout(model: PreTrainedModel, state: Mapping[str, torch.Tensor]
             for key in group.target_keys():
                 remaining.pop(key)
     if remaining:
-        transforms = list(report.transforms) if report is not None else model_conversions(model)
+        if report is not None:
+            transforms = list(report.transforms)
+        elif (built := getattr(model, TRANSFORMS_ATTRIBUTE, None)) is not None:
+            transforms = list(built)  # from_config: its Patcher's and fusions' transforms included
+        else:
+            transforms = model_conversions(model)
         metas = {k: TensorMeta(tuple(v.shape), v.dtype) for k, v in remaining.items()}
         plan = plan_save(metas, transforms)
         plan.raise_problems()

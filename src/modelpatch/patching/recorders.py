@@ -36,9 +36,16 @@ def _with_replacement(spec: object, original: type, replacement: type) -> object
     return [*specs, *added]
 
 
-def register_replacement_for_recorders(original: type[nn.Module], replacement: type[nn.Module]) -> None:
-    """Make every ``_can_record_outputs`` of ``original``'s modeling module also target ``replacement``."""
-    if issubclass(replacement, original) or (original, replacement) in _done:
+def register_replacement_for_recorders(
+    original: type[nn.Module], replacement: type[nn.Module], wraps_original: bool = False
+) -> None:
+    """Make every ``_can_record_outputs`` of ``original``'s modeling module also target ``replacement``.
+
+    Nothing to do when ``replacement`` subclasses ``original`` (the original's recorders already match it) or when it
+    wraps an instance of ``original`` (``wraps_original``): that inner module is recorded, and recording the wrapper
+    too would report every output twice.
+    """
+    if wraps_original or issubclass(replacement, original) or (original, replacement) in _done:
         return
     from transformers import PreTrainedModel
 

@@ -9,6 +9,8 @@ replacement instead. Module globals and class objects are never modified, so:
 * ``isinstance``/``issubclass``, pickling and ``torch.compile`` see the untouched classes;
 * copies and unpickled objects keep their class: only constructions that pass arguments are dispatched (modeling
   code always passes a config or sizes; a class constructed with no arguments at all is never replaced);
+* a replacement that wraps the module it replaces (``self.inner = LlamaAttention(config, layer_idx)`` inside the
+  replacement's ``__init__``) gets the original class there instead of recursing into itself;
 * nothing is scanned on entry: a class is resolved the first time it is constructed in a scope (then cached),
   and classes whose modeling module is imported inside the scope are covered too.
 
@@ -16,7 +18,8 @@ Scopes are removed by identity, not by restoring a saved value, so nested and in
 (A enters, B enters, A leaves, B leaves) and exits by exception always leave exactly the scopes still open.
 
 The dispatcher is installed on first use and stays: CPython cannot restore ``object.__new__``'s slot once a type
-has had a ``__new__`` of its own. Outside every scope it costs one ``ContextVar.get`` per module construction.
+has had a ``__new__`` of its own. Outside every scope it costs a ``torch.compiler.is_compiling()`` check and one
+``ContextVar.get`` per module construction. Modules built inside a ``torch.compile``'d region are never replaced.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
 from torch import nn
 
 from . import registry
@@ -79,22 +83,63 @@ _hook_lock = threading.Lock()
 _saved_new = nn.Module.__dict__.get("__new__")
 
 
+class _Build:
+    """A non-subclass replacement being built for ``original`` in this context."""
+
+    __slots__ = ("original", "wraps_original")
+
+    def __init__(self, original: type):
+        self.original = original
+        self.wraps_original = False
+
+
+# The replacements being built in this context, outermost first. While a replacement for ``C`` is being built, building
+# ``C`` again gives the original class: a replacement that wraps the module it replaces
+# (``self.inner = LlamaAttention(config, layer_idx)``) must get the original, not recurse into itself.
+_building: contextvars.ContextVar[tuple[_Build, ...]] = contextvars.ContextVar("modelpatch_building", default=())
+
+
 def _dispatching_new(cls, *args, **kwargs):
+    # Inside a torch.compile'd region (modules built during forward, e.g. ``ModuleList`` slicing) nothing is
+    # dispatched: dynamo cannot trace ``ContextVar.get`` (a graph break, an error with ``fullgraph=True``), and
+    # patches only concern building models.
+    if torch.compiler.is_compiling():
+        return object.__new__(cls)
     active = _active.get()
-    if active is not None:
+    # copy, deepcopy and unpickling rebuild objects with ``cls.__new__(cls)`` and no arguments; they must get the
+    # object's own class back. Modeling code always passes a config or sizes.
+    if active is not None and (args or kwargs):
         replacement = active.resolve(cls)
-        # copy, deepcopy and unpickling rebuild objects with ``cls.__new__(cls)`` and no arguments; they must get
-        # the object's own class back. Modeling code always passes a config or sizes.
-        if replacement is not None and (args or kwargs):
-            register_replacement_for_recorders(cls, replacement)
-            logger.debug("Building %s instead of %s", replacement.__qualname__, cls.__qualname__)
-            if issubclass(replacement, cls):
-                # type.__call__ will run replacement.__init__ on the returned instance.
-                return replacement.__new__(replacement, *args, **kwargs)
-            return replacement(*args, **kwargs)
+        if replacement is not None:
+            building = _building.get()
+            wrapping = next((b for b in building if b.original is cls), None)
+            if wrapping is None:
+                return _build_replacement(cls, replacement, building, args, kwargs)
+            wrapping.wraps_original = True
     if _saved_new is not None:
         return _saved_new(cls, *args, **kwargs)
-    return object.__new__(cls)
+    # What ``cls(...)`` would have used without the dispatcher: the next ``__new__`` after nn.Module in its MRO
+    # (a user class ``class M(nn.Module, Base)`` may get its ``__new__`` from ``Base``).
+    new = super(nn.Module, cls).__new__
+    if new is object.__new__:
+        return object.__new__(cls)
+    return new(cls, *args, **kwargs)
+
+
+def _build_replacement(cls, replacement, building, args, kwargs):
+    logger.debug("Building %s instead of %s", replacement.__qualname__, cls.__qualname__)
+    if issubclass(replacement, cls):
+        # type.__call__ will run replacement.__init__ on the returned instance.
+        return replacement.__new__(replacement, *args, **kwargs)
+    # Not an instance of ``cls``: type.__call__ returns it as is, without calling __init__ again.
+    build = _Build(cls)
+    token = _building.set((*building, build))
+    try:
+        instance = replacement(*args, **kwargs)
+    finally:
+        _building.reset(token)
+    register_replacement_for_recorders(cls, replacement, wraps_original=build.wraps_original)
+    return instance
 
 
 def _install_dispatcher() -> None:

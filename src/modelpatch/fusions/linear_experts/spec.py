@@ -76,4 +76,4 @@ class LinearExpertsFusionSpec(ModuleFusionSpec):
                 dtype=reference.gate_up_proj.dtype,
             )
 
-        return make_class("Linear", original_cls, {"__init__": __init__}, base=LinearExperts)
+        return make_class("Linear", original_cls, {"__init__": __init__}, base=LinearExperts, spec=self)

@@ -30,17 +30,28 @@ class PatchEmbeddingsFusionSpec(ModuleFusionSpec):
             for name in _patch_convs(self):
                 setattr(self, name, Conv3dAsLinear(getattr(self, name)))
 
-        return make_class("PatchLinear", original_cls, {"__init__": __init__})
+        return make_class("PatchLinear", original_cls, {"__init__": __init__}, spec=self)
 
     def make_transforms(
         self, config: PretrainedConfig, modules: Mapping[str, nn.Module] | None = None
     ) -> list[WeightTransform]:
-        """``<patch embed>.<conv>.weight``: Conv3d kernel -> Linear weight (the bias keeps its layout)."""
+        """``<patch embed>.<conv>.weight``: Conv3d kernel -> Linear weight (the bias keeps its layout).
+
+        The kernel shape is declared from the modules, so a model that was never loaded (``from_config``) can be
+        saved back in the checkpoint's Conv3d layout too.
+        """
         paths = sorted(
-            {(name.rpartition(".")[2], conv) for name, module in (modules or {}).items() for conv in _patch_convs(module)}
+            {
+                (name.rpartition(".")[2], conv, (child.in_channels, *child.kernel_size))
+                for name, module in (modules or {}).items()
+                for conv in _patch_convs(module)
+                for child in [getattr(module, conv)]
+            }
         )
         transforms: list[WeightTransform] = []
-        for anchor, conv in paths:
+        for anchor, conv, kernel_shape in paths:
             local = f"{anchor}.{conv}.weight" if anchor else f"{conv}.weight"
-            transforms.append(WeightConverter(rf"(?<![^.]){re.escape(local)}$", local, [Conv3dToLinear()]))
+            transforms.append(
+                WeightConverter(rf"(?<![^.]){re.escape(local)}$", local, [Conv3dToLinear(kernel_shape=kernel_shape)])
+            )
         return transforms

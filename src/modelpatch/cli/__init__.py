@@ -1,0 +1,5 @@
+"""The ``modelpatch`` command line."""
+
+from .main import main
+
+__all__ = ["main"]

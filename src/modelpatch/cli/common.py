@@ -1,0 +1,85 @@
+"""Argument parsing shared by the commands: model classes, ``--fusion`` and ``--patch`` specs."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from pathlib import Path
+
+import transformers
+from torch import nn
+from transformers import AutoModel, PretrainedConfig, PreTrainedModel
+
+from ..errors import FusionError
+from ..fusions import available_fusions
+from ..loading.config import checkpoint_directory, load_config
+from ..patching import Patcher
+
+
+class UsageError(Exception):
+    """Bad command-line input: reported in one line, exit code 2."""
+
+
+def model_class_for(config: PretrainedConfig) -> type[PreTrainedModel]:
+    """The class named in ``config.architectures`` when transformers has it, else ``AutoModel``."""
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None)
+        if isinstance(cls, type) and issubclass(cls, PreTrainedModel):
+            return cls
+    return AutoModel  # type: ignore[return-value]
+
+
+def open_checkpoint_config(path: str) -> tuple[Path, PretrainedConfig]:
+    directory = checkpoint_directory(path)
+    return directory, load_config(directory)
+
+
+def parse_fusions(value: str | None) -> dict[str, bool] | None:
+    """``"qkv,gate_up"`` -> ``{"qkv": True, "gate_up": True}``; ``"none"`` -> ``{}`` (all off)."""
+    if value is None:
+        return None
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    if names == ["none"]:
+        return {}
+    unknown = [n for n in names if n not in available_fusions()]
+    if unknown:
+        raise FusionError(f"Unknown fusion {unknown[0]!r}; available fusions: {', '.join(available_fusions())}.")
+    return dict.fromkeys(names, True)
+
+
+def parse_patches(specs: list[str] | None) -> Patcher | None:
+    """``ORIGINAL=package.module:Class`` specs -> a Patcher."""
+    if not specs:
+        return None
+    mapping: dict[str, type[nn.Module]] = {}
+    for spec in specs:
+        original, sep, target = spec.partition("=")
+        module_name, colon, class_name = target.partition(":")
+        if not sep or not colon or not original or not module_name or not class_name:
+            raise UsageError(f"Bad --patch {spec!r}: expected ORIGINAL=package.module:Class.")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise UsageError(f"Bad --patch {spec!r}: cannot import {module_name!r} ({exc}).") from None
+        replacement = getattr(module, class_name, None)
+        if replacement is None:
+            raise UsageError(f"Bad --patch {spec!r}: {module_name} has no {class_name!r}.")
+        mapping[original] = replacement
+    try:
+        return Patcher(class_mapping=mapping)
+    except TypeError as exc:
+        raise UsageError(f"Bad --patch: {exc}") from None
+
+
+def add_patch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--fusion",
+        metavar="NAMES",
+        help=f"comma-separated fusions to enable ({', '.join(available_fusions())}), or 'none'",
+    )
+    parser.add_argument(
+        "--patch",
+        action="append",
+        metavar="ORIGINAL=package.module:Class",
+        help="replace class ORIGINAL (an exact name or a regex) by an importable nn.Module subclass; repeatable",
+    )

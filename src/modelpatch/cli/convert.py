@@ -1,0 +1,43 @@
+"""``modelpatch convert SRC DST``: offline conversion of a checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..loading import from_pretrained, save_pretrained
+from .common import UsageError, add_patch_arguments, model_class_for, open_checkpoint_config, parse_fusions, parse_patches
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "convert",
+        help="load SRC with patches/fusions and write it to DST (atomic)",
+        description="Convert a checkpoint offline. By default DST is in the original layout; --runtime-format "
+        "writes the patched/fused layout, which later loads need no conversion for.",
+    )
+    parser.add_argument("src", help="source checkpoint directory")
+    parser.add_argument("dst", help="destination directory")
+    add_patch_arguments(parser)
+    parser.add_argument("--runtime-format", action="store_true", help="write the runtime (fused) layout")
+    parser.add_argument("--max-shard-size", default="50GB", help="shard above this size (default 50GB)")
+    parser.add_argument("--force", action="store_true", help="overwrite DST if it exists")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    _, config = open_checkpoint_config(args.src)
+    destination = Path(args.dst)
+    if destination.exists() and not args.force:
+        raise UsageError(f"{destination} exists; pass --force to overwrite it.")
+    if destination.resolve() == Path(args.src).resolve():
+        raise UsageError("SRC and DST are the same directory.")
+    model = from_pretrained(
+        model_class_for(config), args.src, patcher=parse_patches(args.patch), fusion_config=parse_fusions(args.fusion)
+    )
+    files = save_pretrained(
+        model, destination, save_original_format=not args.runtime_format, max_shard_size=args.max_shard_size
+    )
+    layout = "runtime" if args.runtime_format else "original"
+    print(f"wrote {len(files)} files to {destination} ({layout} layout)")
+    return 0

@@ -1,0 +1,56 @@
+"""``modelpatch plan PATH``: the full conversion plan, from safetensors headers alone."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..loading.load import plan_pretrained
+from .common import add_patch_arguments, model_class_for, open_checkpoint_config, parse_fusions, parse_patches
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "plan",
+        help="each runtime parameter <- its checkpoint keys and operations (no tensor data read)",
+        description="Plan a load with the given patches and fusions and print where every parameter comes from.",
+    )
+    parser.add_argument("path", help="checkpoint directory")
+    add_patch_arguments(parser)
+    parser.set_defaults(run=run)
+
+
+def _keys(keys: list[str]) -> str:
+    return ", ".join(keys) if len(keys) <= 4 else f"{keys[0]}, {keys[1]}, ... {keys[-1]} ({len(keys)} keys)"
+
+
+def run(args: argparse.Namespace) -> int:
+    _, config = open_checkpoint_config(args.path)
+    planned = plan_pretrained(
+        model_class_for(config), args.path, patcher=parse_patches(args.patch), fusion_config=parse_fusions(args.fusion)
+    )
+    plan = planned.plan
+    print(f"{type(planned.model).__name__} <- {planned.directory}")
+    if planned.runtime_layout:
+        print("(checkpoint saved in the runtime layout: no conversion needed)")
+    for runtime_key, checkpoint_key in plan.conversion.direct.items():
+        if runtime_key in plan.expected:
+            source = checkpoint_key if runtime_key == checkpoint_key else f"{checkpoint_key} (renamed)"
+            print(f"{runtime_key} <- {source}")
+    for group in plan.conversion.groups:
+        operations = " -> ".join(type(op).__name__ + _op_args(op) for op in group.operations) or "copy"
+        for target in group.target_keys():
+            print(f"{target} <- [{_keys(group.source_keys())}] via {operations}")
+    for key in plan.new_parameters:
+        print(f"{key} <- (new, initialised like stock)")
+    for target, source in plan.tied.items():
+        print(f"{target} <- tied to {source}")
+    for key in plan.dropped:
+        print(f"(dropped) {key}")
+    for key in plan.unexpected:
+        print(f"(unexpected, not loaded) {key}")
+    return 0
+
+
+def _op_args(op: object) -> str:
+    fields = {k: v for k, v in vars(op).items() if v is not None and v is not False}
+    return "(" + ", ".join(f"{k}={v}" for k, v in fields.items()) + ")"

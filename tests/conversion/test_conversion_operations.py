@@ -1,0 +1,289 @@
+"""Conversion operations: binding, and reverse(forward(x)) == x bit for bit over random shapes and dtypes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from modelpatch import (
+    Chunk,
+    Concatenate,
+    ConversionError,
+    Conv3dToLinear,
+    LinearToConv3d,
+    MergeModulelist,
+    SplitModulelist,
+    Transpose,
+)
+from modelpatch.conversion.operations import bind_operations, reverse_operations, run_operations
+
+DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
+PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def random_tensor(shape, dtype, seed: int) -> torch.Tensor:
+    """Arbitrary bit patterns (NaNs, infinities, subnormals, -0.0 included) of ``dtype``."""
+    generator = torch.Generator().manual_seed(seed)
+    numel = 1
+    for d in shape:
+        numel *= d
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=generator).bool()
+    raw = torch.randint(0, 256, (numel * dtype.itemsize,), dtype=torch.uint8, generator=generator)
+    return raw.view(dtype).reshape(shape)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Raw bytes (a fresh, standard-strided copy: views of size-1 dims may have any stride)."""
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t).reshape(-1).view(torch.uint8)
+
+
+def same(a, b) -> bool:
+    if isinstance(a, list) or isinstance(b, list):
+        return isinstance(a, list) and isinstance(b, list) and len(a) == len(b) and all(map(same, a, b))
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def shape_of(slot):
+    return [tuple(t.shape) for t in slot] if isinstance(slot, list) else tuple(slot.shape)
+
+
+def roundtrip(operations, slots, num_targets: int):
+    """Bind, run forward, run the exact reverse (as save does), and check shapes and bits come back."""
+    shapes = [shape_of(s) for s in slots]
+    bound, out_shapes = bind_operations(list(operations), shapes, num_targets)
+    outputs = run_operations(bound, slots)
+    assert [shape_of(o) for o in outputs] == out_shapes, "bound shapes predict the real output shapes"
+    reverse = reverse_operations(bound)
+    restored = run_operations(reverse, outputs)
+    assert len(restored) == len(slots)
+    for original, back in zip(slots, restored):
+        assert same(back, original)
+    # Re-binding the reverse on the output shapes predicts the original shapes (what planning a save does).
+    _, back_shapes = bind_operations(reverse, out_shapes, len(slots))
+    assert back_shapes == shapes
+    return bound, outputs
+
+
+dtypes = st.sampled_from(DTYPES)
+seeds = st.integers(0, 2**31 - 1)
+dims = st.integers(1, 5)
+
+
+@st.composite
+def concat_case(draw):
+    rank = draw(st.integers(1, 4))
+    dim = draw(st.integers(-rank, rank - 1))
+    base = [draw(dims) for _ in range(rank)]
+    sizes = draw(st.lists(st.integers(0, 6), min_size=1, max_size=4))
+    shapes = []
+    for size in sizes:
+        shape = list(base)
+        shape[dim] = size
+        shapes.append(tuple(shape))
+    return dim, shapes
+
+
+@given(concat_case(), dtypes, seeds)
+@PROPERTY
+def test_concatenate_reverses_to_the_original_unequal_parts(case, dtype, seed):
+    dim, shapes = case
+    parts = [random_tensor(s, dtype, seed + i) for i, s in enumerate(shapes)]
+    bound, (fused,) = roundtrip([Concatenate(dim=dim)], parts, 1)
+    assert bound[0].sizes == tuple(s[dim] for s in shapes)
+
+
+@given(st.integers(1, 4), st.integers(1, 4), st.integers(1, 4), dtypes, seeds, st.integers(1, 3))
+@PROPERTY
+def test_chunk_equal_parts_roundtrip(rank, parts, unit, dtype, seed, dim_choice):
+    dim = dim_choice % rank
+    shape = [3] * rank
+    shape[dim] = parts * unit
+    tensor = random_tensor(tuple(shape), dtype, seed)
+    bound, outputs = roundtrip([Chunk(dim=dim)], [tensor], parts)
+    assert len(outputs) == parts and bound[0].sizes == (unit,) * parts
+
+
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=4), dtypes, seeds)
+@PROPERTY
+def test_chunk_with_sizes_roundtrip(sizes, dtype, seed):
+    tensor = random_tensor((sum(sizes), 3), dtype, seed)
+    roundtrip([Chunk(dim=0, sizes=tuple(sizes))], [tensor], len(sizes))
+
+
+@given(st.integers(1, 5), st.integers(1, 3), st.integers(0, 3), dtypes, seeds, st.data())
+@PROPERTY
+def test_merge_modulelist_roundtrip(count, num_slots, rank, dtype, seed, data):
+    dim = data.draw(st.integers(-(rank + 1), rank))
+    shape = tuple(data.draw(dims) for _ in range(rank))
+    slots = [[random_tensor(shape, dtype, seed + 10 * s + i) for i in range(count)] for s in range(num_slots)]
+    bound, outputs = roundtrip([MergeModulelist(dim=dim)], slots, num_slots)
+    assert bound[0].count == count
+    assert all(o.shape[dim] == count for o in outputs)
+
+
+@given(st.integers(1, 4), dtypes, seeds, st.data())
+@PROPERTY
+def test_split_modulelist_roundtrip(rank, dtype, seed, data):
+    dim = data.draw(st.integers(-rank, rank - 1))
+    shape = tuple(data.draw(dims) for _ in range(rank))
+    roundtrip([SplitModulelist(dim=dim)], [random_tensor(shape, dtype, seed)], 1)
+
+
+@given(st.integers(2, 5), dtypes, seeds, st.data())
+@PROPERTY
+def test_transpose_roundtrip(rank, dtype, seed, data):
+    d0 = data.draw(st.integers(-rank, rank - 1))
+    d1 = data.draw(st.integers(-rank, rank - 1))
+    shape = tuple(data.draw(dims) for _ in range(rank))
+    tensors = [random_tensor(shape, dtype, seed), [random_tensor(shape, dtype, seed + 1)]]  # tensor and list slots
+    roundtrip([Transpose(d0, d1)], tensors, 2)
+
+
+@given(st.tuples(dims, dims, dims, dims, dims), dtypes, seeds)
+@PROPERTY
+def test_conv3d_to_linear_roundtrip(shape, dtype, seed):
+    kernel = random_tensor(shape, dtype, seed)
+    bound, (linear,) = roundtrip([Conv3dToLinear()], [kernel], 1)
+    assert linear.shape == (shape[0], shape[1] * shape[2] * shape[3] * shape[4])
+    assert bound[0].kernel_shape == shape[1:]
+
+
+@given(st.tuples(dims, dims, dims, dims), dims, dtypes, seeds)
+@PROPERTY
+def test_linear_to_conv3d_roundtrip(kernel_shape, out, dtype, seed):
+    numel = kernel_shape[0] * kernel_shape[1] * kernel_shape[2] * kernel_shape[3]
+    weight = random_tensor((out, numel), dtype, seed)
+    roundtrip([LinearToConv3d(kernel_shape=kernel_shape)], [weight], 1)
+
+
+@given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 3), st.integers(1, 3), dtypes, seeds, st.booleans())
+@PROPERTY
+def test_moe_chain_roundtrip(experts, rows_gate, rows_up, cols, dtype, seed, transpose):
+    """The built-in per-expert -> fused chain, with unequal gate/up rows, optionally transposed after."""
+    gate = [random_tensor((rows_gate, cols), dtype, seed + i) for i in range(experts)]
+    up = [random_tensor((rows_up, cols), dtype, seed + 100 + i) for i in range(experts)]
+    ops = [MergeModulelist(dim=0), Concatenate(dim=1)] + ([Transpose(1, 2)] if transpose else [])
+    _, (fused,) = roundtrip(ops, [gate, up], 1)
+    expected = (experts, cols, rows_gate + rows_up) if transpose else (experts, rows_gate + rows_up, cols)
+    assert tuple(fused.shape) == expected
+
+
+def test_grouped_query_concatenate_reverses_to_128_64_64():
+    """The transformers defect: an equal Chunk would give 86/86/84 rows."""
+    q, k, v = torch.randn(128, 32), torch.randn(64, 32), torch.randn(64, 32)
+    bound, _ = bind_operations([Concatenate(dim=0)], [(128, 32), (64, 32), (64, 32)], 1)
+    reverse = bound[0].reverse()
+    assert reverse == Chunk(dim=0, sizes=(128, 64, 64))
+    parts = reverse.apply([torch.cat([q, k, v])])
+    assert [p.shape[0] for p in parts] == [128, 64, 64]
+    assert all(torch.equal(a, b) for a, b in zip(parts, (q, k, v)))
+
+
+def test_operations_are_declared_without_sizes_and_bound_immutably():
+    declared = Concatenate(dim=0)
+    bound, _ = bind_operations([declared], [(2, 3), (4, 3)], 1)
+    assert declared.sizes is None and bound[0].sizes == (2, 4)
+    with pytest.raises(Exception):
+        declared.dim = 1  # frozen
+
+
+# ------------------------------------------------------------------------------------------------- bind errors
+
+
+@pytest.mark.parametrize(
+    ("operation", "shapes", "num_targets", "message"),
+    [
+        (Concatenate(dim=0), [(2, 3), (2, 4)], 1, "cannot concatenate"),
+        (Concatenate(dim=0), [(2, 3), (2, 3, 1)], 1, "cannot concatenate"),
+        (Concatenate(dim=2), [(2, 3), (2, 3)], 1, "out of range"),
+        (Concatenate(dim=0), [], 1, "no tensors"),
+        (Concatenate(dim=0), [[(2, 3)], [(2, 3)]], 1, "MergeModulelist"),
+        (Chunk(dim=0), [(7, 3)], 2, "equal parts"),
+        (Chunk(dim=0), [(4, 3)], 0, "equal parts"),
+        (Chunk(dim=0, sizes=(2, 3)), [(4, 3)], 2, "add up"),
+        (Chunk(dim=0), [(4, 3), (4, 3)], 2, "exactly one"),
+        (Chunk(dim=-3), [(4, 3)], 2, "out of range"),
+        (MergeModulelist(dim=0), [(2, 3)], 1, "indexed"),
+        (MergeModulelist(dim=0), [[(2, 3), (2, 4)]], 1, "cannot stack"),
+        (MergeModulelist(dim=0), [[]], 1, "cannot stack"),
+        (MergeModulelist(dim=0), [[(2, 3)] * 3, [(2, 3)] * 2], 2, "different numbers"),
+        (MergeModulelist(dim=3), [[(2, 3)]], 1, "out of range"),
+        (SplitModulelist(dim=0, count=3), [(4, 3)], 1, "expected 3"),
+        (SplitModulelist(dim=0), [[(4, 3)]], 1, "MergeModulelist"),
+        (Transpose(0, 2), [(4, 3)], 1, "out of range"),
+        (Conv3dToLinear(), [(4, 3, 2, 2)], 1, "5-D"),
+        (Conv3dToLinear(kernel_shape=(3, 2, 2, 2)), [(4, 3, 2, 2, 1)], 1, "differs"),
+        (LinearToConv3d(kernel_shape=(3, 2, 2, 2)), [(4, 25)], 1, "cannot reshape"),
+        (LinearToConv3d(kernel_shape=(3, 2)), [(4, 6)], 1, "cannot reshape"),
+        (LinearToConv3d(kernel_shape=(3, 2, 2, 2)), [(4, 3, 8)], 1, "cannot reshape"),
+    ],
+)
+def test_bind_rejects_incompatible_shapes(operation, shapes, num_targets, message):
+    with pytest.raises(ConversionError, match=message):
+        operation.bind(shapes, num_targets)
+
+
+def test_unbound_concatenate_cannot_be_reversed_without_equal_parts():
+    with pytest.raises(ConversionError, match="equal_parts=True"):
+        Concatenate(dim=0).reverse()
+    assert Concatenate(dim=1, equal_parts=True).reverse() == Chunk(dim=1, equal_parts=True)
+    assert Concatenate(dim=0, sizes=(3, 1)).reverse() == Chunk(dim=0, sizes=(3, 1))
+
+
+def test_unbound_conv3d_cannot_be_reversed():
+    with pytest.raises(ConversionError, match="bound"):
+        Conv3dToLinear().reverse()
+
+
+def test_declared_reverses_of_size_free_operations():
+    assert Transpose(0, 2).reverse() == Transpose(0, 2)
+    assert MergeModulelist(dim=1).reverse() == SplitModulelist(dim=1)
+    assert SplitModulelist(dim=1).reverse() == MergeModulelist(dim=1)
+    assert Chunk(dim=0).reverse() == Concatenate(dim=0, equal_parts=True)
+
+
+@given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 3), dtypes, seeds, st.data())
+@PROPERTY
+def test_fused_merge_concatenate_equals_stack_then_cat(experts, num_slots, rank, dtype, seed, data):
+    """run_operations writes Merge+Concatenate straight into the output; the result is exactly stack-then-cat."""
+    merge_dim = data.draw(st.integers(-(rank + 1), rank))
+    cat_dim = data.draw(st.integers(-(rank + 1), rank))
+    base = [data.draw(dims) for _ in range(rank)]
+    cat_axis = cat_dim % (rank + 1)
+    merge_axis = merge_dim % (rank + 1)
+    slots = []
+    for s in range(num_slots):
+        shape = list(base)
+        if cat_axis != merge_axis:  # parts may differ along the concatenation axis (in the unstacked shape)
+            axis = cat_axis if cat_axis < merge_axis else cat_axis - 1
+            shape[axis] = data.draw(dims)
+        slots.append([random_tensor(tuple(shape), dtype, seed + 10 * s + e) for e in range(experts)])
+    ops = [MergeModulelist(dim=merge_dim), Concatenate(dim=cat_dim)]
+    bound, _ = bind_operations(ops, [shape_of(s) for s in slots], 1)
+    (fused,) = run_operations(bound, slots)
+    slow = slots
+    for op in bound:
+        slow = op.apply(slow)
+    assert same(fused, slow[0])
+
+
+def test_fused_merge_concatenate_rejects_mismatched_tensors():
+    merge, concatenate = MergeModulelist(dim=0, count=2), Concatenate(dim=1, sizes=(2, 2))
+    with pytest.raises(ConversionError, match="cannot stack"):
+        run_operations([merge, concatenate], [[torch.zeros(2, 3), torch.zeros(2, 4)], [torch.zeros(2, 3)] * 2])
+    with pytest.raises(ConversionError, match="cannot stack"):
+        run_operations([merge, concatenate], [[torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.float16)],
+                                              [torch.zeros(2, 3)] * 2])

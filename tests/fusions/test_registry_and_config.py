@@ -1,0 +1,276 @@
+"""The fusion registry and ``fusion_config``: validation, persistence in config.json, per-load scoping, discovery."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from fusion_models import assert_outputs_close, assert_outputs_equal, module_types
+from transformers import LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
+
+import modelpatch
+from modelpatch import FusionError, ModuleFusionSpec, available_fusions, register_fusion, unregister_fusion
+from modelpatch.fusions import QKVFusionSpec
+
+BUILTIN = ["gate_up", "linear_experts", "patch_embeddings", "qkv"]
+
+
+def generated_modules(model: torch.nn.Module) -> list[str]:
+    return [name for name, module in model.named_modules() if type(module).__module__.startswith("modelpatch")]
+
+
+def config_json(path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+# --- Registry -----------------------------------------------------------------------------------------------------
+
+
+def test_builtin_fusions_are_available():
+    assert available_fusions() == BUILTIN
+
+
+def test_register_overwrite_unregister():
+    spec, other = QKVFusionSpec(), QKVFusionSpec()
+    register_fusion("my_qkv", spec)
+    assert "my_qkv" in available_fusions()
+    with pytest.raises(FusionError, match="already registered.*overwrite=True"):
+        register_fusion("my_qkv", other)
+    register_fusion("my_qkv", other, overwrite=True)
+    assert modelpatch.fusions.get_fusion("my_qkv") is other
+    unregister_fusion("my_qkv")
+    assert available_fusions() == BUILTIN
+    with pytest.raises(FusionError, match="No fusion named 'my_qkv'; available: gate_up, linear_experts"):
+        unregister_fusion("my_qkv")
+
+
+@pytest.mark.parametrize("name", ["my-fusion", "", "1st", 3])
+def test_fusion_names_must_be_identifiers(name):
+    with pytest.raises(FusionError, match="identifier"):
+        register_fusion(name, QKVFusionSpec())
+
+
+def test_only_specs_can_be_registered():
+    with pytest.raises(TypeError, match="ModuleFusionSpec"):
+        register_fusion("qkv_class", QKVFusionSpec)  # the class, not an instance
+
+
+# --- fusion_config validation -------------------------------------------------------------------------------------
+
+
+def test_unknown_fusion_lists_the_available_ones(tiny):
+    ckpt = tiny("llama")
+    for load in (
+        lambda: ckpt.load({"qkv": True, "flash_qkv": True}),
+        lambda: modelpatch.from_config(LlamaForCausalLM, ckpt.stock().config, fusion_config={"flash_qkv": True}),
+    ):
+        with pytest.raises(FusionError) as error:
+            load()
+        message = str(error.value)
+        assert "'flash_qkv'" in message
+        assert all(name in message for name in BUILTIN), message
+
+
+def test_unknown_fusion_stored_in_config_json(tiny, tmp_path):
+    ckpt = tiny("llama")
+    edited = shutil.copytree(ckpt.path, tmp_path / "edited")
+    config = config_json(edited)
+    config["fusion_config"] = {"flash_qkv": True}
+    (edited / "config.json").write_text(json.dumps(config))
+    with pytest.raises(FusionError, match="Unknown fusion 'flash_qkv'; available fusions: gate_up, linear_experts"):
+        ckpt.load(path=edited)
+    assert generated_modules(ckpt.load({}, path=edited)) == []  # an explicit argument replaces the stored one
+
+
+@pytest.mark.parametrize("value", [1, 0, "yes", None, 0.5, ["fast"]])
+def test_option_values_must_be_bool_or_dict(tiny, value):
+    with pytest.raises(FusionError, match=r"fusion_config\['qkv'\] must be True, False or an options dict"):
+        tiny("llama").load({"qkv": value})
+
+
+@pytest.mark.parametrize("value", [["qkv"], "qkv", True])
+def test_fusion_config_must_be_a_dict(tiny, value):
+    with pytest.raises(FusionError, match="fusion_config must be a dict"):
+        tiny("llama").load(value)
+
+
+@pytest.mark.parametrize("name", BUILTIN)
+def test_options_for_a_family_that_takes_none(tiny, name):
+    with pytest.raises(FusionError, match=f"Invalid options for fusion '{name}'.*takes no options.*'block_size'"):
+        tiny("llama").load({name: {"block_size": 64}})
+
+
+def test_empty_options_enable_and_false_disables(tiny):
+    ckpt = tiny("llama")
+    enabled = ckpt.load({"qkv": {}, "gate_up": False})
+    assert isinstance(enabled.model.layers[0].self_attn.qkv_proj, torch.nn.Linear)
+    assert type(enabled.model.layers[0].mlp) is LlamaMLP
+    assert enabled.config.fusion_config == {"qkv": {}, "gate_up": False}
+    assert generated_modules(ckpt.load({"qkv": False, "gate_up": False})) == []
+
+
+# --- Persistence --------------------------------------------------------------------------------------------------
+
+
+def test_persisted_reused_and_overridden(tiny, tmp_path):
+    ckpt = tiny("llama")
+    fused = ckpt.load({"qkv": True})
+    assert fused.config.fusion_config == {"qkv": True}
+    assert not hasattr(ckpt.stock().config, "fusion_config")  # the checkpoint's config object is not touched
+    modelpatch.save_pretrained(fused, tmp_path / "saved")
+    assert config_json(tmp_path / "saved")["fusion_config"] == {"qkv": True}
+
+    # Omitted: the stored config is reused.
+    reused = ckpt.load(path=tmp_path / "saved")
+    assert type(reused.model.layers[0].self_attn) is type(fused.model.layers[0].self_attn)
+    assert_outputs_equal(ckpt.outputs(reused), ckpt.outputs(fused))
+
+    # Explicit: replaces the stored one (no merging).
+    overridden = ckpt.load({"gate_up": True}, path=tmp_path / "saved")
+    assert type(overridden.model.layers[0].self_attn) is LlamaAttention
+    assert type(overridden.model.layers[0].mlp).__name__ == "GateUpFusedLlamaMLP"
+    assert overridden.config.fusion_config == {"gate_up": True}
+
+    disabled = ckpt.load({"qkv": False}, path=tmp_path / "saved")
+    assert generated_modules(disabled) == []
+    assert_outputs_close(ckpt.outputs(disabled), ckpt.stock_outputs())
+
+    # An explicit empty config drops the stored one, and so does the next save.
+    plain = ckpt.load({}, path=tmp_path / "saved")
+    assert generated_modules(plain) == [] and not hasattr(plain.config, "fusion_config")
+    modelpatch.save_pretrained(plain, tmp_path / "plain")
+    assert "fusion_config" not in config_json(tmp_path / "plain")
+
+
+# --- Scoping ------------------------------------------------------------------------------------------------------
+
+
+def test_a_fusion_is_scoped_to_its_load(tiny):
+    ckpt = tiny("llama")
+    fused = ckpt.load({"qkv": True, "gate_up": True})
+    assert [n for n, m in fused.named_modules() if type(m).__module__ == "modelpatch.fusions.generated"] == [
+        f"model.layers.{i}.{child}" for i in range(2) for child in ("self_attn", "mlp")
+    ]
+    assert modelpatch.get_patch_mapping() == {}  # nothing registered globally
+
+    config = ckpt.stock().config
+    for later in (
+        ckpt.load(),
+        ckpt.model_class.from_pretrained(ckpt.path),
+        modelpatch.from_config(LlamaForCausalLM, config),
+        LlamaForCausalLM(config),
+    ):
+        assert generated_modules(later) == []
+        assert type(later.model.layers[0].self_attn) is LlamaAttention
+
+
+def test_a_failed_fused_load_leaves_nothing_behind(tiny):
+    class Broken(QKVFusionSpec):
+        prefix = "BrokenQKVFused"
+
+        def make_fused_class(self, original_cls):
+            def __init__(self, *args, **kwargs):
+                raise RuntimeError("cannot build")
+
+            return type("BrokenAttention", (original_cls,), {"__init__": __init__})
+
+    register_fusion("broken", Broken())
+    ckpt = tiny("llama")
+    with pytest.raises(RuntimeError, match="cannot build"):
+        ckpt.load({"broken": True})
+    assert generated_modules(ckpt.load()) == []
+    assert generated_modules(LlamaForCausalLM(ckpt.stock().config)) == []
+
+
+def test_concurrent_loads_get_their_own_structure(tiny):
+    """Thread A builds a fused model and is held *inside* the build (its patches active) while thread B loads the
+    same checkpoint without fusions in three ways: B must get stock classes, A the fused ones."""
+    ckpt = tiny("llama")
+    building, plain_done = threading.Event(), threading.Event()
+
+    class HeldQKV(QKVFusionSpec):
+        prefix = "HeldQKVFused"
+
+        def make_fused_class(self, original_cls):
+            fused = super().make_fused_class(original_cls)
+
+            def __init__(self, *args, **kwargs):
+                building.set()
+                assert plain_done.wait(30), "the plain loads did not finish"
+                fused.__init__(self, *args, **kwargs)
+
+            return type(f"Held{original_cls.__name__}", (fused,), {"__init__": __init__})
+
+    register_fusion("held_qkv", HeldQKV())
+
+    def fused_load():
+        return ckpt.load({"held_qkv": True})
+
+    def plain_loads():
+        assert building.wait(30), "the fused load never started building"
+        try:
+            return [ckpt.load(), LlamaForCausalLM.from_pretrained(ckpt.path), LlamaForCausalLM(ckpt.stock().config)]
+        finally:
+            plain_done.set()
+
+    with ThreadPoolExecutor(2) as pool:
+        fused_future, plain_future = pool.submit(fused_load), pool.submit(plain_loads)
+        fused, plain = fused_future.result(timeout=120), plain_future.result(timeout=120)
+
+    assert type(fused.model.layers[0].self_attn).__name__ == "HeldLlamaAttention"
+    assert_outputs_close(ckpt.outputs(fused), ckpt.stock_outputs())
+    for model in plain:
+        assert generated_modules(model) == []
+        assert module_types(model) == module_types(ckpt.stock())
+    assert_outputs_equal(ckpt.outputs(plain[0]), ckpt.stock_outputs())
+
+
+# --- Discovery ----------------------------------------------------------------------------------------------------
+
+
+def test_discovery_sees_a_meta_device_model(tiny, caplog):
+    class Spy(ModuleFusionSpec):
+        def __init__(self):
+            self.devices: set[str] = set()
+            self.names: list[str] = []
+
+        def is_fusable(self, module):
+            self.devices.update(p.device.type for p in module.parameters(recurse=False))
+            self.names.append(type(module).__name__)
+            return False
+
+    spy = Spy()
+    register_fusion("spy", spy)
+    with caplog.at_level(logging.WARNING, logger="modelpatch.fusions.apply"):
+        model = tiny("llama").load({"spy": True})
+    assert spy.devices == {"meta"}
+    assert {"LlamaForCausalLM", "LlamaAttention", "LlamaMLP", "Linear"} <= set(spy.names)
+    assert "found nothing to fuse" in caplog.text
+    assert generated_modules(model) == []
+
+
+def test_one_fused_class_per_compatible_class(tiny):
+    """Every instance of a fusable class gets the same generated class, in this load and in later ones."""
+    ckpt = tiny("llama")
+    first, second = ckpt.load({"qkv": True}), ckpt.load({"qkv": True})
+    classes = {type(layer.self_attn) for model in (first, second) for layer in model.model.layers}
+    assert len(classes) == 1
+    (fused,) = classes
+    assert fused.__module__ == "modelpatch.fusions.generated"
+    assert getattr(modelpatch.fusions.generated, fused.__name__) is fused
+    assert issubclass(fused, LlamaAttention)
+
+
+def test_two_fusions_wanting_one_class_is_an_error(tiny):
+    class AlsoQKV(QKVFusionSpec):
+        prefix = "AlsoQKVFused"
+
+    register_fusion("also_qkv", AlsoQKV())
+    with pytest.raises(FusionError, match="both want to replace LlamaAttention; enable one"):
+        tiny("llama").load({"qkv": True, "also_qkv": True})

@@ -1,0 +1,99 @@
+"""Patches during construction, and the conversion list: extra conversions first, then the model type's minus filtered."""
+
+from __future__ import annotations
+
+import torch
+from stock_checkpoints import assert_tensors_identical
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+import modelpatch
+from modelpatch import MergeModulelist, Patcher, WeightConverter, WeightRenaming
+from modelpatch.conversion.builtin import builtin_conversions
+
+
+class CountingMLP(LlamaMLP):
+    """Same weights as LlamaMLP; counts forwards."""
+
+    calls = 0
+
+    def forward(self, x):
+        type(self).calls += 1
+        return super().forward(x)
+
+
+class OtherMLP(LlamaMLP):
+    pass
+
+
+def test_registered_patch_applies_to_from_pretrained(stock_checkpoint):
+    ckpt = stock_checkpoint("llama")
+    modelpatch.register_patch_mapping({"LlamaMLP": CountingMLP})
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path)
+    assert all(type(layer.mlp) is CountingMLP for layer in model.model.layers)
+    stock = AutoModelForCausalLM.from_pretrained(ckpt.path)
+    assert type(stock.model.layers[0].mlp) is LlamaMLP  # stock transformers is untouched
+    CountingMLP.calls = 0
+    with torch.no_grad():
+        assert torch.equal(model(**ckpt.inputs()).logits, stock(**ckpt.inputs()).logits)
+    assert CountingMLP.calls == 2
+
+
+def test_patcher_wins_over_the_registry_and_is_scoped(stock_checkpoint):
+    ckpt = stock_checkpoint("llama")
+    modelpatch.register_patch_mapping({"LlamaMLP": OtherMLP})
+    model = modelpatch.from_pretrained(LlamaForCausalLM, ckpt.path, patcher=Patcher({"LlamaMLP": CountingMLP}))
+    assert type(model.model.layers[0].mlp) is CountingMLP
+    model = modelpatch.from_pretrained(LlamaForCausalLM, ckpt.path)
+    assert type(model.model.layers[0].mlp) is OtherMLP
+
+
+def test_patcher_applies_to_from_config():
+    config = AutoConfig.for_model("llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1)
+    model = modelpatch.from_config(AutoModelForCausalLM, config, patcher=Patcher({"LlamaMLP": CountingMLP}))
+    assert type(model.model.layers[0].mlp) is CountingMLP
+    assert type(modelpatch.from_config(AutoModelForCausalLM, config).model.layers[0].mlp) is LlamaMLP
+
+
+def test_conversion_list_is_extras_then_unfiltered_builtins(stock_checkpoint, tmp_path):
+    ckpt = stock_checkpoint("qwen2_moe")
+    gate_up, down = builtin_conversions()["qwen2_moe"]
+    # Replace only the down_proj converter by an equivalent one of our own.
+    extra = WeightConverter("mlp.experts.*.down_proj.weight", "mlp.experts.down_proj", [MergeModulelist(dim=0)])
+    patcher = Patcher(filtered_weight_conversion_patterns=r"\*\.down_proj", extra_weight_conversions=extra)
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path, patcher=patcher)
+    report = modelpatch.get_load_report(model)
+    assert list(report.transforms) == [extra, gate_up]
+    assert {g.converter for g in report.groups} == {extra, gate_up}
+    reference = modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path)
+    assert_tensors_identical(model.state_dict(), reference.state_dict())
+    modelpatch.save_pretrained(model, tmp_path / "out")
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (ckpt.path / "model.safetensors").read_bytes()
+
+
+def test_extra_renaming_through_a_patcher(stock_checkpoint, tmp_path):
+    """A checkpoint with renamed keys loads with an extra WeightRenaming and saves back under its own names."""
+    from stock_checkpoints import rewrite_checkpoint
+
+    def edit(tensors):
+        for key in list(tensors):
+            if ".mlp." in key:
+                tensors[key.replace(".mlp.", ".feed_forward.")] = tensors.pop(key)
+
+    directory = rewrite_checkpoint(stock_checkpoint("llama").path, tmp_path / "renamed", edit)
+    patcher = Patcher(extra_weight_conversions=[WeightRenaming(r"\.feed_forward\.", ".mlp.")])
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, directory, patcher=patcher)
+    reference = modelpatch.from_pretrained(AutoModelForCausalLM, stock_checkpoint("llama").path)
+    assert_tensors_identical(model.state_dict(), reference.state_dict())
+    modelpatch.save_pretrained(model, tmp_path / "out")
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (directory / "model.safetensors").read_bytes()
+
+
+def test_report_summary_and_absent_report(stock_checkpoint):
+    ckpt = stock_checkpoint("mixtral")
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path)
+    summary = modelpatch.get_load_report(model).summary()
+    assert "converted groups: 4" in summary and "renamed: 2" in summary
+    assert modelpatch.get_load_report(AutoModelForCausalLM.from_pretrained(ckpt.path)) is None
+    assert modelpatch.get_load_report(torch.nn.Linear(1, 1)) is None

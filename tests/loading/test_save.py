@@ -1,0 +1,230 @@
+"""save_pretrained: the checkpoint layout (every conversion reversed), the runtime layout, atomicity."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from stock_checkpoints import CONFIGS, assert_tensors_identical, bits, config_json, read_tensors
+from transformers import AutoConfig, AutoModelForCausalLM, BertForSequenceClassification
+
+import modelpatch
+from modelpatch import CheckpointError, ConversionError
+from modelpatch.checkpoint import writer
+from modelpatch.loading.config import RUNTIME_LAYOUT_ATTRIBUTE
+
+
+def _snapshot(directory):
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+# ------------------------------------------------------------------------------------------------- config files
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2_moe", "qwen2_vl"])
+def test_config_and_generation_config_written_like_stock(stock_checkpoint, tmp_path, name):
+    ckpt = stock_checkpoint(name)
+    model = modelpatch.from_pretrained(ckpt.model_class, ckpt.path)
+    files = modelpatch.save_pretrained(model, tmp_path / "out")
+    assert {f.name for f in files} == {p.name for p in ckpt.path.iterdir()}
+    # config.json as stock writes it after a stock load (which records the dtype on sub-configs too).
+    stock_dir = tmp_path / "stock"
+    ckpt.model_class.from_pretrained(ckpt.path).save_pretrained(stock_dir)
+    assert config_json(tmp_path / "out") == config_json(stock_dir)
+    assert json.loads((tmp_path / "out" / "generation_config.json").read_text()) == json.loads(
+        (ckpt.path / "generation_config.json").read_text()
+    )
+
+
+def test_save_writes_modified_weights(stock_checkpoint, tmp_path):
+    """The save reads the live parameters (converted and zero-copy ones), never the source file."""
+    ckpt = stock_checkpoint("qwen2_moe")
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path)
+    with torch.no_grad():
+        model.model.layers[0].mlp.experts.gate_up_proj[1, 40].fill_(3.0)  # expert 1, a row of up_proj
+        model.model.norm.weight.fill_(-2.0)
+    modelpatch.save_pretrained(model, tmp_path / "out")
+    saved, source = read_tensors(tmp_path / "out"), ckpt.tensors()
+    assert torch.equal(saved["model.layers.0.mlp.experts.1.up_proj.weight"][40 - 32], torch.full((64,), 3.0))
+    assert torch.equal(saved["model.norm.weight"], torch.full((64,), -2.0))
+    changed = {k for k in source if not torch.equal(bits(saved[k]), bits(source[k]))}
+    assert changed == {"model.layers.0.mlp.experts.1.up_proj.weight", "model.norm.weight"}
+
+
+def test_save_over_the_checkpoint_it_was_loaded_from(stock_checkpoint, tmp_path):
+    """The model's tensors are views of the old file; replacing that directory in place must still be exact."""
+    directory = tmp_path / "ckpt"
+    shutil.copytree(stock_checkpoint("qwen2_moe").path, directory)
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, directory)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    modelpatch.save_pretrained(model, directory)
+    assert_tensors_identical(model.state_dict(), expected)  # the old mapping stays valid
+    again = modelpatch.from_pretrained(AutoModelForCausalLM, directory)
+    assert_tensors_identical(again.state_dict(), expected)
+
+
+def test_sharded_save_roundtrip(stock_checkpoint, tmp_path):
+    ckpt = stock_checkpoint("qwen2_moe")
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path)
+    files = modelpatch.save_pretrained(model, tmp_path / "out", max_shard_size="20KB")
+    assert len([f for f in files if f.suffix == ".safetensors"]) > 3
+    assert_tensors_identical(read_tensors(tmp_path / "out"), ckpt.tensors())
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert_tensors_identical(stock.state_dict(), model.state_dict())
+
+
+# -------------------------------------------------------------------------------------------------- atomicity
+
+
+def test_failed_save_leaves_previous_checkpoint_intact(stock_checkpoint, tmp_path, monkeypatch):
+    ckpt = stock_checkpoint("llama_sharded")
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path)
+    out = tmp_path / "out"
+    modelpatch.save_pretrained(model, out, max_shard_size="40KB")
+    (out / "tokenizer.json").write_text("{}")
+    before = _snapshot(out)
+
+    real_save_file = writer.save_file
+    calls = []
+
+    def failing_save_file(tensors, filename, metadata=None):
+        calls.append(filename)
+        if len(calls) == 3:  # two shards written, then the disk "fills up"
+            raise OSError("No space left on device")
+        return real_save_file(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(writer, "save_file", failing_save_file)
+    with torch.no_grad():
+        model.model.norm.weight.zero_()
+    with pytest.raises(CheckpointError, match="No space left"):
+        modelpatch.save_pretrained(model, out, max_shard_size="40KB")
+    assert _snapshot(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary leftovers
+
+
+def test_save_that_cannot_be_reversed_fails_before_writing(stock_checkpoint, tmp_path):
+    ckpt = stock_checkpoint("qwen2_moe")
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path)
+    out = tmp_path / "out"
+    modelpatch.save_pretrained(model, out)
+    before = _snapshot(out)
+    del model.model.layers[1].mlp.experts.down_proj  # the model no longer has a converted parameter
+    with pytest.raises(ConversionError, match="model.layers.1.mlp.experts.down_proj"):
+        modelpatch.save_pretrained(model, out)
+    assert _snapshot(out) == before
+
+
+def test_save_rejects_bad_targets(stock_checkpoint, tmp_path):
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, stock_checkpoint("llama").path)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="not a directory"):
+        modelpatch.save_pretrained(model, tmp_path / "file")
+    with pytest.raises(CheckpointError, match="max_shard_size"):
+        modelpatch.save_pretrained(model, tmp_path / "out", max_shard_size="lots")
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        modelpatch.save_pretrained(torch.nn.Linear(2, 2), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------------------------- runtime layout
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "mixtral", "qwen2_vl"])
+def test_runtime_layout_save_and_reload(stock_checkpoint, tmp_path, name):
+    ckpt = stock_checkpoint(name)
+    model = modelpatch.from_pretrained(ckpt.model_class, ckpt.path)
+    runtime_dir = tmp_path / "runtime"
+    modelpatch.save_pretrained(model, runtime_dir, save_original_format=False)
+
+    assert config_json(runtime_dir)[RUNTIME_LAYOUT_ATTRIBUTE] is True
+    assert_tensors_identical(read_tensors(runtime_dir), model.state_dict())
+
+    reloaded = modelpatch.from_pretrained(ckpt.model_class, runtime_dir)
+    report = modelpatch.get_load_report(reloaded)
+    assert report.runtime_layout and not report.groups
+    assert_tensors_identical(reloaded.state_dict(), model.state_dict())
+    with torch.no_grad():
+        assert torch.equal(reloaded(**ckpt.inputs()).logits, model(**ckpt.inputs()).logits)
+
+    # Back to the original layout: bitwise the stock checkpoint, and the marker is gone from config.json.
+    original_dir = tmp_path / "original"
+    modelpatch.save_pretrained(reloaded, original_dir)
+    assert_tensors_identical(read_tensors(original_dir), ckpt.tensors())
+    assert RUNTIME_LAYOUT_ATTRIBUTE not in config_json(original_dir)
+    runtime_config = config_json(runtime_dir)
+    del runtime_config[RUNTIME_LAYOUT_ATTRIBUTE]
+    assert config_json(original_dir) == runtime_config
+
+
+def test_runtime_layout_of_moe_holds_fused_experts(stock_checkpoint, tmp_path):
+    ckpt = stock_checkpoint("qwen2_moe")
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path)
+    modelpatch.save_pretrained(model, tmp_path / "runtime", save_original_format=False)
+    keys = set(load_file(str(tmp_path / "runtime" / "model.safetensors")))
+    assert "model.layers.0.mlp.experts.gate_up_proj" in keys
+    assert not any(".experts.0." in k for k in keys)
+
+
+# ----------------------------------------------------------------------------------- models never loaded
+
+
+def _moe_config(name):
+    model_type, _, kwargs = CONFIGS[name]
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "mixtral", "qwen3_moe", "olmoe", "qwen2_vl", "llama_tied"])
+def test_from_config_saves_in_checkpoint_layout(stock_checkpoint, tmp_path, name):
+    """A model built with from_config has no load record: its save runs the model type's transforms backwards."""
+    ckpt = stock_checkpoint(name)
+    torch.manual_seed(0)
+    model = modelpatch.from_config(ckpt.model_class, AutoConfig.from_pretrained(ckpt.path))
+    assert modelpatch.get_load_report(model) is None
+    modelpatch.save_pretrained(model, tmp_path / "out")
+
+    saved = read_tensors(tmp_path / "out")
+    reference = ckpt.tensors()
+    assert {k: (v.shape, v.dtype) for k, v in saved.items()} == {k: (v.shape, v.dtype) for k, v in reference.items()}
+
+    stock = ckpt.model_class.from_pretrained(tmp_path / "out")
+    assert_tensors_identical(stock.state_dict(), model.state_dict())
+    mine = modelpatch.from_pretrained(ckpt.model_class, tmp_path / "out")
+    assert_tensors_identical(mine.state_dict(), model.state_dict())
+    # Stock's own save of the same model writes the same bytes.
+    stock_dir = tmp_path / "stock"
+    model.save_pretrained(stock_dir)
+    assert (stock_dir / "model.safetensors").read_bytes() == (tmp_path / "out" / "model.safetensors").read_bytes()
+
+
+def test_from_config_applies_registered_patches(stock_checkpoint):
+    class TaggedMLP(torch.nn.Module):
+        def __init__(self, config, *args, **kwargs):
+            super().__init__()
+            self.proj = torch.nn.Linear(config.hidden_size, config.hidden_size)
+
+        def forward(self, x):
+            return self.proj(x)
+
+    modelpatch.register_patch_mapping({"LlamaMLP": TaggedMLP})
+    model = modelpatch.from_config(AutoModelForCausalLM, _moe_config("llama"), dtype=torch.bfloat16)
+    assert type(model.model.layers[0].mlp) is TaggedMLP
+    assert model.dtype == torch.bfloat16
+    modelpatch.clear_patch_mapping()
+    model = modelpatch.from_config(AutoModelForCausalLM, _moe_config("llama"))
+    assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"
+
+
+def test_task_head_model_saves_a_loadable_checkpoint(stock_checkpoint, tmp_path):
+    """A BertForSequenceClassification loaded from a BertModel checkpoint, with a fresh head, saved and reloaded."""
+    path = stock_checkpoint("bert_base").path
+    model = modelpatch.from_pretrained(BertForSequenceClassification, path, new_parameters=["^classifier"])
+    modelpatch.save_pretrained(model, tmp_path / "out")
+    stock = BertForSequenceClassification.from_pretrained(tmp_path / "out")
+    assert_tensors_identical(stock.state_dict(), model.state_dict())
+    again = modelpatch.from_pretrained(BertForSequenceClassification, tmp_path / "out")
+    assert_tensors_identical(again.state_dict(), model.state_dict())

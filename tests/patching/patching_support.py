@@ -1,0 +1,210 @@
+"""Tiny real models and replacement classes shared by the class-patching tests.
+
+Everything here is importable by name (``patching_support``), so models built with these replacements can be pickled.
+No mocks: every replacement is a real ``nn.Module`` that runs inside a real transformers model.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+from transformers import BertConfig, LlamaConfig, Qwen2MoeConfig
+from transformers.models.bert.modeling_bert import BertSelfAttention
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeAttention, Qwen2MoeExperts, Qwen2MoeTopKRouter
+
+SEQ_LEN = 5
+
+
+def llama_config(num_hidden_layers: int = 2, **overrides) -> LlamaConfig:
+    kwargs = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="eager",
+    )
+    kwargs.update(overrides)
+    return LlamaConfig(**kwargs)
+
+
+def qwen2_moe_config(num_hidden_layers: int = 2, **overrides) -> Qwen2MoeConfig:
+    kwargs = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="eager",
+    )
+    kwargs.update(overrides)
+    return Qwen2MoeConfig(**kwargs)
+
+
+def bert_config(num_hidden_layers: int = 2, **overrides) -> BertConfig:
+    kwargs = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        attn_implementation="eager",
+    )
+    kwargs.update(overrides)
+    return BertConfig(**kwargs)
+
+
+def input_ids(vocab_size: int = 64, seq_len: int = SEQ_LEN) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1234)
+    return torch.randint(0, vocab_size, (1, seq_len), generator=generator)
+
+
+def module_types(model: nn.Module) -> set[type]:
+    return {type(m) for m in model.modules()}
+
+
+# --- Replacements that subclass the original and keep its math -----------------------------------------------------
+
+
+class CountingLlamaAttention(LlamaAttention):
+    """A LlamaAttention that counts how often ``__init__`` runs (per class, thread-safe)."""
+
+    init_calls = 0
+    _lock = threading.Lock()
+
+    def __init__(self, config, layer_idx):
+        with CountingLlamaAttention._lock:
+            CountingLlamaAttention.init_calls += 1
+        super().__init__(config, layer_idx)
+
+
+class MarkedLlamaAttention(LlamaAttention):
+    """Same math as LlamaAttention; only its type tells it apart."""
+
+
+class OtherLlamaAttention(LlamaAttention):
+    """A second distinguishable LlamaAttention subclass (for precedence tests)."""
+
+
+class MarkedLlamaMLP(LlamaMLP):
+    """Same math as LlamaMLP."""
+
+
+class MarkedQwen2MoeAttention(Qwen2MoeAttention):
+    """Same math as Qwen2MoeAttention."""
+
+
+class MarkedQwen2MoeExperts(Qwen2MoeExperts):
+    """Same math as Qwen2MoeExperts."""
+
+
+class MarkedBertSelfAttention(BertSelfAttention):
+    """Same math as BertSelfAttention."""
+
+
+class PlainModule(nn.Module):
+    """A replacement with no relation to any transformers class; accepts any constructor arguments."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+        self.received_args = args
+        self.received_kwargs = kwargs
+
+    def forward(self, *args, **kwargs):  # pragma: no cover - never run
+        raise AssertionError("PlainModule is never meant to run")
+
+
+# --- Replacements that do NOT subclass the original ------------------------------------------------------------------
+
+
+class ArgsRecordingAttention(nn.Module):
+    """Not a LlamaAttention: records the arguments it was built with, then wraps an original LlamaAttention."""
+
+    init_calls = 0
+    received: list[tuple[tuple, dict]] = []
+    _lock = threading.Lock()
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+        with ArgsRecordingAttention._lock:
+            ArgsRecordingAttention.init_calls += 1
+            ArgsRecordingAttention.received.append((args, kwargs))
+        self.inner = LlamaAttention(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+
+class WrappedLlamaAttention(nn.Module):
+    """Not a LlamaAttention: it wraps an inner (original) LlamaAttention and returns its outputs unchanged."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.inner = LlamaAttention(config, layer_idx)
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+
+class WrappedQwen2MoeAttention(nn.Module):
+    """Not a Qwen2MoeAttention: it wraps an original one and returns its outputs unchanged."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.inner = Qwen2MoeAttention(config, layer_idx)
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+
+def _copy_llama_attention_state(target: nn.Module, config, layer_idx: int) -> None:
+    target.config = config
+    target.layer_idx = layer_idx
+    target.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    target.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+    target.scaling = target.head_dim**-0.5
+    target.attention_dropout = config.attention_dropout
+    target.is_causal = True
+    bias = config.attention_bias
+    target.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * target.head_dim, bias=bias)
+    target.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * target.head_dim, bias=bias)
+    target.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * target.head_dim, bias=bias)
+    target.o_proj = nn.Linear(config.num_attention_heads * target.head_dim, config.hidden_size, bias=bias)
+
+
+class ReimplementedLlamaAttention(nn.Module):
+    """Not a LlamaAttention and contains none: its own projections, LlamaAttention's math (same parameter names)."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        _copy_llama_attention_state(self, config, layer_idx)
+
+    def forward(self, *args, **kwargs):
+        return LlamaAttention.forward(self, *args, **kwargs)
+
+
+class ReimplementedQwen2MoeRouter(nn.Module):
+    """Not a Qwen2MoeTopKRouter: same parameters and math, written out again."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.num_experts = config.num_experts
+        self.norm_topk_prob = config.norm_topk_prob
+        self.hidden_dim = config.hidden_size
+        self.weight = nn.Parameter(torch.zeros(self.num_experts, self.hidden_dim))
+
+    def forward(self, hidden_states):
+        return Qwen2MoeTopKRouter.forward(self, hidden_states)

@@ -1,0 +1,175 @@
+"""Output recorders (``output_attentions`` / ``output_router_logits``) on patched and unpatched models.
+
+transformers attaches its recording hooks by class (``_can_record_outputs``). modelpatch extends those specs additively
+when a non-subclass replacement is built, so patched models record from the replacement and unpatched models of the
+same class (built before or after) still record exactly once per layer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from patching_support import (
+    MarkedLlamaAttention,
+    MarkedQwen2MoeAttention,
+    ReimplementedLlamaAttention,
+    ReimplementedQwen2MoeRouter,
+    WrappedLlamaAttention,
+    WrappedQwen2MoeAttention,
+    input_ids,
+    llama_config,
+    qwen2_moe_config,
+)
+from transformers import LlamaForCausalLM, LlamaModel, Qwen2MoeForCausalLM
+from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
+
+import modelpatch
+
+LAYERS = 3
+HEADS = 4
+
+
+def _build(model_cls, config, seed=0):
+    torch.manual_seed(seed)
+    return model_cls(config).eval()
+
+
+def _run(model, **kwargs):
+    ids = input_ids()
+    with torch.no_grad():
+        return model(ids, **kwargs)
+
+
+def _assert_attentions(outputs, layers=LAYERS, seq=input_ids().shape[1]):
+    assert outputs.attentions is not None
+    assert len(outputs.attentions) == layers
+    for attention in outputs.attentions:
+        assert attention.shape == (1, HEADS, seq, seq)
+        # Softmax rows of a causal attention: each row sums to one.
+        torch.testing.assert_close(attention.sum(-1), torch.ones(1, HEADS, seq))
+
+
+def _llama_wrapper_state(state):
+    return {k.replace(".self_attn.", ".self_attn.inner."): v for k, v in state.items()}
+
+
+CASES = {
+    "llama-subclass": (LlamaForCausalLM, llama_config, "LlamaAttention", MarkedLlamaAttention, None),
+    "llama-wrapper": (LlamaForCausalLM, llama_config, "LlamaAttention", WrappedLlamaAttention, _llama_wrapper_state),
+    "llama-reimplementation": (LlamaForCausalLM, llama_config, "LlamaAttention", ReimplementedLlamaAttention, None),
+    "qwen2moe-subclass": (Qwen2MoeForCausalLM, qwen2_moe_config, "Qwen2MoeAttention", MarkedQwen2MoeAttention, None),
+    "qwen2moe-wrapper": (
+        Qwen2MoeForCausalLM,
+        qwen2_moe_config,
+        "Qwen2MoeAttention",
+        WrappedQwen2MoeAttention,
+        _llama_wrapper_state,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_output_attentions_on_patched_and_unpatched_models(case):
+    model_cls, config_fn, name, replacement, remap_state = CASES[case]
+    config = config_fn(num_hidden_layers=LAYERS)
+
+    before = _build(model_cls, config)  # built (and never run) before the patch exists
+    modelpatch.register_patch_mapping({name: replacement})
+    with modelpatch.apply_patches():
+        patched = _build(model_cls, config, seed=1)
+    after = _build(model_cls, config, seed=2)
+
+    assert {type(layer.self_attn) for layer in patched.model.layers} == {replacement}
+    state = before.state_dict()
+    patched.load_state_dict(remap_state(state) if remap_state else state)
+    after.load_state_dict(state)
+
+    expected = _run(before, output_attentions=True)
+    _assert_attentions(expected)
+    for model in (patched, after):
+        outputs = _run(model, output_attentions=True)
+        _assert_attentions(outputs)  # exactly one per layer: neither missing nor recorded twice
+        torch.testing.assert_close(outputs.logits, expected.logits, rtol=0, atol=0)
+        for actual, reference in zip(outputs.attentions, expected.attentions):
+            torch.testing.assert_close(actual, reference, rtol=0, atol=0)
+    # Asking for nothing still records nothing.
+    assert _run(patched).attentions is None
+
+
+def test_model_run_before_the_patch_keeps_recording():
+    config = llama_config(num_hidden_layers=LAYERS)
+    early = _build(LlamaModel, config)
+    _assert_attentions(_run(early, output_attentions=True))  # hooks installed before any patch
+    modelpatch.register_patch_mapping({"LlamaAttention": ReimplementedLlamaAttention})
+    with modelpatch.apply_patches():
+        patched = _build(LlamaModel, config)
+    _assert_attentions(_run(patched, output_attentions=True))
+    _assert_attentions(_run(early, output_attentions=True))
+
+
+def test_recorder_extension_is_additive():
+    config = llama_config(num_hidden_layers=1)
+    modelpatch.register_patch_mapping({"LlamaAttention": ReimplementedLlamaAttention})
+    with modelpatch.apply_patches():
+        _build(LlamaModel, config)
+    spec = LlamaPreTrainedModel._can_record_outputs["attentions"]
+    specs = spec if isinstance(spec, list) else [spec]
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    assert specs[0] is LlamaAttention  # the original is kept, first
+    assert ReimplementedLlamaAttention in specs
+    assert specs.count(ReimplementedLlamaAttention) == 1
+    # Building again does not add it twice.
+    with modelpatch.apply_patches():
+        _build(LlamaModel, config)
+    spec = LlamaPreTrainedModel._can_record_outputs["attentions"]
+    assert (spec if isinstance(spec, list) else [spec]).count(ReimplementedLlamaAttention) == 1
+
+
+def test_subclass_and_wrapper_replacements_leave_recorders_unchanged():
+    config = llama_config(num_hidden_layers=1)
+    spec_before = LlamaPreTrainedModel._can_record_outputs["attentions"]
+    modelpatch.register_patch_mapping({"LlamaAttention": MarkedLlamaAttention})
+    with modelpatch.apply_patches():
+        _build(LlamaModel, config)
+    with modelpatch.Patcher({"LlamaAttention": WrappedLlamaAttention}):
+        _build(LlamaModel, config)
+    spec_after = LlamaPreTrainedModel._can_record_outputs["attentions"]
+    specs_after = spec_after if isinstance(spec_after, list) else [spec_after]
+    assert MarkedLlamaAttention not in specs_after
+    assert WrappedLlamaAttention not in specs_after
+    assert spec_after == spec_before
+
+
+def test_router_logits_recorded_from_a_non_subclass_router():
+    config = qwen2_moe_config(num_hidden_layers=LAYERS)
+    before = _build(Qwen2MoeForCausalLM, config)
+    modelpatch.register_patch_mapping({"Qwen2MoeTopKRouter": ReimplementedQwen2MoeRouter})
+    with modelpatch.apply_patches():
+        patched = _build(Qwen2MoeForCausalLM, config, seed=1)
+    after = _build(Qwen2MoeForCausalLM, config, seed=2)
+    assert {type(layer.mlp.gate) for layer in patched.model.layers} == {ReimplementedQwen2MoeRouter}
+    assert {type(layer.mlp.gate) for layer in after.model.layers} == {Qwen2MoeTopKRouter}
+    patched.load_state_dict(before.state_dict())
+    after.load_state_dict(before.state_dict())
+
+    expected = _run(before, output_router_logits=True)
+    assert len(expected.router_logits) == LAYERS
+    for model in (patched, after):
+        outputs = _run(model, output_router_logits=True)
+        assert len(outputs.router_logits) == LAYERS
+        for actual, reference in zip(outputs.router_logits, expected.router_logits):
+            assert actual.shape == (input_ids().shape[1], config.num_experts)
+            torch.testing.assert_close(actual, reference, rtol=0, atol=0)
+        torch.testing.assert_close(outputs.aux_loss, expected.aux_loss, rtol=0, atol=0)
+
+
+def test_hidden_states_unaffected_by_attention_patches():
+    config = llama_config(num_hidden_layers=LAYERS)
+    modelpatch.register_patch_mapping({"LlamaAttention": ReimplementedLlamaAttention})
+    with modelpatch.apply_patches():
+        patched = _build(LlamaModel, config)
+    outputs = _run(patched, output_hidden_states=True, output_attentions=True)
+    assert len(outputs.hidden_states) == LAYERS + 1
+    assert len(outputs.attentions) == LAYERS

@@ -1,0 +1,274 @@
+"""Concurrency: loads in many threads at once, each with its own patches and fusions, while the registry changes.
+
+Every result must have exactly its own structure (module classes) and the outputs of stock transformers'
+``from_pretrained`` of the same checkpoint; registry changes made during the loads must reach each load either
+entirely or not at all (a load reads one snapshot).
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaModel, PreTrainedModel
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
+
+import modelpatch
+from modelpatch import Patcher
+
+pytestmark = pytest.mark.reliability
+
+ATOL = 1e-5
+ROUNDS = 3
+
+KNOWN_BUILD_RACE = pytest.mark.xfail(
+    strict=False,
+    reason=(
+        "loading/build.py builds models inside transformers' get_init_context(), whose local_torch_dtype() and "
+        "no_tie_weights() swap torch's default dtype and PreTrainedModel.tie_weights process-wide; interleaved loads "
+        "restore each other's values (wrong dtypes, untied heads left random, tie_weights a no-op for the rest of "
+        "the process). Fix: hold one process-wide lock around model construction and _finalize's tie_weights."
+    ),
+)
+
+
+class AttentionA(LlamaAttention):
+    """Patcher A's attention: a subclass with the stock forward (outputs must not change)."""
+
+
+class AttentionB(LlamaAttention):
+    """Another Patcher's attention: must never show up in a model built under Patcher A, and vice versa."""
+
+
+class ChurnMLP(LlamaMLP):
+    """Registered and unregistered in a loop by another thread while models are built."""
+
+
+class ChurnNorm(LlamaRMSNorm):
+    """Registered together with ChurnMLP, in the same call: a build sees both or neither."""
+
+
+def run_threads(workers: list[Callable[[], object]], background: Callable[[threading.Event], None] | None = None):
+    """Start every worker at once (a barrier), with ``background`` running until all are done; re-raise failures."""
+    barrier = threading.Barrier(len(workers))
+    results: list[object] = [None] * len(workers)
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def wrap(i: int, work: Callable[[], object]) -> None:
+        try:
+            barrier.wait()
+            results[i] = work()
+        except BaseException:
+            errors.append(f"worker {i}:\n{traceback.format_exc()}")
+
+    def wrap_background() -> None:
+        try:
+            background(stop)
+        except BaseException:
+            errors.append(f"background:\n{traceback.format_exc()}")
+
+    threads = [threading.Thread(target=wrap, args=(i, w), daemon=True) for i, w in enumerate(workers)]
+    helper = threading.Thread(target=wrap_background, daemon=True) if background else None
+    if helper:
+        helper.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    stop.set()
+    if helper:
+        helper.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a worker thread hangs"
+    assert not errors, "\n".join(errors)
+    return results
+
+
+def churn_registry(stop: threading.Event, counter: Counter) -> None:
+    while not stop.is_set():
+        modelpatch.register_patch_mapping({"LlamaMLP": ChurnMLP, "LlamaRMSNorm": ChurnNorm})
+        counter["register"] += 1
+        modelpatch.unregister_patch_mapping(["LlamaMLP", "LlamaRMSNorm"])
+        counter["unregister"] += 1
+
+
+def class_counts(model: torch.nn.Module) -> Counter:
+    return Counter(type(m).__name__ for m in model.modules())
+
+
+def without_churn(counts: Counter) -> tuple[Counter, bool]:
+    """Fold the churned classes into the stock ones; check a model has all of them or none."""
+    counts = Counter(counts)
+    churned = {"ChurnMLP": "LlamaMLP", "ChurnNorm": "LlamaRMSNorm"}
+    present = {name for name in churned if counts[name]}
+    if present:
+        assert present == set(churned), f"half a registry snapshot: {dict(counts)}"
+        for name, stock_name in churned.items():
+            assert counts[stock_name] == 0, f"{stock_name} and {name} in one model: {dict(counts)}"
+            counts[stock_name] += counts.pop(name)
+    return counts, bool(present)
+
+
+LOADS = {
+    # name: (checkpoint, from_pretrained kwargs, class names that must appear, class names that must not)
+    "llama_patcher_a": ("llama", lambda: {"patcher": Patcher({"LlamaAttention": AttentionA})}, {"AttentionA"},
+                        {"LlamaAttention", "AttentionB"}),
+    "llama_patcher_b": ("llama", lambda: {"patcher": Patcher({"LlamaAttention": AttentionB})}, {"AttentionB"},
+                        {"LlamaAttention", "AttentionA"}),
+    "llama_qkv": ("llama", lambda: {"fusion_config": {"qkv": True}}, {"QKVFusedLlamaAttention"},
+                  {"LlamaAttention", "AttentionA", "AttentionB"}),
+    "qwen2_moe_linear_experts": ("qwen2_moe", lambda: {"fusion_config": {"linear_experts": True}},
+                                 {"LinearQwen2MoeExperts"}, {"Qwen2MoeExperts"}),
+    "llama_plain": ("llama", dict, {"LlamaAttention"}, {"AttentionA", "AttentionB", "QKVFusedLlamaAttention"}),
+    "bert_plain": ("bert", dict, {"BertSelfAttention"}, set()),
+}
+
+
+@pytest.fixture(scope="module")
+def references(stock):
+    """Per load: the class counts of the same load done alone, and stock transformers' logits."""
+    modelpatch.clear_patch_mapping()
+    out = {}
+    logits = {}
+    for name, (ckpt, kwargs, _, _) in LOADS.items():
+        checkpoint = stock(ckpt)
+        model = modelpatch.from_pretrained(checkpoint.model_class, checkpoint.path, **kwargs())
+        if ckpt not in logits:
+            logits[ckpt] = checkpoint.reference_logits()
+        out[name] = (checkpoint, class_counts(model), logits[ckpt])
+    return out
+
+
+def check_load(name: str, model: PreTrainedModel, references) -> bool:
+    checkpoint, expected_counts, expected_logits = references[name]
+    _, _, must, must_not = LOADS[name]
+    counts, saw_churn = without_churn(class_counts(model))
+    assert counts == expected_counts, f"{name}: {dict(counts)} != {dict(expected_counts)}"
+    assert must <= set(counts) and not (must_not & set(counts)), f"{name}: {dict(counts)}"
+    assert modelpatch.get_load_report(model) is not None
+    fusion_config = getattr(model.config, "fusion_config", None)
+    assert fusion_config == LOADS[name][1]().get("fusion_config"), f"{name}: fusion_config {fusion_config}"
+    assert all(p.device.type == "cpu" for p in model.parameters()), f"{name}: parameters left on meta"
+    with torch.no_grad():
+        logits = model(**checkpoint.inputs()).logits
+    torch.testing.assert_close(logits, expected_logits, atol=ATOL, rtol=0, msg=lambda m: f"{name}: {m}")
+    return saw_churn
+
+
+@KNOWN_BUILD_RACE
+def test_concurrent_loads_each_get_their_own_structure_and_outputs(references):
+    """Six loads at once per round (two Patchers, a fusion each, plain Llama and BERT), registry churning meanwhile."""
+    churn = Counter()
+    seen = Counter()
+    dtype, tie_weights = torch.get_default_dtype(), PreTrainedModel.tie_weights
+    for _ in range(ROUNDS):
+        def load(name):
+            checkpoint, kwargs = references[name][0], LOADS[name][1]()
+            return lambda: modelpatch.from_pretrained(checkpoint.model_class, checkpoint.path, **kwargs)
+
+        names = list(LOADS)
+        models = run_threads([load(n) for n in names], lambda stop: churn_registry(stop, churn))
+        for name, model in zip(names, models, strict=True):
+            seen[(name, check_load(name, model, references))] += 1
+        # The models are independent: writing into one (a private copy-on-write mapping) leaves the others alone.
+        plain, patched = models[names.index("llama_plain")], models[names.index("llama_patcher_a")]
+        before = patched.model.norm.weight.clone()
+        with torch.no_grad():
+            plain.model.norm.weight.add_(1.0)
+        assert torch.equal(patched.model.norm.weight, before)
+    assert churn["register"] > 0
+    assert modelpatch.get_patch_mapping() == {}  # the churn thread's last call unregistered
+    assert torch.get_default_dtype() == dtype
+    assert PreTrainedModel.tie_weights is tie_weights
+
+
+@KNOWN_BUILD_RACE
+def test_concurrent_loads_of_different_dtypes_keep_their_own(stock):
+    """An fp32 and a bf16 checkpoint loaded at once, repeatedly: every parameter keeps its checkpoint's dtype."""
+    fp32, bf16 = stock("llama"), stock("llama_bf16")
+
+    def dtypes(model):
+        return {name: p.dtype for name, p in model.named_parameters()}
+
+    expected = {c.name: dtypes(modelpatch.from_pretrained(c.model_class, c.path)) for c in (fp32, bf16)}
+    default = torch.get_default_dtype()
+
+    def work(checkpoint):
+        def run():
+            for _ in range(8):
+                model = modelpatch.from_pretrained(checkpoint.model_class, checkpoint.path)
+                assert dtypes(model) == expected[checkpoint.name], f"{checkpoint.name}: wrong dtypes"
+        return run
+
+    run_threads([work(fp32), work(bf16), work(fp32), work(bf16)])
+    assert torch.get_default_dtype() == default
+
+
+def test_registry_churn_while_scopes_build_models_in_other_threads():
+    """apply_patches / Patcher scopes in several threads, registry changing meanwhile: each build is consistent."""
+    config = LlamaConfig(**{"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3,
+                            "num_attention_heads": 4, "num_key_value_heads": 2})
+    churn = Counter()
+    outcomes = Counter()
+    lock = threading.Lock()
+
+    def record(kind: str, model) -> None:
+        counts, saw_churn = without_churn(class_counts(model))
+        with lock:
+            outcomes[(kind, saw_churn)] += 1
+        return counts
+
+    def with_registry():
+        for _ in range(12):
+            with modelpatch.apply_patches():
+                model = LlamaModel(config)
+            counts = record("apply_patches", model)
+            assert counts["LlamaAttention"] == 3 and counts["LlamaMLP"] == 3
+
+    def with_patcher(attention: type, other: type):
+        def run():
+            for _ in range(12):
+                with Patcher({"LlamaAttention": attention}):
+                    model = LlamaModel(config)
+                counts = record(attention.__name__, model)
+                assert counts[attention.__name__] == 3 and not counts[other.__name__] and not counts["LlamaAttention"]
+        return run
+
+    def unpatched():
+        for _ in range(12):
+            model = LlamaModel(config)
+            counts = class_counts(model)
+            assert not {"ChurnMLP", "ChurnNorm", "AttentionA", "AttentionB"} & set(counts), dict(counts)
+            assert all(type(m) is LlamaMLP for m in model.modules() if isinstance(m, LlamaMLP))
+
+    run_threads(
+        [with_registry, with_registry, with_patcher(AttentionA, AttentionB), with_patcher(AttentionB, AttentionA),
+         unpatched],
+        lambda stop: churn_registry(stop, churn),
+    )
+    assert churn["register"] > 0
+    assert modelpatch.get_patch_mapping() == {}
+    # Outside every scope, construction is stock again in this thread.
+    assert all(type(m) in (LlamaMLP, LlamaAttention) or not isinstance(m, (LlamaMLP, LlamaAttention))
+               for m in LlamaModel(config).modules())
+
+
+def test_registry_changes_during_loads_leave_the_registry_consistent(stock):
+    """Registrations from many threads racing with loads: every registration lands, every load reads a snapshot."""
+    checkpoint = stock("llama")
+    classes = [type(f"Mlp{i}", (LlamaMLP,), {}) for i in range(16)]
+
+    def register(i):
+        return lambda: modelpatch.register_patch_mapping({f"NotAClass{i}": classes[i]})
+
+    def load():
+        model = modelpatch.from_pretrained(checkpoint.model_class, checkpoint.path)
+        assert all(type(m) is LlamaMLP for m in model.modules() if isinstance(m, LlamaMLP))
+        return model
+
+    run_threads([register(i) for i in range(16)] + [load, load])
+    assert modelpatch.get_patch_mapping() == {f"NotAClass{i}": classes[i] for i in range(16)}
