@@ -4,11 +4,12 @@
    ``Linear`` over the flattened patch, fp32 and bf16, 1024 to 16384 patches. Target on CPU: >= 2.5x faster.
 2. A ~400 MB (bf16) Llama-shaped model (~207M parameters, the shape of ``benchmarks/load.py``), built locally with
    stock ``save_pretrained``: stock ``from_pretrained`` vs ``modelpatch.from_pretrained(..., fusion_config={"qkv":
-   True, "gate_up": True})``, timing a 128-token prefill and one decode step (1 token, KV cache holding 128 tokens).
-   Target on CPU: decode step >= 1.1x faster.
+   True, "gate_up": True})``, timing a 128-token prefill and one decode step (1 token, on a fresh copy of the KV
+   cache of the 128-token prefill, made untimed). Target on CPU: decode step >= 1.1x faster.
 
 Each figure is the median of repetitions after warm-up; stock and fused calls alternate so that drift (thermal,
-other load) hits both sides alike. ``torch.set_num_threads`` is left at its default. Outputs of both sides are
+other load) hits both sides alike. On a shared machine every parallel op can stall for a scheduling quantum: check
+``uptime`` first, CPU figures taken with a load average above the core count are not worth comparing. ``torch.set_num_threads`` is left at its default. Outputs of both sides are
 compared (max abs difference) so a speedup never comes from computing something else.
 
 Usage::
@@ -22,6 +23,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import copy
 import platform
 import statistics
 import sys
@@ -53,9 +55,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+Case = Callable[[], object] | tuple[Callable[[], object], Callable[[], object]]
+
+
 def compare(
-    stock: Callable[[], object],
-    fused: Callable[[], object],
+    stock: Case,
+    fused: Case,
     device: torch.device,
     warmup: int = 3,
     budget_s: float = 20.0,
@@ -64,14 +69,18 @@ def compare(
 ) -> tuple[float, float]:
     """Median seconds of ``stock()`` and ``fused()``, called alternately.
 
-    Warm-up: one call of each, then up to ``warmup`` more while calls are short. Repetitions: as many as fit in
-    ``budget_s`` for both sides together, within [``min_repeats``, ``max_repeats``].
+    A side may be ``(prepare, run)``: ``prepare()`` runs untimed before each timed ``run()``. Warm-up: one call of
+    each, then up to ``warmup`` more while calls are short. Repetitions: as many as fit in ``budget_s`` for both
+    sides together, within [``min_repeats``, ``max_repeats``].
     """
 
-    def timed(fn: Callable[[], object]) -> float:
+    def timed(case: Case) -> float:
+        prepare, run = case if isinstance(case, tuple) else (None, case)
+        if prepare is not None:
+            prepare()
         _sync(device)
         start = time.perf_counter()
-        fn()
+        run()
         _sync(device)
         return time.perf_counter() - start
 
@@ -164,21 +173,28 @@ def bench_llm(device: torch.device, dtypes: list[str], checkpoint: Path, prompt_
             return run
 
         def decoder(model):
-            """One decode step on a cache holding the prompt; the cache is cropped back after each step."""
-            cache = DynamicCache(config=model.config)
-            out = model(input_ids=prompt, past_key_values=cache, use_cache=True)
-            token = out.logits[:, -1:].argmax(-1)
+            """One decode step on a cache holding the prompt; each step gets a fresh copy of that cache (untimed)."""
+            prefilled = DynamicCache(config=model.config)
+            token = model(input_ids=prompt, past_key_values=prefilled, use_cache=True).logits[:, -1:].argmax(-1)
+            state = {}
+
+            def prepare():
+                state["cache"] = copy.deepcopy(prefilled)
 
             def run():
-                logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits
-                cache.crop(-1)  # drop the token just added: every step sees the same cache
-                return logits
-            return run
+                return model(input_ids=token, past_key_values=state["cache"], use_cache=True).logits
+
+            return prepare, run
+
+        def once(case):
+            prepare, run = case
+            prepare()
+            return run()
 
         with torch.inference_mode():
             prefill_diff = (prefill(stock)().logits.float() - prefill(fused)().logits.float()).abs().max().item()
             stock_decode, fused_decode = decoder(stock), decoder(fused)
-            decode_diff = (stock_decode().float() - fused_decode().float()).abs().max().item()
+            decode_diff = (once(stock_decode).float() - once(fused_decode).float()).abs().max().item()
             budget = 1.0 if quick else 40.0
             t_prefill = compare(prefill(stock), prefill(fused), device, budget_s=budget, min_repeats=5)
             t_decode = compare(stock_decode, fused_decode, device, budget_s=budget, min_repeats=10, max_repeats=200)

@@ -8,7 +8,7 @@ Two checkpoints are built locally with stock ``save_pretrained`` (bf16, one safe
 Every measurement runs in a FRESH Python process (one subprocess per measurement) that imports torch, transformers,
 modelpatch and the model's modeling module before the clock starts, so that import time is not load time. Measured:
 
-* load: the ``from_pretrained`` call;
+* load: the ``from_pretrained`` call (wall clock, and the process's CPU time, less sensitive to other load);
 * load + forward: the same plus the first forward pass over 16 tokens;
 * peak RSS growth during the load (``/proc/self/status`` VmHWM after resetting it via ``/proc/self/clear_refs``),
   and the RSS growth once loaded, both relative to the RSS just before the load.
@@ -104,12 +104,12 @@ def worker(impl: str, case: str, path: str) -> dict:
     gc.collect()
     before = _proc_status()
     peak_reset = _reset_peak_rss()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     if impl == "stock":
         model = AutoModelForCausalLM.from_pretrained(path)
     else:
         model = modelpatch.from_pretrained(AutoModelForCausalLM, path)
-    loaded = time.perf_counter()
+    loaded, cpu_loaded = time.perf_counter(), time.process_time()
     after_load = _proc_status()
     with torch.no_grad():
         model(input_ids=input_ids)
@@ -121,6 +121,7 @@ def worker(impl: str, case: str, path: str) -> dict:
         "impl": impl,
         "case": case,
         "load_s": loaded - start,
+        "load_cpu_s": cpu_loaded - cpu_start,
         "load_forward_s": forward - start,
         "peak_rss_growth": (after_load["VmHWM"] - before["VmRSS"]) if peak_reset else None,
         "rss_growth": after_load["VmRSS"] - before["VmRSS"],
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs[impl].append(measure(impl, case, path))
         for impl, samples in runs.items():
             merged = dict(samples[0])
-            for key in ("load_s", "load_forward_s", "peak_rss_growth", "rss_growth", "anon_growth"):
+            for key in ("load_s", "load_cpu_s", "load_forward_s", "peak_rss_growth", "rss_growth", "anon_growth"):
                 values = [s[key] for s in samples if s[key] is not None]
                 merged[key] = statistics.median(values) if values else None
                 merged[key + "_min"] = min(values) if values else None
@@ -230,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         unfused = case == "llama"
         row(case, "load", stock["load_s"], mine["load_s"], seconds, 0.5 if unfused else None,
             mins=(stock["load_s_min"], mine["load_s_min"]))
+        row(case, "load, CPU time (user + sys)", stock["load_cpu_s"], mine["load_cpu_s"], seconds,
+            mins=(stock["load_cpu_s_min"], mine["load_cpu_s_min"]))
         row(case, "load + first forward (16 tok)", stock["load_forward_s"], mine["load_forward_s"], seconds,
             1.0 if unfused else None, mins=(stock["load_forward_s_min"], mine["load_forward_s_min"]))
         row(case, "peak RSS growth during load", stock["peak_rss_growth"], mine["peak_rss_growth"], _mb)

@@ -34,7 +34,7 @@ from .errors import (
     PatchRegistryError,
 )
 from .fusions import ModuleFusionSpec, available_fusions, register_fusion, unregister_fusion
-from .loading import LoadReport, from_config, from_pretrained, get_load_report, save_pretrained
+from .loading import LoadReport, PlannedLoad, from_config, from_pretrained, get_load_report, plan_pretrained, save_pretrained
 from .verify import VerificationReport, verify
 from .patching import (
     Patcher,
@@ -66,6 +66,7 @@ __all__ = [
     "ModelPatchError",
     "PatchRegistryError",
     "Patcher",
+    "PlannedLoad",
     "SplitModulelist",
     "Transpose",
     "WeightConverter",
@@ -80,6 +81,7 @@ __all__ = [
     "get_load_report",
     "get_patch_mapping",
     "get_patchable_namespaces",
+    "plan_pretrained",
     "register_checkpoint_conversion_mapping",
     "register_fusion",
     "register_patch_mapping",

@@ -103,15 +103,20 @@ def _tensor_outputs(output: Any) -> dict[str, torch.Tensor]:
     return result
 
 
-def _timed_forward(model: nn.Module, inputs: Mapping[str, torch.Tensor], repeats: int) -> tuple[Any, float]:
-    times = []
-    output = None
+def _run_both(
+    reference: nn.Module, candidate: nn.Module, inputs: Mapping[str, torch.Tensor], repeats: int
+) -> tuple[Any, Any, float, float]:
+    """Outputs of both models, then their median forward times, timed alternately after the warm-up run."""
+    times: tuple[list[float], list[float]] = ([], [])
     with torch.inference_mode():
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            output = model(**inputs)
-            times.append(time.perf_counter() - start)
-    return output, statistics.median(times[1:] if repeats else times)
+        outputs = reference(**inputs), candidate(**inputs)
+        for _ in range(repeats):
+            for model, bucket in zip((reference, candidate), times):
+                start = time.perf_counter()
+                model(**inputs)
+                bucket.append(time.perf_counter() - start)
+    ref_time, cand_time = (statistics.median(t) if t else math.nan for t in times)
+    return outputs[0], outputs[1], ref_time, cand_time
 
 
 def verify(
@@ -130,7 +135,7 @@ def verify(
         candidate: The patched or fused model.
         inputs: Keyword inputs of ``forward``; by default :func:`default_inputs` of ``reference``.
         atol, rtol: An output passes when ``|c - r| <= atol + rtol * |r|`` everywhere.
-        repeats: Timed forward passes per model after one warm-up (the median is reported).
+        repeats: Timed forward passes per model after the warm-up pass that gives the outputs (medians reported).
     """
     if inputs is None:
         inputs = default_inputs(reference)
@@ -138,8 +143,7 @@ def verify(
     reference.eval()
     candidate.eval()
     try:
-        ref_out, ref_time = _timed_forward(reference, inputs, repeats)
-        cand_out, cand_time = _timed_forward(candidate, inputs, repeats)
+        ref_out, cand_out, ref_time, cand_time = _run_both(reference, candidate, inputs, repeats)
     finally:
         reference.train(was_training[0])
         candidate.train(was_training[1])

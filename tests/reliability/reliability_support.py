@@ -41,7 +41,8 @@ SPECS: dict[str, tuple[str, type, dict[str, Any], dict[str, Any]]] = {
     "qwen2_moe": (
         "qwen2_moe",
         AutoModelForCausalLM,
-        llama_kwargs(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=48),
+        llama_kwargs(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                     shared_expert_intermediate_size=48),
         {},
     ),
     # BERT's MLM decoder is tied to the word embeddings: a load that forgets to tie gives a random head.
@@ -124,7 +125,7 @@ def assert_tensors_identical(actual: dict[str, torch.Tensor], expected: dict[str
     )
     for key, e in expected.items():
         a = actual[key]
-        assert a.dtype == e.dtype and tuple(a.shape) == tuple(e.shape), f"{key}: {a.dtype}{tuple(a.shape)} != {e.dtype}{tuple(e.shape)}"
+        assert (a.dtype, tuple(a.shape)) == (e.dtype, tuple(e.shape)), f"{key}: {a.dtype}{tuple(a.shape)} != ..."
         assert torch.equal(bits(a), bits(e)), f"{key}: values differ"
 
 

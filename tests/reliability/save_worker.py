@@ -20,7 +20,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # no thread pools before fork
 
 import json  # noqa: E402
 import resource  # noqa: E402
-import shutil  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -59,7 +58,7 @@ def install_kill_hook(point: str) -> None:
     elif point == "before_swap":
         writer._swap_in = lambda *args: die()
     elif point in ("after_exchange", "removing_previous"):
-        real_exchange, real_rmtree = writer._exchange, shutil.rmtree
+        real_exchange = writer._exchange
 
         def exchange(a, b):
             assert real_exchange(a, b), "this file system has no atomic exchange"

@@ -59,19 +59,24 @@ def versions(previous) -> dict[str, dict[str, torch.Tensor]]:
 
 
 class Worker:
-    def __init__(self):
-        self.process = subprocess.Popen(
-            [sys.executable, "-u", str(WORKER)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
+    def __init__(self, log: Path):
+        self.log = log
+        with log.open("wb") as stderr:
+            self.process = subprocess.Popen(
+                [sys.executable, "-u", str(WORKER)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+            )
         assert self.next_event()["event"] == "ready"
 
     def next_event(self) -> dict:
         line = self.process.stdout.readline()
-        assert line, f"save worker died (exit code {self.process.poll()})"
+        if not line:
+            self.process.wait(timeout=30)
+            tail = self.log.read_text(errors="replace")[-3000:]
+            pytest.fail(f"save worker died (exit code {self.process.returncode}):\n{tail}")
         return json.loads(line)
 
     def save(self, directory: Path, **options) -> list[dict]:
@@ -92,8 +97,8 @@ class Worker:
 
 
 @pytest.fixture(scope="module")
-def worker():
-    w = Worker()
+def worker(tmp_path_factory):
+    w = Worker(tmp_path_factory.mktemp("worker") / "stderr.log")
     yield w
     w.close()
 

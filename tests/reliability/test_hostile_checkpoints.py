@@ -280,6 +280,13 @@ def index_symlink_to_device(d: Path):
     return CheckpointError, [str(index), "'zero.safetensors'"]
 
 
+def index_names_a_fifo(d: Path):
+    """Opening a FIFO for reading would block until a writer appears: it must be refused, not hang the load."""
+    os.mkfifo(d / "pipe.safetensors")
+    index = edit_index(d, lambda m: m.update({next(iter(m)): "pipe.safetensors"}))
+    return CheckpointError, [str(index), "'pipe.safetensors'"]
+
+
 def index_same_key_in_two_shards(d: Path):
     first, second = shards(d)[:2]
     header1, _ = read_header(first)
@@ -342,7 +349,8 @@ SHARDED = {
     f.__name__: f
     for f in (
         truncate_shard, index_names_missing_shard, index_shard_deleted, index_dotdot, index_absolute,
-        index_symlink_file, index_symlink_directory, index_symlink_to_device, index_same_key_in_two_shards,
+        index_symlink_file, index_symlink_directory, index_symlink_to_device, index_names_a_fifo,
+        index_same_key_in_two_shards,
         index_maps_key_to_the_wrong_shard, index_not_json, index_weight_map_not_strings,
     )
 }
@@ -393,6 +401,32 @@ def test_unmodified_copies_load(stock, tmp_path):
         assert model.model.norm.weight.shape == (64,)
 
 
+def test_plan_errors_name_the_checkpoints_own_keys(tmp_path):
+    """A Mixtral checkpoint (renamed block_sparse_moe -> mlp at load) missing one expert weight."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    from reliability_support import llama_kwargs
+
+    directory = tmp_path / "mixtral"
+    config = AutoConfig.for_model("mixtral", **llama_kwargs(intermediate_size=32, num_local_experts=4,
+                                                            num_experts_per_tok=2))
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    tensors = load_file(str(directory / "model.safetensors"))
+    del tensors["model.layers.0.block_sparse_moe.experts.0.w3.weight"]
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    error = assert_refused(directory, LoadPlanError, ["model.layers.0.block_sparse_moe.experts."])
+    assert "model.layers.0.mlp.experts.0." not in str(error), "names a key that is not in the file"
+
+
+@pytest.mark.parametrize("content", ["{not json", "[]", '{"max_new_tokens": "many"}'])
+def test_broken_generation_config_is_a_checkpoint_error_naming_it(stock, tmp_path, content):
+    directory = tmp_path / "ckpt"
+    shutil.copytree(stock("llama").path, directory)
+    (directory / "generation_config.json").write_text(content)
+    assert_refused(directory, CheckpointError, [str(directory / "generation_config.json")])
+
+
 # ------------------------------------------------------------------------------------------------------------- pickle
 
 
@@ -436,11 +470,17 @@ def test_config_auto_map_code_is_never_imported(stock, tmp_path):
     directory = tmp_path / "ckpt"
     shutil.copytree(stock("llama").path, directory)
     marker = tmp_path / "imported"
-    code = f"open({str(marker)!r}, 'w').close()\nfrom transformers import LlamaConfig as EvilConfig, LlamaForCausalLM as EvilModel\n"
+    code = (
+        f"open({str(marker)!r}, 'w').close()\n"
+        "from transformers import LlamaConfig as EvilConfig, LlamaForCausalLM as EvilModel\n"
+    )
     (directory / "configuration_evil.py").write_text(code)
     (directory / "modeling_evil.py").write_text(code)
     config = json.loads((directory / "config.json").read_text())
-    config["auto_map"] = {"AutoConfig": "configuration_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.EvilModel"}
+    config["auto_map"] = {
+        "AutoConfig": "configuration_evil.EvilConfig",
+        "AutoModelForCausalLM": "modeling_evil.EvilModel",
+    }
     (directory / "config.json").write_text(json.dumps(config))
     before = snapshot(directory)
     model = modelpatch.from_pretrained(AutoModelForCausalLM, directory)

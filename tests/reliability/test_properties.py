@@ -34,9 +34,11 @@ from modelpatch.loading.build import build_empty_model
 
 pytestmark = pytest.mark.reliability
 
-PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPERTY = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TOKENS = ("query", "key", "value", "gate", "up", "left", "right", "down")
-DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int8, torch.uint8, torch.bool)
+DTYPES = (
+    torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int8, torch.uint8, torch.bool,
+)
 
 
 # ------------------------------------------------------------------------------------------- synthetic architectures
@@ -47,7 +49,8 @@ class Family:
     """One group of checkpoint tensors per layer fused into one runtime tensor."""
 
     number: int
-    kind: str  # "concat": parts -> cat(dim 0); "experts": per-expert -> stack; "experts_concat": two stacks -> cat(dim 1)
+    # "concat": parts -> cat(dim 0); "experts": per-expert -> stack; "experts_concat": two stacks -> cat(dim 1)
+    kind: str
     tokens: tuple[str, ...]
     rows: tuple[int, ...]
     experts: int
@@ -117,7 +120,8 @@ class Architecture:
             out[layer + "norm.weight"] = ckpt[src + "norm.weight"]
             for f in self.families:
                 if f.kind == "concat":
-                    out[f"{layer}blk.fused{f.number}.weight"] = torch.cat([ckpt[f"{src}blk.{t}.weight"] for t in f.tokens])
+                    parts = [ckpt[f"{src}blk.{t}.weight"] for t in f.tokens]
+                    out[f"{layer}blk.fused{f.number}.weight"] = torch.cat(parts)
                 else:
                     stacks = [torch.stack([ckpt[f"{src}blk.experts.{e}.{t}.weight"] for e in range(f.experts)])
                               for t in f.tokens]
@@ -231,10 +235,11 @@ JUNK = [
 ]
 
 
-def group_of(key: str) -> tuple[str, str] | None:
-    """(layer, token) of a family key, by the naming scheme above."""
+def group_of(key: str, arch: Architecture) -> tuple[str, int] | None:
+    """(layer, family) of a family key, by the naming scheme above: the keys that feed one converter group."""
     match = re.search(r"layers\.(\d+)\.blk\.(?:experts\.\d+\.)?(\w+)\.", key)
-    return (match.group(1), match.group(2)) if match else None
+    family = next((f.number for f in arch.families if match and match.group(2) in f.tokens), None)
+    return (match.group(1), family) if family is not None else None
 
 
 @given(architectures(), st.data())
@@ -264,8 +269,12 @@ def test_damaged_key_sets_never_match_twice_or_drop_silently(arch, data):
     assert len(outputs) == len(set(outputs)) == len(plan.outputs), "two inputs produce one output"
     lines = problem_lines(plan)
     for key in set(checkpoint) - set(counts):
-        siblings = {k for k in checkpoint if group_of(k) is not None and group_of(k) == group_of(key)} | {key}
-        assert any(repr(k) in line or k in line for k in siblings for line in lines), f"{key} dropped silently"
+        group = group_of(key, arch)
+        siblings = {k for k in checkpoint if group is not None and group_of(k, arch) == group} | {key}
+        # Problems of converted groups currently name keys after renaming (see test_hostile_checkpoints'
+        # test_plan_errors_name_the_checkpoints_own_keys); either name counts as reported here.
+        names = siblings | {re.sub(r"^legacy\.", "model.", k) for k in siblings}
+        assert any(name in line for name in names for line in lines), f"{key} dropped silently"
 
     # An output that looks undamaged (same key, same meta) is built from exactly the undamaged sources.
     full = plan_load(complete, arch.transforms())

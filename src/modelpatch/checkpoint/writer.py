@@ -323,18 +323,19 @@ def _exchange(a: Path, b: Path) -> bool:
 @contextmanager
 def _parent_lock(directory: Path) -> Iterator[None]:
     """Hold an exclusive ``flock`` on ``directory``'s parent (released by the kernel if the process dies)."""
-    if fcntl is None:
-        yield
-        return
-    fd = os.open(directory.parent, os.O_RDONLY)
-    try:
+    fd = None
+    if fcntl is not None:
         try:
+            fd = os.open(directory.parent, os.O_RDONLY)
             fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError as exc:  # a file system without flock: proceed unserialised
-            logger.debug("%s: cannot lock %s (%s); concurrent saves are not serialised", directory, directory.parent, exc)
+        except OSError as exc:  # an unreadable parent, or a file system without flock: proceed unserialised
+            logger.debug("%s: cannot lock %s (%s); concurrent saves are not serialised", directory, directory.parent,
+                         exc)
+    try:
         yield
     finally:
-        os.close(fd)  # releases the lock
+        if fd is not None:
+            os.close(fd)  # releases the lock
 
 
 def _write_bytes(path: Path, content: bytes, shown: Path) -> None:

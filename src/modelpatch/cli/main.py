@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         import transformers
 
         transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
     try:
         return args.run(args)
     except (UsageError, ModelPatchError) as exc:

@@ -134,8 +134,16 @@ def _group_and_bind(
     plan: ConversionPlan,
     *,
     reverse: bool,
+    names: Mapping[str, str] | None = None,
 ) -> set[str]:
-    """Group ``keys`` by converter, bind each group and add it to ``plan``. Returns the keys consumed."""
+    """Group ``keys`` by converter, bind each group and add it to ``plan``. Returns the keys consumed.
+
+    ``names`` maps keys to what problem messages call them (the checkpoint's own names, before renaming).
+    """
+
+    def name(key: str) -> str:
+        return names.get(key, key) if names else key
+
     buckets: dict[tuple[int, str], dict[int, dict[int | None, tuple[str, re.Match[str]]]]] = defaultdict(
         lambda: defaultdict(dict)
     )
@@ -152,7 +160,9 @@ def _group_and_bind(
             group_id = _render(outputs[0], match, _ANY_INDEX, reverse)
             slot = buckets[(number, group_id)][position]
             if index in slot:
-                plan.problems["duplicate keys"].append(f"{key!r} and {slot[index][0]!r} fill the same slot of {converter!r}")
+                plan.problems["duplicate keys"].append(
+                    f"{name(key)!r} and {name(slot[index][0])!r} fill the same slot of {converter!r}"
+                )
             slot[index] = (key, match)
             consumed.add(key)
             break
@@ -164,7 +174,7 @@ def _group_and_bind(
         missing = [p for i, p in enumerate(inputs) if i not in slots]
         any_key = next(iter(next(iter(slots.values())).values()))[0]
         if missing:
-            present = sorted(k for s in slots.values() for k, _ in s.values())
+            present = sorted(name(k) for s in slots.values() for k, _ in s.values())
             plan.problems["incomplete groups"].append(f"{present} match {converter!r} but nothing matches {missing}")
             continue
         try:
@@ -198,7 +208,7 @@ def _group_and_bind(
                 else:
                     out_keys.append(_render(template, first_match, None, reverse))
         except ConversionError as exc:
-            plan.problems["conversion errors"].append(f"{converter!r} on {any_key!r}: {exc}")
+            plan.problems["conversion errors"].append(f"{converter!r} on {name(any_key)!r}: {exc}")
             continue
         group = ConversionGroup(
             converter=converter,
@@ -249,7 +259,7 @@ def plan_load(checkpoint: Mapping[str, TensorMeta], transforms: Sequence[WeightT
             continue
         renamed[new] = key
     renamed_meta = {new: checkpoint[old] for new, old in renamed.items()}
-    consumed = _group_and_bind(renamed_meta, converters, plan, reverse=False)
+    consumed = _group_and_bind(renamed_meta, converters, plan, reverse=False, names=renamed)
     # Groups were built on renamed keys; record the checkpoint's own names as their sources.
     plan.groups = [
         _rename_sources(group, renamed) for group in plan.groups

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from contextlib import ExitStack
 
@@ -10,6 +11,11 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from ..patching.mapping import PatchMapping
 from ..patching.scope import patch_scope
+
+# transformers' init contexts change process-wide state while a model is built or finalised (torch's default dtype,
+# ``PreTrainedModel.tie_weights``); two overlapping builds would restore each other's values. Builds and
+# finalisation therefore take turns; loading tensor data runs concurrently.
+model_state_lock = threading.RLock()
 
 
 def build_empty_model(
@@ -20,7 +26,7 @@ def build_empty_model(
     ``layers`` are the patch mappings to apply, highest priority first. transformers' own init contexts are used so
     the result is the same module tree and dtype layout that stock ``from_pretrained`` builds.
     """
-    with ExitStack() as stack:
+    with model_state_lock, ExitStack() as stack:
         for context in model_class.get_init_context(dtype, False, False, None):
             stack.enter_context(context)
         stack.enter_context(patch_scope(*layers))
@@ -31,5 +37,5 @@ def build_initialized_model(
     model_class: type[PreTrainedModel], config: PretrainedConfig, dtype: torch.dtype | None, layers: Sequence[PatchMapping]
 ) -> PreTrainedModel:
     """Instantiate and initialise ``model_class`` from ``config`` like stock ``from_config``, under the patches."""
-    with patch_scope(*layers):
+    with model_state_lock, patch_scope(*layers):
         return model_class._from_config(config, **({"dtype": dtype} if dtype is not None else {}))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +29,15 @@ from ..checkpoint import Checkpoint
 from ..conversion.planner import TensorMeta
 from ..conversion.registry import get_checkpoint_conversion_mapping
 from ..conversion.transforms import WeightTransform
+from ..errors import CheckpointError
 from ..fusions.apply import PreparedFusions, prepare_fusions
 from ..patching import registry
 from ..patching.mapping import PatchMapping
 from ..patching.patcher import Patcher
-from .build import build_empty_model, build_initialized_model
+from .build import build_empty_model, build_initialized_model, model_state_lock
 from .config import RUNTIME_LAYOUT_ATTRIBUTE, checkpoint_directory, load_config, resolve_dtype, resolve_model_class
 from .materialize import load_into_model
-from .plan import UnexpectedKeys, plan_model_load
+from .plan import LoadPlan, UnexpectedKeys, plan_model_load
 from .report import REPORT_ATTRIBUTE, LoadReport
 
 logger = logging.getLogger(__name__)
@@ -78,6 +80,77 @@ def _conversions(model: PreTrainedModel, patcher: Patcher | None, fusions: Prepa
     return patcher.adjust_conversions(transforms) if patcher is not None else transforms
 
 
+@dataclass
+class PlannedLoad:
+    """A load planned from headers alone: the meta-device model and where each of its parameters comes from."""
+
+    directory: Path
+    model: PreTrainedModel
+    plan: LoadPlan
+    checkpoint: dict[str, TensorMeta]
+    transforms: list[WeightTransform]
+    fusions: PreparedFusions
+    runtime_layout: bool
+
+
+def _plan(
+    model_class: type,
+    config: PretrainedConfig,
+    checkpoint: Checkpoint,
+    patcher: Patcher | None,
+    fusion_config: FusionConfig | None,
+    dtype: torch.dtype | str | None,
+    *,
+    new_parameters: Sequence[str],
+    unexpected_keys: UnexpectedKeys,
+) -> PlannedLoad:
+    _check_patcher(patcher)
+    if unexpected_keys not in ("warn", "error", "ignore"):
+        raise ValueError(f"unexpected_keys must be 'warn', 'error' or 'ignore', got {unexpected_keys!r}.")
+    directory = checkpoint.directory
+    config = copy.deepcopy(config)
+    concrete = resolve_model_class(model_class, config)
+    config.name_or_path = str(directory)
+    layers, fusions = _load_setup(concrete, config, patcher, fusion_config)
+    metas = {key: TensorMeta(checkpoint.info(key).shape, checkpoint.info(key).dtype) for key in checkpoint.keys()}
+    # Stock 5.x from_pretrained defaults to "auto" and records the dtype on the config and its sub-configs.
+    resolved_dtype = resolve_dtype("auto" if dtype is None else dtype, config, (m.dtype for m in metas.values()))
+    _set_config_dtype(config, resolved_dtype)
+    model = build_empty_model(concrete, config, resolved_dtype, layers)
+    transforms = _conversions(model, patcher, fusions)
+    runtime_layout = bool(getattr(config, RUNTIME_LAYOUT_ATTRIBUTE, False))
+    plan = plan_model_load(
+        model,
+        metas,
+        [] if runtime_layout else transforms,
+        new_parameters=new_parameters,
+        unexpected_keys=unexpected_keys,
+    )
+    return PlannedLoad(directory, model, plan, metas, transforms, fusions, runtime_layout)
+
+
+def plan_pretrained(
+    model_class: type,
+    path: str | Path,
+    *,
+    patcher: Patcher | None = None,
+    fusion_config: FusionConfig | None = None,
+    dtype: torch.dtype | str | None = None,
+    new_parameters: Sequence[str] = (),
+    allow_pickle: bool = False,
+) -> PlannedLoad:
+    """Plan :func:`from_pretrained` without reading any tensor data: the meta-device model and its :class:`LoadPlan`.
+
+    Raises the same errors as :func:`from_pretrained` would before loading (``LoadPlanError`` naming every key).
+    """
+    directory = checkpoint_directory(path)
+    config = load_config(directory)
+    with Checkpoint.open(directory, allow_pickle=allow_pickle) as checkpoint:
+        return _plan(
+            model_class, config, checkpoint, patcher, fusion_config, dtype, new_parameters=new_parameters, unexpected_keys="ignore"
+        )
+
+
 def from_pretrained(
     model_class: type,
     path: str | Path,
@@ -116,35 +189,18 @@ def from_pretrained(
         CheckpointError: ``path`` is not a local checkpoint directory, or a file in it is malformed.
         LoadPlanError: The checkpoint does not cover the model (every offending key is named); nothing is loaded.
     """
-    _check_patcher(patcher)
     if device is not None and device_map is not None:
         raise ValueError("Pass either device or device_map, not both.")
-    if unexpected_keys not in ("warn", "error", "ignore"):
-        raise ValueError(f"unexpected_keys must be 'warn', 'error' or 'ignore', got {unexpected_keys!r}.")
+    target_device = torch.device(device) if device is not None else torch.device("cpu")
     directory = checkpoint_directory(path)
     config = load_config(directory)
-    concrete = resolve_model_class(model_class, config)
-    target_device = torch.device(device) if device is not None else torch.device("cpu")
-
-    config = copy.deepcopy(config)
-    config.name_or_path = str(directory)
-    layers, fusions = _load_setup(concrete, config, patcher, fusion_config)
-
+    generation_config = _load_generation_config(directory)
     with Checkpoint.open(directory, allow_pickle=allow_pickle) as checkpoint:
-        metas = {key: TensorMeta(checkpoint.info(key).shape, checkpoint.info(key).dtype) for key in checkpoint.keys()}
-        # Stock 5.x from_pretrained defaults to "auto" and records the dtype on the config and its sub-configs.
-        resolved_dtype = resolve_dtype("auto" if dtype is None else dtype, config, (m.dtype for m in metas.values()))
-        _set_config_dtype(config, resolved_dtype)
-        model = build_empty_model(concrete, config, resolved_dtype, layers)
-        transforms = _conversions(model, patcher, fusions)
-        runtime_layout = bool(getattr(config, RUNTIME_LAYOUT_ATTRIBUTE, False))
-        plan = plan_model_load(
-            model,
-            metas,
-            [] if runtime_layout else transforms,
-            new_parameters=new_parameters,
-            unexpected_keys=unexpected_keys,
+        planned = _plan(
+            model_class, config, checkpoint, patcher, fusion_config, dtype, new_parameters=new_parameters, unexpected_keys=unexpected_keys
         )
+        model, plan, metas = planned.model, planned.plan, planned.checkpoint
+        runtime_layout, transforms, fusions = planned.runtime_layout, planned.transforms, planned.fusions
         # Safetensors tensors (byte range known) are views of a private file mapping; pickle ones are not.
         load_into_model(
             model,
@@ -157,9 +213,8 @@ def from_pretrained(
 
     _finalize(model, plan.expected.keys() - set(plan.loaded_keys()), target_device)
     fusions.record(model)
-    generation_file = directory / "generation_config.json"
-    if model.can_generate() and generation_file.is_file():
-        model.generation_config = GenerationConfig.from_pretrained(str(directory), local_files_only=True)
+    if generation_config is not None and model.can_generate():
+        model.generation_config = generation_config
 
     report = LoadReport(
         source=directory,
@@ -189,17 +244,29 @@ def _set_config_dtype(config: PretrainedConfig, dtype: torch.dtype) -> None:
             sub_config.dtype = dtype
 
 
+def _load_generation_config(directory: Path) -> GenerationConfig | None:
+    """``generation_config.json`` if the checkpoint has one; read before any weight so a broken one costs nothing."""
+    path = directory / "generation_config.json"
+    if not path.is_file():
+        return None
+    try:
+        return GenerationConfig.from_pretrained(str(directory), local_files_only=True)
+    except (OSError, ValueError, TypeError) as exc:
+        raise CheckpointError(f"{path} is not a valid generation config: {exc}") from None
+
+
 def _finalize(model: PreTrainedModel, missing: set[str], device: torch.device) -> None:
     """Non-persistent buffers, requested new parameters and tied weights, the way stock transformers does them.
 
     ``missing`` holds every parameter the checkpoint did not fill: new parameters and tied ones.
     """
-    for key in getattr(model, "all_tied_weights_keys", {}) or {}:
-        model.get_parameter(key)._is_hf_initialized = True
-    model._move_missing_keys_from_meta_to_device(missing, {"": device}, None, None)
-    model._initialize_missing_keys(is_quantized=False)
-    model.tie_weights(missing_keys=missing, recompute_mapping=False)
-    model.eval()
+    with model_state_lock:
+        for key in getattr(model, "all_tied_weights_keys", {}) or {}:
+            model.get_parameter(key)._is_hf_initialized = True
+        model._move_missing_keys_from_meta_to_device(missing, {"": device}, None, None)
+        model._initialize_missing_keys(is_quantized=False)
+        model.tie_weights(missing_keys=missing, recompute_mapping=False)
+        model.eval()
 
 
 def from_config(

@@ -1,0 +1,17 @@
+"""Replacement classes importable by ``modelpatch --patch`` in the CLI tests (this folder is put on PYTHONPATH)."""
+
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+
+class SameMLP(LlamaMLP):
+    """Identical math: verification passes."""
+
+
+class DoubledMLP(LlamaMLP):
+    """Doubles the MLP output: verification must fail."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+NOT_A_MODULE = 42
