@@ -196,12 +196,6 @@ def test_trained_weights_are_saved_back_in_the_checkpoint_layout(tiny, tmp_path)
     assert_outputs_close(ckpt.outputs(unfused), changed)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="interop: the default-format save stores fusion_config in config.json, and stock transformers 5.23 reads "
-    "that key itself: with patch_embeddings it applies its own fusion and leaves the Linear randomly initialised "
-    "(with qkv / gate_up / linear_experts it raises 'Unknown fusion type')",
-)
 def test_stock_transformers_loads_a_default_format_save(tiny, tmp_path):
     # In a subprocess: stock transformers' own fusion stays registered process-wide once a load has used it.
     ckpt = tiny("qwen2_vl")

@@ -124,7 +124,9 @@ def test_persisted_reused_and_overridden(tiny, tmp_path):
     assert fused.config.fusion_config == {"qkv": True}
     assert not hasattr(ckpt.stock().config, "fusion_config")  # the checkpoint's config object is not touched
     modelpatch.save_pretrained(fused, tmp_path / "saved")
-    assert config_json(tmp_path / "saved")["fusion_config"] == {"qkv": True}
+    saved = config_json(tmp_path / "saved")
+    assert saved["modelpatch_fusion_config"] == {"qkv": True}
+    assert "fusion_config" not in saved  # stock transformers 5.23 would apply its own fusion from that key
 
     # Omitted: the stored config is reused.
     reused = ckpt.load(path=tmp_path / "saved")
@@ -146,6 +148,7 @@ def test_persisted_reused_and_overridden(tiny, tmp_path):
     assert generated_modules(plain) == [] and not hasattr(plain.config, "fusion_config")
     modelpatch.save_pretrained(plain, tmp_path / "plain")
     assert "fusion_config" not in config_json(tmp_path / "plain")
+    assert "modelpatch_fusion_config" not in config_json(tmp_path / "plain")
 
 
 # --- Scoping ------------------------------------------------------------------------------------------------------
@@ -189,10 +192,30 @@ def test_a_failed_fused_load_leaves_nothing_behind(tiny):
 
 
 def test_concurrent_loads_get_their_own_structure(tiny):
-    """Thread A builds a fused model and is held *inside* the build (its patches active) while thread B loads the
-    same checkpoint without fusions in three ways: B must get stock classes, A the fused ones."""
+    """Two loads started at once, one fused and one not, several times over: each gets its own structure."""
     ckpt = tiny("llama")
-    building, plain_done = threading.Event(), threading.Event()
+    barrier = threading.Barrier(2)
+
+    def load(fusion_config):
+        barrier.wait(timeout=30)
+        return ckpt.load(fusion_config)
+
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(3):
+            fused_future, plain_future = pool.submit(load, {"qkv": True, "gate_up": True}), pool.submit(load, None)
+            fused, plain = fused_future.result(timeout=120), plain_future.result(timeout=120)
+            assert type(fused.model.layers[0].self_attn).__name__ == "QKVFusedLlamaAttention"
+            assert type(fused.model.layers[1].mlp).__name__ == "GateUpFusedLlamaMLP"
+            assert module_types(plain) == module_types(ckpt.stock())
+    assert_outputs_close(ckpt.outputs(fused), ckpt.stock_outputs())
+    assert_outputs_equal(ckpt.outputs(plain), ckpt.stock_outputs())
+
+
+def test_another_thread_builds_stock_classes_while_a_fused_build_runs(tiny):
+    """Thread A is held *inside* its fused build (its patches active) while thread B builds the same model class:
+    B gets stock classes. (modelpatch serialises its own builds, so B builds directly, on the meta device.)"""
+    ckpt = tiny("llama")
+    building, other_done = threading.Event(), threading.Event()
 
     class HeldQKV(QKVFusionSpec):
         prefix = "HeldQKVFused"
@@ -202,33 +225,29 @@ def test_concurrent_loads_get_their_own_structure(tiny):
 
             def __init__(self, *args, **kwargs):
                 building.set()
-                assert plain_done.wait(30), "the plain loads did not finish"
+                assert other_done.wait(30), "the other thread did not finish"
                 fused.__init__(self, *args, **kwargs)
 
             return type(f"Held{original_cls.__name__}", (fused,), {"__init__": __init__})
 
     register_fusion("held_qkv", HeldQKV())
 
-    def fused_load():
-        return ckpt.load({"held_qkv": True})
-
-    def plain_loads():
+    def other_build():
         assert building.wait(30), "the fused load never started building"
         try:
-            return [ckpt.load(), LlamaForCausalLM.from_pretrained(ckpt.path), LlamaForCausalLM(ckpt.stock().config)]
+            with torch.device("meta"):
+                return LlamaForCausalLM(ckpt.stock().config)
         finally:
-            plain_done.set()
+            other_done.set()
 
     with ThreadPoolExecutor(2) as pool:
-        fused_future, plain_future = pool.submit(fused_load), pool.submit(plain_loads)
-        fused, plain = fused_future.result(timeout=120), plain_future.result(timeout=120)
+        fused_future, other_future = pool.submit(ckpt.load, {"held_qkv": True}), pool.submit(other_build)
+        fused, other = fused_future.result(timeout=120), other_future.result(timeout=120)
 
     assert type(fused.model.layers[0].self_attn).__name__ == "HeldLlamaAttention"
     assert_outputs_close(ckpt.outputs(fused), ckpt.stock_outputs())
-    for model in plain:
-        assert generated_modules(model) == []
-        assert module_types(model) == module_types(ckpt.stock())
-    assert_outputs_equal(ckpt.outputs(plain[0]), ckpt.stock_outputs())
+    assert module_types(other) == module_types(ckpt.stock())
+    assert generated_modules(ckpt.load()) == []
 
 
 # --- Discovery ----------------------------------------------------------------------------------------------------

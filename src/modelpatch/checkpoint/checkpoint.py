@@ -8,11 +8,10 @@ import os
 import stat
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
 
 import torch
 
-from modelpatch.checkpoint.safetensors_file import SafetensorsFile, TensorInfo
+from .safetensors_file import ClosesOnExit, SafetensorsFile, TensorInfo
 from modelpatch.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -75,7 +74,7 @@ class _Directory:
             self.fd = None
 
 
-class Checkpoint:
+class Checkpoint(ClosesOnExit):
     """Read-only view of the tensors of a local checkpoint directory.
 
     Safetensors tensors are zero-copy views of memory-mapped files; pickle tensors are loaded with
@@ -233,17 +232,6 @@ class Checkpoint:
             if isinstance(source, SafetensorsFile):
                 source.close()
         self._sources = {}
-
-    def __enter__(self) -> Checkpoint:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"Checkpoint({str(self.directory)!r}, {len(self._infos)} tensors, sharded={self.is_sharded})"

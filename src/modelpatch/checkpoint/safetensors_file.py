@@ -98,7 +98,22 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-class SafetensorsFile:
+class ClosesOnExit:
+    """``with obj:`` calls ``obj.close()`` on the way out."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class SafetensorsFile(ClosesOnExit):
     """A validated safetensors header plus lazy, zero-copy access to the tensor data.
 
     Tensors are views of a private (copy-on-write) memory map: writing to them never modifies the file.
@@ -214,17 +229,6 @@ class SafetensorsFile:
         self._mmap = None
         self._closed = True
         self._close_fd()
-
-    def __enter__(self) -> SafetensorsFile:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"SafetensorsFile({str(self.path)!r}, {len(self.tensors)} tensors)"

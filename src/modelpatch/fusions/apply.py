@@ -28,6 +28,16 @@ from .spec import ModuleFusionSpec
 logger = logging.getLogger(__name__)
 
 CONFIG_ATTRIBUTE = "fusion_config"
+# The key config.json stores it under. transformers 5.23 acts on a plain "fusion_config" key itself (applying its own
+# patch_embeddings fusion, rejecting names it does not know), so a checkpoint saved by modelpatch must not carry one
+# for stock transformers to load it correctly. A plain key written by transformers is still honoured.
+SAVED_CONFIG_KEY = "modelpatch_fusion_config"
+
+
+def stored_fusion_config(config: PretrainedConfig) -> Any:
+    """The fusion config a checkpoint's config carries: modelpatch's key, else transformers' own."""
+    stored = getattr(config, SAVED_CONFIG_KEY, None)
+    return stored if stored is not None else getattr(config, CONFIG_ATTRIBUTE, None)
 
 
 @dataclass
@@ -50,7 +60,8 @@ class PreparedFusions:
         return [*self.transforms, *kept]
 
     def record(self, model: PreTrainedModel) -> None:
-        """Persist the fusion config on the model's config (and so in a saved config.json)."""
+        """Persist the fusion config on the model's config (``save_pretrained`` writes it to config.json)."""
+        model.config.__dict__.pop(SAVED_CONFIG_KEY, None)
         if self.config:
             setattr(model.config, CONFIG_ATTRIBUTE, copy.deepcopy(self.config))
         elif hasattr(model.config, CONFIG_ATTRIBUTE):
@@ -127,7 +138,7 @@ def prepare_fusions(
     """Resolve ``fusion_config`` (explicit, else the one stored in ``config``) into a :class:`PreparedFusions`."""
     from ..loading.build import build_empty_model
 
-    requested = fusion_config if fusion_config is not None else getattr(config, CONFIG_ATTRIBUTE, None)
+    requested = fusion_config if fusion_config is not None else stored_fusion_config(config)
     normalized = normalize_fusion_config(requested)
     enabled = {name: get_fusion(name) for name, value in normalized.items() if value is not False}
     prepared = PreparedFusions(config=normalized)

@@ -7,7 +7,7 @@ Data flow of a save:
    through its exact reverse (operations bound to the source's shapes at load time); keys the load never saw (a
    model built with ``from_config``, a new task head) are mapped back by running the model type's transforms
    backwards. Runtime format: the state dict as is, and config.json records that it needs no conversion;
-3. config.json (with ``fusion_config``) and generation_config.json are written with the tensors into a temporary
+3. config.json (with the fusion config, under ``modelpatch_fusion_config``) and generation_config.json are written with the tensors into a temporary
    sibling directory that replaces the target only when complete.
 """
 
@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 from ..checkpoint import write_checkpoint
 from ..conversion.planner import TensorMeta, plan_save
 from ..errors import ConversionError
+from ..fusions.apply import CONFIG_ATTRIBUTE, SAVED_CONFIG_KEY
 from .config import RUNTIME_LAYOUT_ATTRIBUTE
 from .load import TRANSFORMS_ATTRIBUTE, model_conversions
 from .report import LoadReport, get_load_report
@@ -117,6 +118,9 @@ def save_pretrained(
 
     config = copy.deepcopy(model.config)
     config.architectures = [type(model).__name__]
+    fusion_config = config.__dict__.pop(CONFIG_ATTRIBUTE, None)
+    if fusion_config:
+        setattr(config, SAVED_CONFIG_KEY, fusion_config)
     if save_original_format:
         config.__dict__.pop(RUNTIME_LAYOUT_ATTRIBUTE, None)
     else:
