@@ -46,7 +46,10 @@ class Conv3dAsLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 5 and tuple(x.shape[1:]) == (self.in_channels, *self.kernel_size):
-            return F.linear(x.reshape(x.shape[0], -1), self.weight, self.bias).view(x.shape[0], -1, 1, 1, 1)
+            patches = x.reshape(x.shape[0], -1)
+            # A plain matmul against the transposed weight: on CPU, faster than F.linear for these shapes.
+            out = patches @ self.weight.t() if self.bias is None else torch.addmm(self.bias, patches, self.weight.t())
+            return out.view(x.shape[0], -1, 1, 1, 1)
         kernel = self.weight.view(self.out_features, self.in_channels, *self.kernel_size)
         return F.conv3d(x, kernel, self.bias, stride=self.kernel_size)
 
