@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import statistics
 import time
@@ -87,6 +88,9 @@ def default_inputs(model: PreTrainedModel, seq_len: int = 16, seed: int = 0) -> 
         start, end = getattr(config, "vision_start_token_id", None), getattr(config, "vision_end_token_id", None)
         prompt = [t for t in (start,) if t is not None] + [image_token] * image_tokens + [t for t in (end,) if t is not None]
         inputs["input_ids"] = torch.cat([torch.tensor([prompt]), ids], dim=1)
+        if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
+            # What the processor returns beside input_ids: 1 marks image tokens (multimodal RoPE needs it).
+            inputs["mm_token_type_ids"] = (inputs["input_ids"] == image_token).int()
     first = next(model.parameters(), None)
     device = first.device if first is not None and first.device.type != "meta" else torch.device("cpu")
     return {k: v.to(device) for k, v in inputs.items()}

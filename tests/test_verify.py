@@ -1,0 +1,53 @@
+"""``modelpatch.verify``: per-output differences, verdict and timings, with text and vision-language inputs."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+import modelpatch
+from modelpatch.verify import default_inputs
+
+TEXT = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def _qwen2_vl_checkpoint(path):
+    config = Qwen2VLConfig(
+        text_config=dict(**TEXT, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, in_channels=3, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=60, video_token_id=61, vision_start_token_id=62, vision_end_token_id=63,
+    )
+    torch.manual_seed(0)
+    Qwen2VLForConditionalGeneration(config).save_pretrained(path)
+    return path
+
+
+def test_vision_language_inputs_carry_an_image_and_verify_a_fused_patch_embedding(tmp_path):
+    path = _qwen2_vl_checkpoint(tmp_path / "qwen2_vl")
+    reference = modelpatch.from_pretrained(Qwen2VLForConditionalGeneration, path)
+    fused = modelpatch.from_pretrained(Qwen2VLForConditionalGeneration, path, fusion_config={"patch_embeddings": True})
+
+    inputs = default_inputs(reference)
+    assert inputs["pixel_values"].shape == (16, 3 * 2 * 14 * 14)
+    assert inputs["image_grid_thw"].tolist() == [[1, 4, 4]]
+    assert (inputs["input_ids"] == 60).sum() == 4  # 16 patches merged 2x2 -> 4 image tokens
+    assert torch.equal(default_inputs(reference)["pixel_values"], inputs["pixel_values"])  # deterministic
+
+    report = modelpatch.verify(reference, fused, atol=1e-4, rtol=1e-3)
+    assert report.passed, str(report)
+    assert "logits" in {o.name for o in report.outputs}
+    assert 0 < max(o.max_abs for o in report.outputs) < 1e-4  # Conv3d vs Linear: not bitwise, but close
+    assert report.reference_seconds > 0 and report.candidate_seconds > 0
+
+
+def test_a_different_model_fails_and_the_report_says_which_output(tmp_path):
+    torch.manual_seed(0)
+    config = LlamaConfig(**TEXT)
+    reference, other = LlamaForCausalLM(config), LlamaForCausalLM(config)
+    report = modelpatch.verify(reference, other)
+    assert not report.passed
+    logits = next(o for o in report.outputs if o.name == "logits")
+    assert not logits.passed and logits.max_abs > 1e-3
+    assert "FAILED" in str(report) and "NO" in str(report)
+    assert modelpatch.verify(reference, reference).passed
