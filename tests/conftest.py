@@ -1,4 +1,8 @@
-"""Shared test fixtures: every test starts and ends with an empty global patch registry."""
+"""Shared test fixtures: every test starts and ends with the process-wide registries as they were.
+
+The patch registry is emptied; the conversion and fusion registries (which tests extend or overwrite, built-ins
+included) are restored to their contents before the test.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +10,24 @@ import pytest
 import transformers
 
 import modelpatch
+from modelpatch.conversion import registry as conversion_registry
+from modelpatch.fusions import registry as fusion_registry
 
 transformers.logging.set_verbosity_error()
 
 
 @pytest.fixture(autouse=True)
-def _clean_patch_registry():
+def _restore_registries():
     modelpatch.clear_patch_mapping()
+    with conversion_registry._lock:
+        conversions = dict(conversion_registry._mappings)
+    with fusion_registry._lock:
+        fusions = dict(fusion_registry._fusions)
     yield
     modelpatch.clear_patch_mapping()
+    with conversion_registry._lock:
+        conversion_registry._mappings.clear()
+        conversion_registry._mappings.update(conversions)
+    with fusion_registry._lock:
+        fusion_registry._fusions.clear()
+        fusion_registry._fusions.update(fusions)
