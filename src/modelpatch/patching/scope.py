@@ -182,9 +182,3 @@ def apply_patches():
         model = LlamaModel(config)       # original classes again
     """
     return patch_scope(registry.snapshot())
-
-
-def active_replacement(cls: type) -> type | None:
-    """The class a construction of ``cls`` would produce in the current context, or None if it is not patched."""
-    active = _active.get()
-    return active.resolve(cls) if active is not None else None
