@@ -2,9 +2,13 @@
 
 Several ``nn.Linear`` children that read the same input (``q_proj``, ``k_proj``, ``v_proj``) become one
 :class:`FusedLinear` (``qkv_proj``): a plain ``nn.Linear`` whose output rows are the parts concatenated, which is
-what quantization tools and fused kernels want to see. The original attribute names stay as parameter-free
+what quantization tools, PEFT and fused kernels want to see. The original attribute names stay as parameter-free
 :class:`ProjectionSlice` modules, so the original ``forward`` runs unchanged: the first slice called with an input
 computes the one fused matmul, and its siblings called with the same input take their part of that result.
+
+A slice looks the fused layer up on its owner *by attribute, at call time*. Whatever replaced ``qkv_proj`` since
+(a quantized Linear, a PEFT LoRA wrapper, a module with forward hooks) is what runs; a slice never keeps a reference
+to the layer it was made from.
 """
 
 from __future__ import annotations
@@ -14,13 +18,15 @@ from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from transformers import PretrainedConfig
 
 from ..conversion.operations import Concatenate
 from ..conversion.transforms import WeightConverter, WeightTransform
 from .generated import make_class
 from .spec import ModuleFusionSpec
+
+# Attribute of the owner module holding the fused output not yet taken by every slice, per fused layer name.
+_PENDING_ATTRIBUTE = "_modelpatch_pending_parts"
 
 
 class FusedLinear(nn.Linear):
@@ -29,62 +35,78 @@ class FusedLinear(nn.Linear):
     def __init__(self, in_features: int, part_sizes: Sequence[int], bias: bool, device=None, dtype=None):
         super().__init__(in_features, sum(part_sizes), bias=bias, device=device, dtype=dtype)
         self.part_sizes = tuple(part_sizes)
-        self._pending: tuple[torch.Tensor, list[torch.Tensor | None]] | None = None
-
-    def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        """Output ``index`` for input ``x``: from the pending fused result when ``x`` is the input it was computed for."""
-        pending = self._pending
-        if pending is None or pending[0] is not x or pending[1][index] is None:
-            parts: list[torch.Tensor | None] = list(self(x).split(self.part_sizes, dim=-1))
-            pending = (x, parts)
-        result = pending[1][index]
-        pending[1][index] = None
-        self._pending = pending if any(p is not None for p in pending[1]) else None
-        return result  # type: ignore[return-value]
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, part_sizes={self.part_sizes}"
 
 
 class ProjectionSlice(nn.Module):
-    """Stands where one of the fused projections was; owns no parameters (they live once, in the fused layer)."""
+    """Stands where one of the fused projections was; owns no parameters (they live once, in the fused layer).
 
-    def __init__(self, fused: FusedLinear, index: int):
+    Args:
+        owner: The module holding the fused layer (the attention or MLP module). Kept as a plain attribute, not a
+            child, so it is neither traversed nor saved twice; deepcopy and pickle keep it pointing at the copy.
+        fused_name: The owner's attribute holding the fused layer (``"qkv_proj"``), read at every call.
+        part_sizes: Output sizes of all parts, in order.
+        index: Which part this slice is.
+    """
+
+    def __init__(self, owner: nn.Module, fused_name: str, part_sizes: Sequence[int], index: int, in_features: int):
         super().__init__()
-        object.__setattr__(self, "fused", fused)  # not registered as a child: no duplicate parameters
+        object.__setattr__(self, "owner", owner)
+        self.fused_name = fused_name
+        self.part_sizes = tuple(part_sizes)
         self.index = index
-        self.in_features = fused.in_features
-        self.out_features = fused.part_sizes[index]
+        self.in_features = in_features
+        self.out_features = self.part_sizes[index]
 
-    def _rows(self) -> slice:
-        start = sum(self.fused.part_sizes[: self.index])
+    @property
+    def fused(self) -> nn.Module:
+        """The module that computes the fused projection now (whatever stands at ``owner.<fused_name>``)."""
+        return getattr(self.owner, self.fused_name)
+
+    def rows(self) -> slice:
+        """This part's rows of the fused weight."""
+        start = sum(self.part_sizes[: self.index])
         return slice(start, start + self.out_features)
 
     @property
     def weight(self) -> torch.Tensor:
-        return self.fused.weight[self._rows()]
+        return self.fused.weight[self.rows()]
 
     @property
     def bias(self) -> torch.Tensor | None:
-        return None if self.fused.bias is None else self.fused.bias[self._rows()]
+        bias = getattr(self.fused, "bias", None)
+        return None if bias is None else bias[self.rows()]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fused.part(self.index, x)
+        fused = self.fused
+        owner_state = self.owner.__dict__
+        pending = owner_state.setdefault(_PENDING_ATTRIBUTE, {})
+        entry = pending.get(self.fused_name)
+        if entry is None or entry[0] is not x or entry[1] is not fused or entry[2][self.index] is None:
+            parts: list[torch.Tensor | None] = list(fused(x).split(self.part_sizes, dim=-1))
+            entry = (x, fused, parts)
+        result = entry[2][self.index]
+        entry[2][self.index] = None
+        # Keep the fused output only until every sibling has taken its part: nothing else holds the input.
+        if any(part is not None for part in entry[2]):
+            pending[self.fused_name] = entry
+        else:
+            pending.pop(self.fused_name, None)
+        return result  # type: ignore[return-value]
 
     def extra_repr(self) -> str:
-        return f"part {self.index} of the fused projection, out_features={self.out_features}"
+        return f"part {self.index} of {self.fused_name}, out_features={self.out_features}"
 
 
 def fuse_linears(module: nn.Module, names: Sequence[str], fused_name: str) -> FusedLinear:
     """Replace ``module``'s Linear children ``names`` by one ``FusedLinear`` called ``fused_name`` and slices."""
     linears = [getattr(module, name) for name in names]
     first = linears[0]
+    sizes = [lin.out_features for lin in linears]
     fused = FusedLinear(
-        first.in_features,
-        [lin.out_features for lin in linears],
-        bias=first.bias is not None,
-        device=first.weight.device,
-        dtype=first.weight.dtype,
+        first.in_features, sizes, bias=first.bias is not None, device=first.weight.device, dtype=first.weight.dtype
     )
     if first.weight.device.type != "meta":
         with torch.no_grad():
@@ -95,7 +117,7 @@ def fuse_linears(module: nn.Module, names: Sequence[str], fused_name: str) -> Fu
         delattr(module, name)
     setattr(module, fused_name, fused)
     for index, name in enumerate(names):
-        setattr(module, name, ProjectionSlice(fused, index))
+        setattr(module, name, ProjectionSlice(module, fused_name, sizes, index, first.in_features))
     return fused
 
 
