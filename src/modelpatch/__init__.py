@@ -32,6 +32,7 @@ from .errors import (
     LoadPlanError,
     ModelPatchError,
     PatchRegistryError,
+    SaveError,
 )
 from .fusions import ModuleFusionSpec, available_fusions, register_fusion, unregister_fusion
 from .loading import LoadReport, PlannedLoad, from_config, from_pretrained, get_load_report, plan_pretrained, save_pretrained
@@ -66,6 +67,7 @@ __all__ = [
     "ModelPatchError",
     "PatchRegistryError",
     "Patcher",
+    "SaveError",
     "PlannedLoad",
     "SplitModulelist",
     "Transpose",

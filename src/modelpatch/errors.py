@@ -36,3 +36,8 @@ class LoadPlanError(ModelPatchError, ValueError):
 
 class FusionError(ModelPatchError, ValueError):
     """An unknown fusion name, invalid fusion options, or a fusion spec that cannot be registered."""
+
+
+class SaveError(ModelPatchError, ValueError):
+    """A model cannot be saved so that it loads back the same (a substituted module, a quantized tensor subclass,
+    PEFT layers). Raised before anything is written; the message names every module at fault."""

@@ -107,4 +107,5 @@ def test_bad_input_is_one_line_and_exit_code_2(run_cli, llama_checkpoint, tmp_pa
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
+    # Only modelpatch's own line: other packages may log at import time (torchao does when installed).
+    assert len([line for line in result.stderr.splitlines() if line.startswith("modelpatch")]) == 1

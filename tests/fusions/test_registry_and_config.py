@@ -77,15 +77,36 @@ def test_unknown_fusion_lists_the_available_ones(tiny):
         assert all(name in message for name in BUILTIN), message
 
 
-def test_unknown_fusion_stored_in_config_json(tiny, tmp_path):
+def test_unknown_fusion_stored_in_config_json(tiny, tmp_path, caplog):
     ckpt = tiny("llama")
     edited = shutil.copytree(ckpt.path, tmp_path / "edited")
     config = config_json(edited)
     config["fusion_config"] = {"flash_qkv": True}
     (edited / "config.json").write_text(json.dumps(config))
-    with pytest.raises(FusionError, match="Unknown fusion 'flash_qkv'; available fusions: gate_up, linear_experts"):
-        ckpt.load(path=edited)
+    # Original-layout tensors need no fusion code: the load goes on unfused and says which fusion it skipped.
+    with caplog.at_level(logging.WARNING, logger="modelpatch.fusions.apply"):
+        model = ckpt.load(path=edited)
+    assert generated_modules(model) == []
+    assert "'flash_qkv'" in caplog.text
+    assert_outputs_equal(ckpt.outputs(model), ckpt.stock_outputs())
     assert generated_modules(ckpt.load({}, path=edited)) == []  # an explicit argument replaces the stored one
+
+
+def test_unknown_fusion_in_a_runtime_layout_checkpoint(tiny, tmp_path):
+    ckpt = tiny("llama")
+    modelpatch.save_pretrained(ckpt.load({"qkv": True}), tmp_path / "runtime", save_original_format=False)
+    config = config_json(tmp_path / "runtime")
+    config["modelpatch_fusion_config"] = {"qkv": True, "flash_qkv": True}
+    (tmp_path / "runtime" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(FusionError, match=r"runtime layout of fusion\(s\) 'flash_qkv'.*modelpatch.register_fusion"):
+        ckpt.load(path=tmp_path / "runtime")
+
+
+def test_runtime_layout_checkpoint_with_other_fusions_is_refused(tiny, tmp_path):
+    ckpt = tiny("llama")
+    modelpatch.save_pretrained(ckpt.load({"qkv": True}), tmp_path / "runtime", save_original_format=False)
+    with pytest.raises(FusionError, match=r"runtime layout of fusions \['qkv'\].*modelpatch convert SRC DST --fusion none"):
+        ckpt.load({}, path=tmp_path / "runtime")
 
 
 @pytest.mark.parametrize("value", [1, 0, "yes", None, 0.5, ["fast"]])
@@ -111,7 +132,7 @@ def test_empty_options_enable_and_false_disables(tiny):
     enabled = ckpt.load({"qkv": {}, "gate_up": False})
     assert isinstance(enabled.model.layers[0].self_attn.qkv_proj, torch.nn.Linear)
     assert type(enabled.model.layers[0].mlp) is LlamaMLP
-    assert enabled.config.fusion_config == {"qkv": {}, "gate_up": False}
+    assert enabled.config.modelpatch_fusion_config == {"qkv": {}, "gate_up": False}
     assert generated_modules(ckpt.load({"qkv": False, "gate_up": False})) == []
 
 
@@ -121,8 +142,8 @@ def test_empty_options_enable_and_false_disables(tiny):
 def test_persisted_reused_and_overridden(tiny, tmp_path):
     ckpt = tiny("llama")
     fused = ckpt.load({"qkv": True})
-    assert fused.config.fusion_config == {"qkv": True}
-    assert not hasattr(ckpt.stock().config, "fusion_config")  # the checkpoint's config object is not touched
+    assert fused.config.modelpatch_fusion_config == {"qkv": True}
+    assert not hasattr(ckpt.stock().config, "modelpatch_fusion_config")  # the checkpoint's config object is not touched
     modelpatch.save_pretrained(fused, tmp_path / "saved")
     saved = config_json(tmp_path / "saved")
     assert saved["modelpatch_fusion_config"] == {"qkv": True}
@@ -137,7 +158,7 @@ def test_persisted_reused_and_overridden(tiny, tmp_path):
     overridden = ckpt.load({"gate_up": True}, path=tmp_path / "saved")
     assert type(overridden.model.layers[0].self_attn) is LlamaAttention
     assert type(overridden.model.layers[0].mlp).__name__ == "GateUpFusedLlamaMLP"
-    assert overridden.config.fusion_config == {"gate_up": True}
+    assert overridden.config.modelpatch_fusion_config == {"gate_up": True}
 
     disabled = ckpt.load({"qkv": False}, path=tmp_path / "saved")
     assert generated_modules(disabled) == []
@@ -145,7 +166,7 @@ def test_persisted_reused_and_overridden(tiny, tmp_path):
 
     # An explicit empty config drops the stored one, and so does the next save.
     plain = ckpt.load({}, path=tmp_path / "saved")
-    assert generated_modules(plain) == [] and not hasattr(plain.config, "fusion_config")
+    assert generated_modules(plain) == [] and not hasattr(plain.config, "modelpatch_fusion_config")
     modelpatch.save_pretrained(plain, tmp_path / "plain")
     assert "fusion_config" not in config_json(tmp_path / "plain")
     assert "modelpatch_fusion_config" not in config_json(tmp_path / "plain")

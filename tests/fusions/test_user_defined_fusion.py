@@ -137,7 +137,7 @@ def test_from_config_with_a_user_fusion(swiglu, tiny, tmp_path):
     ckpt = tiny("llama")
     model = modelpatch.from_config(ckpt.model_class, ckpt.stock().config, fusion_config={"swiglu": True})
     assert type(model.model.layers[0].mlp) is SwiGLU
-    assert model.config.fusion_config == {"swiglu": True}
+    assert model.config.modelpatch_fusion_config == {"swiglu": True}
     # Concatenate(equal_parts=True) lets a model that was never loaded be split back into gate_proj / up_proj.
     modelpatch.save_pretrained(model, tmp_path / "saved")
     assert checkpoint_shapes(tmp_path / "saved") == checkpoint_shapes(ckpt.path)
@@ -148,11 +148,10 @@ def test_checkpoints_stay_loadable_without_the_fusion(swiglu, tiny, tmp_path):
     ckpt = tiny("llama")
     modelpatch.save_pretrained(ckpt.load({"swiglu": True}), tmp_path / "saved")
     unregister_fusion("swiglu")
-    # The stored fusion_config names a fusion this process does not have: an error that says which ones it has ...
-    with pytest.raises(FusionError, match="Unknown fusion 'swiglu'; available fusions: gate_up, linear_experts"):
-        ckpt.load(path=tmp_path / "saved")
-    # ... while the files are the original layout, loadable without the fusion.
+    # The stored config names a fusion this process does not have; the files are the original layout, so the
+    # checkpoint loads unfused (with a warning naming the fusion), by anyone.
     assert checkpoint_shapes(tmp_path / "saved") == checkpoint_shapes(ckpt.path)
+    assert_outputs_close(ckpt.outputs(ckpt.load(path=tmp_path / "saved")), ckpt.stock_outputs())
     assert_outputs_close(ckpt.outputs(ckpt.load({}, path=tmp_path / "saved")), ckpt.stock_outputs())
 
 

@@ -12,9 +12,9 @@ from stock_checkpoints import CONFIGS, assert_tensors_identical, bits, config_js
 from transformers import AutoConfig, AutoModelForCausalLM, BertForSequenceClassification
 
 import modelpatch
-from modelpatch import CheckpointError, ConversionError
+from modelpatch import CheckpointError
 from modelpatch.checkpoint import writer
-from modelpatch.loading.config import RUNTIME_LAYOUT_ATTRIBUTE
+from modelpatch.state import RUNTIME_LAYOUT_KEY as RUNTIME_LAYOUT_ATTRIBUTE
 
 
 def _snapshot(directory):
@@ -114,7 +114,7 @@ def test_save_that_cannot_be_reversed_fails_before_writing(stock_checkpoint, tmp
     modelpatch.save_pretrained(model, out)
     before = _snapshot(out)
     del model.model.layers[1].mlp.experts.down_proj  # the model no longer has a converted parameter
-    with pytest.raises(ConversionError, match="model.layers.1.mlp.experts.down_proj"):
+    with pytest.raises(modelpatch.SaveError, match=r"model.layers.1.mlp.experts \(Qwen2MoeExperts\): down_proj is gone"):
         modelpatch.save_pretrained(model, out)
     assert _snapshot(out) == before
 

@@ -6,6 +6,9 @@ import copy
 import threading
 from collections.abc import Iterable
 
+from torch import nn
+from transformers import PreTrainedModel
+
 from ..errors import ConversionError
 from .builtin import builtin_conversions
 from .transforms import WeightTransform
@@ -51,3 +54,15 @@ def get_checkpoint_conversion_mapping(model_type: str) -> list[WeightTransform] 
 
 def registered_model_types() -> list[str]:
     return sorted(_mappings)
+
+
+def model_conversions(model: nn.Module) -> list[WeightTransform]:
+    """The registered transforms of ``model``'s type and of its nested sub-models' types, in that order."""
+    transforms: list[WeightTransform] = []
+    seen: set[str] = set()
+    for module in model.modules():
+        model_type = getattr(getattr(module, "config", None), "model_type", None)
+        if isinstance(module, PreTrainedModel) and model_type and model_type not in seen:
+            seen.add(model_type)
+            transforms.extend(get_checkpoint_conversion_mapping(model_type) or [])
+    return transforms

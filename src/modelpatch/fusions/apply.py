@@ -22,23 +22,11 @@ from transformers import PretrainedConfig, PreTrainedModel
 from ..conversion.transforms import WeightTransform
 from ..errors import FusionError
 from ..patching.mapping import PatchMapping
+from ..state import is_runtime_layout, record_fusion_config, stored_fusion_config
 from .registry import available_fusions, get_fusion
 from .spec import ModuleFusionSpec
 
 logger = logging.getLogger(__name__)
-
-CONFIG_ATTRIBUTE = "fusion_config"
-# The key config.json stores it under. transformers 5.23 acts on a plain "fusion_config" key itself (applying its own
-# patch_embeddings fusion, rejecting names it does not know), so a checkpoint saved by modelpatch must not carry one
-# for stock transformers to load it correctly. A plain key written by transformers is still honoured.
-SAVED_CONFIG_KEY = "modelpatch_fusion_config"
-
-
-def stored_fusion_config(config: PretrainedConfig) -> Any:
-    """The fusion config a checkpoint's config carries: modelpatch's key, else transformers' own."""
-    stored = getattr(config, SAVED_CONFIG_KEY, None)
-    return stored if stored is not None else getattr(config, CONFIG_ATTRIBUTE, None)
-
 
 @dataclass
 class PreparedFusions:
@@ -61,11 +49,7 @@ class PreparedFusions:
 
     def record(self, model: PreTrainedModel) -> None:
         """Persist the fusion config on the model's config (``save_pretrained`` writes it to config.json)."""
-        model.config.__dict__.pop(SAVED_CONFIG_KEY, None)
-        if self.config:
-            setattr(model.config, CONFIG_ATTRIBUTE, copy.deepcopy(self.config))
-        elif hasattr(model.config, CONFIG_ATTRIBUTE):
-            delattr(model.config, CONFIG_ATTRIBUTE)
+        record_fusion_config(model.config, copy.deepcopy(self.config))
 
 
 def normalize_fusion_config(fusion_config: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -89,6 +73,37 @@ def normalize_fusion_config(fusion_config: Mapping[str, Any] | None) -> dict[str
         else:
             raise FusionError(f"fusion_config[{name!r}] must be True, False or an options dict, got {value!r}.")
     return normalized
+
+
+def _enabled(normalized: Mapping[str, Any]) -> set[str]:
+    return {name for name, value in normalized.items() if value is not False}
+
+
+def _stored_fusions(config: PretrainedConfig) -> Any:
+    """The fusion config stored with a checkpoint, minus fusions this process does not know when that is safe.
+
+    A checkpoint in the original layout needs no fusion code to load (its tensors are the stock model's), so a
+    fusion someone else registered under a name unknown here is skipped with a warning. A runtime-layout checkpoint
+    holds that fusion's tensors and cannot be loaded without it: the error names it and how to make it available.
+    """
+    stored = stored_fusion_config(config)
+    if not isinstance(stored, Mapping):
+        return stored
+    unknown = [name for name in stored if name not in available_fusions()]
+    if not unknown:
+        return stored
+    if is_runtime_layout(config):
+        raise FusionError(
+            f"The checkpoint is stored in the runtime layout of fusion(s) {', '.join(map(repr, unknown))}, which this "
+            "process does not have. Import the code that defines them and register them with "
+            f"modelpatch.register_fusion(name, spec) before loading; available fusions: {', '.join(available_fusions())}."
+        )
+    logger.warning(
+        "The checkpoint was saved with fusion(s) %s, which this process does not have; its tensors are in the original "
+        "layout, so it loads without them.",
+        ", ".join(map(repr, unknown)),
+    )
+    return {name: value for name, value in stored.items() if name not in unknown}
 
 
 def _call_make_transforms(spec: ModuleFusionSpec, config: PretrainedConfig, modules: Mapping[str, nn.Module]):
@@ -138,8 +153,14 @@ def prepare_fusions(
     """Resolve ``fusion_config`` (explicit, else the one stored in ``config``) into a :class:`PreparedFusions`."""
     from ..loading.build import build_empty_model
 
-    requested = fusion_config if fusion_config is not None else stored_fusion_config(config)
-    normalized = normalize_fusion_config(requested)
+    stored = _stored_fusions(config)
+    normalized = normalize_fusion_config(fusion_config if fusion_config is not None else stored)
+    if is_runtime_layout(config) and _enabled(normalized) != _enabled(normalize_fusion_config(stored)):
+        raise FusionError(
+            f"The checkpoint is stored in the runtime layout of fusions {sorted(_enabled(normalize_fusion_config(stored)))}"
+            f"; it cannot be loaded with fusions {sorted(_enabled(normalized))}. Leave fusion_config unset to load it "
+            "as stored, or write it back in the original layout first: `modelpatch convert SRC DST --fusion none`."
+        )
     enabled = {name: get_fusion(name) for name, value in normalized.items() if value is not False}
     prepared = PreparedFusions(config=normalized)
     if not enabled:

@@ -13,10 +13,6 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from ..errors import CheckpointError
 
-# Set in config.json by ``save_pretrained(..., save_original_format=False)``: the tensors need no conversion.
-RUNTIME_LAYOUT_ATTRIBUTE = "modelpatch_runtime_layout"
-
-
 def checkpoint_directory(path: str | Path) -> Path:
     """``path`` as an existing local directory holding a ``config.json``; a clear error otherwise."""
     directory = Path(path)

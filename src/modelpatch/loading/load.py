@@ -27,38 +27,24 @@ from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 
 from ..checkpoint import Checkpoint
 from ..conversion.planner import TensorMeta
-from ..conversion.registry import get_checkpoint_conversion_mapping
+from ..conversion.registry import model_conversions
 from ..conversion.transforms import WeightTransform
 from ..errors import CheckpointError
 from ..fusions.apply import PreparedFusions, prepare_fusions
 from ..patching import registry
 from ..patching.mapping import PatchMapping
 from ..patching.patcher import Patcher
+from ..state import EXPECTED_STATE_ATTRIBUTE, REPORT_ATTRIBUTE, TRANSFORMS_ATTRIBUTE, is_runtime_layout
 from .build import build_empty_model, build_initialized_model, model_state_lock
-from .config import RUNTIME_LAYOUT_ATTRIBUTE, checkpoint_directory, load_config, resolve_dtype, resolve_model_class
+from .config import checkpoint_directory, load_config, resolve_dtype, resolve_model_class
 from .materialize import load_into_model
-from .plan import LoadPlan, UnexpectedKeys, plan_model_load
-from .report import REPORT_ATTRIBUTE, LoadReport
+from .plan import LoadPlan, UnexpectedKeys, model_expectations, plan_model_load
+from .report import LoadReport
+from .save import install_original_format_save
 
 logger = logging.getLogger(__name__)
 
 FusionConfig = Mapping[str, bool | Mapping[str, Any]]
-
-# Set by from_config on the model: the weight transforms of its build (a loaded model has them in its LoadReport).
-TRANSFORMS_ATTRIBUTE = "_modelpatch_transforms"
-
-
-def model_conversions(model: PreTrainedModel) -> list[WeightTransform]:
-    """The registered transforms of ``model``'s type and of its nested sub-models' types, in that order."""
-    transforms: list[WeightTransform] = []
-    seen: set[str] = set()
-    for module in model.modules():
-        model_type = getattr(getattr(module, "config", None), "model_type", None)
-        if isinstance(module, PreTrainedModel) and model_type and model_type not in seen:
-            seen.add(model_type)
-            transforms.extend(get_checkpoint_conversion_mapping(model_type) or [])
-    return transforms
-
 
 def _check_patcher(patcher: Patcher | None) -> None:
     if patcher is not None and not isinstance(patcher, Patcher):
@@ -118,7 +104,7 @@ def _plan(
     _set_config_dtype(config, resolved_dtype)
     model = build_empty_model(concrete, config, resolved_dtype, layers)
     transforms = _conversions(model, patcher, fusions)
-    runtime_layout = bool(getattr(config, RUNTIME_LAYOUT_ATTRIBUTE, False))
+    runtime_layout = is_runtime_layout(config)
     plan = plan_model_load(
         model,
         metas,
@@ -229,6 +215,7 @@ def from_pretrained(
         runtime_layout=runtime_layout,
     )
     setattr(model, REPORT_ATTRIBUTE, report)
+    _record_build(model, plan.expected)
     logger.info("%s", report.summary())
     if device_map is not None:
         from .dispatch import dispatch
@@ -292,4 +279,12 @@ def from_config(
     # What save_pretrained runs backwards to write this never-loaded model in the checkpoint layout: the model
     # type's mapping as adjusted by this build's Patcher and fusions.
     setattr(model, TRANSFORMS_ATTRIBUTE, tuple(_conversions(model, patcher, fusions)))
+    _record_build(model, model_expectations(model))
     return model
+
+
+def _record_build(model: PreTrainedModel, expected: Mapping[str, TensorMeta]) -> None:
+    """What every save of ``model`` relies on: the state as built, and the stock save method writing the original
+    layout (so Trainer checkpoints and ``model.save_pretrained`` give stock-loadable directories)."""
+    object.__setattr__(model, EXPECTED_STATE_ATTRIBUTE, dict(expected))
+    install_original_format_save(model)

@@ -10,8 +10,8 @@ from torch import nn
 
 from ..conversion.planner import ConversionGroup
 from ..conversion.transforms import WeightTransform
+from ..state import REPORT_ATTRIBUTE
 
-REPORT_ATTRIBUTE = "modelpatch_report"
 
 
 @dataclass(frozen=True)

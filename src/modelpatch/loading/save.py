@@ -2,40 +2,126 @@
 
 Data flow of a save:
 
-1. take the model's state dict, minus tied parameters the source checkpoint did not store;
-2. original format: every key read unchanged is written under its checkpoint name; every converted group is run
+1. check that the model can still be saved as built: a module substituted since (a quantizer's module, a tensor
+   subclass such as torchao's, a PEFT wrapper) whose state modelpatch cannot reverse is named, and nothing is written;
+2. take the model's state dict, minus tied parameters that still share their storage and that the source checkpoint
+   did not store;
+3. original format: every key read unchanged is written under its checkpoint name; every converted group is run
    through its exact reverse (operations bound to the source's shapes at load time); keys the load never saw (a
    model built with ``from_config``, a new task head) are mapped back by running the model type's transforms
    backwards. Runtime format: the state dict as is, and config.json records that it needs no conversion;
-3. config.json (with the fusion config, under ``modelpatch_fusion_config``) and generation_config.json are written with the tensors into a temporary
-   sibling directory that replaces the target only when complete.
+4. config.json (with the fusion config, under ``modelpatch_fusion_config``) and generation_config.json are written
+   with the tensors into a temporary sibling directory that replaces the target only when complete.
+
+The models modelpatch builds also get an instance-level ``save_pretrained`` (see :func:`install_original_format_save`)
+so that stock code paths — ``model.save_pretrained``, ``Trainer.save_model`` — write the original layout too.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 from transformers import PreTrainedModel
 
 from ..checkpoint import write_checkpoint
 from ..conversion.planner import TensorMeta, plan_save
-from ..errors import ConversionError
-from ..fusions.apply import CONFIG_ATTRIBUTE, SAVED_CONFIG_KEY
-from .config import RUNTIME_LAYOUT_ATTRIBUTE
-from .load import TRANSFORMS_ATTRIBUTE, model_conversions
+from ..conversion.registry import model_conversions
+from ..errors import ConversionError, SaveError
+from ..state import EXPECTED_STATE_ATTRIBUTE, RUNTIME_LAYOUT_KEY, TRANSFORMS_ATTRIBUTE
 from .report import LoadReport, get_load_report
 
 logger = logging.getLogger(__name__)
 
-def _state_to_save(model: PreTrainedModel, report: LoadReport | None) -> dict[str, torch.Tensor]:
-    state = model.state_dict()
+
+def _module_of(key: str) -> str:
+    return key.rpartition(".")[0]
+
+
+def _kind(dtype: torch.dtype) -> str:
+    return "floating" if dtype.is_floating_point else "complex" if dtype.is_complex else "integer"
+
+
+def _check_saveable(model: PreTrainedModel, state: Mapping[str, Any]) -> None:
+    """Refuse, naming every module at fault, a state that a save would write wrongly.
+
+    The state is compared with the one recorded when modelpatch built the model: a module whose parameters changed
+    names, shapes or kind of dtype, or that gained tensors, was substituted by something whose layout the recorded
+    conversions cannot reverse (a quantizer's module, say). Tensor subclasses (torchao's quantized weights) have no
+    plain storage to write. Either would give a checkpoint that loads wrong, so nothing is written.
+    """
+    problems: dict[str, list[str]] = defaultdict(list)
+    for key, tensor in state.items():
+        if not isinstance(tensor, torch.Tensor):
+            problems[_module_of(key)].append(f"{key.rpartition('.')[2]} is a {type(tensor).__name__}, not a tensor")
+        elif type(tensor.detach()) is not torch.Tensor:
+            problems[_module_of(key)].append(
+                f"{key.rpartition('.')[2]} is a {type(tensor.detach()).__name__} (a tensor subclass, e.g. quantized)"
+            )
+    expected: Mapping[str, TensorMeta] | None = getattr(model, EXPECTED_STATE_ATTRIBUTE, None)
+    if expected is not None:
+        for key, meta in expected.items():
+            name = key.rpartition(".")[2]
+            tensor = state.get(key)
+            if tensor is None:
+                problems[_module_of(key)].append(f"{name} is gone")
+            elif isinstance(tensor, torch.Tensor) and tuple(tensor.shape) != tuple(meta.shape):
+                problems[_module_of(key)].append(f"{name} is {list(tensor.shape)}, built as {list(meta.shape)}")
+            elif isinstance(tensor, torch.Tensor) and _kind(tensor.dtype) != _kind(meta.dtype):
+                problems[_module_of(key)].append(f"{name} is {tensor.dtype}, built as {meta.dtype}")
+        built_modules = {_module_of(key) for key in expected}
+        for key in state.keys() - expected.keys():
+            if _module_of(key) in built_modules:
+                problems[_module_of(key)].append(f"{key.rpartition('.')[2]} is new")
+    if not problems:
+        return
+    modules = dict(model.named_modules())
+    lines = [
+        f"Cannot save {type(model).__name__}: {len(problems)} module(s) changed since modelpatch built it, and their "
+        "state cannot be written in a layout that loads back the same model. Nothing was written."
+    ]
+    for name in sorted(problems):
+        module = modules.get(name)
+        lines.append(f"  - {name or '<root>'} ({type(module).__name__ if module is not None else 'removed'}): "
+                     + "; ".join(problems[name]))
+    lines.append(
+        "Save such a model with the tool that changed it (a quantizer's own format, or torch.save of the state dict), "
+        "or restore plain modules (dequantize, merge_and_unload) before saving."
+    )
+    raise SaveError("\n".join(lines))
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _untied_pairs(model: PreTrainedModel, state: Mapping[str, torch.Tensor]) -> list[str]:
+    """Tied parameters (per the model's tying rules) that no longer share storage with their source."""
+    return [
+        tied
+        for tied, source in (getattr(model, "all_tied_weights_keys", {}) or {}).items()
+        if tied in state and source in state and not _shares_storage(state[tied], state[source])
+    ]
+
+
+def _state_to_save(
+    model: PreTrainedModel, state: Mapping[str, torch.Tensor], report: LoadReport | None
+) -> dict[str, torch.Tensor]:
+    """``state`` minus tied parameters that still share their source's storage and that the source did not store.
+
+    A parameter that was untied since (``lm_head.weight = nn.Parameter(...)``) is kept: dropping it would lose it.
+    """
+    state = dict(state)
     stored = set(report.checkpoint_keys) | set(report.direct) if report else set()
+    untied = set(_untied_pairs(model, state))
     for tied in getattr(model, "all_tied_weights_keys", {}) or {}:
-        if tied not in stored:
+        if tied not in stored and tied not in untied:
             state.pop(tied, None)
     return state
 
@@ -89,6 +175,39 @@ def _independent(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return result
 
 
+def _reject_wrapped(model: Any) -> None:
+    """A PEFT model is not a transformers model: say what to do instead of a bare type error."""
+    if type(model).__module__.split(".")[0] == "peft":
+        raise SaveError(
+            f"{type(model).__name__} is a PEFT model. Merge the adapter first (model = peft_model.merge_and_unload()) "
+            "to save a full checkpoint, or save only the adapter with peft_model.save_pretrained(directory)."
+        )
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}.")
+    injected = sorted(name for name, module in model.named_modules() if hasattr(module, "base_layer") and hasattr(module, "merge"))
+    if injected:
+        raise SaveError(
+            f"{type(model).__name__} carries PEFT adapter layers ({', '.join(injected[:3])}"
+            f"{', ...' if len(injected) > 3 else ''}). Merge them first (merge_and_unload()) to save a full checkpoint, "
+            "or save only the adapter with the PEFT model's save_pretrained."
+        )
+
+
+def checkpoint_tensors(
+    model: PreTrainedModel, state_dict: Mapping[str, torch.Tensor] | None = None, *, original_format: bool = True
+) -> dict[str, torch.Tensor]:
+    """The tensors a save of ``model`` writes, validated: original layout by default, else the runtime layout.
+
+    ``state_dict`` defaults to ``model.state_dict()`` (Trainer passes its own). Raises :class:`SaveError` naming every
+    module whose state cannot be written correctly.
+    """
+    _reject_wrapped(model)
+    state = dict(state_dict) if state_dict is not None else model.state_dict()
+    _check_saveable(model, state)
+    state = _state_to_save(model, state, get_load_report(model))
+    return _independent(_checkpoint_layout(model, state) if original_format else state)
+
+
 def save_pretrained(
     model: PreTrainedModel,
     path: str | Path,
@@ -109,26 +228,60 @@ def save_pretrained(
 
     Returns:
         The files written.
-    """
-    if not isinstance(model, PreTrainedModel):
-        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}.")
-    report = get_load_report(model)
-    state = _state_to_save(model, report)
-    tensors = _checkpoint_layout(model, state) if save_original_format else state
 
+    Raises:
+        SaveError: A module was substituted since the model was built (a quantizer's module, a quantized tensor
+            subclass, PEFT layers) and its state cannot be written so that it loads back the same; nothing is written.
+    """
+    tensors = checkpoint_tensors(model, original_format=save_original_format)
     config = copy.deepcopy(model.config)
     config.architectures = [type(model).__name__]
-    fusion_config = config.__dict__.pop(CONFIG_ATTRIBUTE, None)
-    if fusion_config:
-        setattr(config, SAVED_CONFIG_KEY, fusion_config)
     if save_original_format:
-        config.__dict__.pop(RUNTIME_LAYOUT_ATTRIBUTE, None)
+        config.__dict__.pop(RUNTIME_LAYOUT_KEY, None)
     else:
-        setattr(config, RUNTIME_LAYOUT_ATTRIBUTE, True)
+        setattr(config, RUNTIME_LAYOUT_KEY, True)
+    if _untied_pairs(model, model.state_dict()) and getattr(config, "tie_word_embeddings", False):
+        # The head was untied since the model was built: the reload must not tie it back over the saved tensor.
+        config.tie_word_embeddings = False
     extra_files = {"config.json": config.to_json_string(use_diff=True).encode()}
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None and model.can_generate():
         extra_files["generation_config.json"] = (generation_config.to_json_string()).encode()
-    files = write_checkpoint(path, _independent(tensors), extra_files=extra_files, max_shard_size=max_shard_size)
+    files = write_checkpoint(path, tensors, extra_files=extra_files, max_shard_size=max_shard_size)
     logger.info("Saved %d tensors to %s (%s layout)", len(tensors), path, "checkpoint" if save_original_format else "runtime")
     return files
+
+
+class OriginalFormatSave:
+    """``model.save_pretrained`` of a model modelpatch built: stock transformers' method, fed the original layout.
+
+    Stock ``save_pretrained`` (and so ``Trainer.save_model`` and ``push_to_hub``) would write the fused/runtime
+    tensors under a config stock transformers cannot load them with. This instance attribute shadows the method for
+    one model only (transformers' classes are untouched): it converts the state dict back with modelpatch's exact
+    reverses, then lets stock transformers write it (its sharding, hub upload, tokenizer-free config handling).
+    Adapter-only saves of transformers' own PEFT integration are passed through unchanged.
+    """
+
+    def __init__(self, model: PreTrainedModel):
+        self.model = model
+
+    def __call__(self, save_directory: str | Path, *args: Any, **kwargs: Any) -> Any:
+        model = self.model
+        stock_save = type(model).save_pretrained
+        if not kwargs.get("save_original_format", True) or getattr(model, "_hf_peft_config_loaded", False):
+            return stock_save(model, save_directory, *args, **kwargs)
+        kwargs["state_dict"] = checkpoint_tensors(model, kwargs.get("state_dict"))
+        kwargs["save_original_format"] = False  # already in the original layout: stock must not convert again
+        tie = getattr(model.config, "tie_word_embeddings", None)
+        if _untied_pairs(model, model.state_dict()) and tie:
+            model.config.tie_word_embeddings = False
+        try:
+            return stock_save(model, save_directory, *args, **kwargs)
+        finally:
+            if tie is not None:
+                model.config.tie_word_embeddings = tie
+
+
+def install_original_format_save(model: nn.Module) -> None:
+    """Make ``model.save_pretrained`` write the original layout (see :class:`OriginalFormatSave`)."""
+    object.__setattr__(model, "save_pretrained", OriginalFormatSave(model))  # type: ignore[arg-type]
