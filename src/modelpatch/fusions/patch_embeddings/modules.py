@@ -25,7 +25,8 @@ class Conv3dAsLinear(nn.Linear):
     """``nn.Linear(C*T*H*W -> out)`` standing in for a patch Conv3d; weight is the kernel flattened in (C, T, H, W).
 
     Called with one patch per row (``[N, C, T, H, W]``, as patch embeddings do) it is a single matmul and returns
-    ``[N, out, 1, 1, 1]`` like the convolution. Any other input falls back to the convolution with the same weights.
+    ``[N, out, 1, 1, 1]`` like the convolution; called with flattened patches (``[N, C*T*H*W]``) it is the plain
+    Linear. Any other input falls back to the convolution with the same weights.
     """
 
     def __init__(self, conv: nn.Conv3d):
@@ -44,14 +45,42 @@ class Conv3dAsLinear(nn.Linear):
                 if self.bias is not None:
                     self.bias.copy_(conv.bias)
 
+    def is_patch_input(self, x: torch.Tensor) -> bool:
+        return x.dim() == 5 and tuple(x.shape[1:]) == (self.in_channels, *self.kernel_size)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 5 and tuple(x.shape[1:]) == (self.in_channels, *self.kernel_size):
-            patches = x.reshape(x.shape[0], -1)
-            # A plain matmul against the transposed weight: on CPU, faster than F.linear for these shapes.
-            out = patches @ self.weight.t() if self.bias is None else torch.addmm(self.bias, patches, self.weight.t())
-            return out.view(x.shape[0], -1, 1, 1, 1)
+        if self.is_patch_input(x):
+            return self._rows(x.reshape(x.shape[0], -1)).view(x.shape[0], -1, 1, 1, 1)
+        if x.dim() == 2 and x.shape[1] == self.in_features:
+            return self._rows(x)
         kernel = self.weight.view(self.out_features, self.in_channels, *self.kernel_size)
         return F.conv3d(x, kernel, self.bias, stride=self.kernel_size)
 
+    def _rows(self, patches: torch.Tensor) -> torch.Tensor:
+        # A plain matmul against the transposed weight: on CPU, faster than F.linear for these shapes.
+        return patches @ self.weight.t() if self.bias is None else torch.addmm(self.bias, patches, self.weight.t())
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, conv3d_kernel={self.kernel_size}"
+
+
+class FlattenedPatches:
+    """What the patch embedding's ``forward`` sees in place of a module that replaced its :class:`Conv3dAsLinear`.
+
+    A quantizer or PEFT swaps the Linear for a module that expects ``[N, C*T*H*W]`` rows, while the patch embedding's
+    own ``forward`` passes ``[N, C, T, H, W]`` patches (it was written for the Conv3d). This adapter flattens the
+    patches, calls the module that stands there now, and gives the result the convolution's shape. Attribute reads
+    (``proj.weight.dtype``) go to that module.
+    """
+
+    def __init__(self, module: nn.Module, in_channels: int, kernel_size: tuple[int, ...]):
+        self.module = module
+        self.shape = (in_channels, *kernel_size)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 5 and tuple(x.shape[1:]) == self.shape:
+            return self.module(x.reshape(x.shape[0], -1)).view(x.shape[0], -1, 1, 1, 1)
+        return self.module(x)
+
+    def __getattr__(self, name: str):
+        return getattr(self.module, name)

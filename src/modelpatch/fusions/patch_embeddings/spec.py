@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from contextvars import ContextVar
 
 from torch import nn
 from transformers import PretrainedConfig
@@ -13,7 +14,11 @@ from ...conversion.operations import Conv3dToLinear
 from ...conversion.transforms import WeightConverter, WeightTransform
 from ..generated import make_class
 from ..spec import ModuleFusionSpec
-from .modules import Conv3dAsLinear, is_patch_conv
+from .modules import Conv3dAsLinear, FlattenedPatches, is_patch_conv
+
+# The fused patch embedding whose forward runs in this context (modules are reentrant across threads, so no flag on
+# the instance).
+_in_forward: ContextVar[nn.Module | None] = ContextVar("modelpatch_patch_embedding_forward", default=None)
 
 
 def _patch_convs(module: nn.Module) -> list[str]:
@@ -27,10 +32,32 @@ class PatchEmbeddingsFusionSpec(ModuleFusionSpec):
     def make_fused_class(self, original_cls: type[nn.Module]) -> type[nn.Module]:
         def __init__(self, *args, **kwargs):
             original_cls.__init__(self, *args, **kwargs)
+            linears = {}
             for name in _patch_convs(self):
-                setattr(self, name, Conv3dAsLinear(getattr(self, name)))
+                linear = Conv3dAsLinear(getattr(self, name))
+                setattr(self, name, linear)
+                linears[name] = (linear.in_channels, linear.kernel_size)
+            object.__setattr__(self, "_modelpatch_patch_linears", linears)
 
-        return make_class("PatchLinear", original_cls, {"__init__": __init__}, spec=self)
+        def forward(self, *args, **kwargs):
+            token = _in_forward.set(self)
+            try:
+                return original_cls.forward(self, *args, **kwargs)
+            finally:
+                _in_forward.reset(token)
+
+        def __getattr__(self, name):
+            # Children are read by attribute at call time: a module that replaced the Linear since (a quantized
+            # Linear, a PEFT wrapper) is what runs, fed the flattened patches it expects. Outside forward (named
+            # lookups such as get_submodule) the module itself is returned.
+            module = nn.Module.__getattr__(self, name)
+            shape = self.__dict__.get("_modelpatch_patch_linears", {}).get(name)
+            if shape is None or isinstance(module, Conv3dAsLinear) or _in_forward.get() is not self:
+                return module
+            return FlattenedPatches(module, *shape)
+
+        namespace = {"__init__": __init__, "forward": forward, "__getattr__": __getattr__}
+        return make_class("PatchLinear", original_cls, namespace, spec=self)
 
     def make_transforms(
         self, config: PretrainedConfig, modules: Mapping[str, nn.Module] | None = None
