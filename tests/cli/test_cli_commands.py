@@ -109,3 +109,22 @@ def test_bad_input_is_one_line_and_exit_code_2(run_cli, llama_checkpoint, tmp_pa
     assert "Traceback" not in result.stderr
     # Only modelpatch's own line: other packages may log at import time (torchao does when installed).
     assert len([line for line in result.stderr.splitlines() if line.startswith("modelpatch")]) == 1
+
+
+def test_runtime_layout_back_to_the_original_and_inspect_says_which(llama_checkpoint, tmp_path, capsys):
+    from modelpatch.cli.main import main
+
+    runtime = tmp_path / "runtime"
+    assert main(["convert", str(llama_checkpoint), str(runtime), "--fusion", "qkv,gate_up", "--runtime-format"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(runtime)]) == 0
+    assert "runtime layout of fusions ['gate_up', 'qkv']" in capsys.readouterr().out
+    assert main(["inspect", str(llama_checkpoint)]) == 0
+    assert "layout:       original" in capsys.readouterr().out
+
+    # --fusion none names the target layout; the source is loaded with the fusions it was saved in.
+    back = tmp_path / "back"
+    assert main(["convert", str(runtime), str(back), "--fusion", "none"]) == 0
+    assert filecmp.cmp(llama_checkpoint / "model.safetensors", back / "model.safetensors", shallow=False)
+    assert main(["convert", str(runtime), str(tmp_path / "other"), "--fusion", "qkv", "--runtime-format"]) == 2
+    assert "convert it to the original layout first" in capsys.readouterr().err

@@ -155,3 +155,18 @@ def test_path_may_be_str(stock_checkpoint):
     model = modelpatch.from_pretrained(ckpt.model_class, str(ckpt.path))
     assert_tensors_identical(model.state_dict(), mine.state_dict())
     assert isinstance(modelpatch.get_load_report(model).source, Path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_keep_in_fp32_modules_as_stock(tmp_path, dtype):
+    """T5 keeps its ``wo`` projections in float32 when loaded in float16 (``_keep_in_fp32_modules``), like stock;
+    saving such a model writes them back in float32, bit for bit."""
+    from transformers import AutoModelForSeq2SeqLM, T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)).save_pretrained(tmp_path / "t5")
+    stock = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "t5", dtype=dtype)
+    ours = modelpatch.from_pretrained(AutoModelForSeq2SeqLM, tmp_path / "t5", dtype=dtype)
+    assert {k: v.dtype for k, v in ours.state_dict().items()} == {k: v.dtype for k, v in stock.state_dict().items()}
+    for key, tensor in stock.state_dict().items():
+        assert torch.equal(ours.state_dict()[key], tensor), key

@@ -228,3 +228,22 @@ def test_task_head_model_saves_a_loadable_checkpoint(stock_checkpoint, tmp_path)
     assert_tensors_identical(stock.state_dict(), model.state_dict())
     again = modelpatch.from_pretrained(BertForSequenceClassification, tmp_path / "out")
     assert_tensors_identical(again.state_dict(), model.state_dict())
+
+
+def test_an_untied_head_is_saved_and_reloads_untied(stock_checkpoint, tmp_path):
+    """Untie the head, change it, save: both save paths keep it, and stock and modelpatch reload it as saved."""
+    ckpt = stock_checkpoint("llama_tied")
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach() + 0.25)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    expected = model(ids).logits
+    modelpatch.save_pretrained(model, tmp_path / "modelpatch")
+    model.save_pretrained(tmp_path / "stock_method")
+    for directory in ("modelpatch", "stock_method"):
+        for reloaded in (
+            AutoModelForCausalLM.from_pretrained(tmp_path / directory),
+            modelpatch.from_pretrained(AutoModelForCausalLM, tmp_path / directory),
+        ):
+            torch.testing.assert_close(reloaded.lm_head.weight, model.lm_head.weight, atol=0, rtol=0)
+            torch.testing.assert_close(reloaded(ids).logits, expected, atol=1e-5, rtol=0)

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from ..loading import from_pretrained, save_pretrained
+from ..state import is_runtime_layout, stored_fusion_config
 from .common import UsageError, add_patch_arguments, model_class_for, open_checkpoint_config, parse_fusions, parse_patches
 
 
@@ -14,7 +15,8 @@ def register(commands: argparse._SubParsersAction) -> None:
         "convert",
         help="load SRC with patches/fusions and write it to DST (atomic)",
         description="Convert a checkpoint offline. By default DST is in the original layout; --runtime-format "
-        "writes the patched/fused layout, which later loads need no conversion for.",
+        "writes the patched/fused layout, which later loads need no conversion for. A SRC in a runtime layout is "
+        "loaded with the fusions it was saved with, so `--fusion none` turns it back into the original layout.",
     )
     parser.add_argument("src", help="source checkpoint directory")
     parser.add_argument("dst", help="destination directory")
@@ -32,9 +34,18 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{destination} exists; pass --force to overwrite it.")
     if destination.resolve() == Path(args.src).resolve():
         raise UsageError("SRC and DST are the same directory.")
-    model = from_pretrained(
-        model_class_for(config), args.src, patcher=parse_patches(args.patch), fusion_config=parse_fusions(args.fusion)
-    )
+    fusions = parse_fusions(args.fusion)
+    if is_runtime_layout(config):
+        # The source's tensors are in its fusions' layout: it can only be loaded with them. Any target layout is
+        # reached from there: the original one by the recorded reverses, a runtime one only with the same fusions.
+        stored = stored_fusion_config(config) or {}
+        if args.runtime_format and fusions is not None and set(fusions) != {k for k, v in stored.items() if v}:
+            raise UsageError(
+                f"{args.src} is in the runtime layout of fusions {sorted(stored)}; convert it to the original layout "
+                "first (--fusion none), then from there to other fusions."
+            )
+        fusions = None
+    model = from_pretrained(model_class_for(config), args.src, patcher=parse_patches(args.patch), fusion_config=fusions)
     files = save_pretrained(
         model, destination, save_original_format=not args.runtime_format, max_shard_size=args.max_shard_size
     )

@@ -13,6 +13,7 @@ from ..fusions import available_fusions, get_fusion
 from ..fusions.apply import discover
 from ..loading.build import build_empty_model
 from ..loading.config import resolve_model_class
+from ..state import is_runtime_layout, stored_fusion_config
 from .common import model_class_for, open_checkpoint_config
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
@@ -44,6 +45,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"model type:   {config.model_type}")
     print(f"architecture: {model_class.__name__}")
     print(f"parameters:   {sum(p.numel() for p in model.parameters()):,}")
+    stored = stored_fusion_config(config)
+    if is_runtime_layout(config):
+        print(f"layout:       runtime layout of fusions {sorted(k for k, v in (stored or {}).items() if v)}: loads only "
+              "with them; `modelpatch convert SRC DST --fusion none` writes the original layout")
+    else:
+        print("layout:       original (loads in stock transformers)"
+              + (f"; saved with fusions {sorted(k for k, v in stored.items() if v)}" if stored else ""))
 
     print("\nmodule classes:")
     for name, count in sorted(Counter(type(m).__name__ for m in model.modules()).items()):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Sequence
 from contextlib import ExitStack
 
 import torch
+from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from ..patching.mapping import PatchMapping
@@ -39,3 +41,26 @@ def build_initialized_model(
     """Instantiate and initialise ``model_class`` from ``config`` like stock ``from_config``, under the patches."""
     with model_state_lock, patch_scope(*layers):
         return model_class._from_config(config, **({"dtype": dtype} if dtype is not None else {}))
+
+
+def keep_in_fp32(model: PreTrainedModel, dtype: torch.dtype) -> None:
+    """Give the meta model stock's float32 exceptions: ``_keep_in_fp32_modules`` for float16 loads,
+    ``_keep_in_fp32_modules_strict`` for float16 and bfloat16 loads (transformers' own dtype plan).
+
+    The load casts every tensor to its meta parameter's dtype, so this is all it takes for the loaded state to have
+    stock's dtypes, and for those tensors to be saved back in float32.
+    """
+    plan = model._get_dtype_plan(dtype)
+    if not plan:
+        return
+    # transformers matches these names as globs searched anywhere in the key.
+    pattern = re.compile("|".join(f"(?:{name.replace('*', '.*')})" for name in plan))
+    for key, tensor in list(model.state_dict(keep_vars=True).items()):
+        if not tensor.is_floating_point() or tensor.dtype == torch.float32 or not pattern.search(key):
+            continue
+        owner_name, _, attribute = key.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        if attribute in owner._parameters:
+            owner._parameters[attribute] = nn.Parameter(tensor.to(torch.float32), requires_grad=tensor.requires_grad)
+        else:
+            owner._buffers[attribute] = tensor.to(torch.float32)

@@ -35,7 +35,7 @@ from ..patching import registry
 from ..patching.mapping import PatchMapping
 from ..patching.patcher import Patcher
 from ..state import EXPECTED_STATE_ATTRIBUTE, REPORT_ATTRIBUTE, TRANSFORMS_ATTRIBUTE, is_runtime_layout
-from .build import build_empty_model, build_initialized_model, model_state_lock
+from .build import build_empty_model, build_initialized_model, keep_in_fp32, model_state_lock
 from .config import checkpoint_directory, load_config, resolve_dtype, resolve_model_class
 from .materialize import load_into_model
 from .plan import LoadPlan, UnexpectedKeys, model_expectations, plan_model_load
@@ -103,6 +103,7 @@ def _plan(
     resolved_dtype = resolve_dtype("auto" if dtype is None else dtype, config, (m.dtype for m in metas.values()))
     _set_config_dtype(config, resolved_dtype)
     model = build_empty_model(concrete, config, resolved_dtype, layers)
+    keep_in_fp32(model, resolved_dtype)
     transforms = _conversions(model, patcher, fusions)
     runtime_layout = is_runtime_layout(config)
     plan = plan_model_load(
