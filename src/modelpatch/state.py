@@ -27,7 +27,8 @@ TRANSFORMERS_FUSION_CONFIG_KEY = "fusion_config"
 
 # Attributes set on the models modelpatch builds.
 REPORT_ATTRIBUTE = "modelpatch_report"  # the LoadReport of a loaded model (public: get_load_report)
-TRANSFORMS_ATTRIBUTE = "_modelpatch_transforms"  # from_config: the transforms a save runs backwards
+TRANSFORMS_ATTRIBUTE = "_modelpatch_transforms"  # the transforms a save runs backwards (a loaded model: its report's)
+BASE_TRANSFORMS_ATTRIBUTE = "_modelpatch_base_transforms"  # the same without fusions: what unfuse goes back to
 EXPECTED_STATE_ATTRIBUTE = "_modelpatch_expected_state"  # runtime key -> (shape, dtype) as built: what a save checks
 
 

@@ -106,7 +106,11 @@ def _stored_fusions(config: PretrainedConfig) -> Any:
     return {name: value for name, value in stored.items() if name not in unknown}
 
 
-def _call_make_transforms(spec: ModuleFusionSpec, config: PretrainedConfig, modules: Mapping[str, nn.Module]):
+def spec_transforms(
+    spec: ModuleFusionSpec, config: PretrainedConfig, modules: Mapping[str, nn.Module]
+) -> list[WeightTransform]:
+    """``spec.make_transforms`` for ``modules`` (unfused instances by name); specs written for the one-argument form
+    of the hook get the config alone."""
     parameters = inspect.signature(spec.make_transforms).parameters
     return spec.make_transforms(config, modules) if len(parameters) >= 2 else spec.make_transforms(config)
 
@@ -172,7 +176,7 @@ def prepare_fusions(
             logger.warning("Fusion %r found nothing to fuse in %s.", name, model_class.__name__)
             continue
         prepared.fused[name] = sorted(modules[name])
-        prepared.transforms.extend(_call_make_transforms(spec, config, modules[name]))
+        prepared.transforms.extend(spec_transforms(spec, config, modules[name]))
         prepared.filters += tuple(re.compile(p) for p in spec.filtered_conversion_patterns)
     prepared.mapping = PatchMapping.from_items(mapping.items())
     return prepared

@@ -6,6 +6,9 @@ import sys
 import threading
 from typing import Any
 
+ORIGINAL_CLASS_ATTRIBUTE = "_modelpatch_original_class"
+SPEC_ATTRIBUTE = "_modelpatch_fusion_spec"
+
 _lock = threading.Lock()
 _made: dict[tuple[str, type, type | None, type], type] = {}
 
@@ -37,9 +40,25 @@ def make_class(prefix: str, original: type, namespace: dict[str, Any], base: typ
         def __reduce_ex__(self, protocol):
             return (_rebuild, (spec, original), self.__getstate__())
 
-        attributes = {"__reduce_ex__": __reduce_ex__, **namespace, "__module__": __name__, "__qualname__": name}
+        attributes = {
+            "__reduce_ex__": __reduce_ex__,
+            **namespace,
+            "__module__": __name__,
+            "__qualname__": name,
+            # What modelpatch.unfuse needs to rebuild the stock module: the class replaced and the spec that did it.
+            ORIGINAL_CLASS_ATTRIBUTE: original,
+            SPEC_ATTRIBUTE: spec,
+        }
         cls = type(name, (base or original,), attributes)
         cls.__doc__ = f"{original.__qualname__} from {original.__module__}, rebuilt by modelpatch's {prefix!r} fusion."
         setattr(module, name, cls)
         _made[key] = cls
         return cls
+
+
+def fused_origin(module: Any) -> tuple[type, Any] | None:
+    """``(original class, spec)`` when ``module`` is an instance of a class a fusion generated, else None."""
+    cls = type(module)
+    if cls.__module__ != __name__ or ORIGINAL_CLASS_ATTRIBUTE not in cls.__dict__:
+        return None
+    return cls.__dict__[ORIGINAL_CLASS_ATTRIBUTE], cls.__dict__[SPEC_ATTRIBUTE]

@@ -1,0 +1,213 @@
+"""``fuse`` and ``unfuse``: restructure a model that is already in memory, with the transforms a load would use.
+
+A model loaded by stock transformers, left by a Trainer, or loaded by modelpatch can be fused (and unfused) in
+place, without touching disk. The target modules are built exactly as a load builds them — on the meta device, from
+the model's own config, under the fusion's patch layer — and each is filled from the live module's tensors through
+the fusion's weight transforms (forward to fuse, the exact reverse to unfuse), one module at a time: the extra memory
+is at most one converted group. Tensors no transform touches (``o_proj``, norms) move over as the same
+``nn.Parameter`` objects, so optimizers and tied references keep working. What a save needs is recorded, so
+:func:`modelpatch.save_pretrained` and ``model.save_pretrained`` still write the original checkpoint layout.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from ..conversion.planner import TensorMeta, plan_load, plan_save
+from ..conversion.registry import model_conversions
+from ..conversion.transforms import WeightTransform
+from ..errors import FusionError
+from ..fusions.apply import normalize_fusion_config, prepare_fusions, spec_transforms
+from ..fusions.generated import fused_origin
+from ..patching import registry
+from ..state import (
+    BASE_TRANSFORMS_ATTRIBUTE,
+    EXPECTED_STATE_ATTRIBUTE,
+    TRANSFORMS_ATTRIBUTE,
+    record_fusion_config,
+    stored_fusion_config,
+)
+from .build import build_empty_model
+from .plan import model_expectations
+from .report import get_load_report
+from .save import install_original_format_save
+
+logger = logging.getLogger(__name__)
+
+
+def _check_live(model: Any, what: str) -> None:
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"{what}() takes a transformers PreTrainedModel, got {type(model).__name__}.")
+    if getattr(model, "hf_device_map", None):
+        raise FusionError(
+            f"{what}() cannot restructure a model dispatched over devices (hf_device_map): its modules carry "
+            "accelerate hooks. Load it with modelpatch.from_pretrained(..., fusion_config=...) instead."
+        )
+
+
+def _base_transforms(model: PreTrainedModel) -> list[WeightTransform]:
+    """The transforms that map the model's unfused state to its checkpoint layout."""
+    if (base := getattr(model, BASE_TRANSFORMS_ATTRIBUTE, None)) is not None:
+        return list(base)
+    return model_conversions(model)
+
+
+def _assign(module: nn.Module, name: str, tensor: torch.Tensor, requires_grad: bool) -> None:
+    owner_name, _, attribute = name.rpartition(".")
+    owner = module.get_submodule(owner_name)
+    if attribute in owner._parameters:
+        owner._parameters[attribute] = (
+            tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=requires_grad)
+        )
+    else:
+        owner._buffers[attribute] = tensor.detach()
+
+
+def _swap(
+    model: PreTrainedModel, target: nn.Module, names: Sequence[str], transforms: Sequence[WeightTransform], *, reverse: bool
+) -> None:
+    """Replace each module ``names`` of ``model`` by the meta module of the same name in ``target``, filled from it.
+
+    ``reverse`` runs ``transforms`` backwards (unfusing). Every module is planned before any is replaced, so a
+    mismatch leaves the model untouched.
+    """
+    plans = []
+    for name in names:
+        live, new = model.get_submodule(name), target.get_submodule(name)
+        state = {f"{name}.{key}": tensor for key, tensor in live.state_dict(keep_vars=True).items()}
+        metas = {key: TensorMeta(tuple(t.shape), t.dtype) for key, t in state.items()}
+        plan = (plan_save if reverse else plan_load)(metas, transforms)
+        expected = {f"{name}.{key}": TensorMeta(tuple(t.shape), t.dtype) for key, t in new.state_dict(keep_vars=True).items()}
+        wrong = sorted(
+            key for key in plan.outputs.keys() | expected.keys()
+            if key not in plan.outputs or key not in expected or plan.outputs[key].shape != expected[key].shape
+        )
+        if any(plan.problems.values()) or wrong:
+            problems = "; ".join(item for items in plan.problems.values() for item in items)
+            raise FusionError(
+                f"Cannot {'unfuse' if reverse else 'fuse'} {name} ({type(live).__name__}): its tensors do not convert "
+                f"to those of {type(new).__name__} ({', '.join(wrong[:6])}{', ...' if len(wrong) > 6 else ''}"
+                f"{'; ' + problems if problems else ''}). The model was left unchanged."
+            )
+        plans.append((name, live, new, state, plan))
+
+    with torch.no_grad():
+        for name, live, new, state, plan in plans:
+            local = len(name) + 1
+            for out_key, source in plan.direct.items():
+                _assign(new, out_key[local:], state[source], state[source].requires_grad)
+            for group in plan.groups:
+                requires_grad = any(state[k].requires_grad for k in group.source_keys())
+                for out_key, tensor in group.run(state.__getitem__).items():
+                    _assign(new, out_key[local:], tensor.contiguous(), requires_grad)
+            # Buffers outside the state dict (non-persistent ones) come from the live module, by name.
+            live_buffers = dict(live.named_buffers())
+            for buffer_name, buffer in list(new.named_buffers()):
+                if buffer.device.type == "meta":
+                    if buffer_name not in live_buffers:
+                        raise FusionError(f"{name}.{buffer_name}: the restructured module has a buffer the live one lacks.")
+                    _assign(new, buffer_name, live_buffers[buffer_name], False)
+            new.train(live.training)
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, new)
+
+
+def _record(model: PreTrainedModel, fusion_config: Mapping[str, Any], transforms: Sequence[WeightTransform]) -> None:
+    record_fusion_config(model.config, dict(fusion_config))
+    object.__setattr__(model, TRANSFORMS_ATTRIBUTE, tuple(transforms))
+    object.__setattr__(model, EXPECTED_STATE_ATTRIBUTE, model_expectations(model))
+    install_original_format_save(model)
+
+
+def _fused_modules(model: nn.Module) -> dict[str, tuple[type, Any]]:
+    """Fused module name -> (original class, spec), outermost only."""
+    found: dict[str, tuple[type, Any]] = {}
+    for name, module in model.named_modules():
+        origin = fused_origin(module)
+        if origin is not None and not any(name.startswith(f"{outer}.") for outer in found):
+            found[name] = origin
+    return found
+
+
+def fuse(model: PreTrainedModel, fusion_config: Mapping[str, Any]) -> PreTrainedModel:
+    """Restructure ``model`` in place with ``fusion_config`` (``{"qkv": True, ...}``), as a load with it would.
+
+    Works on any transformers model in memory: loaded by stock ``from_pretrained``, trained by a Trainer, or loaded by
+    modelpatch without fusions. Weights are converted with the fusions' own transforms, one module at a time; the
+    parameters no fusion touches stay the same objects. Afterwards :func:`modelpatch.save_pretrained` (and
+    ``model.save_pretrained``) write the original checkpoint layout, bit for bit, and :func:`unfuse` restores the
+    stock structure.
+
+    Returns:
+        ``model`` itself.
+
+    Raises:
+        FusionError: an unknown fusion or invalid options; the model is already fused (call :func:`unfuse` first); a
+            module's tensors do not convert (the model is left unchanged).
+    """
+    _check_live(model, "fuse")
+    normalized = normalize_fusion_config(fusion_config)
+    if fused := _fused_modules(model):
+        raise FusionError(
+            f"{type(model).__name__} is already fused ({stored_fusion_config(model.config)}; e.g. {next(iter(fused))}). "
+            "Call modelpatch.unfuse(model) first, then fuse it with the new fusion config."
+        )
+    base_layers = [registry.snapshot()]
+    prepared = prepare_fusions(type(model), model.config, normalized, base_layers)
+    if not prepared.fused:
+        logger.warning("fuse(): nothing to fuse in %s with %s.", type(model).__name__, normalized)
+        return model
+    target = build_empty_model(type(model), model.config, model.dtype, [prepared.mapping, *base_layers])
+    names = sorted(name for modules in prepared.fused.values() for name in modules)
+    for name in names:
+        origin = fused_origin(target.get_submodule(name))
+        live = model.get_submodule(name)
+        if origin is None or type(live) is not origin[0]:
+            raise FusionError(
+                f"Cannot fuse {name}: it is a {type(live).__name__}, while {type(model).__name__} builds "
+                f"{origin[0].__name__ if origin else 'another class'} there (a module replaced since the model was "
+                "built). Load the model with modelpatch.from_pretrained(..., fusion_config=...) instead."
+            )
+    base = _base_transforms(model)
+    _swap(model, target, names, prepared.transforms, reverse=False)
+    if getattr(model, BASE_TRANSFORMS_ATTRIBUTE, None) is None:
+        object.__setattr__(model, BASE_TRANSFORMS_ATTRIBUTE, tuple(base))
+    _record(model, normalized, prepared.adjust_conversions(base))
+    logger.info("Fused %d modules of %s: %s", len(names), type(model).__name__, sorted(prepared.fused))
+    return model
+
+
+def unfuse(model: PreTrainedModel) -> PreTrainedModel:
+    """Restore the stock structure of a fused ``model`` in place (fused by :func:`fuse` or at load).
+
+    Every fused module is replaced by the class it replaced, filled through the exact reverse of the fusion's
+    transforms: the state equals the unfused model's, bit for bit. Returns ``model`` itself.
+    """
+    _check_live(model, "unfuse")
+    fused = _fused_modules(model)
+    if not fused:
+        logger.warning("unfuse(): %s has no fused modules.", type(model).__name__)
+        return model
+    target = build_empty_model(type(model), model.config, model.dtype, [registry.snapshot()])
+    by_spec: dict[int, tuple[Any, dict[str, nn.Module]]] = {}
+    for name, (original, spec) in fused.items():
+        stock = target.get_submodule(name)
+        if type(stock) is not original:
+            raise FusionError(
+                f"Cannot unfuse {name}: it replaced {original.__name__}, but {type(model).__name__} now builds "
+                f"{type(stock).__name__} there (the patch it was built with is no longer registered)."
+            )
+        by_spec.setdefault(id(spec), (spec, {}))[1][name] = stock
+    transforms: list[WeightTransform] = []
+    for spec, modules in by_spec.values():
+        transforms.extend(spec_transforms(spec, model.config, modules))
+    _swap(model, target, sorted(fused), transforms, reverse=True)
+    _record(model, {}, _base_transforms(model))
+    logger.info("Unfused %d modules of %s", len(fused), type(model).__name__)
+    return model
