@@ -19,7 +19,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from modelpatch import Concatenate, ConversionError, MergeModulelist, WeightConverter, WeightRenaming
+from modelpatch import (
+    Chunk,
+    Concatenate,
+    ConversionError,
+    MergeModulelist,
+    SplitModulelist,
+    WeightConverter,
+    WeightRenaming,
+)
 from modelpatch.conversion import TensorMeta, plan_load, plan_save
 from modelpatch.conversion.builtin import builtin_conversions
 
@@ -287,3 +295,30 @@ def test_renaming_then_converter_records_checkpoint_names():
 def test_empty_checkpoint_plans_nothing():
     plan = plan_load({}, builtin_conversions()["qwen2_moe"] + [WeightRenaming("^a", "b")])
     assert not plan.direct and not plan.groups and not problem_lines(plan)
+
+
+def test_alternative_converter_loads_its_layout_but_plan_save_keeps_the_targets():
+    """An ``alternative`` converter reads another layout (3-D experts) into keys that already are a checkpoint layout
+    (per-expert ones): plan_load converts what it finds, plan_save leaves the per-expert keys as they are."""
+    split = [
+        WeightConverter(r"experts\.gate_up_proj$", ["experts.*.gate_proj.weight", "experts.*.up_proj.weight"],
+                        [Chunk(dim=1), SplitModulelist(dim=0)], alternative=True),
+        WeightConverter(r"experts\.down_proj$", "experts.*.down_proj.weight", [SplitModulelist(dim=0)],
+                        alternative=True),
+    ]
+    fused = {"m.experts.gate_up_proj": meta(3, 2 * I, H), "m.experts.down_proj": meta(3, H, I)}
+    per_expert = moe_checkpoint(1, 3)
+    plan = plan_load(fused, split)
+    assert not problem_lines(plan)
+    assert plan.outputs == {
+        **{f"m.experts.{e}.{p}_proj.weight": meta(I, H) for e in range(3) for p in ("gate", "up")},
+        **{f"m.experts.{e}.down_proj.weight": meta(H, I) for e in range(3)},
+    }
+    assert [g.reversed().target_shapes for g in plan.groups] == [((3, 2 * I, H),), ((3, H, I),)]
+    assert plan_load(per_expert, split).groups == []
+    assert not plan_save(per_expert, split).groups and plan_save(per_expert, split).outputs == per_expert
+
+    both = {**per_expert, "model.layers.0.mlp.experts.down_proj": meta(3, H, I)}
+    duplicates = plan_load(both, split).problems["duplicate keys"]
+    assert len(duplicates) == 3
+    assert all("the conversion of ['model.layers.0.mlp.experts.down_proj']" in line for line in duplicates)

@@ -138,6 +138,9 @@ def test_transforms_compare_by_value():
     assert isinstance(a, WeightTransform) and isinstance(WeightRenaming("a", "b"), WeightTransform)
     assert "Concatenate" in repr(a) and "WeightRenaming('a', 'b')" == repr(WeightRenaming("a", "b"))
     assert len({a, b, c}) == 2
+    alternative = WeightConverter(["q", "k"], "qk", [Concatenate(dim=0)], alternative=True)
+    assert alternative != a and not a.alternative
+    assert "alternative=True" in repr(alternative) and "alternative" not in repr(a)
 
 
 def test_transpose_and_other_operations_in_converters():

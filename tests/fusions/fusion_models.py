@@ -103,6 +103,17 @@ MODELS: dict[str, tuple[type[PreTrainedModel], Callable[[], Any], dict[str, Any]
     "qwen2_5_vl": (Qwen2_5_VLForConditionalGeneration, _qwen2_5_vl_config, {}),
     "qwen3_vl": (Qwen3VLForConditionalGeneration, _qwen3_vl_config, {}),
 }
+# MoE model: per-expert child names (gate, up, down) of its published checkpoints
+EXPERT_NAMES = {
+    "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
+    "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
+    "olmoe": ("gate_proj", "up_proj", "down_proj"),
+    "mixtral": ("w1", "w3", "w2"),
+}
+# The MoE models as stock 5.23 saves them with save_original_format=False: experts stored fused, as 3-D
+# ``mlp.experts.gate_up_proj`` / ``mlp.experts.down_proj`` keys (the published layout of Qwen3.5-MoE, for one).
+MOE_3D = {f"{name}_3d": name for name in EXPERT_NAMES}
+MODELS.update({name: (*MODELS[base][:2], {"save_original_format": False}) for name, base in MOE_3D.items()})
 VISION = {"qwen2_vl", "qwen2_vl_runtime", "qwen2_5_vl", "qwen3_vl"}
 
 

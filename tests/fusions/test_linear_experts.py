@@ -5,18 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fusion_models import check_fused_roundtrip, checkpoint_shapes
+from fusion_models import EXPERT_NAMES, check_fused_roundtrip, checkpoint_shapes
 from torch import nn
 
 from modelpatch.fusions.linear_experts.modules import ExpertMLP, LinearExperts
-
-# name: per-expert child names (gate, up, down) of the published checkpoints
-EXPERT_NAMES = {
-    "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
-    "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
-    "olmoe": ("gate_proj", "up_proj", "down_proj"),
-    "mixtral": ("w1", "w3", "w2"),
-}
 
 
 @pytest.mark.parametrize("name", sorted(EXPERT_NAMES))

@@ -6,7 +6,7 @@ the real shapes, so executing it is mechanical and reversing it is exact.
 * :func:`plan_load` maps checkpoint keys to runtime keys (renamings first, in order, then the first converter whose
   source pattern matches).
 * :func:`plan_save` maps runtime keys back to checkpoint keys for a model that has no recorded load plan (one built
-  with ``from_config``), by running the transforms backwards.
+  with ``from_config``), by running the transforms backwards (``alternative`` converters excepted).
 """
 
 from __future__ import annotations
@@ -60,6 +60,11 @@ class ConversionGroup:
 
     def target_keys(self) -> list[str]:
         return _flatten(self.targets)
+
+    def sources_summary(self) -> str:
+        """The first few source keys, for messages."""
+        keys = self.source_keys()
+        return f"{keys[:3]}{'...' if len(keys) > 3 else ''}"
 
     def target_metas(self) -> dict[str, TensorMeta]:
         return {
@@ -239,10 +244,18 @@ def _split(transforms: Sequence[WeightTransform]) -> tuple[list[WeightRenaming],
 
 def _add_direct(plan: ConversionPlan, output: str, source: str, meta: TensorMeta) -> None:
     if output in plan.direct or output in plan.outputs:
-        plan.problems["duplicate keys"].append(f"{source!r} and {plan.direct.get(output, 'a converted group')!r} both become {output!r}")
+        plan.problems["duplicate keys"].append(f"{source!r} and {_producer(plan, output)} both become {output!r}")
         return
     plan.direct[output] = source
     plan.outputs[output] = meta
+
+
+def _producer(plan: ConversionPlan, output: str) -> str:
+    """What already gives ``output`` in ``plan``: the key read unchanged, or the sources of the group converting it."""
+    if output in plan.direct:
+        return repr(plan.direct[output])
+    group = next(g for g in plan.groups if output in g.target_keys())
+    return f"the conversion of {group.sources_summary()}"
 
 
 def plan_load(checkpoint: Mapping[str, TensorMeta], transforms: Sequence[WeightTransform]) -> ConversionPlan:
@@ -280,8 +293,12 @@ def _rename_sources(group: ConversionGroup, renamed: Mapping[str, str]) -> Conve
 
 
 def plan_save(runtime: Mapping[str, TensorMeta], transforms: Sequence[WeightTransform]) -> ConversionPlan:
-    """Plan runtime keys -> checkpoint keys by running ``transforms`` backwards (for models never loaded)."""
+    """Plan runtime keys -> checkpoint keys by running ``transforms`` backwards (for models never loaded).
+
+    ``alternative`` converters are skipped: their targets already are the checkpoint layout the model saves to.
+    """
     renamings, converters = _split(transforms)
+    converters = [c for c in converters if not c.alternative]
     plan = ConversionPlan()
     consumed = _group_and_bind(runtime, converters, plan, reverse=True)
     inverses = [r.inverse() for r in reversed(renamings)]

@@ -124,6 +124,12 @@ class WeightConverter(WeightTransform):
 
         WeightConverter(["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"],
                         "mlp.experts.gate_up_proj", [MergeModulelist(dim=0), Concatenate(dim=1)])
+
+    ``alternative=True`` declares that the targets already are a checkpoint layout (the one the model saves to) and
+    the sources another layout some checkpoints use (per-expert keys vs. 3-D ones, say). A load converts what it
+    finds and records it, so saving writes those keys back the way they came; a model with nothing recorded (built
+    with ``from_config``, or reloaded from a runtime-layout save) is saved in the target layout: :func:`plan_save`
+    does not run the converter backwards.
     """
 
     def __init__(
@@ -131,8 +137,11 @@ class WeightConverter(WeightTransform):
         source_patterns: str | Sequence[str],
         target_patterns: str | Sequence[str],
         operations: Iterable[ConversionOperation] | ConversionOperation = (),
+        *,
+        alternative: bool = False,
     ):
         super().__init__(source_patterns, target_patterns)
+        self.alternative = alternative
         operations = (operations,) if isinstance(operations, ConversionOperation) else tuple(operations)
         for op in operations:
             if not isinstance(op, ConversionOperation):
@@ -148,10 +157,11 @@ class WeightConverter(WeightTransform):
         return None
 
     def _key(self) -> tuple:
-        return (*super()._key(), self.operations)
+        return (*super()._key(), self.operations, self.alternative)
 
     def __repr__(self) -> str:
         return (
             f"WeightConverter(source_patterns={list(self.source_patterns)!r}, "
-            f"target_patterns={list(self.target_patterns)!r}, operations={list(self.operations)!r})"
+            f"target_patterns={list(self.target_patterns)!r}, operations={list(self.operations)!r}"
+            f"{', alternative=True' if self.alternative else ''})"
         )

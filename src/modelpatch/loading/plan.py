@@ -160,6 +160,6 @@ def plan_model_load(
 def _sources_by_output(conversion: ConversionPlan) -> dict[str, str]:
     sources = {out: repr(src) for out, src in conversion.direct.items()}
     for group in conversion.groups:
-        described = f"{group.source_keys()[:3]}{'...' if len(group.source_keys()) > 3 else ''} via {group.converter!r}"
+        described = f"{group.sources_summary()} via {group.converter!r}"
         sources.update(dict.fromkeys(group.target_keys(), described))
     return sources

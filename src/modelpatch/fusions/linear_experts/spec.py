@@ -2,19 +2,27 @@
 qwen2_moe, qwen3_moe, mixtral, olmoe, ... become :class:`LinearExperts`.
 
 Per-expert child names follow the model type's published checkpoint (``gate_proj/up_proj/down_proj``, or
-``w1/w3/w2`` for Mixtral), so checkpoint keys load without conversion and save back unchanged; the model type's
-per-expert -> fused converters are dropped for the load.
+``w1/w3/w2`` for Mixtral), so per-expert checkpoint keys load without conversion and save back unchanged; the model
+type's per-expert -> fused converters are dropped for the load.
+
+Some checkpoints store the experts fused, as 3-D ``experts.gate_up_proj`` / ``experts.down_proj`` keys (Qwen3.5-MoE
+as published, anything stock transformers saved with ``save_original_format=False``). The spec's transforms split
+those into the per-expert keys; the load records the split, so a default save writes the 3-D keys back bitwise.
 """
 
 from __future__ import annotations
 
 import re
+from collections import defaultdict
+from collections.abc import Mapping
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
+from ...conversion.operations import Chunk, SplitModulelist
 from ...conversion.registry import get_checkpoint_conversion_mapping
-from ...conversion.transforms import WeightConverter
+from ...conversion.transforms import WeightConverter, WeightTransform
 from ..generated import make_class
 from ..spec import ModuleFusionSpec
 from .modules import LinearExperts
@@ -57,6 +65,40 @@ class LinearExpertsFusionSpec(ModuleFusionSpec):
 
     def is_fusable(self, module: nn.Module) -> bool:
         return _is_fused_experts(module)
+
+    def make_transforms(
+        self, config: PretrainedConfig, modules: Mapping[str, nn.Module] | None = None
+    ) -> list[WeightTransform]:
+        """3-D expert keys -> per-expert keys: ``<experts>.gate_up_proj [E, 2I, H]`` is chunked into its gate rows
+        (the first half, as transformers' experts read them) and up rows and split per expert; ``<experts>.down_proj
+        [E, H, I]`` is split per expert.
+
+        Per-expert keys match none of these patterns, so per-expert checkpoints load unchanged. The converters are
+        ``alternative``: a model with nothing recorded (``from_config``) still saves per expert, the published layout.
+        Patterns are anchored on the experts' attribute name at a key segment boundary and at the key's end, so
+        ``shared_experts.*`` or ``gate_up_proj_bias`` / ``_scale_inv`` keys never match.
+        """
+        # The experts are built with the text config, which is what the fused class reads its child names from.
+        gate, up, down = expert_child_names(config.get_text_config().model_type)
+        counts: dict[str, set[int]] = defaultdict(set)
+        for name, module in (modules or {}).items():
+            counts[name.rpartition(".")[2]].add(module.gate_up_proj.shape[0])
+        transforms: list[WeightTransform] = []
+        for anchor, found in sorted(counts.items()):
+            # The number of experts is declared (always one per model in transformers), so a 3-D tensor holding more
+            # experts is a plan error rather than unused per-expert keys; the model's shapes catch any other misfit.
+            split = SplitModulelist(dim=0, count=found.pop() if len(found) == 1 else None)
+            experts = rf"(?<![^.]){re.escape(anchor)}"
+            transforms += [
+                WeightConverter(
+                    rf"{experts}\.gate_up_proj$",
+                    [f"{anchor}.*.{gate}.weight", f"{anchor}.*.{up}.weight"],
+                    [Chunk(dim=1), split],
+                    alternative=True,
+                ),
+                WeightConverter(rf"{experts}\.down_proj$", f"{anchor}.*.{down}.weight", [split], alternative=True),
+            ]
+        return transforms
 
     def make_fused_class(self, original_cls: type[nn.Module]) -> type[nn.Module]:
         def __init__(self, config, *args, **kwargs):
