@@ -35,7 +35,17 @@ from .errors import (
     SaveError,
 )
 from .fusions import ModuleFusionSpec, available_fusions, register_fusion, unregister_fusion
-from .loading import LoadReport, PlannedLoad, from_config, from_pretrained, get_load_report, plan_pretrained, save_pretrained
+from .loading import (
+    LoadReport,
+    PlannedLoad,
+    from_config,
+    from_pretrained,
+    fuse,
+    get_load_report,
+    plan_pretrained,
+    save_pretrained,
+    unfuse,
+)
 from .verify import VerificationReport, verify
 from .patching import (
     Patcher,
@@ -79,6 +89,7 @@ __all__ = [
     "clear_patch_mapping",
     "from_config",
     "from_pretrained",
+    "fuse",
     "get_checkpoint_conversion_mapping",
     "get_load_report",
     "get_patch_mapping",
@@ -91,6 +102,7 @@ __all__ = [
     "save_pretrained",
     "unregister_fusion",
     "unregister_patch_mapping",
+    "unfuse",
     "unregister_patchable_namespace",
     "VerificationReport",
     "verify",

@@ -292,13 +292,16 @@ def _rename_sources(group: ConversionGroup, renamed: Mapping[str, str]) -> Conve
     )
 
 
-def plan_save(runtime: Mapping[str, TensorMeta], transforms: Sequence[WeightTransform]) -> ConversionPlan:
+def plan_save(
+    runtime: Mapping[str, TensorMeta], transforms: Sequence[WeightTransform], *, alternatives: bool = False
+) -> ConversionPlan:
     """Plan runtime keys -> checkpoint keys by running ``transforms`` backwards (for models never loaded).
 
-    ``alternative`` converters are skipped: their targets already are the checkpoint layout the model saves to.
+    ``alternative`` converters are skipped unless ``alternatives`` is true: their targets already are the checkpoint
+    layout the model saves to. (Unfusing a live model runs them backwards: there the sources are the layout wanted.)
     """
     renamings, converters = _split(transforms)
-    converters = [c for c in converters if not c.alternative]
+    converters = [c for c in converters if alternatives or not c.alternative]
     plan = ConversionPlan()
     consumed = _group_and_bind(runtime, converters, plan, reverse=True)
     inverses = [r.inverse() for r in reversed(renamings)]

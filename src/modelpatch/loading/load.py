@@ -34,7 +34,13 @@ from ..fusions.apply import PreparedFusions, prepare_fusions
 from ..patching import registry
 from ..patching.mapping import PatchMapping
 from ..patching.patcher import Patcher
-from ..state import EXPECTED_STATE_ATTRIBUTE, REPORT_ATTRIBUTE, TRANSFORMS_ATTRIBUTE, is_runtime_layout
+from ..state import (
+    BASE_TRANSFORMS_ATTRIBUTE,
+    EXPECTED_STATE_ATTRIBUTE,
+    REPORT_ATTRIBUTE,
+    TRANSFORMS_ATTRIBUTE,
+    is_runtime_layout,
+)
 from .build import build_empty_model, build_initialized_model, keep_in_fp32, model_state_lock
 from .config import checkpoint_directory, load_config, resolve_dtype, resolve_model_class
 from .materialize import load_into_model
@@ -216,7 +222,7 @@ def from_pretrained(
         runtime_layout=runtime_layout,
     )
     setattr(model, REPORT_ATTRIBUTE, report)
-    _record_build(model, plan.expected)
+    _record_build(model, plan.expected, _conversions(model, patcher, PreparedFusions()))
     logger.info("%s", report.summary())
     if device_map is not None:
         from .dispatch import dispatch
@@ -280,12 +286,16 @@ def from_config(
     # What save_pretrained runs backwards to write this never-loaded model in the checkpoint layout: the model
     # type's mapping as adjusted by this build's Patcher and fusions.
     setattr(model, TRANSFORMS_ATTRIBUTE, tuple(_conversions(model, patcher, fusions)))
-    _record_build(model, model_expectations(model))
+    _record_build(model, model_expectations(model), _conversions(model, patcher, PreparedFusions()))
     return model
 
 
-def _record_build(model: PreTrainedModel, expected: Mapping[str, TensorMeta]) -> None:
-    """What every save of ``model`` relies on: the state as built, and the stock save method writing the original
-    layout (so Trainer checkpoints and ``model.save_pretrained`` give stock-loadable directories)."""
+def _record_build(
+    model: PreTrainedModel, expected: Mapping[str, TensorMeta], base_transforms: Sequence[WeightTransform]
+) -> None:
+    """What every save of ``model`` relies on: the state as built, the transforms without fusions (what
+    :func:`modelpatch.unfuse` goes back to), and the stock save method writing the original layout (so Trainer
+    checkpoints and ``model.save_pretrained`` give stock-loadable directories)."""
     object.__setattr__(model, EXPECTED_STATE_ATTRIBUTE, dict(expected))
+    object.__setattr__(model, BASE_TRANSFORMS_ATTRIBUTE, tuple(base_transforms))
     install_original_format_save(model)

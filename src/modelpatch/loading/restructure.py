@@ -82,7 +82,7 @@ def _swap(
         live, new = model.get_submodule(name), target.get_submodule(name)
         state = {f"{name}.{key}": tensor for key, tensor in live.state_dict(keep_vars=True).items()}
         metas = {key: TensorMeta(tuple(t.shape), t.dtype) for key, t in state.items()}
-        plan = (plan_save if reverse else plan_load)(metas, transforms)
+        plan = plan_save(metas, transforms, alternatives=True) if reverse else plan_load(metas, transforms)
         expected = {f"{name}.{key}": TensorMeta(tuple(t.shape), t.dtype) for key, t in new.state_dict(keep_vars=True).items()}
         wrong = sorted(
             key for key in plan.outputs.keys() | expected.keys()

@@ -127,6 +127,13 @@ def _state_to_save(
 
 
 def _checkpoint_layout(model: PreTrainedModel, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint-layout tensors of ``state``.
+
+    Keys a load read go back under their checkpoint names and converted groups through their recorded exact reverse.
+    Whatever the load did not produce (a model built with ``from_config``, modules restructured since by
+    :func:`modelpatch.fuse` or :func:`modelpatch.unfuse`, a new head) is mapped back by running the model's current
+    transforms backwards.
+    """
     report = get_load_report(model)
     out: dict[str, torch.Tensor] = {}
     remaining = dict(state)
@@ -135,24 +142,23 @@ def _checkpoint_layout(model: PreTrainedModel, state: Mapping[str, torch.Tensor]
             if runtime_key in remaining:
                 out[checkpoint_key] = remaining.pop(runtime_key)
         for group in report.groups:
-            if not all(k in remaining for k in group.target_keys()):
+            present = [k for k in group.target_keys() if k in remaining]
+            if not present:
+                continue  # restructured since the load: planned below with the model's current transforms
+            if len(present) != len(group.target_keys()):
                 raise ConversionError(
-                    f"Cannot save {group.target_keys()} back to {group.source_keys()[:3]}...: the model no longer has "
+                    f"Cannot save {group.target_keys()} back to {group.sources_summary()}: the model no longer has "
                     "all of these parameters."
                 )
-            reverse = group.reversed()
-            out.update(reverse.run(remaining.__getitem__))
+            out.update(group.reversed().run(remaining.__getitem__))
             for key in group.target_keys():
                 remaining.pop(key)
     if remaining:
-        if report is not None:
-            transforms = list(report.transforms)
-        elif (built := getattr(model, TRANSFORMS_ATTRIBUTE, None)) is not None:
-            transforms = list(built)  # from_config: its Patcher's and fusions' transforms included
-        else:
-            transforms = model_conversions(model)
+        transforms = getattr(model, TRANSFORMS_ATTRIBUTE, None)
+        if transforms is None:
+            transforms = report.transforms if report is not None else model_conversions(model)
         metas = {k: TensorMeta(tuple(v.shape), v.dtype) for k, v in remaining.items()}
-        plan = plan_save(metas, transforms)
+        plan = plan_save(metas, list(transforms))
         plan.raise_problems()
         for checkpoint_key, runtime_key in plan.direct.items():
             out[checkpoint_key] = remaining[runtime_key]
