@@ -107,3 +107,20 @@ __all__ = [
     "VerificationReport",
     "verify",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # The drop-in Auto classes (``from modelpatch import AutoModelForCausalLM``), made on first import.
+    if name.startswith("AutoModel"):
+        from .auto import auto_class
+
+        cls = auto_class(name)
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module 'modelpatch' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    from .auto import auto_class_names
+
+    return sorted({*globals(), *auto_class_names()})

@@ -234,3 +234,29 @@ def test_save_of_a_peft_model_says_what_to_do(tiny, tmp_path):
     with pytest.raises(SaveError, match=r"carries PEFT adapter layers \(model.layers.0.self_attn.qkv_proj"):
         modelpatch.save_pretrained(peft_model.base_model.model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def _word_tokenizer():
+    """A real fast tokenizer over the tiny models' 64-token vocabulary, built locally (no hub)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(VOCAB - 1)} | {"<unk>": VOCAB - 1}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="w1", pad_token="w0")
+
+
+def test_a_fused_model_generates_in_a_pipeline_like_stock(tiny):
+    from transformers import pipeline
+
+    from modelpatch import AutoModelForCausalLM as PatchedAuto
+
+    ckpt = tiny("llama")
+    tokenizer = _word_tokenizer()
+    prompt = "w5 w9 w12 w3"
+    outputs = []
+    for model in (AutoModelForCausalLM.from_pretrained(ckpt.path), PatchedAuto.from_pretrained(ckpt.path, fusion_config=TEXT_FUSIONS)):
+        generator = pipeline("text-generation", model=model, tokenizer=tokenizer, device="cpu")
+        outputs.append(generator(prompt, max_new_tokens=8, do_sample=False, return_full_text=False)[0]["generated_text"])
+    assert outputs[0] == outputs[1] and len(outputs[0].split()) == 8

@@ -1,17 +1,15 @@
-# The seeds' complete qwen2_moe example (shared/seeds/000_4c53b8c0f503a603.txt, "Complete example"), verbatim
-# except for:
-#   * the import lines: transformers' Concatenate / WeightConverter / register_checkpoint_conversion_mapping /
-#     register_patch_mapping come from modelpatch, and modelpatch.from_pretrained is imported;
-#   * the last line loads a tiny local checkpoint (CHECKPOINT, set by the test through runpy's init_globals) with
-#     modelpatch.from_pretrained instead of "Qwen/Qwen1.5-MoE-A2.7B" from the hub.
+# transformers' documented complete qwen2_moe model-patching example, verbatim except for:
+#   * the import lines: AutoModelForCausalLM, Concatenate, WeightConverter, register_checkpoint_conversion_mapping
+#     and register_patch_mapping come from modelpatch instead of transformers;
+#   * the last line loads a tiny local checkpoint (CHECKPOINT, set by the test through runpy's init_globals) instead
+#     of "Qwen/Qwen1.5-MoE-A2.7B" from the hub.
 # Run by tests/loading/test_seed_example.py with runpy; not collected by pytest (its name has no test_ prefix).
 # The seed sizes qkv_proj as 3 * heads * head_dim, so the checkpoint has num_key_value_heads == num_attention_heads.
 from typing import Unpack
 
 import torch
 import torch.nn as nn
-from transformers import AutoModelForCausalLM
-from modelpatch import Concatenate, WeightConverter
+from modelpatch import AutoModelForCausalLM, Concatenate, WeightConverter
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache
 from modelpatch import register_checkpoint_conversion_mapping
@@ -19,7 +17,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.qwen2_moe.modeling_qwen2_moe import apply_rotary_pos_emb
 from modelpatch import register_patch_mapping
 from transformers.utils.generic import TransformersKwargs
-import modelpatch
 
 
 class MoeMLP(nn.Module):
@@ -146,4 +143,4 @@ register_checkpoint_conversion_mapping(
     overwrite=True,
 )
 
-model = modelpatch.from_pretrained(AutoModelForCausalLM, CHECKPOINT)  # noqa: F821 (set by the test)
+model = AutoModelForCausalLM.from_pretrained(CHECKPOINT)  # noqa: F821 (set by the test)

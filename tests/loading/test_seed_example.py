@@ -199,3 +199,43 @@ def test_from_config_with_the_seed_patches_saves_in_checkpoint_layout(stock_chec
     stock = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     inputs = ckpt.inputs()
     torch.testing.assert_close(_logits(stock, inputs), _logits(model, inputs), atol=1e-5, rtol=0)
+
+
+def test_documented_patcher_example_runs_with_only_its_import_changed(stock_checkpoint, tmp_path):
+    """The Patcher quick example (grouped-query attention, sequential experts) through modelpatch's Auto class."""
+    ckpt = stock_checkpoint("qwen2_moe")  # 4 heads, 2 key/value heads
+    namespace = runpy.run_path(str(SEED_EXAMPLE.with_name("seed_patcher_example.py")), init_globals={"CHECKPOINT": str(ckpt.path)})
+    model = namespace["model"]
+    layer = model.model.layers[0]
+    assert type(layer.self_attn) is namespace["FusedQKVAttention"]
+    assert type(layer.mlp.experts) is namespace["SequentialExperts"]
+    # The same model modelpatch.from_pretrained builds with transformers' Auto class.
+    again = modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path, patcher=namespace["patcher"])
+    assert_tensors_identical(again.state_dict(), model.state_dict())
+
+    stock = AutoModelForCausalLM.from_pretrained(ckpt.path)
+    inputs = ckpt.inputs()
+    torch.testing.assert_close(_logits(model, inputs), _logits(stock, inputs), atol=1e-5, rtol=0)
+    # Both save paths write the stock checkpoint again, bit for bit.
+    modelpatch.save_pretrained(model, tmp_path / "saved")
+    model.save_pretrained(tmp_path / "stock_method")
+    for out in ("saved", "stock_method"):
+        assert (tmp_path / out / "model.safetensors").read_bytes() == (ckpt.path / "model.safetensors").read_bytes()
+    # Only the import line differs from the documented code: nothing global changed in transformers.
+    assert type(AutoModelForCausalLM.from_pretrained(ckpt.path).model.layers[0].self_attn).__name__ == "Qwen2MoeAttention"
+
+
+def test_modelpatch_auto_classes_stand_for_transformers(stock_checkpoint):
+    from modelpatch import AutoModel, AutoModelForCausalLM as PatchedAuto
+
+    ckpt = stock_checkpoint("llama")
+    assert PatchedAuto.transformers_class is AutoModelForCausalLM
+    model = PatchedAuto.from_pretrained(ckpt.path, fusion_config={"qkv": True})
+    assert type(model.model.layers[0].self_attn).__name__ == "QKVFusedLlamaAttention"
+    assert type(AutoModel.from_pretrained(ckpt.path)).__name__ == "LlamaModel"
+    built = PatchedAuto.from_config(model.config, fusion_config={"gate_up": True})
+    assert type(built.model.layers[0].mlp).__name__ == "GateUpFusedLlamaMLP"
+    with pytest.raises(OSError, match="from_pretrained"):
+        PatchedAuto()
+    with pytest.raises(AttributeError, match="no Auto model class 'AutoModelForNothing'"):
+        modelpatch.AutoModelForNothing  # noqa: B018

@@ -46,7 +46,11 @@ def load_config(directory: Path) -> PretrainedConfig:
 
 
 def resolve_model_class(model_class: type, config: PretrainedConfig) -> type[PreTrainedModel]:
-    """The concrete ``PreTrainedModel`` class: ``model_class`` itself, or what an Auto class maps ``config`` to."""
+    """The concrete ``PreTrainedModel`` class: ``model_class`` itself, or what an Auto class maps ``config`` to.
+
+    modelpatch's own Auto classes stand for transformers' (their ``transformers_class``).
+    """
+    model_class = getattr(model_class, "transformers_class", model_class)
     if isinstance(model_class, type) and issubclass(model_class, _BaseAutoModelClass):
         mapping = model_class._model_mapping
         if type(config) not in mapping:
