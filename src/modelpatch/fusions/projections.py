@@ -80,8 +80,10 @@ class ProjectionSlice(nn.Module):
         return None if bias is None else bias[self.rows()]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = self.fused
         owner_state = self.owner.__dict__
+        # The owner's child modules live in its _modules dict: read it directly (what getattr would find, without
+        # nn.Module.__getattr__'s Python fallback on every projection call).
+        fused = owner_state["_modules"][self.fused_name]
         pending = owner_state.setdefault(_PENDING_ATTRIBUTE, {})
         entry = pending.get(self.fused_name)
         if entry is None or entry[0] is not x or entry[1] is not fused or entry[2][self.index] is None:
