@@ -51,3 +51,15 @@ def test_a_different_model_fails_and_the_report_says_which_output(tmp_path):
     assert not logits.passed and logits.max_abs > 1e-3
     assert "FAILED" in str(report) and "NO" in str(report)
     assert modelpatch.verify(reference, reference).passed
+
+
+def test_timings_come_from_alternating_benchmark_rounds():
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TEXT))
+    report = modelpatch.verify(model, model, rounds=2, min_run_time=0.01)
+    for timing in (report.reference_timing, report.candidate_timing):
+        assert timing.runs >= 2 and 0 < timing.low <= timing.high
+        assert timing.spread >= 0
+    assert "speed ratio" in str(report) and "±" in str(report)
+    untimed = modelpatch.verify(model, model, rounds=0)
+    assert untimed.passed and untimed.reference_timing.runs == 0

@@ -8,13 +8,13 @@ from __future__ import annotations
 import inspect
 import math
 import statistics
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import benchmark
 from transformers import PreTrainedModel
 
 
@@ -30,15 +30,38 @@ class OutputDifference:
 
 
 @dataclass(frozen=True)
+class Timing:
+    """Forward time of one model: the median over all timed runs and the spread of the per-round medians."""
+
+    median: float
+    low: float
+    high: float
+    runs: int
+
+    @property
+    def spread(self) -> float:
+        """(highest - lowest round median) / median: how much the figure moved between rounds."""
+        return (self.high - self.low) / self.median if self.median else math.inf
+
+
+@dataclass(frozen=True)
 class VerificationReport:
     """Per-output differences, the verdict and timings of :func:`verify`."""
 
     outputs: tuple[OutputDifference, ...]
     atol: float
     rtol: float
-    reference_seconds: float
-    candidate_seconds: float
+    reference_timing: Timing
+    candidate_timing: Timing
     missing: tuple[str, ...] = field(default=())
+
+    @property
+    def reference_seconds(self) -> float:
+        return self.reference_timing.median
+
+    @property
+    def candidate_seconds(self) -> float:
+        return self.candidate_timing.median
 
     @property
     def passed(self) -> bool:
@@ -56,9 +79,10 @@ class VerificationReport:
             shape = "x".join(map(str, o.shape))
             lines.append(f"{o.name:<{width}}  {shape:<18} {o.max_abs:>10.3g} {o.max_rel:>10.3g}  {'yes' if o.passed else 'NO'}")
         lines.extend(f"{name:<{width}}  missing from the candidate's outputs  NO" for name in self.missing)
+        ref, cand = self.reference_timing, self.candidate_timing
         lines.append(
-            f"forward: reference {self.reference_seconds * 1e3:.2f} ms, candidate {self.candidate_seconds * 1e3:.2f} ms "
-            f"(speed ratio {self.speedup:.2f}x)"
+            f"forward: reference {ref.median * 1e3:.3g} ms (±{ref.spread * 50:.0f}%), candidate {cand.median * 1e3:.3g} ms "
+            f"(±{cand.spread * 50:.0f}%): speed ratio {self.speedup:.2f}x over {ref.runs} + {cand.runs} runs"
         )
         lines.append(f"{'PASSED' if self.passed else 'FAILED'} (atol={self.atol:g}, rtol={self.rtol:g})")
         return "\n".join(lines)
@@ -107,20 +131,37 @@ def _tensor_outputs(output: Any) -> dict[str, torch.Tensor]:
     return result
 
 
-def _run_both(
-    reference: nn.Module, candidate: nn.Module, inputs: Mapping[str, torch.Tensor], repeats: int
-) -> tuple[Any, Any, float, float]:
-    """Outputs of both models, then their median forward times, timed alternately after the warm-up run."""
+def _timer(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> benchmark.Timer:
+    def forward() -> None:
+        with torch.inference_mode():
+            model(**inputs)
+
+    return benchmark.Timer(stmt="forward()", globals={"forward": forward}, num_threads=torch.get_num_threads())
+
+
+def _time_both(
+    reference: nn.Module, candidate: nn.Module, inputs: Mapping[str, torch.Tensor], rounds: int, min_run_time: float
+) -> tuple[Timing, Timing]:
+    """Both models' forward times with ``torch.utils.benchmark``, in alternating rounds.
+
+    Each round lets the timer pick a block size and run at least ``min_run_time`` seconds; alternating the two
+    models round by round makes a drift of the machine (frequency, other load) hit both alike.
+    """
+    timers = _timer(reference, inputs), _timer(candidate, inputs)
+    for timer in timers:
+        timer.timeit(2)  # warm-up: first-call allocations and caches
+    medians: tuple[list[float], list[float]] = ([], [])
     times: tuple[list[float], list[float]] = ([], [])
-    with torch.inference_mode():
-        outputs = reference(**inputs), candidate(**inputs)
-        for _ in range(repeats):
-            for model, bucket in zip((reference, candidate), times):
-                start = time.perf_counter()
-                model(**inputs)
-                bucket.append(time.perf_counter() - start)
-    ref_time, cand_time = (statistics.median(t) if t else math.nan for t in times)
-    return outputs[0], outputs[1], ref_time, cand_time
+    for _ in range(max(1, rounds)):
+        for timer, bucket, all_times in zip(timers, medians, times):
+            measurement = timer.blocked_autorange(min_run_time=min_run_time)
+            bucket.append(measurement.median)
+            all_times.extend(measurement.times)
+    ref, cand = (
+        Timing(statistics.median(all_times), min(bucket), max(bucket), len(all_times))
+        for bucket, all_times in zip(medians, times)
+    )
+    return ref, cand
 
 
 def verify(
@@ -130,7 +171,8 @@ def verify(
     *,
     atol: float = 1e-5,
     rtol: float = 1e-4,
-    repeats: int = 3,
+    rounds: int = 3,
+    min_run_time: float = 0.2,
 ) -> VerificationReport:
     """Run ``reference`` and ``candidate`` on the same inputs and compare every tensor output.
 
@@ -139,7 +181,9 @@ def verify(
         candidate: The patched or fused model.
         inputs: Keyword inputs of ``forward``; by default :func:`default_inputs` of ``reference``.
         atol, rtol: An output passes when ``|c - r| <= atol + rtol * |r|`` everywhere.
-        repeats: Timed forward passes per model after the warm-up pass that gives the outputs (medians reported).
+        rounds: Alternating timing rounds per model (``torch.utils.benchmark``, after a warm-up); the report gives
+            the median over all runs and the spread between rounds. 0 skips timing.
+        min_run_time: Seconds each round runs at least.
     """
     if inputs is None:
         inputs = default_inputs(reference)
@@ -147,7 +191,12 @@ def verify(
     reference.eval()
     candidate.eval()
     try:
-        ref_out, cand_out, ref_time, cand_time = _run_both(reference, candidate, inputs, repeats)
+        with torch.inference_mode():
+            ref_out, cand_out = reference(**inputs), candidate(**inputs)
+        if rounds > 0:
+            ref_timing, cand_timing = _time_both(reference, candidate, inputs, rounds, min_run_time)
+        else:
+            ref_timing = cand_timing = Timing(math.nan, math.nan, math.nan, 0)
     finally:
         reference.train(was_training[0])
         candidate.train(was_training[1])
@@ -170,7 +219,7 @@ def verify(
         outputs=tuple(differences),
         atol=atol,
         rtol=rtol,
-        reference_seconds=ref_time,
-        candidate_seconds=cand_time,
+        reference_timing=ref_timing,
+        candidate_timing=cand_timing,
         missing=tuple(n for n in ref_tensors if n not in cand_tensors),
     )
