@@ -34,6 +34,7 @@ from .errors import (
     PatchRegistryError,
 )
 from .fusions import ModuleFusionSpec, available_fusions, register_fusion, unregister_fusion
+from .integrations.peft import get_peft_model, load_adapter  # imports peft only when called
 from .loading import LoadReport, PlannedLoad, from_config, from_pretrained, get_load_report, plan_pretrained, save_pretrained
 from .verify import VerificationReport, verify
 from .patching import (
@@ -80,7 +81,9 @@ __all__ = [
     "get_checkpoint_conversion_mapping",
     "get_load_report",
     "get_patch_mapping",
+    "get_peft_model",
     "get_patchable_namespaces",
+    "load_adapter",
     "plan_pretrained",
     "register_checkpoint_conversion_mapping",
     "register_fusion",

@@ -36,3 +36,8 @@ class LoadPlanError(ModelPatchError, ValueError):
 
 class FusionError(ModelPatchError, ValueError):
     """An unknown fusion name, invalid fusion options, or a fusion spec that cannot be registered."""
+
+
+class PeftIntegrationError(ModelPatchError, TypeError):
+    """PEFT cannot be used this way on a modelpatch model: a non-LoRA adapter on fused projection parts, a merge into
+    a fused layer that is not a plain float Linear, or a ``PeftModel`` given to ``save_pretrained``."""
