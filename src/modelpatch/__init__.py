@@ -46,6 +46,7 @@ from .loading import (
     save_pretrained,
     unfuse,
 )
+from .integrations.peft import get_peft_model, load_adapter  # imports peft only when called
 from .verify import VerificationReport, verify
 from .patching import (
     Patcher,
@@ -93,7 +94,9 @@ __all__ = [
     "get_checkpoint_conversion_mapping",
     "get_load_report",
     "get_patch_mapping",
+    "get_peft_model",
     "get_patchable_namespaces",
+    "load_adapter",
     "plan_pretrained",
     "register_checkpoint_conversion_mapping",
     "register_fusion",

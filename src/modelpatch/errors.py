@@ -41,3 +41,8 @@ class FusionError(ModelPatchError, ValueError):
 class SaveError(ModelPatchError, ValueError):
     """A model cannot be saved so that it loads back the same (a substituted module, a quantized tensor subclass,
     PEFT layers). Raised before anything is written; the message names every module at fault."""
+
+
+class PeftIntegrationError(ModelPatchError, TypeError):
+    """PEFT cannot be used this way on a modelpatch model: a non-LoRA adapter on fused projection parts, or a merge into
+    a fused layer that is not a plain float Linear."""

@@ -1,0 +1,244 @@
+"""PEFT on fused models, against stock transformers + stock PEFT on the same tiny stock-saved checkpoints.
+
+Adapters are made with nonzero A and B (``init_lora_weights=False``), so a LoRA layer on the wrong rows, a lost
+merge or a missing module shows in the logits.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import peft
+import pytest
+import torch
+from fusion_models import ATOL, VOCAB
+from peft import IA3Config, LoraConfig
+
+import modelpatch
+from modelpatch.errors import ModelPatchError, PeftIntegrationError
+from modelpatch.fusions.projections import FusedLinear, ProjectionSlice
+
+FUSED = {"qkv": True, "gate_up": True}
+FUSED_EXPERTS = {**FUSED, "linear_experts": True}
+ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    input_ids = torch.randint(0, VOCAB - 8, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return model(input_ids=input_ids).logits
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0)
+
+
+def _lora(target_modules, **kwargs) -> LoraConfig:
+    return LoraConfig(r=4, lora_alpha=8, target_modules=target_modules, **kwargs)
+
+
+def _random_adapter(model: torch.nn.Module, target_modules) -> peft.PeftModel:
+    """Stock PEFT with nonzero A and B."""
+    torch.manual_seed(0)
+    return peft.get_peft_model(model, _lora(target_modules, init_lora_weights=False))
+
+
+def _lora_state(peft_model: peft.PeftModel) -> dict[str, torch.Tensor]:
+    return {key: value for key, value in peft_model.state_dict().items() if ".lora_" in key}
+
+
+def _copy_adapter(source: peft.PeftModel, target: peft.PeftModel) -> None:
+    """``source``'s adapter weights into ``target``, which must have exactly the same adapter keys."""
+    assert _lora_state(target).keys() == _lora_state(source).keys()
+    result = target.load_state_dict(_lora_state(source), strict=False)
+    assert not result.unexpected_keys
+
+
+def _assert_fused_structure(model: torch.nn.Module) -> None:
+    attention = model.model.layers[0].self_attn
+    assert type(attention.qkv_proj) is FusedLinear
+    assert all(type(getattr(attention, name)) is ProjectionSlice for name in ("q_proj", "k_proj", "v_proj"))
+
+
+# --- 1. LoRA on the fused layers, plain PEFT --------------------------------------------------------------------
+
+# qwen2_moe: its experts are plain nn.Linear with linear_experts; a regex keeps PEFT off the shared expert's slices.
+FUSED_TARGETS = {
+    "llama": (FUSED, ["qkv_proj", "gate_up_proj"]),
+    "qwen2_moe": (FUSED_EXPERTS, r".*\.(qkv_proj|gate_up_proj|experts\.\d+\.(gate_proj|up_proj|down_proj))"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FUSED_TARGETS))
+def test_lora_on_fused_layers_trains_and_merges(tiny, name):
+    ckpt = tiny(name)
+    fusion_config, target_modules = FUSED_TARGETS[name]
+    peft_model = _random_adapter(ckpt.load(fusion_config), target_modules)
+    attention = peft_model.base_model.model.model.layers[0].self_attn
+    assert isinstance(attention.qkv_proj, peft.tuners.lora.Linear)
+    assert type(attention.qkv_proj.base_layer) is FusedLinear
+    assert type(attention.q_proj) is ProjectionSlice, "the slices stay, and run the LoRA layer through qkv_proj"
+
+    input_ids = torch.randint(0, VOCAB - 8, (4, 32), generator=torch.Generator().manual_seed(1))
+    peft_model(input_ids=input_ids, labels=input_ids).loss.backward()
+    adapter = {key: param for key, param in peft_model.named_parameters() if ".lora_" in key}
+    assert adapter and all(param.requires_grad for param in adapter.values())
+    if name == "qwen2_moe":
+        assert any(".experts.3.down_proj." in key for key in adapter)
+    no_gradient = [key for key, param in adapter.items() if param.grad is None or not param.grad.any()]
+    assert not no_gradient, f"adapter weights without gradient: {no_gradient[:5]}"
+
+    adapted = _logits(peft_model)
+    assert (adapted - ckpt.stock_outputs()["logits"]).abs().max() > 1e-2, "the adapter should change the outputs"
+    merged = peft_model.merge_and_unload()
+    _assert_fused_structure(merged)
+    _assert_close(_logits(merged), adapted)
+
+
+# --- 2. PEFT's usual recipe on the original names -------------------------------------------------------------
+
+
+def test_plain_peft_refuses_projection_slices(tiny):
+    """Why modelpatch.get_peft_model exists: stock PEFT has no LoRA layer for a ProjectionSlice."""
+    with pytest.raises(ValueError, match="not supported"):
+        peft.get_peft_model(tiny("llama").load(FUSED), _lora(["q_proj", "v_proj"]))
+
+
+# qwen3_moe: PEFT rewrites "all-linear" for transformers' fused 3-D experts (experts and router as parameters).
+@pytest.mark.parametrize(
+    "name, target_modules",
+    [
+        ("llama", ["q_proj", "v_proj"]),
+        ("llama", "all-linear"),
+        ("qwen2_moe", ["q_proj", "v_proj"]),
+        ("qwen2_moe", "all-linear"),
+        ("qwen2_moe", ALL_PROJECTIONS),
+        ("qwen3_moe", "all-linear"),
+    ],
+)
+def test_original_names_match_stock(tiny, name, target_modules):
+    ckpt = tiny(name)
+    stock = _random_adapter(ckpt.model_class.from_pretrained(ckpt.path), target_modules)
+    config = _lora(target_modules)
+    fused = modelpatch.get_peft_model(ckpt.load(FUSED), config)
+    assert config.target_modules == _lora(target_modules).target_modules, "the caller's config is not modified"
+
+    _copy_adapter(stock, fused)  # same key names: the slices keep the original names
+    assert not any(isinstance(module, FusedLinear) for module in fused.modules() if hasattr(module, "lora_A"))
+    _assert_close(_logits(fused), _logits(stock))
+
+    merged = fused.merge_and_unload(safe_merge=True)  # safe merge assigns .data: the delta must reach the rows
+    _assert_fused_structure(merged)
+    _assert_close(_logits(merged), _logits(stock.merge_and_unload()))
+
+
+@pytest.mark.parametrize("target_modules", [ALL_PROJECTIONS, "all-linear"])
+def test_expert_linears_are_adapted_like_plain_linears(tiny, target_modules):
+    """With linear_experts the experts are nn.Linear, targeted by the same names as the shared expert's slices; the
+    reference is stock PEFT on the model fused with linear_experts only (every projection a plain nn.Linear)."""
+    ckpt = tiny("qwen2_moe")
+    reference = _random_adapter(ckpt.load({"linear_experts": True}), target_modules)
+    fused = modelpatch.get_peft_model(ckpt.load(FUSED_EXPERTS), _lora(target_modules))
+    assert any(".experts.0.gate_proj.lora_A" in key for key in _lora_state(fused))
+
+    _copy_adapter(reference, fused)
+    _assert_close(_logits(fused), _logits(reference))
+    _assert_close(_logits(fused.merge_and_unload()), _logits(reference.merge_and_unload()))
+
+
+def test_merge_adapter_then_unmerge_restores_the_fused_rows(tiny):
+    ckpt = tiny("llama")
+    peft_model = modelpatch.get_peft_model(ckpt.load(FUSED), _lora("all-linear", init_lora_weights=False))
+    attention = peft_model.base_model.model.model.layers[0].self_attn
+    original = attention.qkv_proj.weight.detach().clone()
+    adapted = _logits(peft_model)
+
+    peft_model.merge_adapter(safe_merge=True)
+    assert not torch.allclose(attention.qkv_proj.weight, original)
+    _assert_close(_logits(peft_model), adapted)
+    peft_model.unmerge_adapter()
+    torch.testing.assert_close(attention.qkv_proj.weight, original, atol=1e-6, rtol=0)
+    _assert_close(_logits(peft_model), adapted)
+
+
+def test_non_lora_configs(tiny):
+    ckpt = tiny("llama")
+    # Explicit targets, and PEFT's default IA3 targets for llama (k_proj, v_proj, down_proj), reach slices.
+    for config in (IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"]), IA3Config()):
+        with pytest.raises(PeftIntegrationError, match="IA3Config") as raised:
+            modelpatch.get_peft_model(ckpt.load(FUSED), config)
+        assert isinstance(raised.value, ModelPatchError) and "qkv_proj" in str(raised.value)
+
+    config = IA3Config(target_modules=["o_proj", "down_proj"], feedforward_modules=["down_proj"])
+    peft_model = modelpatch.get_peft_model(ckpt.load(FUSED), config)
+    adapted = {name for name, module in peft_model.named_modules() if isinstance(module, peft.tuners.ia3.IA3Layer)}
+    expected = {f"layers.{i}.{m}" for i in (0, 1) for m in ("self_attn.o_proj", "mlp.down_proj")}
+    assert adapted == {f"base_model.model.model.{name}" for name in expected}
+
+
+def test_expert_targets_that_peft_would_convert_away_are_refused(tiny):
+    """qwen3_moe: PEFT turns expert targets into transformers' fused 3-D expert parameters, which linear_experts
+    replaced; rather than adapting nothing there, modelpatch refuses."""
+    model = tiny("qwen3_moe").load({"linear_experts": True})
+    with pytest.raises(PeftIntegrationError, match="linear_experts"):
+        modelpatch.get_peft_model(model, _lora(ALL_PROJECTIONS))
+    assert not any(isinstance(module, peft.tuners.tuners_utils.BaseTunerLayer) for module in model.modules())
+
+
+# --- 3. Adapters saved with PEFT --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, fusion_config", [("llama", FUSED), ("qwen2_moe", FUSED_EXPERTS)])
+def test_load_adapter_saved_from_stock(tiny, tmp_path, name, fusion_config):
+    """Suffix targets as PEFT saves them; with linear_experts they also match the per-expert Linears, which the
+    stock adapter has no weights for and which therefore stay without LoRA."""
+    ckpt = tiny(name)
+    stock = _random_adapter(ckpt.model_class.from_pretrained(ckpt.path), ALL_PROJECTIONS)
+    stock.save_pretrained(tmp_path)
+
+    loaded = modelpatch.load_adapter(ckpt.load(fusion_config), tmp_path)
+    assert isinstance(loaded, peft.PeftModel)
+    assert _lora_state(loaded).keys() == _lora_state(stock).keys()
+    assert not any(param.requires_grad for param in loaded.parameters())
+    _assert_close(_logits(loaded), _logits(stock))
+
+
+def test_adapter_on_expert_linears_reloads(tiny, tmp_path):
+    """PEFT converts per-expert LoRA keys for transformers' fused experts on load (and calls them missing);
+    load_adapter loads them as saved."""
+    ckpt = tiny("qwen2_moe")
+    torch.manual_seed(0)
+    trained = modelpatch.get_peft_model(ckpt.load(FUSED_EXPERTS), _lora(ALL_PROJECTIONS, init_lora_weights=False))
+    trained.save_pretrained(tmp_path)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = modelpatch.load_adapter(ckpt.load(FUSED_EXPERTS), tmp_path, adapter_name="experts", is_trainable=True)
+    assert not [w for w in caught if "missing adapter keys" in str(w.message)]
+    assert loaded.active_adapter == "experts"
+    assert all(param.requires_grad for key, param in loaded.named_parameters() if ".lora_" in key)
+    _assert_close(_logits(loaded), _logits(trained))
+
+
+# --- 4. Without peft -----------------------------------------------------------------------------------------------
+
+
+def test_modelpatch_imports_without_peft():
+    script = textwrap.dedent(
+        """
+        import sys
+        sys.modules["peft"] = None  # what an environment without peft looks like to an import
+        import modelpatch
+        try:
+            modelpatch.get_peft_model(None, None)
+        except ImportError as error:
+            assert "pip install peft" in str(error), error
+        else:
+            raise AssertionError("no ImportError")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
