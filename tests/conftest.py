@@ -6,6 +6,9 @@ included) are restored to their contents before the test.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import transformers
 
@@ -14,6 +17,17 @@ from modelpatch.conversion import registry as conversion_registry
 from modelpatch.fusions import registry as fusion_registry
 
 transformers.logging.set_verbosity_error()
+
+# The tiny stock-saved checkpoints of tests/fusions/fusion_models.py serve the fusion, integration and docs tests.
+sys.path.insert(0, str(Path(__file__).parent / "fusions"))
+
+from fusion_models import CheckpointFactory  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> CheckpointFactory:
+    """``tiny("llama")`` -> a :class:`TinyCheckpoint` written by stock ``save_pretrained`` (built once per session)."""
+    return CheckpointFactory(tmp_path_factory.mktemp("tiny_checkpoints"))
 
 
 @pytest.fixture(autouse=True)
