@@ -25,6 +25,7 @@ from ..conversion.transforms import WeightTransform
 from ..errors import FusionError
 from ..fusions.apply import normalize_fusion_config, prepare_fusions, spec_transforms
 from ..fusions.generated import fused_origin
+from ..fusions.projections import ProjectionSlice
 from ..patching import registry
 from ..state import (
     BASE_TRANSFORMS_ATTRIBUTE,
@@ -69,20 +70,26 @@ def _assign(module: nn.Module, name: str, tensor: torch.Tensor, requires_grad: b
         owner._buffers[attribute] = tensor.detach()
 
 
+def _module_state(model: nn.Module, name: str) -> dict[str, torch.Tensor]:
+    """The state of module ``name`` under its full keys (the parameters themselves, not copies)."""
+    return {f"{name}.{key}": tensor for key, tensor in model.get_submodule(name).state_dict(keep_vars=True).items()}
+
+
 def _swap(
     model: PreTrainedModel, target: nn.Module, names: Sequence[str], transforms: Sequence[WeightTransform], *, reverse: bool
 ) -> None:
     """Replace each module ``names`` of ``model`` by the meta module of the same name in ``target``, filled from it.
 
     ``reverse`` runs ``transforms`` backwards (unfusing). Every module is planned before any is replaced, so a
-    mismatch leaves the model untouched.
+    mismatch leaves the model untouched; then modules are converted one at a time and the old one is released before
+    the next, so the memory a restructuring adds is one converted group.
     """
     plans = []
     for name in names:
-        live, new = model.get_submodule(name), target.get_submodule(name)
-        state = {f"{name}.{key}": tensor for key, tensor in live.state_dict(keep_vars=True).items()}
+        state = _module_state(model, name)
         metas = {key: TensorMeta(tuple(t.shape), t.dtype) for key, t in state.items()}
         plan = plan_save(metas, transforms, alternatives=True) if reverse else plan_load(metas, transforms)
+        new = target.get_submodule(name)
         expected = {f"{name}.{key}": TensorMeta(tuple(t.shape), t.dtype) for key, t in new.state_dict(keep_vars=True).items()}
         wrong = sorted(
             key for key in plan.outputs.keys() | expected.keys()
@@ -91,14 +98,16 @@ def _swap(
         if any(plan.problems.values()) or wrong:
             problems = "; ".join(item for items in plan.problems.values() for item in items)
             raise FusionError(
-                f"Cannot {'unfuse' if reverse else 'fuse'} {name} ({type(live).__name__}): its tensors do not convert "
-                f"to those of {type(new).__name__} ({', '.join(wrong[:6])}{', ...' if len(wrong) > 6 else ''}"
-                f"{'; ' + problems if problems else ''}). The model was left unchanged."
+                f"Cannot {'unfuse' if reverse else 'fuse'} {name} ({type(model.get_submodule(name)).__name__}): its "
+                f"tensors do not convert to those of {type(new).__name__} ({', '.join(wrong[:6])}"
+                f"{', ...' if len(wrong) > 6 else ''}{'; ' + problems if problems else ''}). The model was left unchanged."
             )
-        plans.append((name, live, new, state, plan))
+        plans.append((name, plan))
+        del state
 
     with torch.no_grad():
-        for name, live, new, state, plan in plans:
+        for name, plan in plans:
+            live, new, state = model.get_submodule(name), target.get_submodule(name), _module_state(model, name)
             local = len(name) + 1
             for out_key, source in plan.direct.items():
                 _assign(new, out_key[local:], state[source], state[source].requires_grad)
@@ -116,6 +125,16 @@ def _swap(
             new.train(live.training)
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child, new)
+            _dismantle(live)
+            del live, new, state, live_buffers  # the old module's converted tensors go now, not at the end
+
+
+def _dismantle(module: nn.Module) -> None:
+    """Break the owner <-> slice reference cycles of a replaced fused module, so that reference counting frees its
+    tensors at once rather than at the next garbage collection (the module is not usable afterwards)."""
+    for child in module.modules():
+        if isinstance(child, ProjectionSlice):
+            object.__setattr__(child, "owner", None)
 
 
 def _record(model: PreTrainedModel, fusion_config: Mapping[str, Any], transforms: Sequence[WeightTransform]) -> None:
