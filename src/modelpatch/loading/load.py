@@ -210,6 +210,8 @@ def from_pretrained(
             checkpoint.total_bytes,
             file_mapped=lambda key: checkpoint.info(key).start >= 0,
         )
+        # A file rewritten in place while its tensors were being read may have given data of two versions.
+        checkpoint.check_unchanged()
 
     _finalize(model, plan.expected.keys() - set(plan.loaded_keys()), target_device)
     fusions.record(model)
