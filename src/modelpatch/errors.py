@@ -19,6 +19,13 @@ class CheckpointError(ModelPatchError, ValueError):
     """A checkpoint on disk is missing, malformed, truncated, or tries to reach outside its directory."""
 
 
+class CheckpointPermissionError(CheckpointError, PermissionError):
+    """A save would change a directory whose permissions forbid it (a read-only target, or a read-only parent).
+
+    Also a ``PermissionError``, so code that handles file-system permission failures catches it too.
+    """
+
+
 class ConversionError(ModelPatchError, ValueError):
     """A weight conversion cannot be planned or applied (incompatible shapes, incomplete groups, ...)."""
 
