@@ -319,6 +319,26 @@ def index_weight_map_not_strings(d: Path):
     return CheckpointError, [str(index), "weight_map"]
 
 
+def fp8_weights_with_their_scales(d: Path):
+    """Loaded as plain floats without their scales, every projection would be silently wrong."""
+    from safetensors.torch import load_file, save_file
+
+    file = d / "model.safetensors"
+    tensors = load_file(str(file))
+    for key in [k for k in tensors if k.endswith("_proj.weight")]:
+        tensors[key] = tensors[key].to(torch.float8_e4m3fn)
+        tensors[key.removesuffix("weight") + "weight_scale_inv"] = torch.ones(1, 1)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    return LoadPlanError, ["quantized", "fp8", "weight_scale_inv", "does not load quantized checkpoints"]
+
+
+def config_declares_quantization(d: Path):
+    config = json.loads((d / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    (d / "config.json").write_text(json.dumps(config))
+    return LoadPlanError, ["quantized", "'gptq'", "does not load quantized checkpoints"]
+
+
 def config_not_json(d: Path):
     (d / "config.json").write_text("{\"model_type\": \"llama\",")
     return CheckpointError, [str(d / "config.json"), "JSON"]
@@ -342,7 +362,8 @@ SINGLE_FILE = {
         truncate_in_data, truncate_in_header, truncate_in_prefix, empty_file, header_length_huge, header_not_json,
         offsets_overlap, offsets_alias_same_bytes, offsets_past_end, offsets_reversed, dtype_disagrees_with_bytes,
         shape_disagrees_with_bytes, unknown_dtype, duplicate_header_key, consistent_header_wrong_shape_for_model,
-        renamed_key_leaves_parameter_missing, config_not_json, config_unknown_model_type, config_json_array,
+        renamed_key_leaves_parameter_missing, fp8_weights_with_their_scales, config_declares_quantization,
+        config_not_json, config_unknown_model_type, config_json_array,
     )
 }
 SHARDED = {

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,10 +33,11 @@ from ..conversion.transforms import WeightTransform
 from ..errors import CheckpointError
 from ..fusions.apply import PreparedFusions, prepare_fusions
 from ..patching import registry
-from ..patching.mapping import PatchMapping
+from ..patching.mapping import PatchMapping, is_exact_key
 from ..patching.patcher import Patcher
 from .build import build_empty_model, build_initialized_model, model_state_lock
 from .config import RUNTIME_LAYOUT_ATTRIBUTE, checkpoint_directory, load_config, resolve_dtype, resolve_model_class
+from .diagnose import Replacement
 from .materialize import load_into_model
 from .plan import LoadPlan, UnexpectedKeys, plan_model_load
 from .report import REPORT_ATTRIBUTE, LoadReport
@@ -111,11 +113,11 @@ def _plan(
     config = copy.deepcopy(config)
     concrete = resolve_model_class(model_class, config)
     config.name_or_path = str(directory)
-    layers, fusions = _load_setup(concrete, config, patcher, fusion_config)
     metas = {key: TensorMeta(checkpoint.info(key).shape, checkpoint.info(key).dtype) for key in checkpoint.keys()}
     # Stock 5.x from_pretrained defaults to "auto" and records the dtype on the config and its sub-configs.
     resolved_dtype = resolve_dtype("auto" if dtype is None else dtype, config, (m.dtype for m in metas.values()))
     _set_config_dtype(config, resolved_dtype)
+    layers, fusions = _load_setup(concrete, config, patcher, fusion_config)
     model = build_empty_model(concrete, config, resolved_dtype, layers)
     transforms = _conversions(model, patcher, fusions)
     runtime_layout = bool(getattr(config, RUNTIME_LAYOUT_ATTRIBUTE, False))
@@ -125,8 +127,48 @@ def _plan(
         [] if runtime_layout else transforms,
         new_parameters=new_parameters,
         unexpected_keys=unexpected_keys,
+        # Explaining missing keys by the classes the patches replaced needs a stock build: only on error.
+        replacements=(lambda: _replacements(model, concrete, config, resolved_dtype, layers, fusions))
+        if any(layers)
+        else None,
     )
     return PlannedLoad(directory, model, plan, metas, transforms, fusions, runtime_layout)
+
+
+def _replacements(
+    model: PreTrainedModel,
+    concrete: type[PreTrainedModel],
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    layers: Sequence[PatchMapping],
+    fusions: PreparedFusions,
+) -> list[Replacement]:
+    """The outermost modules of ``model`` whose class differs from a stock build's, and the layer responsible.
+
+    Builds the stock model on the meta device: only called to explain a failed plan.
+    """
+    stock = {name: type(m) for name, m in build_empty_model(concrete, copy.deepcopy(config), dtype, []).named_modules()}
+    found: list[Replacement] = []
+    for name, module in model.named_modules():
+        original = stock.get(name)
+        if original is None or type(module) is original or any(name.startswith(r.path + ".") for r in found):
+            continue
+        # The first layer that maps the class is the one the dispatcher used; none: a scope around the load.
+        layer = next((layer for layer in layers if layer.lookup(original.__name__) is type(module)), None)
+        patch_key = fusion = None
+        if layer is fusions.mapping:
+            fusion = next((f for f, paths in fusions.fused.items() if name in paths), ", ".join(fusions.fused))
+        elif layer is not None:
+            patch_key = _patch_key(layer, original.__name__)
+        found.append(Replacement(name, original.__name__, type(module).__name__, patch_key, fusion))
+    return found
+
+
+def _patch_key(mapping: PatchMapping, class_name: str) -> str:
+    """The key of ``mapping`` that :meth:`PatchMapping.lookup` matched for ``class_name``: exact name, else pattern."""
+    if class_name in mapping.entries:
+        return class_name
+    return next(key for key in mapping.entries if not is_exact_key(key) and re.search(key, class_name))
 
 
 def plan_pretrained(
@@ -226,6 +268,7 @@ def from_pretrained(
         transforms=tuple(transforms if runtime_layout else plan.transforms),
         new_parameters=tuple(plan.new_parameters),
         dropped=tuple(plan.dropped),
+        ignored=tuple(plan.ignored),
         unexpected=tuple(plan.unexpected),
         tied=dict(plan.tied),
         runtime_layout=runtime_layout,
