@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import stat
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from .json_file import MAX_INDEX_BYTES, read_json
 from .safetensors_file import ClosesOnExit, FileIdentity, SafetensorsFile, TensorInfo
 from modelpatch.errors import CheckpointError
 
@@ -83,10 +83,6 @@ class _Directory:
         """A read-only descriptor of ``name`` (never blocks on a FIFO)."""
         flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
         return os.open(self.path / name, flags) if self.fd is None else os.open(name, flags, dir_fd=self.fd)
-
-    def read_bytes(self, name: str) -> bytes:
-        with os.fdopen(self.open(name), "rb") as f:
-            return f.read()
 
     def replaced(self) -> bool:
         """Whether ``path`` now names another directory than the one opened."""
@@ -167,8 +163,8 @@ class Checkpoint(ClosesOnExit):
         pickle_path = directory / pickle_name
         if not allow_pickle:
             raise CheckpointError(
-                f"{pickle_path}: pickle checkpoints are refused unless allow_pickle=True "
-                "(they are then loaded with torch.load(weights_only=True); prefer safetensors)"
+                f"{pickle_path}: pickle checkpoints are refused unless allow_pickle=True (--allow-pickle on the "
+                "modelpatch command line); they are then loaded with torch.load(weights_only=True). Prefer safetensors."
             )
         if pickle_name == PICKLE_INDEX:
             return cls._open_index(directory, handle, PICKLE_INDEX, _load_pickle)
@@ -308,9 +304,10 @@ def _load_pickle(handle: _Directory, name: str) -> PickleFile:
 def _read_weight_map(handle: _Directory, index_name: str) -> dict[str, str]:
     index_path = handle.path / index_name
     try:
-        index = json.loads(handle.read_bytes(index_name).decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise CheckpointError(f"{index_path}: cannot read index JSON: {exc}") from exc
+        fd = handle.open(index_name)
+    except OSError as exc:
+        raise CheckpointError(f"{index_path}: cannot read it: {exc}") from exc
+    index = read_json(index_path, MAX_INDEX_BYTES, fd)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()

@@ -27,15 +27,16 @@ import torch
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 
 from ..checkpoint import Checkpoint
+from ..checkpoint.json_file import MAX_CONFIG_BYTES, read_json
 from ..conversion.planner import TensorMeta
 from ..conversion.registry import get_checkpoint_conversion_mapping
 from ..conversion.transforms import WeightTransform
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ModelPatchError
 from ..fusions.apply import PreparedFusions, prepare_fusions
 from ..patching import registry
 from ..patching.mapping import PatchMapping, is_exact_key
 from ..patching.patcher import Patcher
-from .build import build_empty_model, build_initialized_model, model_state_lock
+from .build import build_empty_model, build_initialized_model, config_build_errors, model_state_lock
 from .config import RUNTIME_LAYOUT_ATTRIBUTE, checkpoint_directory, load_config, resolve_dtype, resolve_model_class
 from .diagnose import Replacement
 from .materialize import load_into_model
@@ -117,8 +118,15 @@ def _plan(
     # Stock 5.x from_pretrained defaults to "auto" and records the dtype on the config and its sub-configs.
     resolved_dtype = resolve_dtype("auto" if dtype is None else dtype, config, (m.dtype for m in metas.values()))
     _set_config_dtype(config, resolved_dtype)
-    layers, fusions = _load_setup(concrete, config, patcher, fusion_config)
-    model = build_empty_model(concrete, config, resolved_dtype, layers)
+    try:
+        layers, fusions = _load_setup(concrete, config, patcher, fusion_config)
+        model = build_empty_model(concrete, config, resolved_dtype, layers)
+    except Exception as exc:
+        if not isinstance(exc, ModelPatchError):
+            # The config's fault if the stock model cannot be built either; otherwise a replacement's, raised as is.
+            with config_build_errors(directory / "config.json", concrete):
+                build_empty_model(concrete, copy.deepcopy(config), resolved_dtype, [])
+        raise
     transforms = _conversions(model, patcher, fusions)
     runtime_layout = bool(getattr(config, RUNTIME_LAYOUT_ATTRIBUTE, False))
     plan = plan_model_load(
@@ -294,9 +302,10 @@ def _load_generation_config(directory: Path) -> GenerationConfig | None:
     path = directory / "generation_config.json"
     if not path.is_file():
         return None
+    read_json(path, MAX_CONFIG_BYTES)  # bounded, before transformers reads it
     try:
         return GenerationConfig.from_pretrained(str(directory), local_files_only=True)
-    except (OSError, ValueError, TypeError) as exc:
+    except Exception as exc:  # transformers' validation raises many types
         raise CheckpointError(f"{path} is not a valid generation config: {exc}") from None
 
 
