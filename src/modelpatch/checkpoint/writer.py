@@ -162,6 +162,8 @@ def _require(path: Path, wanted: int, why: str) -> None:
 def _create_parent(directory: Path) -> None:
     """Create ``directory``'s missing parents, refusing where the nearest existing one is not writable."""
     existing = next(p for p in directory.parents if p.exists())
+    if not existing.is_dir():
+        raise CheckpointError(f"{existing}: not a directory, so {directory} cannot be created in it")
     if existing != directory.parent:
         _require(existing, _W | _X, f"saving {directory} creates directories in it")
         directory.parent.mkdir(parents=True, exist_ok=True)

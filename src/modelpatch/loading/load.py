@@ -63,6 +63,17 @@ def model_conversions(model: PreTrainedModel) -> list[WeightTransform]:
     return transforms
 
 
+def _check_patterns(new_parameters: Sequence[str]) -> None:
+    # A bare string would be taken letter by letter: every parameter containing an "e" would be allowed to be new.
+    if isinstance(new_parameters, str) or not all(isinstance(p, str) for p in new_parameters):
+        raise TypeError(f"new_parameters must be a list of regex patterns, got {new_parameters!r}.")
+    for pattern in new_parameters:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"new_parameters entry {pattern!r} is not a valid regular expression: {exc}.") from None
+
+
 def _check_patcher(patcher: Patcher | None) -> None:
     if patcher is not None and not isinstance(patcher, Patcher):
         raise TypeError(f"patcher must be a modelpatch.Patcher, got {patcher!r}.")
@@ -110,6 +121,7 @@ def _plan(
     _check_patcher(patcher)
     if unexpected_keys not in ("warn", "error", "ignore"):
         raise ValueError(f"unexpected_keys must be 'warn', 'error' or 'ignore', got {unexpected_keys!r}.")
+    _check_patterns(new_parameters)
     directory = checkpoint.directory
     config = copy.deepcopy(config)
     concrete = resolve_model_class(model_class, config)
@@ -241,7 +253,10 @@ def from_pretrained(
     """
     if device is not None and device_map is not None:
         raise ValueError("Pass either device or device_map, not both.")
-    target_device = torch.device(device) if device is not None else torch.device("cpu")
+    try:
+        target_device = torch.device(device) if device is not None else torch.device("cpu")
+    except RuntimeError as exc:  # torch's error for an unknown device string
+        raise ValueError(f"device {device!r} is not a torch device: {exc}") from None
     directory = checkpoint_directory(path)
     config = load_config(directory)
     generation_config = _load_generation_config(directory)
