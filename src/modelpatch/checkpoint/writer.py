@@ -139,7 +139,7 @@ def _permits(path: Path, status: os.stat_result, wanted: int) -> bool:
     every ``os.access`` check, yet a directory made read-only says that it must not change, whoever saves.
     """
     if not hasattr(os, "geteuid"):  # not POSIX: no owner and group bits to read
-        return os.access(path, os.W_OK) or not wanted & _W
+        return not wanted & _W or os.access(path, os.W_OK)
     if status.st_uid == os.geteuid():
         bits = status.st_mode >> 6
     elif status.st_gid == os.getegid() or status.st_gid in os.getgroups():
