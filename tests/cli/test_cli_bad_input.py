@@ -56,7 +56,6 @@ def test_convert_keeps_every_tensor_or_fails_naming_the_dropped_ones(capsys, sou
 
     code, _, err = run(capsys, "convert", source, destination, "--model-class", "LlamaForCausalLM")
     assert code == 0, err
-    assert sorted(load_file(str(destination / "model.safetensors"))) == sorted(load_file(str(source / "model.safetensors")))
     assert filecmp.cmp(source / "model.safetensors", destination / "model.safetensors", shallow=False)
 
 

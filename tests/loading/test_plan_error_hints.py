@@ -18,6 +18,7 @@ from modelpatch import LoadPlanError, Patcher
 from modelpatch.loading.diagnose import collapse_indices
 
 NEW_PARAMETERS_HINT = "new_parameters=[...]"
+NEW_PARAMETERS_LINE = "Hint: Pass new_parameters=[...] (regex patterns) for parameters you want freshly initialised."
 
 
 def plan_error(*args, **kwargs) -> LoadPlanError:
@@ -31,7 +32,7 @@ def hints(error: LoadPlanError) -> list[str]:
 
 
 def test_collapse_indices_is_exact():
-    keys = [f"model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight" for layer in range(24) for expert in range(64)]
+    keys = [f"model.layers.{layer}.mlp.experts.{e}.gate_proj.weight" for layer in range(24) for e in range(64)]
     assert collapse_indices(keys) == ["model.layers.{0..23}.mlp.experts.{0..63}.gate_proj.weight"]
     # Not a product: layer 1 lacks expert 2. Each merged line stands for exactly the keys it replaces.
     keys = ["l.0.e.0.w", "l.0.e.1.w", "l.0.e.2.w", "l.1.e.0.w", "l.1.e.1.w", "l.3.e.0.w", "l.3.e.1.w", "other"]
@@ -42,7 +43,8 @@ def test_collapse_indices_is_exact():
 def test_unexpected_keys_are_listed_next_to_missing_ones(stock_checkpoint, tmp_path):
     def edit(tensors):
         for layer in (0, 1):
-            tensors[f"model.layers.{layer}.input_layernorm.wieght"] = tensors.pop(f"model.layers.{layer}.input_layernorm.weight")
+            norm = f"model.layers.{layer}.input_layernorm"
+            tensors[f"{norm}.wieght"] = tensors.pop(f"{norm}.weight")
 
     directory = rewrite_checkpoint(stock_checkpoint("llama").path, tmp_path / "typo", edit)
     error = plan_error(AutoModelForCausalLM, directory)
@@ -53,7 +55,7 @@ def test_unexpected_keys_are_listed_next_to_missing_ones(stock_checkpoint, tmp_p
     assert "  - model.layers.{0..1}.input_layernorm.weight" in lines
     assert "in the checkpoint but not used by the model (2):" in lines
     assert "  - model.layers.{0..1}.input_layernorm.wieght" in lines
-    assert hints(error) == [f"Hint: Pass {NEW_PARAMETERS_HINT} (regex patterns) for parameters you want freshly initialised."]
+    assert hints(error) == [NEW_PARAMETERS_LINE]
 
 
 class QueryOnlyAttention(nn.Module):
@@ -117,7 +119,8 @@ def test_missing_expert_weights_are_collapsed_and_not_called_new(stock_checkpoin
     lines = str(error).splitlines()
     if fusion_config is None:  # the stock layout fuses experts at load: the group is incomplete
         assert "  - model.layers.{0..1}.mlp.experts.gate_up_proj" in lines
-        assert any(line.startswith("  - ['model.layers.{0..1}.mlp.experts.{0..3}.up_proj.weight'] match") for line in lines)
+        group = "  - ['model.layers.{0..1}.mlp.experts.{0..3}.up_proj.weight'] match"
+        assert any(line.startswith(group) for line in lines)
         assert hints(error) == []
     else:  # per-expert modules: the missing keys themselves
         assert "  - model.layers.{0..1}.mlp.experts.{0..3}.gate_proj.weight" in lines
@@ -127,5 +130,5 @@ def test_missing_expert_weights_are_collapsed_and_not_called_new(stock_checkpoin
 
 def test_parameters_that_really_are_new_get_the_new_parameters_hint(stock_checkpoint):
     error = plan_error(BertForSequenceClassification, stock_checkpoint("bert_base").path)
-    assert hints(error) == [f"Hint: Pass {NEW_PARAMETERS_HINT} (regex patterns) for parameters you want freshly initialised."]
+    assert hints(error) == [NEW_PARAMETERS_LINE]
 

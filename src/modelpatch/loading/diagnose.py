@@ -105,7 +105,9 @@ def quantization(config: Any, unexpected: Sequence[str], present: Mapping[str, o
     method = None
     settings = getattr(config, "quantization_config", None)
     if settings is not None:
-        method = settings.get("quant_method") if isinstance(settings, Mapping) else getattr(settings, "quant_method", None)
+        method = (
+            settings.get("quant_method") if isinstance(settings, Mapping) else getattr(settings, "quant_method", None)
+        )
         evidence.append(f"config.json has a quantization_config (quant_method {method!r})")
     keys = [
         key

@@ -139,9 +139,8 @@ def plan_model_load(
         else:
             problems["missing from the checkpoint"].append(key)
 
-    recomputed = _compile_any(
-        [*(re.escape(name) + "$" for name, _ in model.named_buffers() if name not in expected), r"rotary_emb\.inv_freq$"]
-    )
+    buffers = [re.escape(name) + "$" for name, _ in model.named_buffers() if name not in expected]
+    recomputed = _compile_any([*buffers, r"rotary_emb\.inv_freq$"])
     ignorable = _compile_any(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
     for key in sorted(conversion.outputs.keys() - expected.keys()):
         if recomputed is not None and recomputed.search(key):
