@@ -2,6 +2,12 @@
 
 Every error names what is at fault (a key, class, pattern or file) so that a user can act on it without a debugger.
 Each subclasses the built-in exception a caller would naturally catch (``ValueError``, ``TypeError``).
+
+What comes from outside the program (checkpoint files, configs, patch mappings, conversions, fusion specs, the
+file system a save writes to) is always reported as a :class:`ModelPatchError`. Only an invalid argument of the
+call itself raises a plain ``TypeError`` (wrong type: ``model_class=3``, ``new_parameters="lm_head"``) or
+``ValueError`` (a value the parameter does not accept: an unknown dtype name or device, ``unexpected_keys``
+other than "warn" / "error" / "ignore", a ``device_map`` naming modules the model does not have).
 """
 
 from __future__ import annotations
@@ -17,6 +23,13 @@ class PatchRegistryError(ModelPatchError, ValueError):
 
 class CheckpointError(ModelPatchError, ValueError):
     """A checkpoint on disk is missing, malformed, truncated, or tries to reach outside its directory."""
+
+
+class CheckpointPermissionError(CheckpointError, PermissionError):
+    """A save would change a directory whose permissions forbid it (a read-only target, or a read-only parent).
+
+    Also a ``PermissionError``, so code that handles file-system permission failures catches it too.
+    """
 
 
 class ConversionError(ModelPatchError, ValueError):

@@ -14,4 +14,11 @@ class DoubledMLP(LlamaMLP):
         return 2 * super().forward(x)
 
 
+class CrashingMLP(LlamaMLP):
+    """Raises in forward: verification must fail (exit 1), not crash the command."""
+
+    def forward(self, x):
+        raise RuntimeError("this MLP is broken")
+
+
 NOT_A_MODULE = 42

@@ -319,6 +319,100 @@ def index_weight_map_not_strings(d: Path):
     return CheckpointError, [str(index), "weight_map"]
 
 
+def fp8_weights_with_their_scales(d: Path):
+    """Loaded as plain floats without their scales, every projection would be silently wrong."""
+    from safetensors.torch import load_file, save_file
+
+    file = d / "model.safetensors"
+    tensors = load_file(str(file))
+    for key in [k for k in tensors if k.endswith("_proj.weight")]:
+        tensors[key] = tensors[key].to(torch.float8_e4m3fn)
+        tensors[key.removesuffix("weight") + "weight_scale_inv"] = torch.ones(1, 1)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    return LoadPlanError, ["quantized", "fp8", "weight_scale_inv", "does not load quantized checkpoints"]
+
+
+def config_declares_quantization(d: Path):
+    config = json.loads((d / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    (d / "config.json").write_text(json.dumps(config))
+    return LoadPlanError, ["quantized", "'gptq'", "does not load quantized checkpoints"]
+
+
+def edit_config(d: Path, **values) -> Path:
+    config_file = d / "config.json"
+    config = json.loads(config_file.read_text())
+    config.update(values)
+    config_file.write_text(json.dumps(config))
+    return config_file
+
+
+def nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def append_raw(file: Path, members: str) -> Path:
+    """Add raw JSON text (``, "key": value``) at the end of the JSON object in ``file``."""
+    file.write_text(file.read_text().rstrip().removesuffix("}") + members + "}")
+    return file
+
+
+def config_too_large(d: Path):
+    config_file = append_raw(d / "config.json", " " * (16 * 2**20))
+    return CheckpointError, [str(config_file), "limit"]
+
+
+def config_nested_too_deeply(d: Path):
+    config_file = edit_config(d, extra=json.loads(nested(40)))
+    return CheckpointError, [str(config_file), "nested"]
+
+
+def config_nested_past_the_parsers_recursion_limit(d: Path):
+    config_file = append_raw(d / "config.json", f', "extra": {nested(100_000)}')
+    return CheckpointError, [str(config_file), "nested"]
+
+
+def config_integer_with_thousands_of_digits(d: Path):
+    config_file = append_raw(d / "config.json", f', "vocab_size": 1{"0" * 4000}')
+    return CheckpointError, [str(config_file), "digits"]
+
+
+def config_absurd_layer_count(d: Path):
+    """300 million layers: transformers would build a 2.4 GB ``layer_types`` list before any model."""
+    config_file = edit_config(d, num_hidden_layers=300_000_000)
+    return CheckpointError, [str(config_file), "num_hidden_layers = 300000000"]
+
+
+def config_zero_heads(d: Path):
+    config_file = edit_config(d, num_attention_heads=0)
+    return CheckpointError, [str(config_file), "llama"]
+
+
+def config_negative_size(d: Path):
+    config_file = edit_config(d, intermediate_size=-5)
+    return CheckpointError, [str(config_file), "LlamaForCausalLM", "negative dimension"]
+
+
+def config_unknown_rope_type(d: Path):
+    config_file = edit_config(d, rope_parameters={"rope_type": "nonsense", "rope_theta": 10000.0})
+    return CheckpointError, [str(config_file), "nonsense"]
+
+
+def config_wrong_value_type(d: Path):
+    config_file = edit_config(d, hidden_size="wide")
+    return CheckpointError, [str(config_file), "hidden_size"]
+
+
+def index_too_large(d: Path):
+    index = append_raw(d / "model.safetensors.index.json", " " * (64 * 2**20))
+    return CheckpointError, [str(index), "limit"]
+
+
+def index_nested_too_deeply(d: Path):
+    index = append_raw(d / "model.safetensors.index.json", f', "metadata2": {nested(100_000)}')
+    return CheckpointError, [str(index), "nested"]
+
+
 def config_not_json(d: Path):
     (d / "config.json").write_text("{\"model_type\": \"llama\",")
     return CheckpointError, [str(d / "config.json"), "JSON"]
@@ -342,7 +436,11 @@ SINGLE_FILE = {
         truncate_in_data, truncate_in_header, truncate_in_prefix, empty_file, header_length_huge, header_not_json,
         offsets_overlap, offsets_alias_same_bytes, offsets_past_end, offsets_reversed, dtype_disagrees_with_bytes,
         shape_disagrees_with_bytes, unknown_dtype, duplicate_header_key, consistent_header_wrong_shape_for_model,
-        renamed_key_leaves_parameter_missing, config_not_json, config_unknown_model_type, config_json_array,
+        renamed_key_leaves_parameter_missing, fp8_weights_with_their_scales, config_declares_quantization,
+        config_not_json, config_unknown_model_type, config_json_array, config_too_large, config_nested_too_deeply,
+        config_nested_past_the_parsers_recursion_limit, config_integer_with_thousands_of_digits,
+        config_absurd_layer_count, config_zero_heads, config_negative_size, config_unknown_rope_type,
+        config_wrong_value_type,
     )
 }
 SHARDED = {
@@ -351,7 +449,8 @@ SHARDED = {
         truncate_shard, index_names_missing_shard, index_shard_deleted, index_dotdot, index_absolute,
         index_symlink_file, index_symlink_directory, index_symlink_to_device, index_names_a_fifo,
         index_same_key_in_two_shards,
-        index_maps_key_to_the_wrong_shard, index_not_json, index_weight_map_not_strings,
+        index_maps_key_to_the_wrong_shard, index_not_json, index_weight_map_not_strings, index_too_large,
+        index_nested_too_deeply,
     )
 }
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import stat
@@ -11,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from .safetensors_file import ClosesOnExit, SafetensorsFile, TensorInfo
+from .json_file import MAX_INDEX_BYTES, read_json
+from .safetensors_file import ClosesOnExit, FileIdentity, SafetensorsFile, TensorInfo
 from modelpatch.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -21,7 +21,37 @@ SAFE_SINGLE = "model.safetensors"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
 PICKLE_SINGLE = "pytorch_model.bin"
 
-_Source = SafetensorsFile | dict[str, torch.Tensor]
+
+class PickleFile(ClosesOnExit):
+    """The tensors of one pickle checkpoint file, loaded with ``torch.load(weights_only=True, mmap=True)``.
+
+    Pickle files are read by path (torch maps them itself), so their identity is that of the path.
+    """
+
+    def __init__(self, path: Path, state: dict[str, torch.Tensor], identity: FileIdentity) -> None:
+        self.path = path
+        self.identity = identity
+        self.tensors = {key: TensorInfo(key, t.dtype, tuple(t.shape), path, -1, -1) for key, t in state.items()}
+        self._state = state
+
+    def tensor(self, key: str) -> torch.Tensor:
+        """Tensor ``key`` (a view of torch's memory map of the file)."""
+        self.check_unchanged()
+        return self._state[key]
+
+    def check_unchanged(self) -> None:
+        """Raise :class:`CheckpointError` naming the file if it was rewritten since it was loaded."""
+        try:
+            now = os.stat(self.path)
+        except OSError as exc:
+            raise CheckpointError(f"{self.path}: cannot check the file: {exc}") from exc
+        self.identity.check(self.path, now)
+
+    def close(self) -> None:
+        self._state = {}
+
+
+_Source = SafetensorsFile | PickleFile
 
 _OPEN_ATTEMPTS = 3
 
@@ -54,10 +84,6 @@ class _Directory:
         flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
         return os.open(self.path / name, flags) if self.fd is None else os.open(name, flags, dir_fd=self.fd)
 
-    def read_bytes(self, name: str) -> bytes:
-        with os.fdopen(self.open(name), "rb") as f:
-            return f.read()
-
     def replaced(self) -> bool:
         """Whether ``path`` now names another directory than the one opened."""
         if self.fd is None:
@@ -78,7 +104,9 @@ class Checkpoint(ClosesOnExit):
     """Read-only view of the tensors of a local checkpoint directory.
 
     Safetensors tensors are zero-copy views of memory-mapped files; pickle tensors are loaded with
-    ``torch.load(weights_only=True, mmap=True)``.
+    ``torch.load(weights_only=True, mmap=True)``. Each file's identity (device, inode, size, modification time) is
+    recorded when its header is read; a file rewritten in place afterwards is refused when its tensors are read
+    and by :meth:`check_unchanged`.
     """
 
     def __init__(
@@ -135,13 +163,13 @@ class Checkpoint(ClosesOnExit):
         pickle_path = directory / pickle_name
         if not allow_pickle:
             raise CheckpointError(
-                f"{pickle_path}: pickle checkpoints are refused unless allow_pickle=True "
-                "(they are then loaded with torch.load(weights_only=True); prefer safetensors)"
+                f"{pickle_path}: pickle checkpoints are refused unless allow_pickle=True (--allow-pickle on the "
+                "modelpatch command line); they are then loaded with torch.load(weights_only=True). Prefer safetensors."
             )
         if pickle_name == PICKLE_INDEX:
             return cls._open_index(directory, handle, PICKLE_INDEX, _load_pickle)
-        state = _load_pickle(handle, PICKLE_SINGLE)
-        return cls(directory, _pickle_infos(pickle_path, state), {pickle_path: state}, is_sharded=False)
+        source = _load_pickle(handle, PICKLE_SINGLE)
+        return cls(directory, dict(source.tensors), {pickle_path: source}, is_sharded=False)
 
     @classmethod
     def _open_index(
@@ -162,8 +190,7 @@ class Checkpoint(ClosesOnExit):
         for name, path in shard_paths.items():
             source = load(handle, name)
             sources[path] = source
-            shard_infos = source.tensors if isinstance(source, SafetensorsFile) else _pickle_infos(path, source)
-            for key, info in shard_infos.items():
+            for key, info in source.tensors.items():
                 if key in infos:
                     raise CheckpointError(
                         f"{index_path}: key {key!r} is stored in both {infos[key].path.name} and {name}"
@@ -203,9 +230,18 @@ class Checkpoint(ClosesOnExit):
         source = self._sources.get(info.path)
         if source is None:
             raise CheckpointError(f"{info.path}: checkpoint is closed (reading {key!r})")
-        if isinstance(source, SafetensorsFile):
-            return source.tensor(key)
-        return source[key]
+        return source.tensor(key)
+
+    def check_unchanged(self) -> None:
+        """Raise :class:`CheckpointError` naming the first file that was rewritten in place since it was opened.
+
+        Call it once every tensor has been read: data read from a file rewritten meanwhile may mix two versions.
+        """
+        for path in self.files:
+            source = self._sources.get(path)
+            if source is None:
+                raise CheckpointError(f"{path}: checkpoint is closed")
+            source.check_unchanged()
 
     @property
     def files(self) -> list[Path]:
@@ -229,8 +265,7 @@ class Checkpoint(ClosesOnExit):
     def close(self) -> None:
         """Release open files; tensors already returned stay valid."""
         for source in self._sources.values():
-            if isinstance(source, SafetensorsFile):
-                source.close()
+            source.close()
         self._sources = {}
 
     def __repr__(self) -> str:
@@ -246,9 +281,10 @@ def _load_safetensors(handle: _Directory, name: str) -> SafetensorsFile:
     return SafetensorsFile.from_fd(path, fd)
 
 
-def _load_pickle(handle: _Directory, name: str) -> dict[str, torch.Tensor]:
+def _load_pickle(handle: _Directory, name: str) -> PickleFile:
     path = handle.path / name
     try:
+        identity = FileIdentity.of(os.stat(path))
         # weights_only=True restricts unpickling to tensors and plain containers: no arbitrary code runs.
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:
@@ -260,19 +296,18 @@ def _load_pickle(handle: _Directory, name: str) -> dict[str, torch.Tensor]:
             raise CheckpointError(
                 f"{path}: entry {key!r} is not a tensor ({type(value).__name__}); expected a flat state dict"
             )
-    return state
-
-
-def _pickle_infos(path: Path, state: dict[str, torch.Tensor]) -> dict[str, TensorInfo]:
-    return {key: TensorInfo(key, t.dtype, tuple(t.shape), path, -1, -1) for key, t in state.items()}
+    source = PickleFile(path, state, identity)
+    source.check_unchanged()  # rewritten while torch.load was reading it
+    return source
 
 
 def _read_weight_map(handle: _Directory, index_name: str) -> dict[str, str]:
     index_path = handle.path / index_name
     try:
-        index = json.loads(handle.read_bytes(index_name).decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise CheckpointError(f"{index_path}: cannot read index JSON: {exc}") from exc
+        fd = handle.open(index_name)
+    except OSError as exc:
+        raise CheckpointError(f"{index_path}: cannot read it: {exc}") from exc
+    index = read_json(index_path, MAX_INDEX_BYTES, fd)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()

@@ -113,6 +113,35 @@ class ClosesOnExit:
         self.close()
 
 
+@dataclass(frozen=True)
+class FileIdentity:
+    """Which file, in which state: device and inode, size and modification time.
+
+    A file rewritten in place (same name, same inode) changes its size or modification time; a file replaced by a
+    rename keeps the identity of the open descriptor, so it is not mistaken for a change.
+    """
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, status: os.stat_result) -> FileIdentity:
+        return cls(status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns)
+
+    def check(self, path: Path, now: os.stat_result) -> None:
+        """Raise :class:`CheckpointError` naming ``path`` if ``now`` is not the state this identity recorded."""
+        current = FileIdentity.of(now)
+        if current != self:
+            raise CheckpointError(
+                f"{path}: the file changed while the checkpoint was being read (size {self.size} -> {current.size}, "
+                f"mtime_ns {self.mtime_ns} -> {current.mtime_ns}); something rewrote it in place. Nothing was "
+                "returned: load it again once it is complete, and replace checkpoints with a new file or directory "
+                "instead of rewriting them in place"
+            )
+
+
 class SafetensorsFile(ClosesOnExit):
     """A validated safetensors header plus lazy, zero-copy access to the tensor data.
 
@@ -120,17 +149,18 @@ class SafetensorsFile(ClosesOnExit):
     """
 
     def __init__(
-        self, path: Path, metadata: dict[str, str], tensors: dict[str, TensorInfo], fd: int | None = None
+        self, path: Path, metadata: dict[str, str], tensors: dict[str, TensorInfo], fd: int, identity: FileIdentity
     ) -> None:
         self.path = path
         self.metadata = metadata
         self.tensors = tensors
+        self.identity = identity
         self._mmap: mmap.mmap | None = None
-        self._closed = False
         # The descriptor the header was read from: the data is mapped from that same file later, even if ``path``
-        # has been replaced meanwhile (a save swapping in a new checkpoint).
-        self._fd = fd
-        self._release_fd = weakref.finalize(self, os.close, fd) if fd is not None else None
+        # has been replaced meanwhile (a save swapping in a new checkpoint). It stays open until close() so that
+        # check_unchanged() can compare that very file with the state its header was validated in.
+        self._fd: int | None = fd
+        self._release_fd: weakref.finalize | None = weakref.finalize(self, os.close, fd)
 
     @classmethod
     def open(cls, path: str | Path) -> SafetensorsFile:
@@ -146,7 +176,7 @@ class SafetensorsFile(ClosesOnExit):
     def from_fd(cls, path: Path, fd: int) -> SafetensorsFile:
         """Like :meth:`open`, reading the already opened descriptor ``fd`` of ``path``, which the result owns.
 
-        ``fd`` is closed on error, and otherwise once the file is memory-mapped or :meth:`close` is called.
+        ``fd`` is closed on error, and otherwise by :meth:`close` (or when the object is garbage collected).
         """
         try:
             try:
@@ -178,7 +208,7 @@ class SafetensorsFile(ClosesOnExit):
             os.close(fd)
             raise
         logger.debug("opened %s: %d tensors", path, len(tensors))
-        return cls(path, metadata, tensors, fd)
+        return cls(path, metadata, tensors, fd, FileIdentity.of(status))
 
     def tensor(self, key: str) -> torch.Tensor:
         """Return tensor ``key`` as a writable view of the memory-mapped file (no copy)."""
@@ -188,6 +218,9 @@ class SafetensorsFile(ClosesOnExit):
         if info.numel == 0:
             # torch.frombuffer refuses count=0, and there is no data to share anyway.
             return torch.empty(info.shape, dtype=info.dtype)
+        # Before handing out a view: data rewritten since the header was validated would be read as if it matched
+        # that header (and touching pages a truncation removed kills the process with SIGBUS).
+        self.check_unchanged()
         mm = self._mapping()
         if info.end > len(mm):
             raise CheckpointError(
@@ -198,37 +231,42 @@ class SafetensorsFile(ClosesOnExit):
         flat = torch.frombuffer(mm, dtype=info.dtype, count=info.numel, offset=info.start)
         return flat.reshape(info.shape)
 
+    def check_unchanged(self) -> None:
+        """Raise :class:`CheckpointError` naming the file if it was rewritten in place since its header was read.
+
+        Compares the open file (not the path, which a save may have pointed at a new file meanwhile) with the
+        identity recorded when the header was validated.
+        """
+        if self._fd is None:
+            raise CheckpointError(f"{self.path}: file is closed")
+        try:
+            now = os.fstat(self._fd)
+        except OSError as exc:
+            raise CheckpointError(f"{self.path}: cannot check the file: {exc}") from exc
+        self.identity.check(self.path, now)
+
     def _mapping(self) -> mmap.mmap:
-        if self._closed:
+        if self._fd is None:
             raise CheckpointError(f"{self.path}: file is closed")
         if self._mmap is None:
             try:
-                if self._fd is None:
-                    with self.path.open("rb") as f:
-                        self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-                else:
-                    self._mmap = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
+                self._mmap = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
             except (OSError, ValueError) as exc:
                 raise CheckpointError(f"{self.path}: cannot memory-map file: {exc}") from exc
-            self._close_fd()  # the mapping holds the file open itself
         return self._mmap
 
-    def _close_fd(self) -> None:
-        if self._release_fd is not None:
-            self._release_fd()
-            self._release_fd = None
-            self._fd = None
-
     def close(self) -> None:
-        """Release this object's reference to the memory map.
+        """Close the file and release this object's reference to the memory map.
 
         The map is never closed explicitly: ``torch.frombuffer`` holds a plain reference rather than a
         buffer export, so ``mmap.close()`` would succeed and leave handed-out tensors dangling (segfault).
         Dropping the reference unmaps immediately once no tensor views it.
         """
         self._mmap = None
-        self._closed = True
-        self._close_fd()
+        if self._release_fd is not None:
+            self._release_fd()
+            self._release_fd = None
+            self._fd = None
 
     def __repr__(self) -> str:
         return f"SafetensorsFile({str(self.path)!r}, {len(self.tensors)} tensors)"

@@ -11,6 +11,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -26,7 +27,7 @@ import torch
 from safetensors.torch import save_file
 
 from modelpatch.checkpoint.checkpoint import SAFE_INDEX, SAFE_SINGLE
-from modelpatch.errors import CheckpointError
+from modelpatch.errors import CheckpointError, CheckpointPermissionError
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,12 @@ def write_checkpoint(
     hold an exclusive lock on it, so concurrent saves to the same target run one after the other and the
     clean-up of a killed save never touches a live one's files.
     Returns the paths written (tensor files, index, extra files) inside ``directory``.
+
+    Raises:
+        CheckpointPermissionError: ``directory`` (or a directory inside it) or its parent is not writable by this
+            user according to its permission bits, also when running as root. Nothing is written.
+        CheckpointError: Invalid arguments, or a file-system error (named) while writing; the previous
+            checkpoint is untouched and no temporary directory is left behind.
     """
     directory = Path(directory).absolute()
     if directory.is_symlink():
@@ -90,22 +97,121 @@ def write_checkpoint(
     _validate_inputs(directory, tensors, extra_files, file_metadata)
     shards = _plan_shards(sorted(tensors), tensors, limit)
 
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    with _parent_lock(directory):
-        _recover_stale_siblings(directory)
-        tmp = directory.parent / f".{directory.name}.modelpatch-tmp-{secrets.token_hex(8)}"
-        tmp.mkdir()
-        try:
-            written = _write_contents(tmp, directory, tensors, shards, extra_files, file_metadata)
-            if directory.exists():
-                _carry_over_user_files(directory, tmp, produced=set(written) | set(extra_files))
-            _fsync_dir(tmp)
-            _swap_in(tmp, directory)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    with _named_os_errors(directory):
+        _create_parent(directory)
+        with _parent_lock(directory):
+            _require(directory.parent, _R | _W | _X, f"saving {directory} writes a new version next to it")
+            _recover_stale_siblings(directory)
+            _check_replaceable(directory)
+            tmp = directory.parent / f".{directory.name}.modelpatch-tmp-{secrets.token_hex(8)}"
+            tmp.mkdir()
+            try:
+                written = _write_contents(tmp, directory, tensors, shards, extra_files, file_metadata)
+                if directory.exists():
+                    _carry_over_user_files(directory, tmp, produced=set(written) | set(extra_files))
+                _fsync_dir(tmp)
+                _swap_in(tmp, directory)
+            except BaseException:
+                _remove_leftover(directory, tmp)
+                raise
     logger.info("wrote %d tensors to %s (%d tensor file(s))", len(tensors), directory, len(shards))
     return [directory / name for name in written]
+
+
+@contextmanager
+def _named_os_errors(directory: Path) -> Iterator[None]:
+    """Report a file-system failure of the save (a rename, a directory creation) as a ``CheckpointError``."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except OSError as exc:
+        raise CheckpointError(f"{directory}: cannot save: {exc}") from exc
+
+
+_R, _W, _X = 4, 2, 1
+
+
+def _permits(path: Path, status: os.stat_result, wanted: int) -> bool:
+    """Whether the permission bits of ``path`` grant ``wanted`` (``_R | _W | _X``) to this process's user.
+
+    Read from the owner, group or other bits as the kernel does for an unprivileged user, on purpose: root passes
+    every ``os.access`` check, yet a directory made read-only says that it must not change, whoever saves.
+    """
+    if not hasattr(os, "geteuid"):  # not POSIX: no owner and group bits to read
+        return not wanted & _W or os.access(path, os.W_OK)
+    if status.st_uid == os.geteuid():
+        bits = status.st_mode >> 6
+    elif status.st_gid == os.getegid() or status.st_gid in os.getgroups():
+        bits = status.st_mode >> 3
+    else:
+        bits = status.st_mode
+    return bits & wanted == wanted
+
+
+def _require(path: Path, wanted: int, why: str) -> None:
+    """Raise :class:`CheckpointPermissionError` naming ``path`` unless its permissions grant ``wanted``."""
+    status = os.stat(path)
+    if not _permits(path, status, wanted):
+        raise CheckpointPermissionError(
+            f"{path}: {why}, but its permissions ({stat.filemode(status.st_mode)}) do not allow it. Make it "
+            "writable (chmod u+rwx) or save somewhere else."
+        )
+
+
+def _create_parent(directory: Path) -> None:
+    """Create ``directory``'s missing parents, refusing where the nearest existing one is not writable."""
+    existing = next(p for p in directory.parents if p.exists())
+    if not existing.is_dir():
+        raise CheckpointError(f"{existing}: not a directory, so {directory} cannot be created in it")
+    if existing != directory.parent:
+        _require(existing, _W | _X, f"saving {directory} creates directories in it")
+        directory.parent.mkdir(parents=True, exist_ok=True)
+
+
+def _check_replaceable(directory: Path) -> None:
+    """Refuse a save over ``directory`` when the permissions of it or of any directory inside it forbid changing it.
+
+    The new version is swapped in, and the previous version is then read (user files are carried over) and
+    deleted: every directory of it must be readable, writable and searchable. Checked before anything is written,
+    so a refused save leaves nothing behind.
+    """
+    if not directory.exists():
+        return
+
+    def refuse(error: OSError) -> None:
+        raise CheckpointPermissionError(f"{error.filename}: cannot read it to replace {directory}: {error}")
+
+    for root, _, _ in os.walk(directory, onerror=refuse):  # never follows symlinks
+        _require(Path(root), _R | _W | _X, f"saving over {directory} replaces this directory")
+
+
+def _remove_tree(path: Path) -> None:
+    """Delete ``path``, a temporary or previous version this writer made, even where a directory in it is read-only.
+
+    Such a directory (a user folder carried over with its mode, or made read-only after a killed save) stops
+    ``rmtree`` for users other than root; the directories are ours, so they are made writable first.
+    """
+    try:
+        shutil.rmtree(path)
+        return
+    except FileNotFoundError:
+        return
+    except PermissionError:
+        pass
+    for root, dirs, _ in os.walk(path):
+        for name in [root, *(os.path.join(root, d) for d in dirs)]:
+            if not os.path.islink(name):
+                os.chmod(name, stat.S_IMODE(os.lstat(name).st_mode) | stat.S_IRWXU)
+    shutil.rmtree(path)
+
+
+def _remove_leftover(directory: Path, path: Path) -> None:
+    """Remove ``path`` without hiding the error being handled; a failure is logged, and the next save retries."""
+    try:
+        _remove_tree(path)
+    except OSError as exc:
+        logger.warning("%s: could not remove %s (the next save to it removes it): %s", directory, path, exc)
 
 
 def _validate_inputs(
@@ -250,10 +356,7 @@ def _swap_in(tmp: Path, directory: Path) -> None:
         # ``directory`` went from the previous checkpoint to the new one in one step; ``tmp`` now holds the previous
         # one (a kill before it is removed leaves a temp sibling, which the next save drops).
         _fsync_dir(directory.parent)
-        try:
-            shutil.rmtree(tmp)
-        except OSError as exc:
-            logger.warning("%s: saved, but could not remove previous version %s: %s", directory, tmp, exc)
+        _remove_leftover(directory, tmp)
         return
     # No atomic exchange: two renames. A kill between them leaves the previous checkpoint in the ``-old-`` sibling,
     # which the next save restores.
@@ -265,19 +368,16 @@ def _swap_in(tmp: Path, directory: Path) -> None:
         os.rename(old, directory)
         raise
     _fsync_dir(directory.parent)
-    try:
-        shutil.rmtree(old)
-    except OSError as exc:
-        # The new checkpoint is already in place; a leftover is removed by the next save.
-        logger.warning("%s: saved, but could not remove previous version %s: %s", directory, old, exc)
+    _remove_leftover(directory, old)  # the new checkpoint is already in place
 
 
 def _recover_stale_siblings(directory: Path) -> None:
     """Clean up after a save that was killed: drop temp dirs, restore or drop previous versions."""
     parent, name = directory.parent, directory.name
+    # Safe: every save to this parent holds its lock, so these are leftovers of dead saves, never a live one's.
     for tmp in parent.glob(f".{glob.escape(name)}.modelpatch-tmp-*"):
         logger.warning("%s: removing leftover temporary directory %s", directory, tmp)
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_leftover(directory, tmp)
     olds = sorted(parent.glob(f".{glob.escape(name)}.modelpatch-old-*"), key=lambda p: p.stat().st_mtime)
     if olds and not directory.exists():
         # Killed between the two renames of a swap: the newest previous version is the checkpoint.
@@ -286,7 +386,7 @@ def _recover_stale_siblings(directory: Path) -> None:
         os.rename(restored, directory)
     for old in olds:
         logger.warning("%s: removing leftover previous version %s", directory, old)
-        shutil.rmtree(old, ignore_errors=True)
+        _remove_leftover(directory, old)
 
 
 _AT_FDCWD = -100

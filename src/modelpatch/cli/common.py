@@ -9,6 +9,8 @@ from pathlib import Path
 import transformers
 from torch import nn
 from transformers import AutoModel, PretrainedConfig, PreTrainedModel
+from transformers.models.auto import modeling_auto
+from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
 from ..errors import FusionError
 from ..fusions import available_fusions
@@ -20,13 +22,51 @@ class UsageError(Exception):
     """Bad command-line input: reported in one line, exit code 2."""
 
 
-def model_class_for(config: PretrainedConfig) -> type[PreTrainedModel]:
-    """The class named in ``config.architectures`` when transformers has it, else ``AutoModel``."""
-    for name in getattr(config, "architectures", None) or []:
-        cls = getattr(transformers, name, None)
-        if isinstance(cls, type) and issubclass(cls, PreTrainedModel):
+def _named_class(name: str) -> type | None:
+    cls = getattr(transformers, name, None)
+    if isinstance(cls, type) and issubclass(cls, (PreTrainedModel, _BaseAutoModelClass)):
+        return cls
+    return None
+
+
+def model_class_for(config: PretrainedConfig, name: str | None = None) -> type:
+    """The class to load into: ``name`` (``--model-class``), else the config's ``architectures``, else ``AutoModel``.
+
+    ``AutoModel`` builds the base model, without a task head: commands that must keep every tensor (``convert``)
+    check that it has a place for each one.
+    """
+    if name is not None:
+        cls = _named_class(name)
+        if cls is None:
+            raise UsageError(
+                f"--model-class {name!r} is not a transformers model class; for model_type {config.model_type!r}: "
+                f"{', '.join(model_classes(config.model_type)) or 'AutoModelForCausalLM, AutoModel, ...'}."
+            )
+        return cls
+    for architecture in getattr(config, "architectures", None) or []:
+        if (cls := _named_class(architecture)) is not None:
             return cls
-    return AutoModel  # type: ignore[return-value]
+    return AutoModel
+
+
+def architectures_note(config: PretrainedConfig) -> str:
+    """Why :func:`model_class_for` fell back to ``AutoModel`` (empty when the config names a known class)."""
+    names = getattr(config, "architectures", None) or []
+    if not names:
+        return 'config.json has no "architectures"'
+    if not any(_named_class(name) for name in names):
+        return f'config.json names architectures {names}, which transformers does not have'
+    return ""
+
+
+def model_classes(model_type: str) -> list[str]:
+    """Every model class transformers maps ``model_type`` to (base model and task heads), sorted."""
+    found: set[str] = set()
+    for attribute in dir(modeling_auto):
+        if attribute.startswith("MODEL") and attribute.endswith("MAPPING_NAMES"):
+            value = getattr(modeling_auto, attribute).get(model_type)
+            found.update([value] if isinstance(value, str) else value or ())
+    return sorted(found)
 
 
 def open_checkpoint_config(path: str) -> tuple[Path, PretrainedConfig]:
@@ -69,6 +109,21 @@ def parse_patches(specs: list[str] | None) -> Patcher | None:
         return Patcher(class_mapping=mapping)
     except TypeError as exc:
         raise UsageError(f"Bad --patch: {exc}") from None
+
+
+def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of every command that reads a checkpoint directory."""
+    parser.add_argument(
+        "--model-class",
+        metavar="NAME",
+        help="transformers class to load into, e.g. LlamaForCausalLM or AutoModelForCausalLM "
+        "(default: the config's architectures, else AutoModel)",
+    )
+    parser.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="accept pytorch_model.bin checkpoints (read with torch.load(weights_only=True); prefer safetensors)",
+    )
 
 
 def add_patch_arguments(parser: argparse.ArgumentParser) -> None:

@@ -5,9 +5,23 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..loading import from_pretrained, save_pretrained
+from transformers import PretrainedConfig
+
+from ..errors import LoadPlanError
+from ..loading import from_pretrained, get_load_report, save_pretrained
+from ..loading.diagnose import collapse_indices
 from ..state import is_runtime_layout, stored_fusion_config
-from .common import UsageError, add_patch_arguments, model_class_for, open_checkpoint_config, parse_fusions, parse_patches
+from .common import (
+    UsageError,
+    add_checkpoint_arguments,
+    add_patch_arguments,
+    architectures_note,
+    model_class_for,
+    model_classes,
+    open_checkpoint_config,
+    parse_fusions,
+    parse_patches,
+)
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -16,10 +30,12 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="load SRC with patches/fusions and write it to DST (atomic)",
         description="Convert a checkpoint offline. By default DST is in the original layout; --runtime-format "
         "writes the patched/fused layout, which later loads need no conversion for. A SRC in a runtime layout is "
-        "loaded with the fusions it was saved with, so `--fusion none` turns it back into the original layout.",
+        "loaded with the fusions it was saved with, so `--fusion none` turns it back into the original layout. Every "
+        "tensor of SRC is kept: when the model class has no place for one, nothing is written and the command fails.",
     )
     parser.add_argument("src", help="source checkpoint directory")
     parser.add_argument("dst", help="destination directory")
+    add_checkpoint_arguments(parser)
     add_patch_arguments(parser)
     parser.add_argument("--runtime-format", action="store_true", help="write the runtime (fused) layout")
     parser.add_argument("--max-shard-size", default="50GB", help="shard above this size (default 50GB)")
@@ -34,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{destination} exists; pass --force to overwrite it.")
     if destination.resolve() == Path(args.src).resolve():
         raise UsageError("SRC and DST are the same directory.")
+    model_class = model_class_for(config, args.model_class)
     fusions = parse_fusions(args.fusion)
     if is_runtime_layout(config):
         # The source's tensors are in its fusions' layout: it can only be loaded with them. Any target layout is
@@ -45,10 +62,41 @@ def run(args: argparse.Namespace) -> int:
                 "first (--fusion none), then from there to other fusions."
             )
         fusions = None
-    model = from_pretrained(model_class_for(config), args.src, patcher=parse_patches(args.patch), fusion_config=fusions)
+    try:
+        # "error": a checkpoint key the model has no place for would be missing from DST.
+        model = from_pretrained(
+            model_class,
+            args.src,
+            patcher=parse_patches(args.patch),
+            fusion_config=fusions,
+            unexpected_keys="error",
+            allow_pickle=args.allow_pickle,
+        )
+    except LoadPlanError as exc:
+        if "unexpected in the checkpoint" not in exc.problems:
+            raise
+        raise UsageError(f"{exc}\n{_keep_every_tensor(args, config)}") from None
+    # Keys the class declares ignorable would be left out of DST too (recomputed buffers are not lost).
+    ignored = get_load_report(model).ignored
+    if ignored:
+        raise UsageError(
+            f"{type(model).__name__} ignores {len(ignored)} tensors of {args.src}: "
+            f"{', '.join(collapse_indices(ignored))}.\n{_keep_every_tensor(args, config)}"
+        )
     files = save_pretrained(
         model, destination, save_original_format=not args.runtime_format, max_shard_size=args.max_shard_size
     )
     layout = "runtime" if args.runtime_format else "original"
     print(f"wrote {len(files)} files to {destination} ({layout} layout)")
     return 0
+
+
+def _keep_every_tensor(args: argparse.Namespace, config: PretrainedConfig) -> str:
+    """What to do when the chosen class would drop tensors of the source."""
+    note = "" if args.model_class else architectures_note(config)
+    candidates = ", ".join(model_classes(config.model_type))
+    return (
+        f"convert keeps every tensor of SRC, and this model class{f' (AutoModel, because {note})' if note else ''} "
+        "has no place for them, so nothing was written. Pick the class with --model-class"
+        f"{f' (for {config.model_type!r}: {candidates})' if candidates else ''}."
+    )

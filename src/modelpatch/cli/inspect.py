@@ -11,10 +11,10 @@ import torch
 from ..checkpoint import Checkpoint
 from ..fusions import available_fusions, get_fusion
 from ..fusions.apply import discover
-from ..loading.build import build_empty_model
+from ..loading.build import build_empty_model, config_build_errors
 from ..loading.config import resolve_model_class
 from ..state import is_runtime_layout, stored_fusion_config
-from .common import model_class_for, open_checkpoint_config
+from .common import add_checkpoint_arguments, model_class_for, open_checkpoint_config
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
 
@@ -26,6 +26,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         description="Describe a local checkpoint without reading tensor data.",
     )
     parser.add_argument("path", help="checkpoint directory (config.json + safetensors)")
+    add_checkpoint_arguments(parser)
     parser.set_defaults(run=run)
 
 
@@ -39,8 +40,9 @@ def _size(num_bytes: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     directory, config = open_checkpoint_config(args.path)
-    model_class = resolve_model_class(model_class_for(config), config)
-    model = build_empty_model(model_class, config, torch.float32, [])
+    model_class = resolve_model_class(model_class_for(config, args.model_class), config)
+    with config_build_errors(directory / "config.json", model_class):
+        model = build_empty_model(model_class, config, torch.float32, [])
     print(f"checkpoint:   {directory}")
     print(f"model type:   {config.model_type}")
     print(f"architecture: {model_class.__name__}")
@@ -65,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"  {fusion:<18} not applicable")
 
-    with Checkpoint.open(directory) as checkpoint:
+    with Checkpoint.open(directory, allow_pickle=args.allow_pickle) as checkpoint:
         keys = checkpoint.keys()
         dtypes = Counter(str(checkpoint.info(k).dtype).removeprefix("torch.") for k in keys)
         layout = Counter(_INDEX.sub("*", k) for k in keys)

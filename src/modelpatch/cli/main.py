@@ -1,7 +1,9 @@
 """``modelpatch`` entry point: sub-command dispatch and exit codes.
 
-Exit codes: 0 success; 1 verification failed; 2 bad input (usage, missing path, no config.json, unknown fusion,
-bad ``--patch``, or a checkpoint that does not match its model).
+Exit codes: 0 success; 1 verification failed; 2 bad input (usage, missing path, no config.json, a malformed or
+oversized file, unknown fusion, bad ``--patch``, a checkpoint that does not match its model, a read-only target).
+Bad input is reported in words, never as a traceback: every such error is a ``ModelPatchError`` (or a
+``UsageError`` of the command line).
 """
 
 from __future__ import annotations

@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 
 from ..loading.load import plan_pretrained
-from .common import add_patch_arguments, model_class_for, open_checkpoint_config, parse_fusions, parse_patches
+from .common import (
+    add_checkpoint_arguments,
+    add_patch_arguments,
+    model_class_for,
+    open_checkpoint_config,
+    parse_fusions,
+    parse_patches,
+)
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -15,6 +22,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         description="Plan a load with the given patches and fusions and print where every parameter comes from.",
     )
     parser.add_argument("path", help="checkpoint directory")
+    add_checkpoint_arguments(parser)
     add_patch_arguments(parser)
     parser.set_defaults(run=run)
 
@@ -26,7 +34,11 @@ def _keys(keys: list[str]) -> str:
 def run(args: argparse.Namespace) -> int:
     _, config = open_checkpoint_config(args.path)
     planned = plan_pretrained(
-        model_class_for(config), args.path, patcher=parse_patches(args.patch), fusion_config=parse_fusions(args.fusion)
+        model_class_for(config, args.model_class),
+        args.path,
+        patcher=parse_patches(args.patch),
+        fusion_config=parse_fusions(args.fusion),
+        allow_pickle=args.allow_pickle,
     )
     plan = planned.plan
     print(f"{type(planned.model).__name__} <- {planned.directory}")
@@ -46,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{target} <- tied to {source}")
     for key in plan.dropped:
         print(f"(dropped) {key}")
+    for key in plan.ignored:
+        print(f"(ignored by the model class) {key}")
     for key in plan.unexpected:
         print(f"(unexpected, not loaded) {key}")
     return 0

@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 from ..loading import from_pretrained
-from ..verify import verify
-from .common import add_patch_arguments, model_class_for, open_checkpoint_config, parse_fusions, parse_patches
+from ..verify import default_inputs, verify
+from .common import (
+    UsageError,
+    add_checkpoint_arguments,
+    add_patch_arguments,
+    model_class_for,
+    open_checkpoint_config,
+    parse_fusions,
+    parse_patches,
+)
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -18,6 +28,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         "output and the speed ratio. Exits 1 when an output is out of tolerance.",
     )
     parser.add_argument("path", help="checkpoint directory")
+    add_checkpoint_arguments(parser)
     add_patch_arguments(parser)
     parser.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance (default 1e-5)")
     parser.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)")
@@ -26,10 +37,24 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _, config = open_checkpoint_config(args.path)
-    model_class = model_class_for(config)
+    model_class = model_class_for(config, args.model_class)
     patcher, fusions = parse_patches(args.patch), parse_fusions(args.fusion)
-    reference = from_pretrained(model_class, args.path, fusion_config={}, dtype="float32")
-    candidate = from_pretrained(model_class, args.path, patcher=patcher, fusion_config=fusions, dtype="float32")
-    report = verify(reference, candidate, atol=args.atol, rtol=args.rtol)
+    load = {"dtype": "float32", "allow_pickle": args.allow_pickle}
+    reference = from_pretrained(model_class, args.path, fusion_config={}, **load)
+    candidate = from_pretrained(model_class, args.path, patcher=patcher, fusion_config=fusions, **load)
+    inputs = default_inputs(reference)
+    try:
+        with torch.inference_mode():
+            reference(**inputs)
+    except Exception as exc:
+        raise UsageError(
+            f"verify cannot run {type(reference).__name__} on its default inputs ({', '.join(inputs)}): "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
+    try:
+        report = verify(reference, candidate, inputs, atol=args.atol, rtol=args.rtol)
+    except Exception as exc:  # the reference ran on these inputs: the patched model is what fails
+        print(f"the patched model fails where the stock one runs: {type(exc).__name__}: {exc}\nFAILED")
+        return 1
     print(report)
     return 0 if report.passed else 1

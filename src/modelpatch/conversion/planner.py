@@ -100,12 +100,17 @@ class ConversionGroup:
 
 @dataclass
 class ConversionPlan:
-    """Where every output key comes from: a single input key (``direct``) or a converted group."""
+    """Where every output key comes from: a single input key (``direct``) or a converted group.
+
+    ``unbuilt`` holds the output keys of groups that a problem stopped (incomplete, or failing to bind), with ``*``
+    for an index: their absence is explained by that problem.
+    """
 
     direct: dict[str, str] = field(default_factory=dict)
     groups: list[ConversionGroup] = field(default_factory=list)
     outputs: dict[str, TensorMeta] = field(default_factory=dict)
     problems: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    unbuilt: set[str] = field(default_factory=set)
 
     def raise_problems(self) -> None:
         if any(self.problems.values()):
@@ -177,10 +182,11 @@ def _group_and_bind(
         inputs = converter.target_patterns if reverse else converter.source_patterns
         outputs = converter.source_patterns if reverse else converter.target_patterns
         missing = [p for i, p in enumerate(inputs) if i not in slots]
-        any_key = next(iter(next(iter(slots.values())).values()))[0]
+        any_key, any_match = next(iter(next(iter(slots.values())).values()))
         if missing:
             present = sorted(name(k) for s in slots.values() for k, _ in s.values())
             plan.problems["incomplete groups"].append(f"{present} match {converter!r} but nothing matches {missing}")
+            plan.unbuilt |= _unbuilt(outputs, any_match, reverse)
             continue
         try:
             key_slots, shape_slots = [], []
@@ -214,6 +220,7 @@ def _group_and_bind(
                     out_keys.append(_render(template, first_match, None, reverse))
         except ConversionError as exc:
             plan.problems["conversion errors"].append(f"{converter!r} on {name(any_key)!r}: {exc}")
+            plan.unbuilt |= _unbuilt(outputs, any_match, reverse)
             continue
         group = ConversionGroup(
             converter=converter,
@@ -227,6 +234,17 @@ def _group_and_bind(
         plan.groups.append(group)
         plan.outputs.update(group.target_metas())
     return consumed
+
+
+def _unbuilt(outputs: Sequence[str], match: re.Match[str], reverse: bool) -> set[str]:
+    """The output keys a group that could not be built would have had (``*`` for an index)."""
+    keys = set()
+    for template in outputs:
+        try:
+            keys.add(_render(template, match, _ANY_INDEX, reverse).replace(_ANY_INDEX, "*"))
+        except ConversionError:  # a source pattern that stands for no literal key (saving only): nothing to name
+            continue
+    return keys
 
 
 def _render(template: str, match: re.Match[str], index: int | str | None, reverse: bool) -> str:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Sequence
-from contextlib import ExitStack
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
+from ..errors import CheckpointError, ModelPatchError
 from ..patching.mapping import PatchMapping
 from ..patching.scope import patch_scope
 
@@ -64,3 +66,22 @@ def keep_in_fp32(model: PreTrainedModel, dtype: torch.dtype) -> None:
             owner._parameters[attribute] = nn.Parameter(tensor.to(torch.float32), requires_grad=tensor.requires_grad)
         else:
             owner._buffers[attribute] = tensor.to(torch.float32)
+
+
+@contextmanager
+def config_build_errors(config_file: Path, model_class: type) -> Iterator[None]:
+    """Report a failure to build stock ``model_class`` from a checkpoint's config as a :class:`CheckpointError`.
+
+    transformers' modeling code raises whatever its arithmetic hits on inconsistent values (``ZeroDivisionError``
+    for zero heads, ``RuntimeError`` for a negative size, ``KeyError`` for an unknown rope type); for a load these
+    are all one thing, a config.json that does not describe a buildable model. Only for builds without patches:
+    an error of a replacement class is the replacement's, not the config's.
+    """
+    try:
+        yield
+    except ModelPatchError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(
+            f"{config_file}: transformers cannot build {model_class.__name__} from it ({type(exc).__name__}: {exc})"
+        ) from exc

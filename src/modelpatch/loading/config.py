@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.auto_factory import _BaseAutoModelClass, _get_model_class
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from ..checkpoint.json_file import MAX_CONFIG_BYTES, read_json
 from ..errors import CheckpointError
+
+MAX_CONFIG_COUNT = 2**20
+"""Largest value accepted for a count (a ``num_*`` or ``n_*`` key) in ``config.json``.
+
+transformers turns counts into lists and modules of that length (``num_hidden_layers: 300000000`` in a 4 KB file
+once made a 2.4 GB ``layer_types`` list); real counts (layers, experts, heads, labels of a vocabulary) stay far
+below a million.
+"""
+
 
 def checkpoint_directory(path: str | Path) -> Path:
     """``path`` as an existing local directory holding a ``config.json``; a clear error otherwise."""
@@ -27,22 +37,48 @@ def checkpoint_directory(path: str | Path) -> Path:
 
 
 def load_config(directory: Path) -> PretrainedConfig:
-    """Parse ``directory/config.json`` with the config class of its ``model_type``."""
+    """Parse ``directory/config.json`` with the config class of its ``model_type``.
+
+    The file is read with the bounds of :func:`~modelpatch.checkpoint.json_file.read_json` and its counts are
+    checked against :data:`MAX_CONFIG_COUNT` before transformers sees it; whatever transformers then rejects is a
+    :class:`CheckpointError` naming the file too.
+    """
     config_file = directory / "config.json"
-    try:
-        raw = json.loads(config_file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{config_file} is not valid JSON: {exc}.") from None
+    raw = read_json(config_file, MAX_CONFIG_BYTES)
     if not isinstance(raw, dict):
         raise CheckpointError(f"{config_file} must hold a JSON object, got {type(raw).__name__}.")
     model_type = raw.get("model_type")
-    if model_type not in CONFIG_MAPPING:
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         raise CheckpointError(
             f"{config_file} names model_type {model_type!r}, which transformers does not know."
             if model_type
             else f"{config_file} has no model_type."
         )
-    return AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    _check_counts(config_file, raw)
+    try:
+        return AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    except Exception as exc:  # transformers' validation raises many types (its strict dataclasses: plain Exception)
+        raise CheckpointError(f"{config_file} is not a valid {model_type} config: {exc}") from exc
+
+
+def _check_counts(config_file: Path, raw: dict[str, Any]) -> None:
+    """Refuse a count (``num_*`` / ``n_*`` key, at any depth) above :data:`MAX_CONFIG_COUNT`, naming its key."""
+    pending: list[tuple[str, Any]] = [("", raw)]
+    while pending:
+        where, value = pending.pop()
+        if isinstance(value, dict):
+            pending.extend((f"{where}.{key}" if where else str(key), item) for key, item in value.items())
+        elif isinstance(value, list):
+            pending.extend((f"{where}[{i}]", item) for i, item in enumerate(value))
+        elif (
+            isinstance(value, int)
+            and value > MAX_CONFIG_COUNT
+            and where.rpartition(".")[2].startswith(("num_", "n_"))
+        ):
+            raise CheckpointError(
+                f"{config_file}: {where} = {value} is not a plausible count (at most {MAX_CONFIG_COUNT}); "
+                "transformers would build structures of that size"
+            )
 
 
 def resolve_model_class(model_class: type, config: PretrainedConfig) -> type[PreTrainedModel]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,13 +27,14 @@ import torch
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 
 from ..checkpoint import Checkpoint
+from ..checkpoint.json_file import MAX_CONFIG_BYTES, read_json
 from ..conversion.planner import TensorMeta
 from ..conversion.registry import model_conversions
 from ..conversion.transforms import WeightTransform
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ModelPatchError
 from ..fusions.apply import PreparedFusions, prepare_fusions
 from ..patching import registry
-from ..patching.mapping import PatchMapping
+from ..patching.mapping import PatchMapping, is_exact_key
 from ..patching.patcher import Patcher
 from ..state import (
     BASE_TRANSFORMS_ATTRIBUTE,
@@ -41,8 +43,9 @@ from ..state import (
     TRANSFORMS_ATTRIBUTE,
     is_runtime_layout,
 )
-from .build import build_empty_model, build_initialized_model, keep_in_fp32, model_state_lock
+from .build import build_empty_model, build_initialized_model, config_build_errors, keep_in_fp32, model_state_lock
 from .config import checkpoint_directory, load_config, resolve_dtype, resolve_model_class
+from .diagnose import Replacement
 from .materialize import load_into_model
 from .plan import LoadPlan, UnexpectedKeys, model_expectations, plan_model_load
 from .report import LoadReport
@@ -51,6 +54,17 @@ from .save import install_original_format_save
 logger = logging.getLogger(__name__)
 
 FusionConfig = Mapping[str, bool | Mapping[str, Any]]
+
+def _check_patterns(new_parameters: Sequence[str]) -> None:
+    # A bare string would be taken letter by letter: every parameter containing an "e" would be allowed to be new.
+    if isinstance(new_parameters, str) or not all(isinstance(p, str) for p in new_parameters):
+        raise TypeError(f"new_parameters must be a list of regex patterns, got {new_parameters!r}.")
+    for pattern in new_parameters:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"new_parameters entry {pattern!r} is not a valid regular expression: {exc}.") from None
+
 
 def _check_patcher(patcher: Patcher | None) -> None:
     if patcher is not None and not isinstance(patcher, Patcher):
@@ -99,16 +113,24 @@ def _plan(
     _check_patcher(patcher)
     if unexpected_keys not in ("warn", "error", "ignore"):
         raise ValueError(f"unexpected_keys must be 'warn', 'error' or 'ignore', got {unexpected_keys!r}.")
+    _check_patterns(new_parameters)
     directory = checkpoint.directory
     config = copy.deepcopy(config)
     concrete = resolve_model_class(model_class, config)
     config.name_or_path = str(directory)
-    layers, fusions = _load_setup(concrete, config, patcher, fusion_config)
     metas = {key: TensorMeta(checkpoint.info(key).shape, checkpoint.info(key).dtype) for key in checkpoint.keys()}
     # Stock 5.x from_pretrained defaults to "auto" and records the dtype on the config and its sub-configs.
     resolved_dtype = resolve_dtype("auto" if dtype is None else dtype, config, (m.dtype for m in metas.values()))
     _set_config_dtype(config, resolved_dtype)
-    model = build_empty_model(concrete, config, resolved_dtype, layers)
+    try:
+        layers, fusions = _load_setup(concrete, config, patcher, fusion_config)
+        model = build_empty_model(concrete, config, resolved_dtype, layers)
+    except Exception as exc:
+        if not isinstance(exc, ModelPatchError):
+            # The config's fault if the stock model cannot be built either; otherwise a replacement's, raised as is.
+            with config_build_errors(directory / "config.json", concrete):
+                build_empty_model(concrete, copy.deepcopy(config), resolved_dtype, [])
+        raise
     keep_in_fp32(model, resolved_dtype)
     transforms = _conversions(model, patcher, fusions)
     runtime_layout = is_runtime_layout(config)
@@ -118,8 +140,48 @@ def _plan(
         [] if runtime_layout else transforms,
         new_parameters=new_parameters,
         unexpected_keys=unexpected_keys,
+        # Explaining missing keys by the classes the patches replaced needs a stock build: only on error.
+        replacements=(lambda: _replacements(model, concrete, config, resolved_dtype, layers, fusions))
+        if any(layers)
+        else None,
     )
     return PlannedLoad(directory, model, plan, metas, transforms, fusions, runtime_layout)
+
+
+def _replacements(
+    model: PreTrainedModel,
+    concrete: type[PreTrainedModel],
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    layers: Sequence[PatchMapping],
+    fusions: PreparedFusions,
+) -> list[Replacement]:
+    """The outermost modules of ``model`` whose class differs from a stock build's, and the layer responsible.
+
+    Builds the stock model on the meta device: only called to explain a failed plan.
+    """
+    stock = {name: type(m) for name, m in build_empty_model(concrete, copy.deepcopy(config), dtype, []).named_modules()}
+    found: list[Replacement] = []
+    for name, module in model.named_modules():
+        original = stock.get(name)
+        if original is None or type(module) is original or any(name.startswith(r.path + ".") for r in found):
+            continue
+        # The first layer that maps the class is the one the dispatcher used; none: a scope around the load.
+        layer = next((layer for layer in layers if layer.lookup(original.__name__) is type(module)), None)
+        patch_key = fusion = None
+        if layer is fusions.mapping:
+            fusion = next((f for f, paths in fusions.fused.items() if name in paths), ", ".join(fusions.fused))
+        elif layer is not None:
+            patch_key = _patch_key(layer, original.__name__)
+        found.append(Replacement(name, original.__name__, type(module).__name__, patch_key, fusion))
+    return found
+
+
+def _patch_key(mapping: PatchMapping, class_name: str) -> str:
+    """The key of ``mapping`` that :meth:`PatchMapping.lookup` matched for ``class_name``: exact name, else pattern."""
+    if class_name in mapping.entries:
+        return class_name
+    return next(key for key in mapping.entries if not is_exact_key(key) and re.search(key, class_name))
 
 
 def plan_pretrained(
@@ -184,7 +246,10 @@ def from_pretrained(
     """
     if device is not None and device_map is not None:
         raise ValueError("Pass either device or device_map, not both.")
-    target_device = torch.device(device) if device is not None else torch.device("cpu")
+    try:
+        target_device = torch.device(device) if device is not None else torch.device("cpu")
+    except RuntimeError as exc:  # torch's error for an unknown device string
+        raise ValueError(f"device {device!r} is not a torch device: {exc}") from None
     directory = checkpoint_directory(path)
     config = load_config(directory)
     generation_config = _load_generation_config(directory)
@@ -203,6 +268,8 @@ def from_pretrained(
             checkpoint.total_bytes,
             file_mapped=lambda key: checkpoint.info(key).start >= 0,
         )
+        # A file rewritten in place while its tensors were being read may have given data of two versions.
+        checkpoint.check_unchanged()
 
     _finalize(model, plan.expected.keys() - set(plan.loaded_keys()), target_device)
     fusions.record(model)
@@ -217,6 +284,7 @@ def from_pretrained(
         transforms=tuple(transforms if runtime_layout else plan.transforms),
         new_parameters=tuple(plan.new_parameters),
         dropped=tuple(plan.dropped),
+        ignored=tuple(plan.ignored),
         unexpected=tuple(plan.unexpected),
         tied=dict(plan.tied),
         runtime_layout=runtime_layout,
@@ -243,9 +311,10 @@ def _load_generation_config(directory: Path) -> GenerationConfig | None:
     path = directory / "generation_config.json"
     if not path.is_file():
         return None
+    read_json(path, MAX_CONFIG_BYTES)  # bounded, before transformers reads it
     try:
         return GenerationConfig.from_pretrained(str(directory), local_files_only=True)
-    except (OSError, ValueError, TypeError) as exc:
+    except Exception as exc:  # transformers' validation raises many types
         raise CheckpointError(f"{path} is not a valid generation config: {exc}") from None
 
 

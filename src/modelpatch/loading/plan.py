@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -15,6 +15,7 @@ from transformers import PreTrainedModel
 from ..conversion.planner import ConversionPlan, TensorMeta, plan_load
 from ..conversion.transforms import WeightRenaming, WeightTransform
 from ..errors import LoadPlanError
+from .diagnose import Replacement, collapse_lines, explain, quantization
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ class LoadPlan:
     tied: dict[str, str]
     new_parameters: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
 
     def loaded_keys(self) -> list[str]:
@@ -83,8 +85,16 @@ def plan_model_load(
     *,
     new_parameters: Sequence[str] = (),
     unexpected_keys: UnexpectedKeys = "warn",
+    replacements: Callable[[], Sequence[Replacement]] | None = None,
 ) -> LoadPlan:
-    """Plan and validate a load. Raises :class:`LoadPlanError` naming every offending key, grouped by problem."""
+    """Plan and validate a load. Raises :class:`LoadPlanError` naming every offending key, grouped by problem.
+
+    Checkpoint keys the model has no place for are ``dropped`` when the model recomputes them (non-persistent
+    buffers), ``ignored`` when the model class declares them ignorable (``_keys_to_ignore_on_load_unexpected``)
+    and ``unexpected`` otherwise. A quantized checkpoint is always an error: its weights would load without their
+    scales. ``replacements`` lists the modules the load's patches replaced; it is called only to explain missing
+    keys in the error.
+    """
     expected = model_expectations(model)
     tied = dict(getattr(model, "all_tied_weights_keys", {}) or {})
 
@@ -129,32 +139,55 @@ def plan_model_load(
         else:
             problems["missing from the checkpoint"].append(key)
 
-    quiet = _compile_any(
-        [
-            *(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []),
-            *(re.escape(name) + "$" for name, _ in model.named_buffers() if name not in expected),
-            r"rotary_emb\.inv_freq$",
-        ]
-    )
+    buffers = [re.escape(name) + "$" for name, _ in model.named_buffers() if name not in expected]
+    recomputed = _compile_any([*buffers, r"rotary_emb\.inv_freq$"])
+    ignorable = _compile_any(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
     for key in sorted(conversion.outputs.keys() - expected.keys()):
-        (plan.dropped if quiet is not None and quiet.search(key) else plan.unexpected).append(key)
+        if recomputed is not None and recomputed.search(key):
+            plan.dropped.append(key)
+        elif ignorable is not None and ignorable.search(key):
+            plan.ignored.append(key)
+        else:
+            plan.unexpected.append(key)
     if plan.unexpected and unexpected_keys == "error":
         problems["unexpected in the checkpoint"].extend(plan.unexpected)
+    quantized = quantization(model.config, plan.unexpected, conversion.outputs)
+    if quantized is not None:
+        problems["quantized checkpoint"].append(quantized)
 
     if any(problems.values()):
-        lines = [f"The checkpoint does not match {type(model).__name__}; nothing was loaded."]
-        for kind, items in problems.items():
-            if items:
-                lines.append(f"{kind} ({len(items)}):")
-                lines.extend(f"  - {item}" for item in items)
-        if problems.get("missing from the checkpoint"):
-            lines.append("Pass new_parameters=[...] (regex patterns) for parameters you want freshly initialised.")
-        raise LoadPlanError("\n".join(lines), {k: list(v) for k, v in problems.items() if v})
+        raise _plan_error(model, conversion, problems, plan.unexpected, unexpected_keys, quantized, replacements)
     if plan.unexpected and unexpected_keys == "warn":
         logger.warning(
             "%d checkpoint keys are not used by %s: %s", len(plan.unexpected), type(model).__name__, ", ".join(plan.unexpected)
         )
     return plan
+
+
+def _plan_error(
+    model: PreTrainedModel,
+    conversion: ConversionPlan,
+    problems: Mapping[str, list[str]],
+    unexpected: list[str],
+    unexpected_keys: UnexpectedKeys,
+    quantized: str | None,
+    replacements: Callable[[], Sequence[Replacement]] | None,
+) -> LoadPlanError:
+    """One error listing every problem (indices collapsed), the keys the model has no place for, and hints."""
+    lines = [f"The checkpoint does not match {type(model).__name__}; nothing was loaded."]
+    sections = [(kind, items) for kind, items in problems.items() if items]
+    if unexpected and unexpected_keys != "error":
+        # Not an error by themselves, but they are usually the other half of the story (renamed or fused weights).
+        sections.append(("in the checkpoint but not used by the model", unexpected))
+    for kind, items in sections:
+        lines.append(f"{kind} ({len(items)}):")
+        lines.extend(f"  - {item}" for item in collapse_lines(items))
+    missing = problems.get("missing from the checkpoint", [])
+    hints, explained = explain(missing, unexpected, conversion.unbuilt, quantized, replacements)
+    if missing and not explained:
+        hints.append("Pass new_parameters=[...] (regex patterns) for parameters you want freshly initialised.")
+    lines.extend(f"Hint: {hint}" for hint in hints)
+    return LoadPlanError("\n".join(lines), {k: list(v) for k, v in problems.items() if v})
 
 
 def _sources_by_output(conversion: ConversionPlan) -> dict[str, str]:

@@ -25,7 +25,10 @@ class LoadReport:
         groups: Converted groups, with operations bound to the checkpoint's shapes (their reverse is exact).
         transforms: The transforms the load used (model type mapping, Patcher adjustments, fusions).
         new_parameters: Parameters initialised freshly because the caller asked for them.
-        dropped: Checkpoint keys dropped quietly (non-persistent buffers such as ``position_ids``).
+        dropped: Checkpoint keys dropped quietly because the model recomputes them (non-persistent buffers such as
+            ``position_ids``).
+        ignored: Checkpoint keys dropped quietly because the model class declares them ignorable
+            (``_keys_to_ignore_on_load_unexpected``); unlike ``dropped`` they may be real weights (an MTP layer).
         unexpected: Checkpoint keys the model has no place for.
         tied: Tied parameter -> the parameter it shares storage with.
         runtime_layout: The checkpoint was saved in the runtime layout; ``transforms`` were not applied at load and
@@ -39,6 +42,7 @@ class LoadReport:
     transforms: tuple[WeightTransform, ...]
     new_parameters: tuple[str, ...] = ()
     dropped: tuple[str, ...] = ()
+    ignored: tuple[str, ...] = ()
     unexpected: tuple[str, ...] = ()
     tied: Mapping[str, str] = field(default_factory=dict)
     runtime_layout: bool = False
@@ -56,7 +60,7 @@ class LoadReport:
                 f"loaded from {self.source}: {len(self.checkpoint_keys)} checkpoint tensors",
                 f"  unchanged: {len(self.direct) - renamed}, renamed: {renamed}, converted groups: {len(self.groups)}",
                 f"  tied: {len(self.tied)}, new parameters: {len(self.new_parameters)}, "
-                f"dropped: {len(self.dropped)}, unexpected: {len(self.unexpected)}",
+                f"dropped: {len(self.dropped)}, ignored: {len(self.ignored)}, unexpected: {len(self.unexpected)}",
             ]
         )
 
