@@ -27,6 +27,7 @@ from .conversion import (
 )
 from .errors import (
     CheckpointError,
+    CheckpointPermissionError,
     ConversionError,
     FusionError,
     LoadPlanError,
@@ -64,6 +65,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "CheckpointPermissionError",
     "Chunk",
     "Concatenate",
     "Conv3dToLinear",
