@@ -34,7 +34,8 @@ from ..fusions.apply import PreparedFusions, prepare_fusions
 from ..patching import registry
 from ..patching.mapping import PatchMapping
 from ..patching.patcher import Patcher
-from .build import build_empty_model, build_initialized_model, model_state_lock
+from ..patching.scope import PatchScope
+from .build import build_empty_model_patched, build_initialized_model, model_state_lock
 from .config import RUNTIME_LAYOUT_ATTRIBUTE, checkpoint_directory, load_config, resolve_dtype, resolve_model_class
 from .materialize import load_into_model
 from .plan import LoadPlan, UnexpectedKeys, plan_model_load
@@ -75,6 +76,30 @@ def _load_setup(
     return [*base_layers[:-1], fusions.mapping, base_layers[-1]], fusions
 
 
+def _check_patches(
+    model_class: type, scope: PatchScope, patcher: Patcher | None, registry_layer: PatchMapping
+) -> dict[str, tuple[str, str]]:
+    """Warn about every Patcher or registry key that matched no class the build made; return what was replaced.
+
+    A key that matches nothing is most often a typo or a pattern written for another architecture: the load is
+    stock where the user expected a patch, so it must not pass in silence.
+    """
+    sources = [("the Patcher", patcher.mapping)] if patcher is not None else []
+    sources.append(("the global patch registry", registry_layer))
+    for source, layer in sources:
+        for key in layer.unmatched_keys(scope.matched):
+            logger.warning(
+                "Patch key %r of %s matched no class built by this load of %s; nothing was replaced for it.",
+                key,
+                source,
+                model_class.__name__,
+            )
+    return {
+        name: (key, f"{replacement.__module__}.{replacement.__qualname__}")
+        for name, (key, replacement) in sorted(scope.replaced.items())
+    }
+
+
 def _conversions(model: PreTrainedModel, patcher: Patcher | None, fusions: PreparedFusions) -> list[WeightTransform]:
     transforms = fusions.adjust_conversions(model_conversions(model))
     return patcher.adjust_conversions(transforms) if patcher is not None else transforms
@@ -91,6 +116,7 @@ class PlannedLoad:
     transforms: list[WeightTransform]
     fusions: PreparedFusions
     runtime_layout: bool
+    replaced: dict[str, tuple[str, str]]
 
 
 def _plan(
@@ -116,7 +142,8 @@ def _plan(
     # Stock 5.x from_pretrained defaults to "auto" and records the dtype on the config and its sub-configs.
     resolved_dtype = resolve_dtype("auto" if dtype is None else dtype, config, (m.dtype for m in metas.values()))
     _set_config_dtype(config, resolved_dtype)
-    model = build_empty_model(concrete, config, resolved_dtype, layers)
+    model, scope = build_empty_model_patched(concrete, config, resolved_dtype, layers)
+    replaced = _check_patches(concrete, scope, patcher, layers[-1])
     transforms = _conversions(model, patcher, fusions)
     runtime_layout = bool(getattr(config, RUNTIME_LAYOUT_ATTRIBUTE, False))
     plan = plan_model_load(
@@ -126,7 +153,7 @@ def _plan(
         new_parameters=new_parameters,
         unexpected_keys=unexpected_keys,
     )
-    return PlannedLoad(directory, model, plan, metas, transforms, fusions, runtime_layout)
+    return PlannedLoad(directory, model, plan, metas, transforms, fusions, runtime_layout, replaced)
 
 
 def plan_pretrained(
@@ -227,6 +254,7 @@ def from_pretrained(
         unexpected=tuple(plan.unexpected),
         tied=dict(plan.tied),
         runtime_layout=runtime_layout,
+        replaced=planned.replaced,
     )
     setattr(model, REPORT_ATTRIBUTE, report)
     logger.info("%s", report.summary())
@@ -287,7 +315,8 @@ def from_config(
     concrete = resolve_model_class(model_class, config)
     config = copy.deepcopy(config)
     layers, fusions = _load_setup(concrete, config, patcher, fusion_config)
-    model = build_initialized_model(concrete, config, None if dtype is None else resolve_dtype(dtype, config), layers)
+    model, scope = build_initialized_model(concrete, config, None if dtype is None else resolve_dtype(dtype, config), layers)
+    _check_patches(concrete, scope, patcher, layers[-1])
     fusions.record(model)
     # What save_pretrained runs backwards to write this never-loaded model in the checkpoint layout: the model
     # type's mapping as adjusted by this build's Patcher and fusions.
