@@ -72,7 +72,7 @@ def _load_setup(
     """Patch layers (highest priority first) and the fusion transforms of one load."""
     base_layers = [patcher.mapping] if patcher is not None else []
     base_layers.append(registry.snapshot())
-    fusions = prepare_fusions(model_class, config, fusion_config, base_layers)
+    fusions = prepare_fusions(model_class, config, fusion_config, base_layers, patcher)
     return [*base_layers[:-1], fusions.mapping, base_layers[-1]], fusions
 
 
