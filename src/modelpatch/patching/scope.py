@@ -165,17 +165,13 @@ def _refreshed(active: _ActiveScopes) -> _ActiveScopes | None:
     return refreshed
 
 
-def _patchable_construction(resolution: _Resolution, cls: type, has_args: bool, caller) -> bool:
-    """Whether this construction of ``cls`` is one a patch applies to (see the module docstring).
-
-    ``caller`` is the frame that called ``cls(...)`` (or ``cls.__new__``).
-    """
-    if has_args and not resolution.imported:
-        return True
+def _made_by_patchable_code(cls: type, imported: bool, caller) -> bool:
+    """Whether ``caller``, the frame that called ``cls(...)`` (or ``cls.__new__``), is code whose constructions a
+    patch redirects: a patchable module's, which for an ``imported`` class must also bind its name to it."""
     caller_globals = caller.f_globals
     if not is_patchable_module(caller_globals.get("__name__") or ""):
         return False
-    return not resolution.imported or caller_globals.get(cls.__name__) is cls
+    return not imported or caller_globals.get(cls.__name__) is cls
 
 
 def _dispatching_new(cls, *args, **kwargs):
@@ -189,8 +185,12 @@ def _dispatching_new(cls, *args, **kwargs):
         active = _refreshed(active)
     if active is not None:
         resolution = active.resolve(cls)
-        # The caller's frame is only looked at for constructions without arguments and for non-candidate classes.
-        if resolution is not None and _patchable_construction(resolution, cls, bool(args or kwargs), sys._getframe(1)):
+        # A candidate constructed with arguments is replaced wherever it is built; the caller's frame is only looked
+        # at for constructions without arguments (copy and pickle make those too) and for non-candidate classes.
+        if resolution is not None and (
+            ((args or kwargs) and not resolution.imported)
+            or _made_by_patchable_code(cls, resolution.imported, sys._getframe(1))
+        ):
             if not resolution.recorded:
                 for scope in resolution.matching:
                     scope.matched.add(cls.__name__)
