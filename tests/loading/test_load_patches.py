@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from stock_checkpoints import assert_tensors_identical
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
-from transformers.models.llama.modeling_llama import LlamaMLP
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
 
 import modelpatch
 from modelpatch import MergeModulelist, Patcher, WeightConverter, WeightRenaming
@@ -23,6 +25,10 @@ class CountingMLP(LlamaMLP):
 
 
 class OtherMLP(LlamaMLP):
+    pass
+
+
+class MarkedAttention(LlamaAttention):
     pass
 
 
@@ -97,3 +103,44 @@ def test_report_summary_and_absent_report(stock_checkpoint):
     assert "converted groups: 4" in summary and "renamed: 2" in summary
     assert modelpatch.get_load_report(AutoModelForCausalLM.from_pretrained(ckpt.path)) is None
     assert modelpatch.get_load_report(torch.nn.Linear(1, 1)) is None
+
+
+# --- what a load replaced, and keys that matched nothing ---------------------------------------------------------
+
+
+def test_report_lists_each_replaced_class_with_its_key_and_replacement(stock_checkpoint):
+    ckpt = stock_checkpoint("llama")
+    modelpatch.register_patch_mapping({"MLP": OtherMLP})  # a plain word: matched with re.search
+    model = modelpatch.from_pretrained(
+        AutoModelForCausalLM, ckpt.path, patcher=Patcher({"^LlamaAttention$": MarkedAttention})
+    )
+    assert type(model.model.layers[0].mlp) is OtherMLP
+    assert modelpatch.get_load_report(model).replaced == {
+        "LlamaAttention": ("^LlamaAttention$", f"{__name__}.MarkedAttention"),
+        "LlamaMLP": ("MLP", f"{__name__}.OtherMLP"),
+    }
+    assert modelpatch.get_load_report(modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path)).replaced == {
+        "LlamaMLP": ("MLP", f"{__name__}.OtherMLP")
+    }
+
+
+def test_a_key_that_matches_nothing_in_a_load_is_a_warning_naming_it(stock_checkpoint, caplog):
+    ckpt = stock_checkpoint("llama")
+    # "LlamaMLP" matches a class the load builds, even though the Patcher's "MLP$" wins over it: no warning.
+    modelpatch.register_patch_mapping({"LlamaMLP": CountingMLP, "Qwen2MoeExperts": CountingMLP})
+    patcher = Patcher({"LlamaAtention": MarkedAttention, "MLP$": OtherMLP})  # a typo, and a pattern that applies
+    with caplog.at_level(logging.WARNING, logger="modelpatch"):
+        model = modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path, patcher=patcher)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "Patch key" in r.getMessage()]
+    assert len(warnings) == 2
+    assert "'LlamaAtention' of the Patcher matched no class built by this load of LlamaForCausalLM" in warnings[0]
+    assert "'Qwen2MoeExperts' of the global patch registry matched no class" in warnings[1]
+    assert type(model.model.layers[0].self_attn) is LlamaAttention
+    assert type(model.model.layers[0].mlp) is OtherMLP
+
+    caplog.clear()
+    config = AutoConfig.for_model("llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1)
+    with caplog.at_level(logging.WARNING, logger="modelpatch"):
+        modelpatch.from_config(AutoModelForCausalLM, config, patcher=patcher)
+    assert "'LlamaAtention' of the Patcher matched no class" in caplog.text

@@ -23,6 +23,8 @@ from patching_support import (
 )
 from transformers import (
     BertModel,
+    GPT2Config,
+    GPT2Model,
     LlamaConfig,
     LlamaForCausalLM,
     LlamaModel,
@@ -37,6 +39,7 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import (
     Qwen2MoeExperts,
     Qwen2MoeSparseMoeBlock,
 )
+from transformers.pytorch_utils import Conv1D
 
 import modelpatch
 
@@ -86,7 +89,7 @@ def test_patterns_are_tried_in_registration_order():
     ("pattern", "replaced"),
     [
         ("Attention$", True),  # re.search: matches anywhere, here at the end
-        ("lamaAtt", False),  # an identifier: an exact class name, not a substring search
+        ("lamaAtt", True),  # an identifier too: no class is named so, so it is searched for as a pattern
         ("lama.tt", True),  # a pattern: re.search finds it in the middle
         ("^Attention", False),  # anchored at the start: LlamaAttention does not start with it
         ("^LlamaAttention$", True),
@@ -102,12 +105,35 @@ def test_patterns_use_re_search(pattern, replaced):
     assert type(model.layers[0].mlp) is LlamaMLP
 
 
-def test_identifier_key_is_exact_and_does_not_match_substrings():
-    # "Attention" is a Python identifier, hence an exact class name: no transformers class is named "Attention".
-    modelpatch.register_patch_mapping({"Attention": PlainModule, "MLP": PlainModule})
+def test_a_plain_word_key_is_a_pattern_too():
+    """As transformers documents it: every key is tried as an exact name first, then every key with ``re.search``.
+
+    No class is named "Attention" or "MLP", so they replace every class whose name contains them.
+    """
+    modelpatch.register_patch_mapping({"Attention": MarkedLlamaAttention, "MLP": MarkedLlamaMLP})
+    with modelpatch.apply_patches():
+        model = _build(LlamaModel, llama_config(num_hidden_layers=2))
+    assert {type(layer.self_attn) for layer in model.layers} == {MarkedLlamaAttention}
+    assert {type(layer.mlp) for layer in model.layers} == {MarkedLlamaMLP}
+    assert type(model.layers[0]) is LlamaDecoderLayer and type(model.norm) is LlamaRMSNorm
+
+
+def test_an_exact_name_key_beats_an_earlier_key_matching_as_a_pattern():
+    # "LlamaAttention" names the class exactly; "Attention" (registered first) only matches it as a pattern.
+    modelpatch.register_patch_mapping({"Attention": OtherLlamaAttention, "LlamaAttention": MarkedLlamaAttention})
     with modelpatch.apply_patches():
         model = _build(LlamaModel, llama_config(num_hidden_layers=1))
-    assert PlainModule not in module_types(model)
+    assert type(model.layers[0].self_attn) is MarkedLlamaAttention
+
+
+def test_an_exact_name_key_also_matches_longer_names_as_a_pattern():
+    # "BertAttention" names BertAttention exactly, and is found in no other BERT class name; "SelfAttention" is a
+    # pattern for BertSelfAttention.
+    modelpatch.register_patch_mapping({"SelfAttention": MarkedBertSelfAttention})
+    with modelpatch.apply_patches():
+        model = _build(BertModel, bert_config(num_hidden_layers=1))
+    assert type(model.encoder.layer[0].attention) is BertAttention
+    assert type(model.encoder.layer[0].attention.self) is MarkedBertSelfAttention
 
 
 def test_qwen2_moe_exact_and_pattern():
@@ -209,16 +235,30 @@ def test_broad_attention_pattern_replaces_llama_attention_only():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=0)
 
 
-def test_non_modeling_transformers_modules_are_never_candidates():
-    from transformers.pytorch_utils import Conv1D
+class MarkedConv1D(Conv1D):
+    """Same math as transformers' Conv1D."""
 
-    modelpatch.register_patch_mapping({"Conv1D": PlainModule, "Linear": PlainModule, "Embedding": PlainModule})
+
+def test_non_modeling_classes_are_replaced_only_where_modeling_code_imports_them_by_name():
+    """Conv1D (transformers.pytorch_utils) and torch's Linear/Embedding are no candidates: GPT-2's modeling module
+    imports Conv1D by name, so its Conv1D(...) calls are replaced (as transformers' apply_patches replaces them);
+    Llama's nn.Linear/nn.Embedding (not imported by name) and constructions in this test are not."""
+    modelpatch.register_patch_mapping({"Conv1D": MarkedConv1D, "^Linear$": PlainModule, "^Embedding$": PlainModule})
+    config = GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=16)
     with modelpatch.apply_patches():
         conv = Conv1D(4, 3)
         linear = torch.nn.Linear(3, 4)
-        model = _build(LlamaModel, llama_config(num_hidden_layers=1))
+        llama = _build(LlamaModel, llama_config(num_hidden_layers=1))
+        gpt2 = _build(GPT2Model, config, seed=1)
     assert type(conv) is Conv1D and type(linear) is torch.nn.Linear
-    assert PlainModule not in module_types(model)
+    assert PlainModule not in module_types(llama)
+    attention = gpt2.h[0].attn
+    assert type(attention.c_attn) is MarkedConv1D and type(attention.c_proj) is MarkedConv1D
+    assert Conv1D not in module_types(gpt2)
+    reference = _build(GPT2Model, config)
+    gpt2.load_state_dict(reference.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(gpt2(input_ids()).last_hidden_state, reference(input_ids()).last_hidden_state)
 
 
 def test_replacement_is_not_replaced_again_by_a_matching_pattern():

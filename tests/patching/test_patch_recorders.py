@@ -15,6 +15,7 @@ from patching_support import (
     ReimplementedLlamaAttention,
     ReimplementedQwen2MoeRouter,
     WrappedLlamaAttention,
+    _copy_llama_attention_state,
     WrappedQwen2MoeAttention,
     input_ids,
     llama_config,
@@ -173,3 +174,60 @@ def test_hidden_states_unaffected_by_attention_patches():
     outputs = _run(patched, output_hidden_states=True, output_attentions=True)
     assert len(outputs.hidden_states) == LAYERS + 1
     assert len(outputs.attentions) == LAYERS
+
+
+def test_recorder_extension_is_permanent_in_place_and_inert_for_stock_models():
+    """What docs/class_patching.md says: the replacement is added beside the original, in place, for good."""
+    from transformers.models.llama.modeling_llama import LlamaAttention
+    from transformers.models.mistral.modeling_mistral import MistralPreTrainedModel
+
+    class FreshAttention(torch.nn.Module):
+        """LlamaAttention reimplemented by a class no earlier test has built (the extension is process-wide)."""
+
+        def __init__(self, config, layer_idx):
+            super().__init__()
+            _copy_llama_attention_state(self, config, layer_idx)
+
+        forward = LlamaAttention.forward
+
+    specs = LlamaPreTrainedModel._can_record_outputs
+    entries_before = dict(specs)
+    mistral_before = dict(MistralPreTrainedModel._can_record_outputs)
+    config = llama_config(num_hidden_layers=LAYERS)
+    stock_before = _build(LlamaModel, config)
+    expected = _run(stock_before, output_attentions=True)
+
+    with modelpatch.Patcher({"LlamaAttention": FreshAttention}):
+        patched = _build(LlamaModel, config)
+    after = _build(LlamaModel, config)
+
+    assert LlamaPreTrainedModel._can_record_outputs is specs  # the same dict, changed in place ...
+    assert list(specs) == list(entries_before)  # ... with the same keys
+    attentions = specs["attentions"]
+    assert isinstance(attentions, list) and attentions[0] is LlamaAttention and FreshAttention in attentions
+    assert all(specs[key] == value for key, value in entries_before.items() if key != "attentions")
+    assert MistralPreTrainedModel._can_record_outputs == mistral_before  # other modeling modules: untouched
+    # It stays after the scope, and a model without the replacement records exactly as before it.
+    after.load_state_dict(stock_before.state_dict())
+    outputs = _run(after, output_attentions=True)
+    _assert_attentions(outputs)
+    for actual, reference in zip(outputs.attentions, expected.attentions):
+        torch.testing.assert_close(actual, reference, rtol=0, atol=0)
+    _assert_attentions(_run(patched, output_attentions=True))
+
+
+def test_a_subclass_of_an_earlier_replacement_is_recorded_once():
+    """The first replacement is in the specs for good; a subclass of it must not be added again beside it (its
+    modules would be recorded twice: 2 x layers attentions)."""
+
+    class FirstAttention(ReimplementedLlamaAttention):
+        pass
+
+    class SecondAttention(FirstAttention):
+        pass
+
+    config = llama_config(num_hidden_layers=LAYERS)
+    for replacement in (FirstAttention, SecondAttention):
+        with modelpatch.Patcher({"LlamaAttention": replacement}):
+            model = _build(LlamaModel, config)
+        _assert_attentions(_run(model, output_attentions=True))

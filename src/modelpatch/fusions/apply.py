@@ -19,9 +19,11 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from ..conversion.transforms import WeightTransform
+from ..conversion.registry import model_conversions
+from ..conversion.transforms import WeightConverter, WeightTransform
 from ..errors import FusionError
 from ..patching.mapping import PatchMapping
+from ..patching.patcher import Patcher
 from ..state import is_runtime_layout, record_fusion_config, stored_fusion_config
 from .registry import available_fusions, get_fusion
 from .spec import ModuleFusionSpec
@@ -118,34 +120,89 @@ def spec_transforms(
 def discover(
     model: nn.Module, specs: Mapping[str, ModuleFusionSpec]
 ) -> tuple[dict[str, type[nn.Module]], dict[str, dict[str, nn.Module]]]:
-    """Map each fusable class of ``model`` (a meta-device instance) to its fused class, per spec."""
-    by_class: dict[str, dict[type, list[tuple[str, nn.Module]]]] = {name: defaultdict(list) for name in specs}
-    unfusable: dict[str, set[type]] = {name: set() for name in specs}
-    compiled = {name: [re.compile(p) for p in spec.target_modules_patterns] for name, spec in specs.items()}
+    """Map each fusable class of ``model`` (a meta-device instance) to its fused class, per spec.
+
+    A class is fused only when *every* instance of it in the model is a candidate (its name matches the spec's
+    ``target_modules_patterns``, if any) and fusable, whatever their order: a fusion replaces the class wherever it is
+    built, so any other instance would get the fused class too and fail to build or load.
+    """
+    instances: dict[type, list[tuple[str, nn.Module]]] = defaultdict(list)
     for module_name, module in model.named_modules():
-        for name, spec in specs.items():
-            if compiled[name] and not any(p.search(module_name) for p in compiled[name]):
-                continue
-            if spec.is_fusable(module):
-                by_class[name][type(module)].append((module_name, module))
-            elif type(module) in by_class[name]:
-                unfusable[name].add(type(module))
+        instances[type(module)].append((module_name, module))
     mapping: dict[str, type[nn.Module]] = {}
     owner: dict[str, str] = {}
     modules: dict[str, dict[str, nn.Module]] = {name: {} for name in specs}
-    for name, classes in by_class.items():
-        for cls, instances in classes.items():
-            if cls in unfusable[name]:
-                logger.warning("Fusion %r skips %s: some of its instances are not fusable.", name, cls.__name__)
+    for name, spec in specs.items():
+        targets = [re.compile(p) for p in spec.target_modules_patterns]
+        for cls, members in instances.items():
+            outside = [n for n, _ in members if targets and not any(p.search(n) for p in targets)]
+            unfusable = [n for n, m in members if n not in outside and not spec.is_fusable(m)]
+            if len(outside) + len(unfusable) == len(members):
+                continue
+            if outside or unfusable:
+                reason = "outside the fusion's target_modules_patterns" if outside else "not fusable"
+                logger.warning(
+                    "Fusion %r skips %s: its instance %r is %s (every instance of a fused class must be fusable).",
+                    name,
+                    cls.__name__,
+                    (outside or unfusable)[0],
+                    reason,
+                )
                 continue
             if cls.__name__ in owner:
                 raise FusionError(
                     f"Fusions {owner[cls.__name__]!r} and {name!r} both want to replace {cls.__name__}; enable one."
                 )
             owner[cls.__name__] = name
-            mapping[cls.__name__] = specs[name].make_fused_class(cls)
-            modules[name].update(instances)
+            mapping[cls.__name__] = spec.make_fused_class(cls)
+            modules[name].update(members)
     return mapping, modules
+
+
+def _check_patch_conflicts(
+    fused: Mapping[type[nn.Module], str], base_layers: Sequence[PatchMapping], patcher: Patcher | None
+) -> None:
+    """Refuse to fuse a class (``fused``: class -> fusion name) that a Patcher or registry entry also patches.
+
+    A class takes one replacement per load, and a replacement is never replaced again: left alone, the fusion would
+    silently not apply (or apply inside a wrapper) while its weight conversions still run, and the load would fail
+    blaming the checkpoint.
+    """
+    for layer in base_layers:
+        source = "the Patcher" if patcher is not None and layer is patcher.mapping else "the global patch registry"
+        for cls, fusion in fused.items():
+            if (found := layer.match(cls.__name__)) is not None:
+                key, replacement = found
+                raise FusionError(
+                    f"Fusion {fusion!r} and {source} both replace {cls.__name__} ({source}'s key {key!r} -> "
+                    f"{replacement.__qualname__}); a class takes one replacement per load: drop one of them."
+                )
+            keys = [key for key, replacement in layer.entries.items() if replacement is cls]
+            if keys:
+                raise FusionError(
+                    f"Fusion {fusion!r} would replace {cls.__name__}, which {source} builds in place of what its key "
+                    f"{keys[0]!r} matches; a replacement is never replaced again, so the fusion cannot apply: drop "
+                    "one of them."
+                )
+
+
+def _check_shadowed_conversions(
+    fusion_transforms: Sequence[tuple[str, WeightTransform]],
+    user_transforms: Sequence[tuple[str, WeightTransform]],
+    keys: Sequence[str],
+) -> None:
+    """Refuse a user converter for a weight that a fusion converts: only one of the two could run on it, silently."""
+    for key in keys:
+        fusion_hit = next(((n, t) for n, t in fusion_transforms if t.match_source(key) is not None), None)
+        if fusion_hit is None:
+            continue
+        for source, transform in user_transforms:
+            if isinstance(transform, WeightConverter) and transform.match_source(key) is not None:
+                raise FusionError(
+                    f"{transform!r} from {source} and fusion {fusion_hit[0]!r}'s {fusion_hit[1]!r} both convert "
+                    f"{key!r}; only one of them would run. Drop the converter or the fusion, or filter the "
+                    "converter out (Patcher filtered_weight_conversion_patterns)."
+                )
 
 
 def prepare_fusions(
@@ -153,8 +210,18 @@ def prepare_fusions(
     config: PretrainedConfig,
     fusion_config: Mapping[str, Any] | None,
     base_layers: Sequence[PatchMapping],
+    patcher: Patcher | None = None,
 ) -> PreparedFusions:
-    """Resolve ``fusion_config`` (explicit, else the one stored in ``config``) into a :class:`PreparedFusions`."""
+    """Resolve ``fusion_config`` (explicit, else the one stored in ``config``) into a :class:`PreparedFusions`.
+
+    ``base_layers`` are the load's other patch layers (the Patcher's mapping, then the registry snapshot), under which
+    the model is built for discovery; ``patcher`` is the load's Patcher, if any.
+
+    Raises:
+        FusionError: Besides invalid configs, a fused class that a Patcher or registry entry patches too, and a
+            Patcher extra conversion or a registered conversion of the model type (what the fusions and the Patcher
+            do not filter out) for a weight a fusion converts.
+    """
     from ..loading.build import build_empty_model
 
     stored = _stored_fusions(config)
@@ -171,12 +238,26 @@ def prepare_fusions(
         return prepared
     meta_model = build_empty_model(model_class, copy.deepcopy(config), torch.float32, base_layers)
     mapping, modules = discover(meta_model, enabled)
+    fused_classes = {type(m): name for name, found in modules.items() for m in found.values()}
+    _check_patch_conflicts(fused_classes, base_layers, patcher)
+    fusion_transforms: list[tuple[str, WeightTransform]] = []
     for name, spec in enabled.items():
         if not modules[name]:
             logger.warning("Fusion %r found nothing to fuse in %s.", name, model_class.__name__)
             continue
         prepared.fused[name] = sorted(modules[name])
-        prepared.transforms.extend(spec_transforms(spec, config, modules[name]))
+        transforms = spec_transforms(spec, config, modules[name])
+        fusion_transforms.extend((name, t) for t in transforms)
+        prepared.transforms.extend(transforms)
         prepared.filters += tuple(re.compile(p) for p in spec.filtered_conversion_patterns)
+    extras = patcher.extra_weight_conversions if patcher is not None else []
+    user_transforms = [("the Patcher's extra_weight_conversions", t) for t in extras]
+    # The model type's registered conversions that survive the fusions' filters (adjust_conversions puts the
+    # fusion transforms first) and the Patcher's.
+    registered = prepared.adjust_conversions(model_conversions(meta_model))[len(prepared.transforms) :]
+    user_transforms += [
+        ("the registered conversion mapping", t) for t in registered if patcher is None or not patcher.filters_out(t)
+    ]
+    _check_shadowed_conversions(fusion_transforms, user_transforms, list(meta_model.state_dict()))
     prepared.mapping = PatchMapping.from_items(mapping.items())
     return prepared

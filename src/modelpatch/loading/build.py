@@ -1,7 +1,20 @@
-"""Build a model's module tree under the active patches, on the meta device (no memory, no weights) or for real."""
+"""Build a model's module tree under the active patches, on the meta device (no memory, no weights) or for real.
+
+transformers' own patch registry (``transformers.monkey_patching``) never takes part in these builds. transformers
+enters its global ``apply_patches()`` in ``PreTrainedModel.get_init_context`` and in every ``_from_config``, which
+composite models call from their own ``__init__`` for their sub-models (156 modeling modules of 5.23 do, Qwen2-VL's
+vision tower and text model among them). Left in, a patch registered with *transformers'* ``register_patch_mapping``
+(or the fused class a stock ``fusion_config`` load leaves registered there for good) would replace classes in every
+modelpatch build of the process, outside modelpatch's scopes and without the conversions that go with them; and
+``patch_output_recorders`` would rewrite ``_can_record_outputs`` after it. Filtering the top-level init contexts
+cannot reach the nested ``_from_config`` calls, so both readers of that registry are made to see it empty while, and
+only while, the current context is inside a modelpatch build (see :func:`_isolate_from_transformers_patches`).
+"""
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import re
 import threading
 from collections.abc import Iterator, Sequence
@@ -14,12 +27,67 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from ..errors import CheckpointError, ModelPatchError
 from ..patching.mapping import PatchMapping
-from ..patching.scope import patch_scope
+from ..patching.scope import PatchScope, patch_scope
 
 # transformers' init contexts change process-wide state while a model is built or finalised (torch's default dtype,
 # ``PreTrainedModel.tie_weights``); two overlapping builds would restore each other's values. Builds and
 # finalisation therefore take turns; loading tensor data runs concurrently.
 model_state_lock = threading.RLock()
+
+# Whether the current context is inside a modelpatch build.
+_inside_build = contextvars.ContextVar("modelpatch_inside_build", default=False)
+_isolation_lock = threading.Lock()
+
+
+def _isolate_from_transformers_patches() -> None:
+    """Make ``transformers.monkey_patching.get_patch_mapping`` return ``{}`` inside modelpatch builds (installed once).
+
+    It is what ``apply_patches`` and ``patch_output_recorders`` read the registry through (by its module-global
+    name, at call time), so both do nothing there; every other caller, and every other context, gets exactly what
+    the original returns.
+
+    Raises:
+        RuntimeError: One of those two no longer reads the registry through ``get_patch_mapping``: transformers'
+            structure changed, and modelpatch cannot keep its registry out of builds with this version.
+    """
+    from transformers import monkey_patching
+
+    if getattr(monkey_patching.get_patch_mapping, "_modelpatch_isolating", False):
+        return
+    with _isolation_lock:
+        original = monkey_patching.get_patch_mapping
+        if getattr(original, "_modelpatch_isolating", False):
+            return
+        readers = {
+            "apply_patches": getattr(monkey_patching.apply_patches, "__wrapped__", monkey_patching.apply_patches),
+            "patch_output_recorders": monkey_patching.patch_output_recorders,
+        }
+        for name, reader in readers.items():
+            if "get_patch_mapping" not in getattr(getattr(reader, "__code__", None), "co_names", ()):
+                raise RuntimeError(
+                    f"transformers.monkey_patching.{name} no longer reads the registry through get_patch_mapping: "
+                    "modelpatch cannot keep transformers' patch registry out of its builds with this transformers "
+                    "version."
+                )
+
+        @functools.wraps(original)
+        def get_patch_mapping():
+            return {} if _inside_build.get() else original()
+
+        get_patch_mapping._modelpatch_isolating = True
+        monkey_patching.get_patch_mapping = get_patch_mapping
+
+
+@contextmanager
+def _modelpatch_build(layers: Sequence[PatchMapping]) -> Iterator[PatchScope]:
+    """The context of one build: the turn on process-wide state, transformers' registry out, ``layers`` applied."""
+    _isolate_from_transformers_patches()
+    with model_state_lock, patch_scope(*layers) as scope:
+        token = _inside_build.set(True)
+        try:
+            yield scope
+        finally:
+            _inside_build.reset(token)
 
 
 def build_empty_model(
@@ -30,19 +98,26 @@ def build_empty_model(
     ``layers`` are the patch mappings to apply, highest priority first. transformers' own init contexts are used so
     the result is the same module tree and dtype layout that stock ``from_pretrained`` builds.
     """
-    with model_state_lock, ExitStack() as stack:
+    return build_empty_model_patched(model_class, config, dtype, layers)[0]
+
+
+def build_empty_model_patched(
+    model_class: type[PreTrainedModel], config: PretrainedConfig, dtype: torch.dtype, layers: Sequence[PatchMapping]
+) -> tuple[PreTrainedModel, PatchScope]:
+    """:func:`build_empty_model`, and the :class:`PatchScope` of the build (what it matched and replaced)."""
+    with _modelpatch_build(layers) as scope, ExitStack() as stack:
         for context in model_class.get_init_context(dtype, False, False, None):
             stack.enter_context(context)
-        stack.enter_context(patch_scope(*layers))
-        return model_class(config)
+        return model_class(config), scope
 
 
 def build_initialized_model(
     model_class: type[PreTrainedModel], config: PretrainedConfig, dtype: torch.dtype | None, layers: Sequence[PatchMapping]
-) -> PreTrainedModel:
-    """Instantiate and initialise ``model_class`` from ``config`` like stock ``from_config``, under the patches."""
-    with model_state_lock, patch_scope(*layers):
-        return model_class._from_config(config, **({"dtype": dtype} if dtype is not None else {}))
+) -> tuple[PreTrainedModel, PatchScope]:
+    """Instantiate and initialise ``model_class`` from ``config`` like stock ``from_config``, under the patches;
+    return it with the :class:`PatchScope` of the build."""
+    with _modelpatch_build(layers) as scope:
+        return model_class._from_config(config, **({"dtype": dtype} if dtype is not None else {})), scope
 
 
 def keep_in_fp32(model: PreTrainedModel, dtype: torch.dtype) -> None:

@@ -15,7 +15,6 @@ from typing import Any
 
 from ..fusions import available_fusions, get_fusion
 from ..fusions.projections import FusedProjectionsSpec
-from ..patching.mapping import is_exact_key
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
 _QUOTED_LIST = re.compile(r"\['[^'\]]*'(?:, '[^'\]]*')+\]")
@@ -217,7 +216,7 @@ def _replaced_modules(missing: set[str], replacements: Sequence[Replacement]) ->
             f"{source} replaced {cause.original} with {cause.replacement} (at {where}); the checkpoint stores "
             f"{cause.original}'s weights under names {cause.replacement} does not have, so they are missing."
         )
-        if cause.patch_key is not None and not is_exact_key(cause.patch_key):
+        if cause.patch_key is not None and cause.patch_key != cause.original:
             hint += (
                 f" The pattern is a regular expression matched anywhere in class names, so it also matches "
                 f"{cause.original}: use the exact name of the class you meant, or anchor the pattern (^...$)."

@@ -34,8 +34,9 @@ from ..conversion.transforms import WeightTransform
 from ..errors import CheckpointError, ModelPatchError
 from ..fusions.apply import PreparedFusions, prepare_fusions
 from ..patching import registry
-from ..patching.mapping import PatchMapping, is_exact_key
+from ..patching.mapping import PatchMapping
 from ..patching.patcher import Patcher
+from ..patching.scope import PatchScope
 from ..state import (
     BASE_TRANSFORMS_ATTRIBUTE,
     EXPECTED_STATE_ATTRIBUTE,
@@ -43,7 +44,14 @@ from ..state import (
     TRANSFORMS_ATTRIBUTE,
     is_runtime_layout,
 )
-from .build import build_empty_model, build_initialized_model, config_build_errors, keep_in_fp32, model_state_lock
+from .build import (
+    build_empty_model,
+    build_empty_model_patched,
+    build_initialized_model,
+    config_build_errors,
+    keep_in_fp32,
+    model_state_lock,
+)
 from .config import checkpoint_directory, load_config, resolve_dtype, resolve_model_class
 from .diagnose import Replacement
 from .materialize import load_into_model
@@ -77,8 +85,32 @@ def _load_setup(
     """Patch layers (highest priority first) and the fusion transforms of one load."""
     base_layers = [patcher.mapping] if patcher is not None else []
     base_layers.append(registry.snapshot())
-    fusions = prepare_fusions(model_class, config, fusion_config, base_layers)
+    fusions = prepare_fusions(model_class, config, fusion_config, base_layers, patcher)
     return [*base_layers[:-1], fusions.mapping, base_layers[-1]], fusions
+
+
+def _check_patches(
+    model_class: type, scope: PatchScope, patcher: Patcher | None, registry_layer: PatchMapping
+) -> dict[str, tuple[str, str]]:
+    """Warn about every Patcher or registry key that matched no class the build made; return what was replaced.
+
+    A key that matches nothing is most often a typo or a pattern written for another architecture: the load is
+    stock where the user expected a patch, so it must not pass in silence.
+    """
+    sources = [("the Patcher", patcher.mapping)] if patcher is not None else []
+    sources.append(("the global patch registry", registry_layer))
+    for source, layer in sources:
+        for key in layer.unmatched_keys(scope.matched):
+            logger.warning(
+                "Patch key %r of %s matched no class built by this load of %s; nothing was replaced for it.",
+                key,
+                source,
+                model_class.__name__,
+            )
+    return {
+        name: (key, f"{replacement.__module__}.{replacement.__qualname__}")
+        for name, (key, replacement) in sorted(scope.replaced.items())
+    }
 
 
 def _conversions(model: PreTrainedModel, patcher: Patcher | None, fusions: PreparedFusions) -> list[WeightTransform]:
@@ -97,6 +129,7 @@ class PlannedLoad:
     transforms: list[WeightTransform]
     fusions: PreparedFusions
     runtime_layout: bool
+    replaced: dict[str, tuple[str, str]]
 
 
 def _plan(
@@ -124,13 +157,14 @@ def _plan(
     _set_config_dtype(config, resolved_dtype)
     try:
         layers, fusions = _load_setup(concrete, config, patcher, fusion_config)
-        model = build_empty_model(concrete, config, resolved_dtype, layers)
+        model, scope = build_empty_model_patched(concrete, config, resolved_dtype, layers)
     except Exception as exc:
         if not isinstance(exc, ModelPatchError):
             # The config's fault if the stock model cannot be built either; otherwise a replacement's, raised as is.
             with config_build_errors(directory / "config.json", concrete):
                 build_empty_model(concrete, copy.deepcopy(config), resolved_dtype, [])
         raise
+    replaced = _check_patches(concrete, scope, patcher, layers[-1])
     keep_in_fp32(model, resolved_dtype)
     transforms = _conversions(model, patcher, fusions)
     runtime_layout = is_runtime_layout(config)
@@ -145,7 +179,7 @@ def _plan(
         if any(layers)
         else None,
     )
-    return PlannedLoad(directory, model, plan, metas, transforms, fusions, runtime_layout)
+    return PlannedLoad(directory, model, plan, metas, transforms, fusions, runtime_layout, replaced)
 
 
 def _replacements(
@@ -167,21 +201,14 @@ def _replacements(
         if original is None or type(module) is original or any(name.startswith(r.path + ".") for r in found):
             continue
         # The first layer that maps the class is the one the dispatcher used; none: a scope around the load.
-        layer = next((layer for layer in layers if layer.lookup(original.__name__) is type(module)), None)
+        layer = next((layer for layer in layers if (layer.match(original.__name__) or (None, None))[1] is type(module)), None)
         patch_key = fusion = None
         if layer is fusions.mapping:
             fusion = next((f for f, paths in fusions.fused.items() if name in paths), ", ".join(fusions.fused))
         elif layer is not None:
-            patch_key = _patch_key(layer, original.__name__)
+            patch_key = layer.match(original.__name__)[0]  # type: ignore[index]
         found.append(Replacement(name, original.__name__, type(module).__name__, patch_key, fusion))
     return found
-
-
-def _patch_key(mapping: PatchMapping, class_name: str) -> str:
-    """The key of ``mapping`` that :meth:`PatchMapping.lookup` matched for ``class_name``: exact name, else pattern."""
-    if class_name in mapping.entries:
-        return class_name
-    return next(key for key in mapping.entries if not is_exact_key(key) and re.search(key, class_name))
 
 
 def plan_pretrained(
@@ -288,6 +315,7 @@ def from_pretrained(
         unexpected=tuple(plan.unexpected),
         tied=dict(plan.tied),
         runtime_layout=runtime_layout,
+        replaced=planned.replaced,
     )
     setattr(model, REPORT_ATTRIBUTE, report)
     _record_build(model, plan.expected, _conversions(model, patcher, PreparedFusions()))
@@ -350,7 +378,8 @@ def from_config(
     concrete = resolve_model_class(model_class, config)
     config = copy.deepcopy(config)
     layers, fusions = _load_setup(concrete, config, patcher, fusion_config)
-    model = build_initialized_model(concrete, config, None if dtype is None else resolve_dtype(dtype, config), layers)
+    model, scope = build_initialized_model(concrete, config, None if dtype is None else resolve_dtype(dtype, config), layers)
+    _check_patches(concrete, scope, patcher, layers[-1])
     fusions.record(model)
     # What save_pretrained runs backwards to write this never-loaded model in the checkpoint layout: the model
     # type's mapping as adjusted by this build's Patcher and fusions.

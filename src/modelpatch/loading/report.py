@@ -33,6 +33,8 @@ class LoadReport:
         tied: Tied parameter -> the parameter it shares storage with.
         runtime_layout: The checkpoint was saved in the runtime layout; ``transforms`` were not applied at load and
             are what turns it back into the original layout.
+        replaced: Class name -> ``(key, replacement)`` for every class the build replaced: the Patcher, fusion or
+            registry key that decided it (a fused class's key is its own name) and the replacement's qualified name.
     """
 
     source: Path
@@ -46,6 +48,7 @@ class LoadReport:
     unexpected: tuple[str, ...] = ()
     tied: Mapping[str, str] = field(default_factory=dict)
     runtime_layout: bool = False
+    replaced: Mapping[str, tuple[str, str]] = field(default_factory=dict)
 
     @property
     def converted(self) -> dict[str, list[str]]:

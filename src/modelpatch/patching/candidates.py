@@ -1,8 +1,11 @@
-"""Which classes a patch may replace.
+"""Which classes a patch may replace, and which code's constructions it may redirect.
 
-Only ``nn.Module`` subclasses defined in transformers' modeling modules (``transformers.models.<name>.modeling_*``)
-are candidates, plus those of namespaces the user opts in with :func:`register_patchable_namespace` (a package of their
-own models, say). Output dataclasses, configs, functions and ``AttentionInterface`` are never constructed through
+*Patchable modules* are transformers' modeling modules (``transformers.models.<name>.modeling_*``) plus the
+namespaces the user opts in with :func:`register_patchable_namespace` (a package of their own models, say).
+``nn.Module`` subclasses defined in a patchable module are *candidates*: replaced wherever they are constructed with
+arguments. Any other class (``torch.nn.LayerNorm``, transformers' ``Conv1D``) is replaced only where patchable code
+that imports it by name constructs it, which is where transformers' own ``apply_patches`` (rebinding module globals)
+would replace it. Output dataclasses, configs, functions and ``AttentionInterface`` are never constructed through
 ``nn.Module.__new__`` and so can never be swapped, whatever a pattern matches.
 """
 
@@ -41,9 +44,13 @@ def get_patchable_namespaces() -> frozenset[str]:
     return _namespaces
 
 
-def is_patch_candidate(cls: type) -> bool:
-    """Whether instances of ``cls`` may be replaced by a patch."""
-    module = getattr(cls, "__module__", None) or ""
+def is_patchable_module(module: str) -> bool:
+    """Whether the module named ``module`` is a transformers modeling module or in a registered namespace."""
     if module.startswith("transformers.models.") and module.rpartition(".")[2].startswith("modeling_"):
         return True
     return any(module == ns or module.startswith(ns + ".") for ns in _namespaces)
+
+
+def is_patch_candidate(cls: type) -> bool:
+    """Whether ``cls`` is defined in a patchable module (replaced wherever it is constructed with arguments)."""
+    return is_patchable_module(getattr(cls, "__module__", None) or "")

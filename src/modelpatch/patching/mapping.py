@@ -1,8 +1,9 @@
-"""An immutable, validated class-patch mapping: exact class names and regular-expression patterns.
+"""An immutable, validated class-patch mapping: class names and regular-expression patterns.
 
-A key that is a Python identifier (``"LlamaAttention"``) is an exact class name; any other key is a regular
-expression matched with ``re.search`` (``".*SelfAttention$"``). An exact name beats every pattern; patterns are tried
-in the order they were given.
+Keys resolve as transformers' own ``register_patch_mapping`` documents them: every key is first tried as an exact
+class name; only when no key names the class exactly is every key tried, in the order given, as a regular expression
+with ``re.search``. So ``"LlamaAttention"`` replaces ``LlamaAttention`` exactly, and ``"Attention"`` (no class has that
+name) replaces every class whose name contains it.
 """
 
 from __future__ import annotations
@@ -15,11 +16,6 @@ from types import MappingProxyType
 from torch import nn
 
 from ..errors import PatchRegistryError
-
-
-def is_exact_key(key: str) -> bool:
-    """Whether ``key`` names one class exactly (a Python identifier) rather than being a regex pattern."""
-    return key.isidentifier()
 
 
 def validate_replacement(key: str, replacement: object) -> type[nn.Module]:
@@ -48,25 +44,18 @@ class PatchMapping:
     """
 
     entries: Mapping[str, type[nn.Module]] = field(default_factory=lambda: MappingProxyType({}))
-    _exact: Mapping[str, type[nn.Module]] = field(default_factory=dict, repr=False, compare=False)
-    _patterns: tuple[tuple[re.Pattern[str], type[nn.Module]], ...] = field(default=(), repr=False, compare=False)
+    _patterns: tuple[tuple[re.Pattern[str], str], ...] = field(default=(), repr=False, compare=False)
 
     @classmethod
     def from_items(cls, items: Iterable[tuple[str, object]]) -> PatchMapping:
         """Validate every item and build the mapping; nothing is built if any item is invalid."""
         entries: dict[str, type[nn.Module]] = {}
-        exact: dict[str, type[nn.Module]] = {}
-        patterns: list[tuple[re.Pattern[str], type[nn.Module]]] = []
         for key, replacement in items:
             if not isinstance(key, str) or not key:
                 raise PatchRegistryError(f"Patch mapping keys must be non-empty strings, got {key!r}.")
-            replacement = validate_replacement(key, replacement)
-            entries[key] = replacement
-            if is_exact_key(key):
-                exact[key] = replacement
-            else:
-                patterns.append((compile_pattern(key), replacement))
-        return cls(MappingProxyType(entries), exact, tuple(patterns))
+            entries[key] = validate_replacement(key, replacement)
+        patterns = tuple((compile_pattern(key), key) for key in entries)
+        return cls(MappingProxyType(entries), patterns)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -74,15 +63,21 @@ class PatchMapping:
     def __bool__(self) -> bool:
         return bool(self.entries)
 
-    def lookup(self, class_name: str) -> type[nn.Module] | None:
-        """The replacement for ``class_name``: the exact entry if any, else the first pattern that matches."""
-        replacement = self._exact.get(class_name)
+    def match(self, class_name: str) -> tuple[str, type[nn.Module]] | None:
+        """``(key, replacement)`` for ``class_name``: the key naming it exactly, else the first key whose pattern
+        ``re.search``-matches it; None when no key applies."""
+        replacement = self.entries.get(class_name)
         if replacement is not None:
-            return replacement
-        for pattern, replacement in self._patterns:
+            return class_name, replacement
+        for pattern, key in self._patterns:
             if pattern.search(class_name):
-                return replacement
+                return key, self.entries[key]
         return None
+
+    def unmatched_keys(self, class_names: Iterable[str]) -> list[str]:
+        """The keys, in order, that match none of ``class_names`` (neither exactly nor as a pattern)."""
+        names = set(class_names)
+        return [key for pattern, key in self._patterns if key not in names and not any(map(pattern.search, names))]
 
     def replacements(self) -> frozenset[type[nn.Module]]:
         """Every replacement class of this mapping."""

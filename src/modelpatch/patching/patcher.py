@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextvars
 import re
+import sys
+import threading
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
@@ -16,6 +18,16 @@ from .scope import patch_scope
 
 if TYPE_CHECKING:
     from ..conversion.transforms import WeightTransform
+
+
+class _Entry:
+    """One ``with patcher:``: its patch scope and the frame that entered it."""
+
+    __slots__ = ("context", "frame")
+
+    def __init__(self, context, frame):
+        self.context = context
+        self.frame = frame
 
 
 def _as_list(value: object) -> list:
@@ -31,7 +43,8 @@ class Patcher:
 
     Use it as ``with patcher:`` around manual construction, or pass it to :func:`modelpatch.from_pretrained` /
     :func:`modelpatch.from_config`. Its mapping wins over the global registry, which it never modifies; the scope
-    is local to the entering thread or asyncio task.
+    is local to the entering thread or asyncio task. Leaving it from another thread or context (a generator holding
+    ``with patcher:`` closed elsewhere) ends that entry everywhere, without raising.
 
     Args:
         class_mapping: ``{original class name or regex pattern: replacement nn.Module subclass}``, validated like
@@ -69,7 +82,12 @@ class Patcher:
                     f"extra_weight_conversions must be WeightConverter/WeightRenaming instances, got {transform!r}."
                 )
         self._extra: tuple[WeightTransform, ...] = tuple(extra)
-        self._entered: contextvars.ContextVar[tuple] = contextvars.ContextVar(f"patcher_{id(self)}", default=())
+        # Open entries of every context, oldest first, and those of the current context.
+        self._lock = threading.Lock()
+        self._open: list[_Entry] = []
+        self._entered: contextvars.ContextVar[tuple[_Entry, ...]] = contextvars.ContextVar(
+            f"patcher_{id(self)}", default=()
+        )
 
     @property
     def class_mapping(self) -> dict[str, type[nn.Module]]:
@@ -98,15 +116,37 @@ class Patcher:
         return [*self._extra, *(t for t in conversions if not self.filters_out(t))]
 
     def __enter__(self) -> Patcher:
-        context = patch_scope(self._mapping, registry.snapshot())
-        context.__enter__()
-        self._entered.set((*self._entered.get(), context))
+        # The frame running the ``with`` statement identifies this entry when it is left: a generator holding
+        # ``with patcher:`` may be closed by another thread, whose context knows nothing of the entry.
+        entry = _Entry(patch_scope(self._mapping, registry.snapshot()), sys._getframe(1))
+        entry.context.__enter__()
+        with self._lock:
+            self._open.append(entry)
+        self._entered.set((*self._entered.get(), entry))
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        *rest, context = self._entered.get()
-        self._entered.set(tuple(rest))
-        context.__exit__(exc_type, exc, tb)
+        entry = self._entry_to_exit(sys._getframe(1))
+        entry.context.__exit__(exc_type, exc, tb)
+
+    def _entry_to_exit(self, frame) -> _Entry:
+        """The open entry this exit ends, removed from the open ones.
+
+        The latest entry made by the same frame (a ``with`` statement enters and exits from one frame, wherever the
+        exit runs); else the latest entry of this context (``ExitStack`` enters and exits from frames of its own);
+        else the latest entry of any context.
+        """
+        here = self._entered.get()
+        with self._lock:
+            if not self._open:
+                raise RuntimeError(f"{self!r} is exited more often than it was entered.")
+            entry = next((e for e in reversed(self._open) if e.frame is frame), None)
+            if entry is None:
+                entry = next((e for e in reversed(here) if any(e is o for o in self._open)), self._open[-1])
+            self._open = [e for e in self._open if e is not entry]
+        # Entries another context already ended stay in this context's stack until here.
+        self._entered.set(tuple(e for e in here if e is not entry and any(e is o for o in self._open)))
+        return entry
 
     def __repr__(self) -> str:
         return (

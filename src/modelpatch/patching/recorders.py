@@ -6,6 +6,10 @@ original would be skipped. We extend those specs *additively*: the original clas
 beside it, so a patched model records from its replacement modules and an unpatched model (which has no replacement
 instances) records exactly as before. The dicts are updated in place, never resized, so a forward pass installing its
 hooks concurrently iterates a consistent dict.
+
+The extension is permanent: transformers installs the hooks lazily, at the first forward that asks for outputs, from
+specs keyed by model *class*, so a scoped extension would be gone by the time a patched model needs it (and per-model
+hooks installed at build time would make every patched model unpicklable). docs/class_patching.md says so.
 """
 
 from __future__ import annotations
@@ -20,20 +24,37 @@ _lock = threading.Lock()
 _done: set[tuple[type, type]] = set()
 
 
+def _covers(existing: object, candidate: object) -> bool:
+    """Whether spec item ``existing`` already records every module ``candidate`` would: adding ``candidate`` would
+    record each of them twice (``candidate`` targets a subclass of an earlier replacement, say)."""
+    from transformers.utils.output_capturing import OutputRecorder
+
+    if isinstance(candidate, type):
+        return isinstance(existing, type) and issubclass(candidate, existing)
+    return (
+        isinstance(existing, OutputRecorder)
+        and isinstance(existing.target_class, type)
+        and issubclass(candidate.target_class, existing.target_class)
+        and dataclasses.replace(existing, target_class=candidate.target_class) == candidate
+    )
+
+
 def _with_replacement(spec: object, original: type, replacement: type) -> object:
     """``spec`` extended so that it also targets ``replacement`` wherever it targets ``original``."""
     from transformers.utils.output_capturing import OutputRecorder
 
     specs = spec if isinstance(spec, list) else [spec]
-    added = []
+    added: list[object] = []
     for item in specs:
         if item is original:
-            added.append(replacement)
+            candidate: object = replacement
         elif isinstance(item, OutputRecorder) and item.target_class is original:
-            added.append(dataclasses.replace(item, target_class=replacement))
-    if not added or any(a in specs for a in added):
-        return spec
-    return [*specs, *added]
+            candidate = dataclasses.replace(item, target_class=replacement)
+        else:
+            continue
+        if not any(_covers(existing, candidate) for existing in (*specs, *added)):
+            added.append(candidate)
+    return [*specs, *added] if added else spec
 
 
 def register_replacement_for_recorders(

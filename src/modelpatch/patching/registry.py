@@ -32,14 +32,15 @@ def register_patch_mapping(mapping: Mapping[str, type[nn.Module]], overwrite: bo
     """Register class replacements, applied whenever a patch scope or a modelpatch load builds a model.
 
     Args:
-        mapping: ``{original class name or regex pattern: replacement nn.Module subclass}``. A key that is a Python
-            identifier is an exact class name; any other key is a regular expression matched with ``re.search``.
-            Exact names beat patterns; patterns are tried in registration order.
+        mapping: ``{original class name or regex pattern: replacement nn.Module subclass}``. A class is replaced by
+            the key naming it exactly if there is one, else by the first key, in registration order, that
+            ``re.search`` finds in its name (so ``"Attention"`` replaces ``LlamaAttention``).
         overwrite: Replace keys that are already registered instead of raising.
 
     Raises:
         TypeError: A replacement is not an ``nn.Module`` subclass.
-        PatchRegistryError: A pattern does not compile, or a key is already registered and ``overwrite`` is False.
+        PatchRegistryError: A key does not compile as a regular expression, or is already registered and
+            ``overwrite`` is False.
             The registry is unchanged when anything is raised.
     """
     global _current

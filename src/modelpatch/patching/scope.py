@@ -7,25 +7,34 @@ replacement instead. Module globals and class objects are never modified, so:
 
 * other threads and asyncio tasks, which have their own context, keep building the original classes;
 * ``isinstance``/``issubclass``, pickling and ``torch.compile`` see the untouched classes;
-* copies and unpickled objects keep their class: only constructions that pass arguments are dispatched (modeling
-  code always passes a config or sizes; a class constructed with no arguments at all is never replaced);
+* copies and unpickled objects keep their class: a construction without arguments is only dispatched when patchable
+  code (a transformers modeling module, or a registered namespace) makes it, as ``MultiScaleDeformableAttention()``
+  or ``BloomGelu()`` are made; copy, deepcopy and pickle call ``__new__`` from their own code;
+* a class that is not a candidate (``torch.nn.LayerNorm``) is dispatched only where patchable code that imports it by
+  name constructs it (``from torch.nn import LayerNorm`` in Qwen2-VL): where transformers' own ``apply_patches``,
+  which rebinds module globals, would replace it. Such a module's ``nn.LayerNorm(...)`` is replaced too;
 * a replacement that wraps the module it replaces (``self.inner = LlamaAttention(config, layer_idx)`` inside the
   replacement's ``__init__``) gets the original class there instead of recursing into itself;
 * nothing is scanned on entry: a class is resolved the first time it is constructed in a scope (then cached),
   and classes whose modeling module is imported inside the scope are covered too.
 
-Scopes are removed by identity, not by restoring a saved value, so nested and interleaved scopes
-(A enters, B enters, A leaves, B leaves) and exits by exception always leave exactly the scopes still open.
+A scope belongs to the context that entered it (and to contexts copied from it while it is open, such as asyncio
+tasks created inside it). Leaving it ends it *everywhere*, whichever thread or context leaves it: a generator that
+entered a scope and is closed by another thread (or collected) ends the scope in the context that entered it too.
+Scopes are removed by identity, not by restoring a saved value, so nested and interleaved scopes (A enters, B enters,
+A leaves, B leaves) and exits by exception always leave exactly the scopes still open.
 
 The dispatcher is installed on first use and stays: CPython cannot restore ``object.__new__``'s slot once a type
 has had a ``__new__`` of its own. Outside every scope it costs a ``torch.compiler.is_compiling()`` check and one
-``ContextVar.get`` per module construction. Modules built inside a ``torch.compile``'d region are never replaced.
+``ContextVar.get`` per module construction. Inside a scope, a class no key matches costs one dictionary lookup more.
+Modules built inside a ``torch.compile``'d region are never replaced.
 """
 
 from __future__ import annotations
 
 import contextvars
 import logging
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,47 +43,93 @@ import torch
 from torch import nn
 
 from . import registry
-from .candidates import is_patch_candidate
+from .candidates import is_patch_candidate, is_patchable_module
 from .mapping import PatchMapping
 from .recorders import register_replacement_for_recorders
 
 logger = logging.getLogger(__name__)
 
 
-class _Scope:
-    """One entered scope: the mappings it activates, innermost (highest priority) first."""
+class PatchScope:
+    """One entered scope: the mappings it activates (highest priority first) and what it did so far.
 
-    __slots__ = ("layers",)
+    Attributes:
+        layers: The non-empty mappings of the scope, highest priority first.
+        ended: Whether the scope has been left (in any context).
+        matched: Names of the classes built under the scope, where patches apply, that one of its keys matches.
+        replaced: Class name -> ``(key, replacement)`` for every class the scope replaced.
+    """
+
+    __slots__ = ("layers", "ended", "matched", "replaced")
 
     def __init__(self, layers: tuple[PatchMapping, ...]):
         self.layers = layers
+        self.ended = False
+        self.matched: set[str] = set()
+        self.replaced: dict[str, tuple[str, type[nn.Module]]] = {}
+
+
+class _Resolution:
+    """How a class resolves in one set of open scopes: the winning scope, key and replacement."""
+
+    __slots__ = ("scope", "key", "replacement", "imported", "matching", "recorded")
+
+    def __init__(self, scope: PatchScope, key: str, replacement: type, imported: bool, matching: tuple[PatchScope, ...]):
+        self.scope = scope
+        self.key = key
+        self.replacement = replacement
+        # Not a candidate: replaced only where patchable code that imports it by name constructs it.
+        self.imported = imported
+        # Every open scope with a key matching the class (they all record it in ``matched``).
+        self.matching = matching
+        self.recorded = False
+
+
+# Replaced by a new object each time a scope ends, so that every context notices, at its next dispatch, that one of
+# its scopes may have been ended by another context.
+_epoch = object()
 
 
 class _ActiveScopes:
     """The scopes open in one context, with a per-class resolution cache."""
 
-    __slots__ = ("scopes", "_cache", "_replacements")
+    __slots__ = ("scopes", "epoch", "_cache", "_replacements")
 
-    def __init__(self, scopes: tuple[_Scope, ...]):
-        self.scopes = scopes
-        self._cache: dict[type, type | None] = {}
-        self._replacements = frozenset().union(*(layer.replacements() for s in scopes for layer in s.layers))
+    def __init__(self, scopes: tuple[PatchScope, ...]):
+        self.epoch = _epoch  # read before filtering: a scope ending meanwhile changes ``_epoch`` again
+        self.scopes = tuple(scope for scope in scopes if not scope.ended)
+        self._cache: dict[type, _Resolution | None] = {}
+        self._replacements = frozenset().union(*(layer.replacements() for s in self.scopes for layer in s.layers))
 
-    def resolve(self, cls: type) -> type | None:
+    def resolve(self, cls: type) -> _Resolution | None:
         try:
             return self._cache[cls]
         except KeyError:
             pass
-        replacement = None
-        if cls not in self._replacements and is_patch_candidate(cls):
-            for scope in reversed(self.scopes):
-                replacement = next((r for layer in scope.layers if (r := layer.lookup(cls.__name__))), None)
-                if replacement is not None:
-                    break
-        if replacement is cls:
-            replacement = None
-        self._cache[cls] = replacement
-        return replacement
+        resolution = None if cls in self._replacements else self._match(cls)
+        self._cache[cls] = resolution
+        return resolution
+
+    def _match(self, cls: type) -> _Resolution | None:
+        winner: tuple[PatchScope, str, type] | None = None
+        matching: list[PatchScope] = []
+        for scope in reversed(self.scopes):
+            for layer in scope.layers:
+                found = layer.match(cls.__name__)
+                if found is None:
+                    continue
+                if not any(s is scope for s in matching):
+                    matching.append(scope)
+                if winner is None:
+                    winner = (scope, *found)
+        if winner is None or winner[2] is cls:
+            return None
+        return _Resolution(*winner, imported=not is_patch_candidate(cls), matching=tuple(matching))
+
+
+def _active_scopes(scopes: tuple[PatchScope, ...]) -> _ActiveScopes | None:
+    active = _ActiveScopes(scopes)
+    return active if active.scopes else None
 
 
 _active: contextvars.ContextVar[_ActiveScopes | None] = contextvars.ContextVar("modelpatch_active_scopes", default=None)
@@ -99,6 +154,26 @@ class _Build:
 _building: contextvars.ContextVar[tuple[_Build, ...]] = contextvars.ContextVar("modelpatch_building", default=())
 
 
+def _refreshed(active: _ActiveScopes) -> _ActiveScopes | None:
+    """``active`` without the scopes another context has ended since it was made (published in this context)."""
+    epoch = _epoch  # read before looking: a scope ending meanwhile changes ``_epoch`` again
+    if all(not scope.ended for scope in active.scopes):
+        active.epoch = epoch
+        return active
+    refreshed = _active_scopes(active.scopes)
+    _active.set(refreshed)
+    return refreshed
+
+
+def _made_by_patchable_code(cls: type, imported: bool, caller) -> bool:
+    """Whether ``caller``, the frame that called ``cls(...)`` (or ``cls.__new__``), is code whose constructions a
+    patch redirects: a patchable module's, which for an ``imported`` class must also bind its name to it."""
+    caller_globals = caller.f_globals
+    if not is_patchable_module(caller_globals.get("__name__") or ""):
+        return False
+    return not imported or caller_globals.get(cls.__name__) is cls
+
+
 def _dispatching_new(cls, *args, **kwargs):
     # Inside a torch.compile'd region (modules built during forward, e.g. ``ModuleList`` slicing) nothing is
     # dispatched: dynamo cannot trace ``ContextVar.get`` (a graph break, an error with ``fullgraph=True``), and
@@ -106,15 +181,25 @@ def _dispatching_new(cls, *args, **kwargs):
     if torch.compiler.is_compiling():
         return object.__new__(cls)
     active = _active.get()
-    # copy, deepcopy and unpickling rebuild objects with ``cls.__new__(cls)`` and no arguments; they must get the
-    # object's own class back. Modeling code always passes a config or sizes.
-    if active is not None and (args or kwargs):
-        replacement = active.resolve(cls)
-        if replacement is not None:
+    if active is not None and active.epoch is not _epoch:
+        active = _refreshed(active)
+    if active is not None:
+        resolution = active.resolve(cls)
+        # A candidate constructed with arguments is replaced wherever it is built; the caller's frame is only looked
+        # at for constructions without arguments (copy and pickle make those too) and for non-candidate classes.
+        if resolution is not None and (
+            ((args or kwargs) and not resolution.imported)
+            or _made_by_patchable_code(cls, resolution.imported, sys._getframe(1))
+        ):
+            if not resolution.recorded:
+                for scope in resolution.matching:
+                    scope.matched.add(cls.__name__)
+                resolution.recorded = True
             building = _building.get()
             wrapping = next((b for b in building if b.original is cls), None)
             if wrapping is None:
-                return _build_replacement(cls, replacement, building, args, kwargs)
+                resolution.scope.replaced[cls.__name__] = (resolution.key, resolution.replacement)
+                return _build_replacement(cls, resolution.replacement, building, args, kwargs)
             wrapping.wraps_original = True
     if _saved_new is not None:
         return _saved_new(cls, *args, **kwargs)
@@ -150,22 +235,34 @@ def _install_dispatcher() -> None:
             nn.Module.__new__ = staticmethod(_dispatching_new)
 
 
+def _end(scope: PatchScope) -> None:
+    """End ``scope`` in every context: here at once, elsewhere at that context's next dispatch."""
+    global _epoch
+    scope.ended = True
+    _epoch = object()
+    current = _active.get()
+    if current is not None:
+        _active.set(_active_scopes(current.scopes))
+
+
 @contextmanager
-def patch_scope(*layers: PatchMapping) -> Iterator[None]:
-    """Activate ``layers`` (first = highest priority) for constructions in the current thread / task."""
-    scope = _Scope(tuple(layer for layer in layers if layer))
+def patch_scope(*layers: PatchMapping) -> Iterator[PatchScope]:
+    """Activate ``layers`` (first = highest priority) for constructions in the current thread / task.
+
+    Yields the :class:`PatchScope`, which records what it matched and replaced. Leaving it from another thread or
+    context (a generator closed elsewhere) ends it everywhere and does not raise.
+    """
+    scope = PatchScope(tuple(layer for layer in layers if layer))
     if not scope.layers:
-        yield
+        yield scope
         return
     _install_dispatcher()
     current = _active.get()
-    _active.set(_ActiveScopes((current.scopes if current else ()) + (scope,)))
+    _active.set(_active_scopes((current.scopes if current else ()) + (scope,)))
     try:
-        yield
+        yield scope
     finally:
-        current = _active.get()
-        remaining = tuple(s for s in (current.scopes if current else ()) if s is not scope)
-        _active.set(_ActiveScopes(remaining) if remaining else None)
+        _end(scope)
 
 
 def apply_patches():
