@@ -239,3 +239,16 @@ def test_modelpatch_auto_classes_stand_for_transformers(stock_checkpoint):
         PatchedAuto()
     with pytest.raises(AttributeError, match="no Auto model class 'AutoModelForNothing'"):
         modelpatch.AutoModelForNothing  # noqa: B018
+
+
+def test_the_documented_patcher_applied_to_a_model_in_memory(stock_checkpoint, tmp_path):
+    """modelpatch.patch_model: the Patcher example on a model stock transformers loaded, as a load would apply it."""
+    ckpt = stock_checkpoint("qwen2_moe")
+    namespace = runpy.run_path(str(SEED_EXAMPLE.with_name("seed_patcher_example.py")), init_globals={"CHECKPOINT": str(ckpt.path)})
+    live = AutoModelForCausalLM.from_pretrained(ckpt.path)
+    assert modelpatch.patch_model(live, namespace["patcher"]) is live
+    loaded = namespace["model"]
+    assert {n: type(m) for n, m in live.named_modules()} == {n: type(m) for n, m in loaded.named_modules()}
+    assert_tensors_identical(live.state_dict(), loaded.state_dict())
+    modelpatch.save_pretrained(live, tmp_path / "saved")
+    assert (tmp_path / "saved" / "model.safetensors").read_bytes() == (ckpt.path / "model.safetensors").read_bytes()

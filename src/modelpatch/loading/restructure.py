@@ -11,22 +11,24 @@ is at most one converted group. Tensors no transform touches (``o_proj``, norms)
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..conversion.planner import TensorMeta, plan_load, plan_save
+from ..conversion.planner import ConversionGroup, ConversionPlan, TensorMeta, plan_load, plan_save
 from ..conversion.registry import model_conversions
-from ..conversion.transforms import WeightTransform
+from ..conversion.transforms import WeightConverter, WeightTransform
 from ..errors import FusionError
 from ..fusions.apply import normalize_fusion_config, prepare_fusions, spec_transforms
 from ..fusions.generated import fused_origin
 from ..fusions.projections import ProjectionSlice
 from ..patching import registry
+from ..patching.patcher import Patcher
 from ..state import (
     BASE_TRANSFORMS_ATTRIBUTE,
     EXPECTED_STATE_ATTRIBUTE,
@@ -75,46 +77,67 @@ def _module_state(model: nn.Module, name: str) -> dict[str, torch.Tensor]:
     return {f"{name}.{key}": tensor for key, tensor in model.get_submodule(name).state_dict(keep_vars=True).items()}
 
 
-def _swap(
-    model: PreTrainedModel, target: nn.Module, names: Sequence[str], transforms: Sequence[WeightTransform], *, reverse: bool
-) -> None:
-    """Replace each module ``names`` of ``model`` by the meta module of the same name in ``target``, filled from it.
+Step = Callable[[Mapping[str, TensorMeta]], ConversionPlan]
 
-    ``reverse`` runs ``transforms`` backwards (unfusing). Every module is planned before any is replaced, so a
-    mismatch leaves the model untouched; then modules are converted one at a time and the old one is released before
-    the next, so the memory a restructuring adds is one converted group.
+
+def _run_plan(
+    plan: ConversionPlan, tensors: Mapping[str, torch.Tensor], grads: Mapping[str, bool]
+) -> tuple[dict[str, torch.Tensor], dict[str, bool]]:
+    """Execute ``plan`` on ``tensors``; an output requires grad when one of its sources does."""
+    out = {key: tensors[source] for key, source in plan.direct.items()}
+    out_grads = {key: grads[source] for key, source in plan.direct.items()}
+    for group in plan.groups:
+        requires_grad = any(grads[key] for key in group.source_keys())
+        for key, tensor in group.run(tensors.__getitem__).items():
+            out[key], out_grads[key] = tensor, requires_grad
+    return out, out_grads
+
+
+def _swap(
+    model: PreTrainedModel, target: nn.Module, names: Sequence[str], steps: Sequence[Step], verb: str
+) -> list[ConversionGroup]:
+    """Replace each module ``names`` of ``model`` by the meta module of the same name in ``target``, filled from it.
+    Returns the converted groups of the last step (their operations bound to the real shapes).
+
+    A module's tensors go through ``steps``, each a planner (``plan_load`` / ``plan_save`` bound to transforms) run
+    on the previous step's output. Every module is planned (metadata only) before any is replaced, so a mismatch
+    leaves the model untouched; then modules are converted one at a time and the old one is released before the next,
+    so the memory a restructuring adds is one converted module.
     """
     plans = []
     for name in names:
-        state = _module_state(model, name)
-        metas = {key: TensorMeta(tuple(t.shape), t.dtype) for key, t in state.items()}
-        plan = plan_save(metas, transforms, alternatives=True) if reverse else plan_load(metas, transforms)
+        metas = {key: TensorMeta(tuple(t.shape), t.dtype) for key, t in _module_state(model, name).items()}
+        module_plans, problems = [], []
+        for step in steps:
+            plan = step(metas)
+            problems.extend(item for items in plan.problems.values() for item in items)
+            module_plans.append(plan)
+            metas = plan.outputs
         new = target.get_submodule(name)
         expected = {f"{name}.{key}": TensorMeta(tuple(t.shape), t.dtype) for key, t in new.state_dict(keep_vars=True).items()}
         wrong = sorted(
-            key for key in plan.outputs.keys() | expected.keys()
-            if key not in plan.outputs or key not in expected or plan.outputs[key].shape != expected[key].shape
+            key for key in metas.keys() | expected.keys()
+            if key not in metas or key not in expected or metas[key].shape != expected[key].shape
         )
-        if any(plan.problems.values()) or wrong:
-            problems = "; ".join(item for items in plan.problems.values() for item in items)
+        if problems or wrong:
             raise FusionError(
-                f"Cannot {'unfuse' if reverse else 'fuse'} {name} ({type(model.get_submodule(name)).__name__}): its "
-                f"tensors do not convert to those of {type(new).__name__} ({', '.join(wrong[:6])}"
-                f"{', ...' if len(wrong) > 6 else ''}{'; ' + problems if problems else ''}). The model was left unchanged."
+                f"Cannot {verb} {name} ({type(model.get_submodule(name)).__name__}): its tensors do not convert to "
+                f"those of {type(new).__name__} ({', '.join(wrong[:6])}{', ...' if len(wrong) > 6 else ''}"
+                f"{'; ' + '; '.join(problems) if problems else ''}). The model was left unchanged."
             )
-        plans.append((name, plan))
-        del state
+        plans.append((name, module_plans))
 
+    last_groups = [group for _, module_plans in plans for group in module_plans[-1].groups]
     with torch.no_grad():
-        for name, plan in plans:
-            live, new, state = model.get_submodule(name), target.get_submodule(name), _module_state(model, name)
+        for name, module_plans in plans:
+            live, new = model.get_submodule(name), target.get_submodule(name)
+            tensors = _module_state(model, name)
+            grads = {key: tensor.requires_grad for key, tensor in tensors.items()}
+            for plan in module_plans:
+                tensors, grads = _run_plan(plan, tensors, grads)
             local = len(name) + 1
-            for out_key, source in plan.direct.items():
-                _assign(new, out_key[local:], state[source], state[source].requires_grad)
-            for group in plan.groups:
-                requires_grad = any(state[k].requires_grad for k in group.source_keys())
-                for out_key, tensor in group.run(state.__getitem__).items():
-                    _assign(new, out_key[local:], tensor.contiguous(), requires_grad)
+            for key, tensor in tensors.items():
+                _assign(new, key[local:], tensor if isinstance(tensor, nn.Parameter) else tensor.contiguous(), grads[key])
             # Buffers outside the state dict (non-persistent ones) come from the live module, by name.
             live_buffers = dict(live.named_buffers())
             for buffer_name, buffer in list(new.named_buffers()):
@@ -126,7 +149,22 @@ def _swap(
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child, new)
             _dismantle(live)
-            del live, new, state, live_buffers  # the old module's converted tensors go now, not at the end
+            del live, new, tensors, live_buffers  # the old module's converted tensors go now, not at the end
+    return last_groups
+
+
+def _bound(transforms: Sequence[WeightTransform], groups: Sequence[ConversionGroup]) -> list[WeightTransform]:
+    """``transforms`` with each converter replaced by its operations as bound in ``groups`` when they are the same in
+    every group (the sizes a save needs to reverse it exactly, as a load records them); else kept as declared."""
+    bound: dict[WeightConverter, set[tuple]] = {}
+    for group in groups:
+        bound.setdefault(group.converter, set()).add(group.operations)
+    return [
+        WeightConverter(t.source_patterns, t.target_patterns, next(iter(bound[t])), alternative=t.alternative)
+        if isinstance(t, WeightConverter) and len(bound.get(t, ())) == 1
+        else t
+        for t in transforms
+    ]
 
 
 def _dismantle(module: nn.Module) -> None:
@@ -194,7 +232,7 @@ def fuse(model: PreTrainedModel, fusion_config: Mapping[str, Any]) -> PreTrained
                 "built). Load the model with modelpatch.from_pretrained(..., fusion_config=...) instead."
             )
     base = _base_transforms(model)
-    _swap(model, target, names, prepared.transforms, reverse=False)
+    _swap(model, target, names, [functools.partial(plan_load, transforms=prepared.transforms)], "fuse")
     if getattr(model, BASE_TRANSFORMS_ATTRIBUTE, None) is None:
         object.__setattr__(model, BASE_TRANSFORMS_ATTRIBUTE, tuple(base))
     _record(model, normalized, prepared.adjust_conversions(base))
@@ -226,7 +264,46 @@ def unfuse(model: PreTrainedModel) -> PreTrainedModel:
     transforms: list[WeightTransform] = []
     for spec, modules in by_spec.values():
         transforms.extend(spec_transforms(spec, model.config, modules))
-    _swap(model, target, sorted(fused), transforms, reverse=True)
+    _swap(model, target, sorted(fused), [functools.partial(plan_save, transforms=transforms, alternatives=True)], "unfuse")
     _record(model, {}, _base_transforms(model))
     logger.info("Unfused %d modules of %s", len(fused), type(model).__name__)
     return model
+
+
+def patch_model(model: PreTrainedModel, patcher: Patcher) -> PreTrainedModel:
+    """Apply ``patcher``'s class replacements to a model already in memory, converting weights as a load would.
+
+    Each module the Patcher replaces is rebuilt as a load with that Patcher builds it, and filled from the live
+    module: its tensors go back to the checkpoint layout (the model's current transforms, run backwards), then
+    forward through the transforms the Patcher adjusts (its filters and extra conversions). Saves afterwards write the
+    checkpoint layout, as after a load with the Patcher.
+
+    Returns:
+        ``model`` itself.
+
+    Raises:
+        FusionError: a replaced module's tensors do not convert (the Patcher's conversions do not allow it); the model
+            is left unchanged.
+    """
+    _check_live(model, "patch_model")
+    if not isinstance(patcher, Patcher):
+        raise TypeError(f"patcher must be a modelpatch.Patcher, got {patcher!r}.")
+    target = build_empty_model(type(model), model.config, model.dtype, [patcher.mapping, registry.snapshot()])
+    replacements = patcher.mapping.replacements()
+    names: list[str] = []
+    for name, module in target.named_modules():
+        if type(module) in replacements and not any(name.startswith(f"{outer}.") for outer in names):
+            if type(model.get_submodule(name)) is not type(module):
+                names.append(name)
+    if not names:
+        logger.warning("patch_model(): %s has no module %s replaces.", type(model).__name__, patcher)
+        return model
+    base = _base_transforms(model)
+    patched = patcher.adjust_conversions(base)
+    steps = [functools.partial(plan_save, transforms=base), functools.partial(plan_load, transforms=patched)]
+    patched = _bound(patched, _swap(model, target, names, steps, "patch"))
+    object.__setattr__(model, BASE_TRANSFORMS_ATTRIBUTE, tuple(patched))
+    _record(model, stored_fusion_config(model.config) or {}, patched)
+    logger.info("Patched %d modules of %s", len(names), type(model).__name__)
+    return model
+
