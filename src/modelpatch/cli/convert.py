@@ -7,7 +7,15 @@ from pathlib import Path
 
 from ..loading import from_pretrained, save_pretrained
 from ..state import is_runtime_layout, stored_fusion_config
-from .common import UsageError, add_patch_arguments, model_class_for, open_checkpoint_config, parse_fusions, parse_patches
+from .common import (
+    UsageError,
+    add_patch_arguments,
+    add_source_arguments,
+    model_class_for,
+    open_checkpoint,
+    parse_fusions,
+    parse_patches,
+)
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -18,7 +26,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         "writes the patched/fused layout, which later loads need no conversion for. A SRC in a runtime layout is "
         "loaded with the fusions it was saved with, so `--fusion none` turns it back into the original layout.",
     )
-    parser.add_argument("src", help="source checkpoint directory")
+    add_source_arguments(parser, "src")
     parser.add_argument("dst", help="destination directory")
     add_patch_arguments(parser)
     parser.add_argument("--runtime-format", action="store_true", help="write the runtime (fused) layout")
@@ -28,11 +36,11 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    _, config = open_checkpoint_config(args.src)
+    source, config = open_checkpoint(args, args.src)
     destination = Path(args.dst)
     if destination.exists() and not args.force:
         raise UsageError(f"{destination} exists; pass --force to overwrite it.")
-    if destination.resolve() == Path(args.src).resolve():
+    if destination.resolve() == source.resolve():
         raise UsageError("SRC and DST are the same directory.")
     fusions = parse_fusions(args.fusion)
     if is_runtime_layout(config):
@@ -45,7 +53,13 @@ def run(args: argparse.Namespace) -> int:
                 "first (--fusion none), then from there to other fusions."
             )
         fusions = None
-    model = from_pretrained(model_class_for(config), args.src, patcher=parse_patches(args.patch), fusion_config=fusions)
+    model = from_pretrained(
+        model_class_for(config),
+        source,
+        patcher=parse_patches(args.patch),
+        fusion_config=fusions,
+        allow_pickle=args.allow_pickle,
+    )
     files = save_pretrained(
         model, destination, save_original_format=not args.runtime_format, max_shard_size=args.max_shard_size
     )

@@ -14,7 +14,7 @@ from ..fusions.apply import discover
 from ..loading.build import build_empty_model
 from ..loading.config import resolve_model_class
 from ..state import is_runtime_layout, stored_fusion_config
-from .common import model_class_for, open_checkpoint_config
+from .common import add_source_arguments, model_class_for, open_checkpoint
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
 
@@ -23,9 +23,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "inspect",
         help="model type, module classes, applicable fusions and checkpoint key layout",
-        description="Describe a local checkpoint without reading tensor data.",
+        description="Describe a checkpoint without reading tensor data.",
     )
-    parser.add_argument("path", help="checkpoint directory (config.json + safetensors)")
+    add_source_arguments(parser)
     parser.set_defaults(run=run)
 
 
@@ -38,7 +38,7 @@ def _size(num_bytes: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    directory, config = open_checkpoint_config(args.path)
+    directory, config = open_checkpoint(args, args.path)
     model_class = resolve_model_class(model_class_for(config), config)
     model = build_empty_model(model_class, config, torch.float32, [])
     print(f"checkpoint:   {directory}")
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"  {fusion:<18} not applicable")
 
-    with Checkpoint.open(directory) as checkpoint:
+    with Checkpoint.open(directory, allow_pickle=args.allow_pickle) as checkpoint:
         keys = checkpoint.keys()
         dtypes = Counter(str(checkpoint.info(k).dtype).removeprefix("torch.") for k in keys)
         layout = Counter(_INDEX.sub("*", k) for k in keys)

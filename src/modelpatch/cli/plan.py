@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 
 from ..loading.load import plan_pretrained
-from .common import add_patch_arguments, model_class_for, open_checkpoint_config, parse_fusions, parse_patches
+from .common import (
+    add_patch_arguments,
+    add_source_arguments,
+    model_class_for,
+    open_checkpoint,
+    parse_fusions,
+    parse_patches,
+)
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -14,7 +21,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="each runtime parameter <- its checkpoint keys and operations (no tensor data read)",
         description="Plan a load with the given patches and fusions and print where every parameter comes from.",
     )
-    parser.add_argument("path", help="checkpoint directory")
+    add_source_arguments(parser)
     add_patch_arguments(parser)
     parser.set_defaults(run=run)
 
@@ -24,9 +31,13 @@ def _keys(keys: list[str]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    _, config = open_checkpoint_config(args.path)
+    directory, config = open_checkpoint(args, args.path)
     planned = plan_pretrained(
-        model_class_for(config), args.path, patcher=parse_patches(args.patch), fusion_config=parse_fusions(args.fusion)
+        model_class_for(config),
+        directory,
+        patcher=parse_patches(args.patch),
+        fusion_config=parse_fusions(args.fusion),
+        allow_pickle=args.allow_pickle,
     )
     plan = planned.plan
     print(f"{type(planned.model).__name__} <- {planned.directory}")

@@ -6,7 +6,14 @@ import argparse
 
 from ..loading import from_pretrained
 from ..verify import verify
-from .common import add_patch_arguments, model_class_for, open_checkpoint_config, parse_fusions, parse_patches
+from .common import (
+    add_patch_arguments,
+    add_source_arguments,
+    model_class_for,
+    open_checkpoint,
+    parse_fusions,
+    parse_patches,
+)
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -17,7 +24,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         "inputs (token ids, and an image for vision-language models) and print the max abs/rel difference of every "
         "output and the speed ratio. Exits 1 when an output is out of tolerance.",
     )
-    parser.add_argument("path", help="checkpoint directory")
+    add_source_arguments(parser)
     add_patch_arguments(parser)
     parser.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance (default 1e-5)")
     parser.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)")
@@ -25,11 +32,12 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    _, config = open_checkpoint_config(args.path)
+    directory, config = open_checkpoint(args, args.path)
     model_class = model_class_for(config)
     patcher, fusions = parse_patches(args.patch), parse_fusions(args.fusion)
-    reference = from_pretrained(model_class, args.path, fusion_config={}, dtype="float32")
-    candidate = from_pretrained(model_class, args.path, patcher=patcher, fusion_config=fusions, dtype="float32")
+    common = {"dtype": "float32", "allow_pickle": args.allow_pickle}
+    reference = from_pretrained(model_class, directory, fusion_config={}, **common)
+    candidate = from_pretrained(model_class, directory, patcher=patcher, fusion_config=fusions, **common)
     report = verify(reference, candidate, atol=args.atol, rtol=args.rtol)
     print(report)
     return 0 if report.passed else 1

@@ -1,10 +1,11 @@
-"""Read a local checkpoint's config and resolve the concrete model class (no hub access, ever)."""
+"""Read a checkpoint directory's config and resolve the concrete model class (``hub.py`` finds the directory)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
@@ -13,21 +14,17 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from ..errors import CheckpointError
 
-def checkpoint_directory(path: str | Path) -> Path:
-    """``path`` as an existing local directory holding a ``config.json``; a clear error otherwise."""
-    directory = Path(path)
-    if not directory.is_dir():
-        raise CheckpointError(
-            f"{str(path)!r} is not a local directory. modelpatch loads local checkpoints only; download hub models "
-            "first (e.g. with huggingface_hub.snapshot_download) and pass the directory."
-        )
-    if not (directory / "config.json").is_file():
-        raise CheckpointError(f"{directory} has no config.json, so it is not a transformers checkpoint directory.")
-    return directory
 
+def load_config(directory: Path, overrides: Mapping[str, Any] | None = None) -> PretrainedConfig:
+    """Parse ``directory/config.json`` with the config class of its ``model_type``.
 
-def load_config(directory: Path) -> PretrainedConfig:
-    """Parse ``directory/config.json`` with the config class of its ``model_type``."""
+    ``overrides`` set config attributes as transformers' ``from_pretrained(path, **kwargs)`` does (through the config
+    class's own ``from_dict``, so ``num_labels`` also rebuilds the label maps).
+
+    Raises:
+        CheckpointError: ``config.json`` is not valid, or names a model type transformers does not have.
+        TypeError: An override names no attribute of the config: the keyword is unknown.
+    """
     config_file = directory / "config.json"
     try:
         raw = json.loads(config_file.read_text(encoding="utf-8"))
@@ -37,12 +34,27 @@ def load_config(directory: Path) -> PretrainedConfig:
         raise CheckpointError(f"{config_file} must hold a JSON object, got {type(raw).__name__}.")
     model_type = raw.get("model_type")
     if model_type not in CONFIG_MAPPING:
+        if "auto_map" in raw:
+            raise CheckpointError(
+                f"{config_file} names model_type {model_type!r}, a custom model whose code ships with the checkpoint "
+                "(auto_map, trust_remote_code): modelpatch loads only the model types built into transformers."
+            )
         raise CheckpointError(
             f"{config_file} names model_type {model_type!r}, which transformers does not know."
             if model_type
             else f"{config_file} has no model_type."
         )
-    return AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    if not overrides:
+        return config
+    # Checked first: transformers' config loader would also consume download options (user_agent, _commit_hash, ...).
+    unknown = sorted(name for name in overrides if not hasattr(config, name))
+    if unknown:
+        raise TypeError(
+            f"from_pretrained() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}: neither a loading "
+            f"option of modelpatch or transformers nor an attribute of {type(config).__name__} to override."
+        )
+    return AutoConfig.from_pretrained(str(directory), local_files_only=True, **overrides)
 
 
 def resolve_model_class(model_class: type, config: PretrainedConfig) -> type[PreTrainedModel]:
