@@ -1,14 +1,16 @@
 """Shared test fixtures: every test starts and ends with the process-wide registries as they were.
 
 The patch registry is emptied; the conversion and fusion registries (which tests extend or overwrite, built-ins
-included) are restored to their contents before the test.
+included) are restored to their contents before the test. No test may reach the network: the hub is offline.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
+import huggingface_hub.constants
 import pytest
 import transformers
 
@@ -17,6 +19,10 @@ from modelpatch.conversion import registry as conversion_registry
 from modelpatch.fusions import registry as fusion_registry
 
 transformers.logging.set_verbosity_error()
+
+# Subprocesses (the CLI tests) read the variable; this process's huggingface_hub read it at import already.
+os.environ["HF_HUB_OFFLINE"] = "1"
+huggingface_hub.constants.HF_HUB_OFFLINE = True
 
 # The tiny stock-saved checkpoints of tests/fusions/fusion_models.py serve the fusion, integration and docs tests.
 sys.path.insert(0, str(Path(__file__).parent / "fusions"))

@@ -137,6 +137,34 @@ def test_symlink_inside_directory_allowed(tmp_path: Path) -> None:
     assert Checkpoint.open(directory).tensor("a").tolist() == [1.0]
 
 
+def _hub_snapshot(tmp_path: Path, blob_folder: str) -> Path:
+    """A huggingface_hub cache snapshot whose index and shard link (relatively) to blobs in ``blob_folder``."""
+    repo = tmp_path / "models--org--name"
+    snapshot = repo / "snapshots" / ("c" * 40) / "sub"
+    snapshot.mkdir(parents=True)
+    blobs = tmp_path / blob_folder
+    blobs.mkdir(parents=True, exist_ok=True)
+    save_file({"a": torch.ones(1)}, str(blobs / "shard-blob"))
+    _write_index(blobs, {"a": "s.safetensors"}, name="index-blob")
+    for name, blob in (("s.safetensors", "shard-blob"), ("model.safetensors.index.json", "index-blob")):
+        (snapshot / name).symlink_to(os.path.relpath(blobs / blob, snapshot))
+    return snapshot
+
+
+def test_hub_snapshot_links_into_its_blobs(tmp_path: Path) -> None:
+    with Checkpoint.open(_hub_snapshot(tmp_path, "models--org--name/blobs")) as checkpoint:
+        assert checkpoint.tensor("a").tolist() == [1.0]
+
+
+@pytest.mark.parametrize("blob_folder", ["models--org--other/blobs", "models--org--name/elsewhere", "outside"])
+def test_hub_snapshot_links_elsewhere_refused(tmp_path: Path, blob_folder: str) -> None:
+    snapshot = _hub_snapshot(tmp_path, blob_folder)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json: resolves through a symlink"):
+        Checkpoint.open(snapshot)
+    with Checkpoint.open(snapshot, allow_external_symlinks=True) as checkpoint:
+        assert checkpoint.tensor("a").tolist() == [1.0]
+
+
 def test_missing_shard(sharded_dir: Path) -> None:
     _write_index(sharded_dir, {"a": "s1.safetensors", "z": "gone.safetensors"})
     with pytest.raises(CheckpointError, match=r"'gone\.safetensors' does not exist"):

@@ -13,6 +13,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2MoeConfig, Qwen2Moe
 
 SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 MODELPATCH = Path(sys.executable).with_name("modelpatch")
+# The command runs this checkout's package (not whichever one the environment installed) and the tests' helpers.
+SOURCE = Path(__file__).resolve().parents[2] / "src"
 
 
 @pytest.fixture(scope="session")
@@ -35,7 +37,7 @@ def moe_checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture
 def run_cli():
     def run(*args: str | Path) -> subprocess.CompletedProcess[str]:
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SOURCE), str(Path(__file__).parent)])}
         return subprocess.run(
             [str(MODELPATCH), *map(str, args)], capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL
         )

@@ -63,8 +63,9 @@ class _Directory:
     checkpoint is being opened: a checkpoint never mixes files of two versions.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, allow_external_symlinks: bool = False) -> None:
         self.path = path
+        self.allow_external_symlinks = allow_external_symlinks
         self.fd: int | None = None
         if os.open in os.supports_dir_fd and os.stat in os.supports_dir_fd:
             self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
@@ -78,6 +79,25 @@ class _Directory:
             return stat.S_ISREG(os.stat(name, dir_fd=self.fd).st_mode)
         except (OSError, ValueError):
             return False
+
+    def escape(self, name: str) -> Path | None:
+        """Where ``name`` leads if symlinks take it outside the places this checkpoint may read, else None.
+
+        A symlink may lead anywhere inside the directory and, in a huggingface_hub cache snapshot
+        (``models--org--name/snapshots/<commit>/``, whose files are links to ``../../blobs/<hash>``), into that
+        repository's ``blobs/``. Anything else would make the checkpoint's content depend on files its directory does
+        not hold, so it is refused unless ``allow_external_symlinks`` says the caller vouches for such links.
+        """
+        if self.allow_external_symlinks:
+            return None
+        target = (self.path / name).resolve()
+        root = self.path.resolve()
+        roots = [root]
+        for folder in (root, *root.parents):
+            if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
+                roots.append(folder.parent.parent / "blobs")
+                break
+        return None if any(target.is_relative_to(allowed) for allowed in roots) else target
 
     def open(self, name: str) -> int:
         """A read-only descriptor of ``name`` (never blocks on a FIFO)."""
@@ -123,12 +143,18 @@ class Checkpoint(ClosesOnExit):
         self._files = sorted(sources)
 
     @classmethod
-    def open(cls, directory: str | Path, *, allow_pickle: bool = False) -> Checkpoint:
-        """Open the checkpoint in local ``directory``; pickle checkpoints need ``allow_pickle=True``."""
+    def open(
+        cls, directory: str | Path, *, allow_pickle: bool = False, allow_external_symlinks: bool = False
+    ) -> Checkpoint:
+        """Open the checkpoint in local ``directory``; pickle checkpoints need ``allow_pickle=True``.
+
+        Symlinked files are followed inside ``directory`` and, for a huggingface_hub cache snapshot, into its
+        repository's ``blobs/``; ``allow_external_symlinks=True`` follows them anywhere.
+        """
         directory = Path(directory)
         for attempt in range(_OPEN_ATTEMPTS):
             try:
-                handle = _Directory(directory)
+                handle = _Directory(directory, allow_external_symlinks)
             except OSError:
                 raise CheckpointError(
                     f"{directory}: not a local directory (checkpoints are only read from local directories, "
@@ -149,8 +175,10 @@ class Checkpoint(ClosesOnExit):
     @classmethod
     def _open(cls, directory: Path, handle: _Directory, allow_pickle: bool) -> Checkpoint:
         if handle.is_file(SAFE_INDEX):
+            _check_symlinks(directory, handle, SAFE_INDEX)
             return cls._open_index(directory, handle, SAFE_INDEX, _load_safetensors)
         if handle.is_file(SAFE_SINGLE):
+            _check_symlinks(directory, handle, SAFE_SINGLE)
             source = _load_safetensors(handle, SAFE_SINGLE)
             return cls(directory, dict(source.tensors), {source.path: source}, is_sharded=False)
 
@@ -166,6 +194,7 @@ class Checkpoint(ClosesOnExit):
                 f"{pickle_path}: pickle checkpoints are refused unless allow_pickle=True (--allow-pickle on the "
                 "modelpatch command line); they are then loaded with torch.load(weights_only=True). Prefer safetensors."
             )
+        _check_symlinks(directory, handle, pickle_name)
         if pickle_name == PICKLE_INDEX:
             return cls._open_index(directory, handle, PICKLE_INDEX, _load_pickle)
         source = _load_pickle(handle, PICKLE_SINGLE)
@@ -317,13 +346,24 @@ def _read_weight_map(handle: _Directory, index_name: str) -> dict[str, str]:
 
 
 def _confined_shard(directory: Path, handle: _Directory, index_path: Path, name: str) -> Path:
-    """Resolve shard ``name`` and make sure it stays inside ``directory`` (no absolute, ``..`` or symlink escape)."""
+    """Resolve shard ``name`` and make sure it stays inside ``directory`` (no absolute or ``..`` name, no symlink
+    escape)."""
     relative = Path(name)
     if not name or relative.is_absolute() or ".." in relative.parts:
         raise CheckpointError(f"{index_path}: shard name {name!r} must be a relative path inside the directory")
     path = directory / relative
-    if not path.resolve().is_relative_to(directory.resolve()):
-        raise CheckpointError(f"{index_path}: shard {name!r} resolves outside {directory} (symlink escape)")
+    _check_symlinks(directory, handle, name, f"{index_path}: shard {name!r}")
     if not handle.is_file(name):
         raise CheckpointError(f"{index_path}: shard {name!r} does not exist in {directory}")
     return path
+
+
+def _check_symlinks(directory: Path, handle: _Directory, name: str, what: str | None = None) -> None:
+    """Refuse ``name`` (described as ``what``) when symlinks take it where this checkpoint may not read."""
+    target = handle.escape(name)
+    if target is not None:
+        raise CheckpointError(
+            f"{what or directory / name}: resolves through a symlink to {target}, outside {directory} (symlink "
+            "escape). Copy the file into the checkpoint directory, or pass allow_external_symlinks=True if you trust "
+            "the link."
+        )

@@ -1,4 +1,4 @@
-"""Argument parsing shared by the commands: model classes, ``--fusion`` and ``--patch`` specs."""
+"""Argument parsing shared by the commands: checkpoint sources, model classes, ``--fusion`` and ``--patch`` specs."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
 from ..errors import FusionError
 from ..fusions import available_fusions
-from ..loading.config import checkpoint_directory, load_config
+from ..loading.config import load_config
+from ..loading.hub import HubOptions, resolve_checkpoint
 from ..patching import Patcher
 
 
@@ -69,8 +70,35 @@ def model_classes(model_type: str) -> list[str]:
     return sorted(found)
 
 
-def open_checkpoint_config(path: str) -> tuple[Path, PretrainedConfig]:
-    directory = checkpoint_directory(path)
+def add_source_arguments(parser: argparse.ArgumentParser, name: str = "path") -> None:
+    """The checkpoint argument ``name``: a local directory or a hub repo id, with the hub options."""
+    parser.add_argument(name, help="checkpoint directory, or hub repo id (org/name) resolved through the hub cache")
+    parser.add_argument("--revision", help="hub branch, tag or commit (default: main)")
+    parser.add_argument("--subfolder", default="", help="the checkpoint's folder inside the directory or repository")
+    parser.add_argument("--cache-dir", help="huggingface_hub cache to use instead of HF_HUB_CACHE")
+    parser.add_argument("--local-files-only", action="store_true", help="never download: use the hub cache only")
+    parser.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="accept pytorch_model.bin checkpoints (read with torch.load(weights_only=True); prefer safetensors)",
+    )
+    parser.add_argument(
+        "--model-class",
+        metavar="NAME",
+        help="transformers class to load into, e.g. LlamaForCausalLM or AutoModelForCausalLM "
+        "(default: the config's architectures, else AutoModel)",
+    )
+
+
+def open_checkpoint(args: argparse.Namespace, path: str) -> tuple[Path, PretrainedConfig]:
+    """The local directory of checkpoint ``path`` (a hub repository is resolved into the cache once) and its config."""
+    hub = HubOptions(
+        revision=args.revision,
+        subfolder=args.subfolder,
+        cache_dir=args.cache_dir,
+        local_files_only=args.local_files_only,
+    )
+    directory = resolve_checkpoint(path, hub, allow_pickle=args.allow_pickle)
     return directory, load_config(directory)
 
 
@@ -109,21 +137,6 @@ def parse_patches(specs: list[str] | None) -> Patcher | None:
         return Patcher(class_mapping=mapping)
     except TypeError as exc:
         raise UsageError(f"Bad --patch: {exc}") from None
-
-
-def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of every command that reads a checkpoint directory."""
-    parser.add_argument(
-        "--model-class",
-        metavar="NAME",
-        help="transformers class to load into, e.g. LlamaForCausalLM or AutoModelForCausalLM "
-        "(default: the config's architectures, else AutoModel)",
-    )
-    parser.add_argument(
-        "--allow-pickle",
-        action="store_true",
-        help="accept pytorch_model.bin checkpoints (read with torch.load(weights_only=True); prefer safetensors)",
-    )
 
 
 def add_patch_arguments(parser: argparse.ArgumentParser) -> None:

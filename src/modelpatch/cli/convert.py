@@ -13,12 +13,12 @@ from ..loading.diagnose import collapse_indices
 from ..state import is_runtime_layout, stored_fusion_config
 from .common import (
     UsageError,
-    add_checkpoint_arguments,
     add_patch_arguments,
+    add_source_arguments,
     architectures_note,
     model_class_for,
     model_classes,
-    open_checkpoint_config,
+    open_checkpoint,
     parse_fusions,
     parse_patches,
 )
@@ -33,9 +33,8 @@ def register(commands: argparse._SubParsersAction) -> None:
         "loaded with the fusions it was saved with, so `--fusion none` turns it back into the original layout. Every "
         "tensor of SRC is kept: when the model class has no place for one, nothing is written and the command fails.",
     )
-    parser.add_argument("src", help="source checkpoint directory")
+    add_source_arguments(parser, "src")
     parser.add_argument("dst", help="destination directory")
-    add_checkpoint_arguments(parser)
     add_patch_arguments(parser)
     parser.add_argument("--runtime-format", action="store_true", help="write the runtime (fused) layout")
     parser.add_argument("--max-shard-size", default="50GB", help="shard above this size (default 50GB)")
@@ -44,11 +43,11 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    _, config = open_checkpoint_config(args.src)
+    source, config = open_checkpoint(args, args.src)
     destination = Path(args.dst)
     if destination.exists() and not args.force:
         raise UsageError(f"{destination} exists; pass --force to overwrite it.")
-    if destination.resolve() == Path(args.src).resolve():
+    if destination.resolve() == source.resolve():
         raise UsageError("SRC and DST are the same directory.")
     model_class = model_class_for(config, args.model_class)
     fusions = parse_fusions(args.fusion)
@@ -66,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         # "error": a checkpoint key the model has no place for would be missing from DST.
         model = from_pretrained(
             model_class,
-            args.src,
+            source,
             patcher=parse_patches(args.patch),
             fusion_config=fusions,
             unexpected_keys="error",

@@ -14,7 +14,7 @@ from ..fusions.apply import discover
 from ..loading.build import build_empty_model, config_build_errors
 from ..loading.config import resolve_model_class
 from ..state import is_runtime_layout, stored_fusion_config
-from .common import add_checkpoint_arguments, model_class_for, open_checkpoint_config
+from .common import add_source_arguments, model_class_for, open_checkpoint
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
 
@@ -23,10 +23,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "inspect",
         help="model type, module classes, applicable fusions and checkpoint key layout",
-        description="Describe a local checkpoint without reading tensor data.",
+        description="Describe a checkpoint without reading tensor data.",
     )
-    parser.add_argument("path", help="checkpoint directory (config.json + safetensors)")
-    add_checkpoint_arguments(parser)
+    add_source_arguments(parser)
     parser.set_defaults(run=run)
 
 
@@ -39,7 +38,7 @@ def _size(num_bytes: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    directory, config = open_checkpoint_config(args.path)
+    directory, config = open_checkpoint(args, args.path)
     model_class = resolve_model_class(model_class_for(config, args.model_class), config)
     with config_build_errors(directory / "config.json", model_class):
         model = build_empty_model(model_class, config, torch.float32, [])

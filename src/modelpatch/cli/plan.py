@@ -6,10 +6,10 @@ import argparse
 
 from ..loading.load import plan_pretrained
 from .common import (
-    add_checkpoint_arguments,
     add_patch_arguments,
+    add_source_arguments,
     model_class_for,
-    open_checkpoint_config,
+    open_checkpoint,
     parse_fusions,
     parse_patches,
 )
@@ -21,8 +21,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="each runtime parameter <- its checkpoint keys and operations (no tensor data read)",
         description="Plan a load with the given patches and fusions and print where every parameter comes from.",
     )
-    parser.add_argument("path", help="checkpoint directory")
-    add_checkpoint_arguments(parser)
+    add_source_arguments(parser)
     add_patch_arguments(parser)
     parser.set_defaults(run=run)
 
@@ -32,10 +31,10 @@ def _keys(keys: list[str]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    _, config = open_checkpoint_config(args.path)
+    directory, config = open_checkpoint(args, args.path)
     planned = plan_pretrained(
         model_class_for(config, args.model_class),
-        args.path,
+        directory,
         patcher=parse_patches(args.patch),
         fusion_config=parse_fusions(args.fusion),
         allow_pickle=args.allow_pickle,

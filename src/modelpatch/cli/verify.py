@@ -10,10 +10,10 @@ from ..loading import from_pretrained
 from ..verify import default_inputs, verify
 from .common import (
     UsageError,
-    add_checkpoint_arguments,
     add_patch_arguments,
+    add_source_arguments,
     model_class_for,
-    open_checkpoint_config,
+    open_checkpoint,
     parse_fusions,
     parse_patches,
 )
@@ -27,8 +27,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         "inputs (token ids, and an image for vision-language models) and print the max abs/rel difference of every "
         "output and the speed ratio. Exits 1 when an output is out of tolerance.",
     )
-    parser.add_argument("path", help="checkpoint directory")
-    add_checkpoint_arguments(parser)
+    add_source_arguments(parser)
     add_patch_arguments(parser)
     parser.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance (default 1e-5)")
     parser.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)")
@@ -36,12 +35,12 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    _, config = open_checkpoint_config(args.path)
+    directory, config = open_checkpoint(args, args.path)
     model_class = model_class_for(config, args.model_class)
     patcher, fusions = parse_patches(args.patch), parse_fusions(args.fusion)
     load = {"dtype": "float32", "allow_pickle": args.allow_pickle}
-    reference = from_pretrained(model_class, args.path, fusion_config={}, **load)
-    candidate = from_pretrained(model_class, args.path, patcher=patcher, fusion_config=fusions, **load)
+    reference = from_pretrained(model_class, directory, fusion_config={}, **load)
+    candidate = from_pretrained(model_class, directory, patcher=patcher, fusion_config=fusions, **load)
     inputs = default_inputs(reference)
     try:
         with torch.inference_mode():

@@ -1,8 +1,8 @@
-"""Read a local checkpoint's config and resolve the concrete model class (no hub access, ever)."""
+"""Read a checkpoint directory's config and resolve the concrete model class (``hub.py`` finds the directory)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,25 +23,18 @@ below a million.
 """
 
 
-def checkpoint_directory(path: str | Path) -> Path:
-    """``path`` as an existing local directory holding a ``config.json``; a clear error otherwise."""
-    directory = Path(path)
-    if not directory.is_dir():
-        raise CheckpointError(
-            f"{str(path)!r} is not a local directory. modelpatch loads local checkpoints only; download hub models "
-            "first (e.g. with huggingface_hub.snapshot_download) and pass the directory."
-        )
-    if not (directory / "config.json").is_file():
-        raise CheckpointError(f"{directory} has no config.json, so it is not a transformers checkpoint directory.")
-    return directory
-
-
-def load_config(directory: Path) -> PretrainedConfig:
+def load_config(directory: Path, overrides: Mapping[str, Any] | None = None) -> PretrainedConfig:
     """Parse ``directory/config.json`` with the config class of its ``model_type``.
 
     The file is read with the bounds of :func:`~modelpatch.checkpoint.json_file.read_json` and its counts are
     checked against :data:`MAX_CONFIG_COUNT` before transformers sees it; whatever transformers then rejects is a
-    :class:`CheckpointError` naming the file too.
+    :class:`CheckpointError` naming the file too. ``overrides`` set config attributes as transformers'
+    ``from_pretrained(path, **kwargs)`` does (through the config class's own ``from_dict``, so ``num_labels`` also
+    rebuilds the label maps).
+
+    Raises:
+        CheckpointError: ``config.json`` is not valid, or names a model type transformers does not have.
+        TypeError: An override names no attribute of the config: the keyword is unknown.
     """
     config_file = directory / "config.json"
     raw = read_json(config_file, MAX_CONFIG_BYTES)
@@ -49,6 +42,11 @@ def load_config(directory: Path) -> PretrainedConfig:
         raise CheckpointError(f"{config_file} must hold a JSON object, got {type(raw).__name__}.")
     model_type = raw.get("model_type")
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        if "auto_map" in raw:
+            raise CheckpointError(
+                f"{config_file} names model_type {model_type!r}, a custom model whose code ships with the checkpoint "
+                "(auto_map, trust_remote_code): modelpatch loads only the model types built into transformers."
+            )
         raise CheckpointError(
             f"{config_file} names model_type {model_type!r}, which transformers does not know."
             if model_type
@@ -56,9 +54,19 @@ def load_config(directory: Path) -> PretrainedConfig:
         )
     _check_counts(config_file, raw)
     try:
-        return AutoConfig.from_pretrained(str(directory), local_files_only=True)
+        config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
     except Exception as exc:  # transformers' validation raises many types (its strict dataclasses: plain Exception)
         raise CheckpointError(f"{config_file} is not a valid {model_type} config: {exc}") from exc
+    if not overrides:
+        return config
+    # Checked first: transformers' config loader would also consume download options (user_agent, _commit_hash, ...).
+    unknown = sorted(name for name in overrides if not hasattr(config, name))
+    if unknown:
+        raise TypeError(
+            f"from_pretrained() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}: neither a loading "
+            f"option of modelpatch or transformers nor an attribute of {type(config).__name__} to override."
+        )
+    return AutoConfig.from_pretrained(str(directory), local_files_only=True, **overrides)
 
 
 def _check_counts(config_file: Path, raw: dict[str, Any]) -> None:

@@ -1,8 +1,9 @@
-"""``from_pretrained`` and ``from_config``: build a patched model and fill it from a local checkpoint.
+"""``from_pretrained`` and ``from_config``: build a patched model and fill it from a checkpoint.
 
 Data flow of a load:
 
-1. read ``config.json`` and resolve the concrete class (an Auto class is resolved from the config);
+1. find the checkpoint (a local directory, or a hub repository resolved into the local cache by ``hub.py``), read
+   ``config.json`` and resolve the concrete class (an Auto class is resolved from the config);
 2. collect the patch layers (Patcher mapping, fusions, the global registry) and the weight transforms (the model
    type's mapping adjusted by the Patcher, plus fusion transforms);
 3. build the model on the meta device under those patches;
@@ -16,7 +17,9 @@ Data flow of a load:
 from __future__ import annotations
 
 import copy
+import functools
 import logging
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -52,8 +55,11 @@ from .build import (
     keep_in_fp32,
     model_state_lock,
 )
-from .config import checkpoint_directory, load_config, resolve_dtype, resolve_model_class
+from .config import load_config, resolve_dtype, resolve_model_class
 from .diagnose import Replacement
+from .dispatch import dispatch, single_device
+from .hub import HubOptions, resolve_checkpoint
+from .keywords import config_overrides
 from .materialize import load_into_model
 from .plan import LoadPlan, UnexpectedKeys, model_expectations, plan_model_load
 from .report import LoadReport
@@ -134,6 +140,7 @@ class PlannedLoad:
 
 def _plan(
     model_class: type,
+    name_or_path: str | os.PathLike[str],
     config: PretrainedConfig,
     checkpoint: Checkpoint,
     patcher: Patcher | None,
@@ -150,7 +157,8 @@ def _plan(
     directory = checkpoint.directory
     config = copy.deepcopy(config)
     concrete = resolve_model_class(model_class, config)
-    config.name_or_path = str(directory)
+    # What the caller named (a repo id stays a repo id), as stock from_pretrained records it.
+    config.name_or_path = str(name_or_path)
     metas = {key: TensorMeta(checkpoint.info(key).shape, checkpoint.info(key).dtype) for key in checkpoint.keys()}
     # Stock 5.x from_pretrained defaults to "auto" and records the dtype on the config and its sub-configs.
     resolved_dtype = resolve_dtype("auto" if dtype is None else dtype, config, (m.dtype for m in metas.values()))
@@ -213,76 +221,178 @@ def _replacements(
 
 def plan_pretrained(
     model_class: type,
-    path: str | Path,
+    path: str | os.PathLike[str],
     *,
     patcher: Patcher | None = None,
     fusion_config: FusionConfig | None = None,
     dtype: torch.dtype | str | None = None,
     new_parameters: Sequence[str] = (),
     allow_pickle: bool = False,
+    allow_external_symlinks: bool = False,
+    revision: str | None = None,
+    subfolder: str = "",
+    cache_dir: str | os.PathLike[str] | None = None,
+    token: bool | str | None = None,
+    local_files_only: bool = False,
+    force_download: bool = False,
 ) -> PlannedLoad:
     """Plan :func:`from_pretrained` without reading any tensor data: the meta-device model and its :class:`LoadPlan`.
 
-    Raises the same errors as :func:`from_pretrained` would before loading (``LoadPlanError`` naming every key).
+    ``path`` and the keywords mean what they mean to :func:`from_pretrained` (a hub repository's files are fetched
+    into the cache: the safetensors headers are in them). Raises the same errors as :func:`from_pretrained` would
+    before loading (``LoadPlanError`` naming every key).
     """
-    directory = checkpoint_directory(path)
+    hub = HubOptions(
+        revision=revision,
+        subfolder=subfolder,
+        cache_dir=cache_dir,
+        token=token,
+        local_files_only=local_files_only,
+        force_download=force_download,
+    )
+    directory = resolve_checkpoint(path, hub, allow_pickle=allow_pickle)
     config = load_config(directory)
-    with Checkpoint.open(directory, allow_pickle=allow_pickle) as checkpoint:
+    opened = Checkpoint.open(directory, allow_pickle=allow_pickle, allow_external_symlinks=allow_external_symlinks)
+    with opened as checkpoint:
         return _plan(
-            model_class, config, checkpoint, patcher, fusion_config, dtype, new_parameters=new_parameters, unexpected_keys="ignore"
+            model_class, path, config, checkpoint, patcher, fusion_config, dtype, new_parameters=new_parameters,
+            unexpected_keys="ignore",
         )
 
 
 def from_pretrained(
     model_class: type,
-    path: str | Path,
+    path: str | os.PathLike[str],
     *,
     patcher: Patcher | None = None,
     fusion_config: FusionConfig | None = None,
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
-    device_map: str | Mapping[str, Any] | None = None,
+    device_map: str | int | torch.device | Mapping[str, Any] | None = None,
     max_memory: Mapping[Any, Any] | None = None,
     offload_folder: str | Path | None = None,
+    offload_buffers: bool = False,
     new_parameters: Sequence[str] = (),
     unexpected_keys: UnexpectedKeys = "warn",
     allow_pickle: bool = False,
-) -> PreTrainedModel:
-    """Load a local checkpoint into ``model_class`` with patches, fusions and weight conversions applied.
+    allow_external_symlinks: bool = False,
+    config: PretrainedConfig | str | os.PathLike[str] | None = None,
+    revision: str | None = None,
+    subfolder: str = "",
+    cache_dir: str | os.PathLike[str] | None = None,
+    token: bool | str | None = None,
+    local_files_only: bool = False,
+    force_download: bool = False,
+    use_safetensors: bool | None = None,
+    attn_implementation: str | None = None,
+    experts_implementation: str | None = None,
+    generation_config: GenerationConfig | None = None,
+    trust_remote_code: bool | None = None,
+    torch_dtype: torch.dtype | str | None = None,
+    output_loading_info: bool = False,
+    **kwargs: Any,
+) -> PreTrainedModel | tuple[PreTrainedModel, dict[str, Any]]:
+    """Load a checkpoint into ``model_class`` with patches, fusions and weight conversions applied.
+
+    Takes transformers' ``from_pretrained`` keywords with their meanings; the few it cannot honour are refused with
+    the reason (docs/loading_and_saving.md has the table).
 
     Args:
         model_class: An Auto class (``AutoModelForCausalLM``) or a concrete ``PreTrainedModel`` subclass.
-        path: A local checkpoint directory (``config.json`` + safetensors files). Hubs are never contacted.
+        path: A local checkpoint directory (``config.json`` + safetensors files) or a hub repo id (``"org/name"``),
+            whose files are resolved through huggingface_hub's cache as transformers does (``HF_HUB_OFFLINE=1``:
+            from the cache only).
         patcher: Class replacements and conversion adjustments for this load only.
         fusion_config: ``{fusion name: True / False / options}``; defaults to the one stored in the config.
         dtype: Like transformers 5: ``"auto"`` (the config's dtype, else the checkpoint's; what None means, as in
             stock ``from_pretrained``) or a ``torch.dtype`` (or its name).
         device: Where parameters go (default CPU). Unconverted CPU tensors stay memory-mapped (zero-copy).
-        device_map: Spread the model over several devices with accelerate: ``"auto"`` (fit ``max_memory``) or
+        device_map: One device for the whole model (``"cpu"``, ``"cuda:0"``, ``0``, ``{"": device}``: the same as
+            ``device``), or spread over several with accelerate: ``"auto"`` (fit ``max_memory``) or
             ``{module name: device}``; ``"disk"`` entries are offloaded to ``offload_folder``.
         max_memory: ``{device: bytes or "10GiB"}`` limits for ``device_map="auto"``.
         offload_folder: Where weights offloaded to ``"disk"`` are written.
+        offload_buffers: Offload buffers with the parameters of modules on ``"disk"``.
         new_parameters: Regex patterns of parameters that may be absent from the checkpoint; they are initialised
             as stock transformers initialises them (a fresh task head, say). Any other absent parameter is an error.
         unexpected_keys: What to do with checkpoint keys the model has no place for: "warn", "error" or "ignore".
         allow_pickle: Accept ``pytorch_model.bin`` checkpoints, read with ``torch.load(weights_only=True)``.
+        allow_external_symlinks: Follow symlinked checkpoint files wherever they lead. By default a symlink must stay
+            inside the checkpoint directory or, in a hub cache snapshot, inside its repository's ``blobs/``.
+        config: The config to build the model from instead of the checkpoint's ``config.json``: a
+            ``PretrainedConfig`` or a directory / repo id holding one.
+        revision: Branch, tag, ``refs/pr/N`` or commit of a hub repository (default: main).
+        subfolder: The checkpoint's folder inside ``path``.
+        cache_dir: The huggingface_hub cache to use instead of ``HF_HUB_CACHE``.
+        token: Hub token for private or gated repositories (``True``: the one saved by ``hf auth login``).
+        local_files_only: Never download; use the cache only.
+        force_download: Download the files again even if they are cached.
+        use_safetensors: ``True`` refuses checkpoints without safetensors weights; ``None`` (default) reads
+            safetensors, or pickle files when the checkpoint has nothing else and ``allow_pickle=True``.
+        attn_implementation: ``"eager"``, ``"sdpa"``, ... set on the config before the model is built, as stock.
+        experts_implementation: The MoE experts implementation, set on the config as stock does.
+        generation_config: Used instead of the checkpoint's ``generation_config.json``.
+        trust_remote_code: modelpatch loads the model types built into transformers only: ``True`` is refused for
+            a checkpoint that ships its own modeling code (``auto_map``).
+        torch_dtype: Deprecated alias of ``dtype`` (``dtype`` wins when both are given), as in transformers.
+        output_loading_info: Also return transformers' loading-info dict (``missing_keys``, ``unexpected_keys``,
+            ``mismatched_keys``, ``error_msgs``).
+        **kwargs: Attributes of the checkpoint's config to override (``output_attentions=True``), as in
+            transformers. ``low_cpu_mem_usage`` (and ``offload_state_dict``) are accepted and change nothing:
+            modelpatch always loads lazily (meta-device build, memory-mapped tensors). transformers keywords that
+            modelpatch cannot honour (``quantization_config``, ``key_mapping``, ``state_dict``, ...) raise
+            ``ValueError`` saying why; any other keyword raises ``TypeError``.
 
     Raises:
-        CheckpointError: ``path`` is not a local checkpoint directory, or a file in it is malformed.
+        CheckpointError: ``path`` is neither a checkpoint directory nor a hub repository that can be resolved, or a
+            file in it is malformed.
         LoadPlanError: The checkpoint does not cover the model (every offending key is named); nothing is loaded.
     """
+    overrides = config_overrides(kwargs)
+    dtype = _dtype_argument(dtype, torch_dtype)
+    if use_safetensors is False:
+        raise ValueError(
+            "use_safetensors=False is not supported: modelpatch reads safetensors whenever a checkpoint has them; "
+            "allow_pickle=True reads checkpoints that have only pytorch_model.bin."
+        )
     if device is not None and device_map is not None:
         raise ValueError("Pass either device or device_map, not both.")
+    if device_map is not None and (one_device := single_device(device_map)) is not None:
+        device, device_map = one_device, None
     try:
         target_device = torch.device(device) if device is not None else torch.device("cpu")
     except RuntimeError as exc:  # torch's error for an unknown device string
         raise ValueError(f"device {device!r} is not a torch device: {exc}") from None
-    directory = checkpoint_directory(path)
-    config = load_config(directory)
-    generation_config = _load_generation_config(directory)
-    with Checkpoint.open(directory, allow_pickle=allow_pickle) as checkpoint:
+    hub = HubOptions(
+        revision=revision,
+        subfolder=subfolder,
+        cache_dir=cache_dir,
+        token=token,
+        local_files_only=local_files_only,
+        force_download=force_download,
+    )
+    directory = resolve_checkpoint(path, hub, allow_pickle=allow_pickle, safetensors_only=bool(use_safetensors))
+    config = _model_config(directory, config, hub, overrides)
+    _check_remote_code(config, trust_remote_code)
+    # Stock sets both on the config before building (its setters reach the sub-configs of composite models).
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
+    if experts_implementation is not None:
+        config._experts_implementation = experts_implementation
+    if generation_config is None:
+        generation_config = _load_generation_config(directory)
+    opened = Checkpoint.open(directory, allow_pickle=allow_pickle, allow_external_symlinks=allow_external_symlinks)
+    with opened as checkpoint:
         planned = _plan(
-            model_class, config, checkpoint, patcher, fusion_config, dtype, new_parameters=new_parameters, unexpected_keys=unexpected_keys
+            model_class,
+            path,
+            config,
+            checkpoint,
+            patcher,
+            fusion_config,
+            dtype,
+            new_parameters=new_parameters,
+            unexpected_keys=unexpected_keys,
         )
         model, plan, metas = planned.model, planned.plan, planned.checkpoint
         runtime_layout, transforms, fusions = planned.runtime_layout, planned.transforms, planned.fusions
@@ -321,10 +431,54 @@ def from_pretrained(
     _record_build(model, plan.expected, _conversions(model, patcher, PreparedFusions()))
     logger.info("%s", report.summary())
     if device_map is not None:
-        from .dispatch import dispatch
+        model = dispatch(
+            model, device_map, max_memory=max_memory, offload_folder=offload_folder, offload_buffers=offload_buffers
+        )
+    return (model, report.loading_info()) if output_loading_info else model
 
-        model = dispatch(model, device_map, max_memory=max_memory, offload_folder=offload_folder)
-    return model
+
+def _model_config(
+    directory: Path,
+    config: PretrainedConfig | str | os.PathLike[str] | None,
+    hub: HubOptions,
+    overrides: Mapping[str, Any],
+) -> PretrainedConfig:
+    """The config to build from: the checkpoint's, or the one passed as ``config=`` (an object, a directory or a
+    repo id, resolved like the checkpoint), with ``overrides`` applied as transformers applies its ``**kwargs``."""
+    if isinstance(config, PretrainedConfig):
+        if overrides:
+            # Stock passes them to the model's __init__, which modelpatch does not call with extra arguments.
+            raise TypeError(
+                f"from_pretrained() got unexpected keyword argument(s) {', '.join(map(repr, overrides))}: with "
+                "config=<a config object>, set them on that config instead."
+            )
+        return copy.deepcopy(config)
+    source = directory if config is None else resolve_checkpoint(config, hub, weights=False)
+    return load_config(source, overrides)
+
+
+def _check_remote_code(config: PretrainedConfig, trust_remote_code: bool | None) -> None:
+    auto_map = getattr(config, "auto_map", None)
+    if trust_remote_code and auto_map:
+        raise ValueError(
+            f"trust_remote_code=True asks for the modeling code this checkpoint ships (auto_map {auto_map}), which "
+            "modelpatch does not run: it restructures the classes built into transformers. Leave trust_remote_code "
+            f"unset to load transformers' own {config.model_type!r} implementation, or load this model with "
+            "transformers."
+        )
+
+
+def _dtype_argument(dtype: torch.dtype | str | None, torch_dtype: torch.dtype | str | None) -> torch.dtype | str | None:
+    """``dtype``, or transformers' deprecated alias ``torch_dtype`` when ``dtype`` is not given (as in stock)."""
+    if torch_dtype is None:
+        return dtype
+    _warn_torch_dtype_deprecated()
+    return dtype if dtype is not None else torch_dtype
+
+
+@functools.cache
+def _warn_torch_dtype_deprecated() -> None:
+    logger.warning("`torch_dtype` is deprecated! Use `dtype` instead!")  # transformers' own wording, once
 
 
 def _set_config_dtype(config: PretrainedConfig, dtype: torch.dtype) -> None:

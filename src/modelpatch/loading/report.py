@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
@@ -54,6 +55,19 @@ class LoadReport:
     def converted(self) -> dict[str, list[str]]:
         """Runtime key -> the checkpoint keys it was built from, for every converted parameter."""
         return {target: group.source_keys() for group in self.groups for target in group.target_keys()}
+
+    def loading_info(self) -> dict[str, Any]:
+        """What transformers' ``from_pretrained(..., output_loading_info=True)`` returns beside the model.
+
+        ``missing_keys`` are the parameters initialised freshly (tied ones are not missing, as in stock); no key is
+        ever mismatched or in error, since such a load is refused before any tensor is read.
+        """
+        return {
+            "missing_keys": set(self.new_parameters),
+            "unexpected_keys": set(self.unexpected),
+            "mismatched_keys": set(),
+            "error_msgs": [],
+        }
 
     def summary(self) -> str:
         """A few human-readable lines."""

@@ -1,0 +1,244 @@
+"""Loading by hub repo id from a real huggingface_hub cache layout, offline (no test reaches the network).
+
+The cache is built on disk the way huggingface_hub lays it out: ``models--org--name/blobs/<sha256>`` holding the
+files of stock ``save_pretrained`` checkpoints, ``snapshots/<commit>/`` of relative symlinks into ``../../blobs/``,
+and ``refs/<name>`` holding commits. Every load is compared bitwise with stock ``from_pretrained`` of the same repo id
+from the same cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import huggingface_hub.constants
+import pytest
+import torch
+from stock_checkpoints import assert_tensors_identical
+from transformers import AutoModelForCausalLM
+
+import modelpatch
+from modelpatch import CheckpointError
+from modelpatch.cli.main import main as cli_main
+
+COMMIT_A = "a" * 40
+COMMIT_B = "b" * 40
+REPO = "org/tiny"
+
+
+def add_snapshot(
+    cache: Path, repo_id: str, source: Path, commit: str, refs: tuple[str, ...] = (), subfolder: str = ""
+) -> Path:
+    """Put the files of checkpoint directory ``source`` in ``cache`` as huggingface_hub does; the snapshot folder."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit / subfolder
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (repo / "blobs").mkdir(exist_ok=True)
+    for file in sorted(source.iterdir()):
+        data = file.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
+    for ref in refs:
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    return snapshot
+
+
+@pytest.fixture
+def offline_cache(tmp_path, monkeypatch) -> Path:
+    """An empty hub cache that HF_HUB_CACHE points at, with the hub offline (the constants are read at import)."""
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    return cache
+
+
+@pytest.fixture
+def two_revisions(offline_cache, stock_checkpoint) -> Path:
+    """``org/tiny``: main -> commit A, a sharded checkpoint; tag v1 -> commit B, a single-file one (other weights)."""
+    sharded = add_snapshot(offline_cache, REPO, stock_checkpoint("llama_sharded").path, COMMIT_A, ("main",))
+    assert len(list(sharded.glob("*.safetensors"))) > 1 and all(p.is_symlink() for p in sharded.iterdir())
+    add_snapshot(offline_cache, REPO, stock_checkpoint("llama").path, COMMIT_B, ("v1",))
+    return offline_cache
+
+
+def assert_same_as_stock(model, stock) -> None:
+    assert_tensors_identical(model.state_dict(), stock.state_dict())
+    assert model.config.name_or_path == stock.config.name_or_path
+    assert model.generation_config.to_dict() == stock.generation_config.to_dict()
+
+
+def test_sharded_symlinked_snapshot_loads_like_stock(two_revisions):
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, REPO)
+    stock = AutoModelForCausalLM.from_pretrained(REPO)
+    assert_same_as_stock(model, stock)
+    assert model.modelpatch_report.source == two_revisions / "models--org--tiny" / "snapshots" / COMMIT_A
+    assert model.config.name_or_path == REPO
+
+
+def test_drop_in_auto_class_and_plan_by_repo_id(two_revisions):
+    model = modelpatch.AutoModelForCausalLM.from_pretrained(REPO, revision="v1", fusion_config={"qkv": True})
+    stock = AutoModelForCausalLM.from_pretrained(REPO, revision="v1")
+    with torch.no_grad():
+        ids = torch.arange(10).reshape(1, 10)
+        torch.testing.assert_close(model(ids).logits, stock(ids).logits)
+    planned = modelpatch.plan_pretrained(AutoModelForCausalLM, REPO, revision="v1")
+    assert planned.directory.name == COMMIT_B
+
+
+@pytest.mark.parametrize("revision", ["main", "v1", COMMIT_A, COMMIT_B])
+def test_revisions_give_their_own_weights(two_revisions, revision):
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, REPO, revision=revision)
+    assert_same_as_stock(model, AutoModelForCausalLM.from_pretrained(REPO, revision=revision))
+
+
+def test_the_two_revisions_differ(two_revisions):
+    main = modelpatch.from_pretrained(AutoModelForCausalLM, REPO)
+    v1 = modelpatch.from_pretrained(AutoModelForCausalLM, REPO, revision="v1")
+    assert not torch.equal(main.lm_head.weight, v1.lm_head.weight)
+
+
+def test_cache_dir_keyword(stock_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    cache = tmp_path / "elsewhere"
+    add_snapshot(cache, REPO, stock_checkpoint("llama_sharded").path, COMMIT_A, ("main",))
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, REPO, cache_dir=cache)
+    assert_same_as_stock(model, AutoModelForCausalLM.from_pretrained(REPO, cache_dir=cache))
+
+
+def test_subfolder(offline_cache, stock_checkpoint):
+    source = stock_checkpoint("llama_sharded").path
+    add_snapshot(offline_cache, "org/nested", source, COMMIT_A, ("main",), subfolder="weights/llama")
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, "org/nested", subfolder="weights/llama")
+    assert_same_as_stock(model, AutoModelForCausalLM.from_pretrained("org/nested", subfolder="weights/llama"))
+    with pytest.raises(CheckpointError, match=r"config\.json of org/nested .*not in the cache"):
+        modelpatch.from_pretrained(AutoModelForCausalLM, "org/nested")
+
+
+def test_local_directory_with_subfolder(stock_checkpoint, tmp_path):
+    shutil.copytree(stock_checkpoint("llama").path, tmp_path / "sub")
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, tmp_path, subfolder="sub")
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path, subfolder="sub")
+    assert_tensors_identical(model.state_dict(), stock.state_dict())
+
+
+def test_missing_repo_is_a_clear_error(offline_cache):
+    with pytest.raises(CheckpointError) as info:
+        modelpatch.from_pretrained(AutoModelForCausalLM, "org/missing")
+    message = str(info.value)
+    for needle in ("'org/missing' is not a local directory", "not in the cache", str(offline_cache), "HF_HUB_OFFLINE=1",
+                   "hf download org/missing"):
+        assert needle in message, message
+
+
+def test_local_files_only_without_offline_mode(offline_cache, monkeypatch):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    with pytest.raises(CheckpointError, match="local_files_only=True"):
+        modelpatch.from_pretrained(AutoModelForCausalLM, "org/missing", local_files_only=True)
+
+
+def test_unreachable_hub_is_a_clear_error(offline_cache, monkeypatch):
+    # Online mode against a closed local port: the hub cannot be reached (nothing leaves the machine).
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
+    with pytest.raises(CheckpointError, match="hub could not be reached. Check the connection to http://127.0.0.1:9"):
+        modelpatch.from_pretrained(AutoModelForCausalLM, "org/missing")
+
+
+def test_unknown_revision_is_a_clear_error(two_revisions):
+    with pytest.raises(CheckpointError, match=r"revision 'v2' of the hub repository org/tiny is not in the cache"):
+        modelpatch.from_pretrained(AutoModelForCausalLM, REPO, revision="v2")
+
+
+def test_shard_missing_from_the_cache_is_named(two_revisions):
+    snapshot = two_revisions / "models--org--tiny" / "snapshots" / COMMIT_A
+    shard = sorted(snapshot.glob("*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(CheckpointError) as info:
+        modelpatch.from_pretrained(AutoModelForCausalLM, REPO)
+    assert f"{shard.name} of org/tiny (revision 'main')" in str(info.value)
+    assert "not in the cache" in str(info.value)
+
+
+def test_no_weights_in_the_cache(offline_cache, stock_checkpoint, tmp_path):
+    source = tmp_path / "config_only"
+    source.mkdir()
+    shutil.copy(stock_checkpoint("llama").path / "config.json", source)
+    add_snapshot(offline_cache, REPO, source, COMMIT_A, ("main",))
+    with pytest.raises(CheckpointError) as info:
+        modelpatch.from_pretrained(AutoModelForCausalLM, REPO)
+    message = str(info.value)
+    assert "No weights in org/tiny (revision 'main')" in message and "allow_pickle=True" in message
+    assert "model.safetensors.index.json, model.safetensors" in message
+
+
+def test_pickle_repo_with_allow_pickle(offline_cache, stock_checkpoint, tmp_path):
+    source = tmp_path / "pickled"
+    source.mkdir()
+    shutil.copy(stock_checkpoint("llama").path / "config.json", source)
+    reference = AutoModelForCausalLM.from_pretrained(stock_checkpoint("llama").path)
+    torch.save(reference.state_dict(), source / "pytorch_model.bin")
+    add_snapshot(offline_cache, REPO, source, COMMIT_A, ("main",))
+    with pytest.raises(CheckpointError, match="allow_pickle=True"):
+        modelpatch.from_pretrained(AutoModelForCausalLM, REPO)
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, REPO, allow_pickle=True)
+    assert_tensors_identical(model.state_dict(), reference.state_dict())
+
+
+# ------------------------------------------------------------------------------------------------------- symlinks
+
+
+def test_symlink_escaping_the_blobs_directory_is_refused_by_name(two_revisions, tmp_path):
+    snapshot = two_revisions / "models--org--tiny" / "snapshots" / COMMIT_A
+    shard = sorted(snapshot.glob("*.safetensors"))[0]
+    outside = tmp_path / "outside.safetensors"
+    shutil.copy(shard, outside)
+    shard.unlink()
+    shard.symlink_to(os.path.relpath(outside, snapshot))
+    with pytest.raises(CheckpointError) as info:
+        modelpatch.from_pretrained(AutoModelForCausalLM, REPO)
+    message = str(info.value)
+    assert repr(shard.name) in message and str(outside) in message and "allow_external_symlinks=True" in message
+    # The caller vouches for the link: it is followed.
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, REPO, allow_external_symlinks=True)
+    assert_same_as_stock(model, AutoModelForCausalLM.from_pretrained(REPO))
+
+
+def test_symlink_into_another_repositorys_blobs_is_refused(two_revisions, offline_cache, stock_checkpoint):
+    other = add_snapshot(offline_cache, "org/other", stock_checkpoint("llama").path, COMMIT_A, ("main",))
+    snapshot = two_revisions / "models--org--tiny" / "snapshots" / COMMIT_B
+    (snapshot / "model.safetensors").unlink()
+    (snapshot / "model.safetensors").symlink_to(os.path.relpath((other / "model.safetensors").resolve(), snapshot))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: resolves through a symlink to .*models--org--oth"):
+        modelpatch.from_pretrained(AutoModelForCausalLM, REPO, revision="v1")
+
+
+def test_local_symlink_outside_the_directory_is_refused(stock_checkpoint, tmp_path):
+    directory = tmp_path / "ckpt"
+    shutil.copytree(stock_checkpoint("llama").path, directory)
+    outside = tmp_path / "weights.safetensors"
+    shutil.move(directory / "model.safetensors", outside)
+    (directory / "model.safetensors").symlink_to(outside)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: resolves through a symlink .*outside"):
+        modelpatch.from_pretrained(AutoModelForCausalLM, directory)
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, directory, allow_external_symlinks=True)
+    stock = AutoModelForCausalLM.from_pretrained(stock_checkpoint("llama").path)
+    assert_tensors_identical(model.state_dict(), stock.state_dict())
+
+
+# ------------------------------------------------------------------------------------------------------------ CLI
+
+
+def test_cli_takes_repo_ids(two_revisions, capsys):
+    assert cli_main(["inspect", REPO, "--revision", "v1"]) == 0
+    assert f"snapshots/{COMMIT_B}" in capsys.readouterr().out
+    assert cli_main(["plan", REPO, "--cache-dir", str(two_revisions), "--local-files-only"]) == 0
+    assert f"snapshots/{COMMIT_A}" in capsys.readouterr().out
+    assert cli_main(["inspect", "org/missing"]) == 2
+    assert "'org/missing' is not a local directory" in capsys.readouterr().err
