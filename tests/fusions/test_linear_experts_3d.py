@@ -192,3 +192,49 @@ def test_misfit_3d_checkpoints_are_refused_at_plan_time(tiny, tmp_path, case):
     message = str(loaded.value)
     for needle in needles:
         assert needle in message, f"{needle!r} not in:\n{message}"
+
+
+# Other MoE families transformers 5.23 maps, as tiny configs; their experts are the same 3-D module shape.
+MORE_MOE = {
+    "deepseek_v3": dict(qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, kv_lora_rank=16, q_lora_rank=16,
+                        head_dim=8, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=0, n_group=1,
+                        topk_group=1, moe_intermediate_size=16),
+    "deepseek_v2": dict(qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, kv_lora_rank=16, q_lora_rank=16,
+                        n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1,
+                        moe_intermediate_size=16),
+    "glm4_moe": dict(n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=0, moe_intermediate_size=16, head_dim=8),
+    "dots1": dict(n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=0, moe_intermediate_size=16, head_dim=8),
+    "hunyuan_v1_moe": dict(num_experts=4, moe_intermediate_size=16, head_dim=8),
+    "phimoe": dict(num_local_experts=4),
+    "minimax": dict(num_local_experts=4, head_dim=8),
+    "ernie4_5_moe": dict(moe_num_experts=4, moe_intermediate_size=16, head_dim=8),
+    "granitemoe": dict(num_local_experts=4),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(MORE_MOE))
+def test_more_moe_families_load_3d_experts_and_save_them_back(model_type, tmp_path):
+    from transformers import CONFIG_MAPPING
+
+    config = CONFIG_MAPPING[model_type](
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False,
+        **MORE_MOE[model_type],
+    )
+    torch.manual_seed(0)
+    stock_model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, param in stock_model.named_parameters():
+            param.add_(torch.randn_like(param) * (1.0 if name.endswith("gate.weight") else 0.05))
+    stock_model.save_pretrained(tmp_path / "3d", save_original_format=False)
+    assert any(key.endswith("experts.gate_up_proj") for key in checkpoint_shapes(tmp_path / "3d"))
+
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path / "3d")
+    fused = modelpatch.from_pretrained(AutoModelForCausalLM, tmp_path / "3d", fusion_config=FUSION)
+    experts = sum(isinstance(getattr(m, "gate_up_proj", None), torch.nn.Parameter) for m in stock.modules())
+    assert experts > 0 and sum(isinstance(m, LinearExperts) for m in fused.modules()) == experts
+    ids = torch.randint(0, 60, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids).logits, stock(ids).logits, atol=1e-5, rtol=0)
+    modelpatch.save_pretrained(fused, tmp_path / "saved")
+    assert_same_files(tmp_path / "saved", tmp_path / "3d")
