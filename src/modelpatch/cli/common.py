@@ -1,9 +1,15 @@
-"""Argument parsing shared by the commands: model classes, ``--fusion`` and ``--patch`` specs."""
+"""What the commands share once they run: model classes, ``--fusion`` and ``--patch`` specs, progress bars.
+
+This module imports torch and transformers: commands import it inside ``run``, never at module level (see
+:mod:`modelpatch.cli.arguments`).
+"""
 
 from __future__ import annotations
 
-import argparse
 import importlib
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import transformers
@@ -14,12 +20,10 @@ from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
 from ..errors import FusionError
 from ..fusions import available_fusions
+from ..loading import materialize
 from ..loading.config import checkpoint_directory, load_config
 from ..patching import Patcher
-
-
-class UsageError(Exception):
-    """Bad command-line input: reported in one line, exit code 2."""
+from .arguments import UsageError
 
 
 def _named_class(name: str) -> type | None:
@@ -111,30 +115,19 @@ def parse_patches(specs: list[str] | None) -> Patcher | None:
         raise UsageError(f"Bad --patch: {exc}") from None
 
 
-def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of every command that reads a checkpoint directory."""
-    parser.add_argument(
-        "--model-class",
-        metavar="NAME",
-        help="transformers class to load into, e.g. LlamaForCausalLM or AutoModelForCausalLM "
-        "(default: the config's architectures, else AutoModel)",
-    )
-    parser.add_argument(
-        "--allow-pickle",
-        action="store_true",
-        help="accept pytorch_model.bin checkpoints (read with torch.load(weights_only=True); prefer safetensors)",
-    )
+@contextmanager
+def load_progress(enabled: bool) -> Iterator[None]:
+    """Let the loader show its progress bar (loads above its size threshold) only when ``enabled``.
 
-
-def add_patch_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--fusion",
-        metavar="NAMES",
-        help=f"comma-separated fusions to enable ({', '.join(available_fusions())}), or 'none'",
-    )
-    parser.add_argument(
-        "--patch",
-        action="append",
-        metavar="ORIGINAL=package.module:Class",
-        help="replace class ORIGINAL (an exact name or a regex) by an importable nn.Module subclass; repeatable",
-    )
+    The loader has no switch for its bar, only a size threshold: a disabled bar is a threshold no load reaches, for
+    the command's duration.
+    """
+    if enabled:
+        yield
+        return
+    threshold = materialize.PROGRESS_BAR_MIN_BYTES
+    materialize.PROGRESS_BAR_MIN_BYTES = sys.maxsize
+    try:
+        yield
+    finally:
+        materialize.PROGRESS_BAR_MIN_BYTES = threshold

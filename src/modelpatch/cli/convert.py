@@ -4,24 +4,12 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from transformers import PretrainedConfig
+from .arguments import UsageError, add_checkpoint_arguments, add_dtype_argument, add_patch_arguments
 
-from ..errors import LoadPlanError
-from ..loading import from_pretrained, get_load_report, save_pretrained
-from ..loading.diagnose import collapse_indices
-from ..state import is_runtime_layout, stored_fusion_config
-from .common import (
-    UsageError,
-    add_checkpoint_arguments,
-    add_patch_arguments,
-    architectures_note,
-    model_class_for,
-    model_classes,
-    open_checkpoint_config,
-    parse_fusions,
-    parse_patches,
-)
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -37,6 +25,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("dst", help="destination directory")
     add_checkpoint_arguments(parser)
     add_patch_arguments(parser)
+    add_dtype_argument(parser, "auto")
     parser.add_argument("--runtime-format", action="store_true", help="write the runtime (fused) layout")
     parser.add_argument("--max-shard-size", default="50GB", help="shard above this size (default 50GB)")
     parser.add_argument("--force", action="store_true", help="overwrite DST if it exists")
@@ -44,6 +33,12 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..errors import LoadPlanError
+    from ..loading import from_pretrained, get_load_report, save_pretrained
+    from ..loading.diagnose import collapse_indices
+    from ..state import is_runtime_layout, stored_fusion_config
+    from .common import model_class_for, open_checkpoint_config, parse_fusions, parse_patches
+
     _, config = open_checkpoint_config(args.src)
     destination = Path(args.dst)
     if destination.exists() and not args.force:
@@ -70,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
             patcher=parse_patches(args.patch),
             fusion_config=fusions,
             unexpected_keys="error",
+            dtype=args.dtype,
             allow_pickle=args.allow_pickle,
         )
     except LoadPlanError as exc:
@@ -93,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _keep_every_tensor(args: argparse.Namespace, config: PretrainedConfig) -> str:
     """What to do when the chosen class would drop tensors of the source."""
+    from .common import architectures_note, model_classes
+
     note = "" if args.model_class else architectures_note(config)
     candidates = ", ".join(model_classes(config.model_type))
     return (

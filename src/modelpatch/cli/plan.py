@@ -4,15 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..loading.load import plan_pretrained
-from .common import (
-    add_checkpoint_arguments,
-    add_patch_arguments,
-    model_class_for,
-    open_checkpoint_config,
-    parse_fusions,
-    parse_patches,
-)
+from .arguments import add_checkpoint_arguments, add_patch_arguments
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -32,6 +24,9 @@ def _keys(keys: list[str]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..loading.load import plan_pretrained
+    from .common import model_class_for, open_checkpoint_config, parse_fusions, parse_patches
+
     _, config = open_checkpoint_config(args.path)
     planned = plan_pretrained(
         model_class_for(config, args.model_class),
