@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,7 +20,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         description="Convert a checkpoint offline. By default DST is in the original layout; --runtime-format "
         "writes the patched/fused layout, which later loads need no conversion for. A SRC in a runtime layout is "
         "loaded with the fusions it was saved with, so `--fusion none` turns it back into the original layout. Every "
-        "tensor of SRC is kept: when the model class has no place for one, nothing is written and the command fails.",
+        "tensor of SRC is kept: when the model class has no place for one, nothing is written and the command fails. "
+        "SRC's other files (tokenizer, chat template, processor configs, README, LICENSE, ...) are copied along; its "
+        "weight files and subdirectories are not (see docs/cli.md).",
     )
     parser.add_argument("src", help="source checkpoint directory")
     parser.add_argument("dst", help="destination directory")
@@ -37,9 +40,10 @@ def run(args: argparse.Namespace) -> int:
     from ..loading import from_pretrained, get_load_report, save_pretrained
     from ..loading.diagnose import collapse_indices
     from ..state import is_runtime_layout, stored_fusion_config
+    from .carry import plan_carry
     from .common import model_class_for, open_checkpoint_config, parse_fusions, parse_patches
 
-    _, config = open_checkpoint_config(args.src)
+    source, config = open_checkpoint_config(args.src)
     destination = Path(args.dst)
     if destination.exists() and not args.force:
         raise UsageError(f"{destination} exists; pass --force to overwrite it.")
@@ -57,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
                 "first (--fusion none), then from there to other fusions."
             )
         fusions = None
+    carry = plan_carry(source)
     try:
         # "error": a checkpoint key the model has no place for would be missing from DST.
         model = from_pretrained(
@@ -82,8 +87,13 @@ def run(args: argparse.Namespace) -> int:
     files = save_pretrained(
         model, destination, save_original_format=not args.runtime_format, max_shard_size=args.max_shard_size
     )
+    copied = carry.copy_to(destination, {file.name for file in files})
     layout = "runtime" if args.runtime_format else "original"
     print(f"wrote {len(files)} files to {destination} ({layout} layout)")
+    if copied:
+        print(f"copied from {args.src}: {', '.join(map(str, copied))}")
+    if carry.skipped and not args.quiet:
+        print(f"modelpatch convert: note: not copied from {args.src}: {', '.join(carry.skipped)}", file=sys.stderr)
     return 0
 
 
