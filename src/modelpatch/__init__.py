@@ -8,23 +8,18 @@ The public API, layered bottom-up:
 * fusions (``modelpatch.fusions``): ``fusion_config`` families and ``ModuleFusionSpec``;
 * loading and saving (``modelpatch.loading``): ``from_pretrained``, ``from_config``, ``save_pretrained``;
 * verification (``modelpatch.verify``): stock-vs-patched equivalence reports.
+
+Every name below is importable from ``modelpatch`` itself; the sub-packages that define them (and so torch and
+transformers) are imported on first use (PEP 562), so that ``import modelpatch`` and the ``modelpatch`` command's
+``--help`` stay fast.
 """
 
-from .conversion import (
-    Chunk,
-    Concatenate,
-    Conv3dToLinear,
-    ConversionOperation,
-    LinearToConv3d,
-    MergeModulelist,
-    SplitModulelist,
-    Transpose,
-    WeightConverter,
-    WeightRenaming,
-    WeightTransform,
-    get_checkpoint_conversion_mapping,
-    register_checkpoint_conversion_mapping,
-)
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+
 from .errors import (
     CheckpointError,
     CheckpointPermissionError,
@@ -35,34 +30,62 @@ from .errors import (
     PatchRegistryError,
     SaveError,
 )
-from .fusions import ModuleFusionSpec, available_fusions, register_fusion, unregister_fusion
-from .loading import (
-    LoadReport,
-    PlannedLoad,
-    from_config,
-    from_pretrained,
-    fuse,
-    get_load_report,
-    patch_model,
-    plan_pretrained,
-    save_pretrained,
-    unfuse,
-)
-from .integrations.peft import get_peft_model, load_adapter  # imports peft only when called
-from .verify import VerificationReport, verify
-from .patching import (
-    Patcher,
-    apply_patches,
-    clear_patch_mapping,
-    get_patch_mapping,
-    get_patchable_namespaces,
-    register_patch_mapping,
-    register_patchable_namespace,
-    unregister_patch_mapping,
-    unregister_patchable_namespace,
-)
 
 __version__ = "0.1.0"
+
+# Public name -> the sub-module that defines it, imported when the name is first looked up.
+_LAZY: dict[str, str] = {
+    **dict.fromkeys(
+        [
+            "Chunk",
+            "Concatenate",
+            "Conv3dToLinear",
+            "ConversionOperation",
+            "LinearToConv3d",
+            "MergeModulelist",
+            "SplitModulelist",
+            "Transpose",
+            "WeightConverter",
+            "WeightRenaming",
+            "WeightTransform",
+            "get_checkpoint_conversion_mapping",
+            "register_checkpoint_conversion_mapping",
+        ],
+        ".conversion",
+    ),
+    **dict.fromkeys(["ModuleFusionSpec", "available_fusions", "register_fusion", "unregister_fusion"], ".fusions"),
+    **dict.fromkeys(
+        [
+            "LoadReport",
+            "PlannedLoad",
+            "from_config",
+            "from_pretrained",
+            "fuse",
+            "get_load_report",
+            "patch_model",
+            "plan_pretrained",
+            "save_pretrained",
+            "unfuse",
+        ],
+        ".loading",
+    ),
+    **dict.fromkeys(["get_peft_model", "load_adapter"], ".integrations.peft"),  # peft itself only when called
+    **dict.fromkeys(["VerificationReport", "verify"], ".verify"),
+    **dict.fromkeys(
+        [
+            "Patcher",
+            "apply_patches",
+            "clear_patch_mapping",
+            "get_patch_mapping",
+            "get_patchable_namespaces",
+            "register_patch_mapping",
+            "register_patchable_namespace",
+            "unregister_patch_mapping",
+            "unregister_patchable_namespace",
+        ],
+        ".patching",
+    ),
+}
 
 __all__ = [
     "CheckpointError",
@@ -99,8 +122,8 @@ __all__ = [
     "get_patch_mapping",
     "get_peft_model",
     "get_patchable_namespaces",
-    "patch_model",
     "load_adapter",
+    "patch_model",
     "plan_pretrained",
     "register_checkpoint_conversion_mapping",
     "register_fusion",
@@ -117,17 +140,39 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    # The drop-in Auto classes (``from modelpatch import AutoModelForCausalLM``), made on first import.
-    if name.startswith("AutoModel"):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    elif name.startswith("AutoModel"):
+        # The drop-in Auto classes (``from modelpatch import AutoModelForCausalLM``), made on first import.
         from .auto import auto_class
 
-        cls = auto_class(name)
-        globals()[name] = cls
-        return cls
-    raise AttributeError(f"module 'modelpatch' has no attribute {name!r}")
+        value = auto_class(name)
+    else:
+        raise AttributeError(f"module 'modelpatch' has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
 
 def __dir__() -> list[str]:
     from .auto import auto_class_names
 
-    return sorted({*globals(), *auto_class_names()})
+    return sorted({*globals(), *_LAZY, *auto_class_names()})
+
+
+class _Package(types.ModuleType):
+    """The ``modelpatch`` module: keeps a public name that is also a sub-module's name bound to the public object.
+
+    The import system binds every sub-module it imports as an attribute of its package. ``verify`` is both the
+    public function and the sub-module ``modelpatch.verify``: once anything imported the sub-module (``from
+    modelpatch.verify import default_inputs``), ``modelpatch.verify`` would be the module instead of the function.
+    Eager imports avoided that by binding the function afterwards; lazily, it is refused here (the sub-module stays
+    in ``sys.modules``).
+    """
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in _LAZY and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -1,20 +1,20 @@
-"""Tiny checkpoints written by stock ``save_pretrained`` and a runner for the installed ``modelpatch`` command."""
+"""Tiny checkpoints written by stock ``save_pretrained``, and ``modelpatch`` run in-process."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
+from modelpatch.cli import main
+
 SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-MODELPATCH = Path(sys.executable).with_name("modelpatch")
-# The command runs this checkout's package (not whichever one the environment installed) and the tests' helpers.
-SOURCE = Path(__file__).resolve().parents[2] / "src"
+
+CliRun = Callable[..., tuple[int, str, str]]
 
 
 @pytest.fixture(scope="session")
@@ -35,11 +35,18 @@ def moe_checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def run_cli():
-    def run(*args: str | Path) -> subprocess.CompletedProcess[str]:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SOURCE), str(Path(__file__).parent)])}
-        return subprocess.run(
-            [str(MODELPATCH), *map(str, args)], capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL
-        )
+def cli(capsys, monkeypatch) -> CliRun:
+    """``cli("convert", src, dst)`` -> (exit code, stdout, stderr) of ``modelpatch`` called in-process.
+
+    ``--patch`` specs name classes of ``cli_patches``, importable because pytest puts this folder on ``sys.path``;
+    ``sys.path`` is restored afterwards (``--import`` adds the current directory to it).
+    """
+    monkeypatch.setattr(sys, "path", [*sys.path])
+
+    def run(*args: str | Path) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = main([str(a) for a in args])
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
 
     return run

@@ -1,9 +1,13 @@
-"""Each ``modelpatch`` command run as a subprocess, as a new user would, on stock-saved checkpoints."""
+"""Each ``modelpatch`` command on stock-saved checkpoints, called in-process; one smoke test of the console script."""
 
 from __future__ import annotations
 
 import filecmp
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,19 +18,36 @@ import modelpatch
 COMMANDS = ["inspect", "plan", "convert", "verify", "demo"]
 
 
+def test_console_script_answers_help_and_version_without_importing_torch():
+    """The installed ``modelpatch`` script, on this checkout's sources; ``-X importtime`` lists what it imported."""
+    script = Path(sys.executable).with_name("modelpatch")
+    env = {**os.environ, "PYTHONPATH": str(Path(modelpatch.__file__).parents[1]), "PYTHONPROFILEIMPORTTIME": "1"}
+    for flag, expected in [("--help", "usage: modelpatch"), ("--version", f"modelpatch {modelpatch.__version__}")]:
+        result = subprocess.run([script, flag], capture_output=True, text=True, env=env, timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert expected in result.stdout
+        lines = result.stderr.splitlines()
+        imported = {line.split("|")[-1].strip() for line in lines if line.startswith("import time:")}
+        assert "modelpatch.cli.main" in imported
+        assert not imported & {"torch", "transformers", "safetensors", "numpy"}
+
+
 @pytest.mark.parametrize("command", [None, *COMMANDS])
-def test_help(run_cli, command):
-    result = run_cli(*([command] if command else []), "--help")
-    assert result.returncode == 0
-    assert "usage: modelpatch" in result.stdout
+def test_help(cli, command):
+    code, out, _ = cli(*([command] if command else []), "--help")
+    assert code == 0
+    assert "usage: modelpatch" in out
     if command is None:
-        assert all(c in result.stdout for c in COMMANDS) and "Exit codes" in result.stdout
+        assert all(c in out for c in COMMANDS) and "Exit codes" in out and "--version" in out
 
 
-def test_inspect_describes_model_fusions_and_layout(run_cli, moe_checkpoint):
-    result = run_cli("inspect", moe_checkpoint)
-    assert result.returncode == 0, result.stderr
-    out = result.stdout
+def test_version(cli):
+    assert cli("--version") == (0, f"modelpatch {modelpatch.__version__}\n", "")
+
+
+def test_inspect_describes_model_fusions_and_layout(cli, moe_checkpoint):
+    code, out, err = cli("inspect", moe_checkpoint)
+    assert code == 0, err
     assert "model type:   qwen2_moe" in out and "architecture: Qwen2MoeForCausalLM" in out
     assert "2  Qwen2MoeExperts" in out
     assert "linear_experts     2 modules of Qwen2MoeExperts" in out
@@ -35,10 +56,10 @@ def test_inspect_describes_model_fusions_and_layout(run_cli, moe_checkpoint):
     assert "55 tensors in 1 file(s)" in out
 
 
-def test_plan_lists_every_parameter_with_operations(run_cli, llama_checkpoint):
-    result = run_cli("plan", llama_checkpoint, "--fusion", "qkv,gate_up")
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
+def test_plan_lists_every_parameter_with_operations(cli, llama_checkpoint):
+    code, out, err = cli("plan", llama_checkpoint, "--fusion", "qkv,gate_up")
+    assert code == 0, err
+    lines = out.splitlines()
     fused = [line for line in lines if line.startswith("model.layers.0.self_attn.qkv_proj.weight <- ")]
     assert len(fused) == 1
     assert "q_proj.weight" in fused[0] and "v_proj.weight" in fused[0]
@@ -48,18 +69,18 @@ def test_plan_lists_every_parameter_with_operations(run_cli, llama_checkpoint):
     assert targets == set(planned.plan.expected)
 
 
-def test_convert_round_trip_and_refusals(run_cli, llama_checkpoint, tmp_path):
+def test_convert_round_trip_and_refusals(cli, llama_checkpoint, tmp_path):
     runtime = tmp_path / "runtime"
-    result = run_cli("convert", llama_checkpoint, runtime, "--fusion", "qkv,gate_up", "--runtime-format")
-    assert result.returncode == 0, result.stderr
+    code, _, err = cli("convert", llama_checkpoint, runtime, "--fusion", "qkv,gate_up", "--runtime-format")
+    assert code == 0, err
     config = json.loads((runtime / "config.json").read_text())
     assert config["modelpatch_runtime_layout"] is True and config["modelpatch_fusion_config"] == {"qkv": True, "gate_up": True}
     assert "fusion_config" not in config  # transformers 5.23 would act on that key itself
 
     back = tmp_path / "back"
-    assert run_cli("convert", runtime, back).returncode == 0
-    assert run_cli("convert", llama_checkpoint, back).returncode == 2  # exists, no --force
-    assert run_cli("convert", llama_checkpoint, back, "--fusion", "none", "--force").returncode == 0
+    assert cli("convert", runtime, back)[0] == 0
+    assert cli("convert", llama_checkpoint, back)[0] == 2  # exists, no --force
+    assert cli("convert", llama_checkpoint, back, "--fusion", "none", "--force")[0] == 0
     assert filecmp.cmp(llama_checkpoint / "model.safetensors", back / "model.safetensors", shallow=False)
 
     reloaded = modelpatch.from_pretrained(LlamaForCausalLM, runtime)
@@ -68,25 +89,41 @@ def test_convert_round_trip_and_refusals(run_cli, llama_checkpoint, tmp_path):
     torch.testing.assert_close(reloaded(ids).logits, stock(ids).logits, atol=1e-5, rtol=1e-5)
 
 
-def test_verify_passes_for_equivalent_fusions(run_cli, moe_checkpoint):
-    result = run_cli("verify", moe_checkpoint, "--fusion", "qkv,gate_up,linear_experts")
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "PASSED" in result.stdout and "logits" in result.stdout and "speed ratio" in result.stdout
+def test_runtime_layout_back_to_the_original_and_inspect_says_which(cli, llama_checkpoint, tmp_path):
+    runtime = tmp_path / "runtime"
+    assert cli("convert", llama_checkpoint, runtime, "--fusion", "qkv,gate_up", "--runtime-format")[0] == 0
+    code, out, _ = cli("inspect", runtime)
+    assert code == 0 and "runtime layout of fusions ['gate_up', 'qkv']" in out
+    code, out, _ = cli("inspect", llama_checkpoint)
+    assert code == 0 and "layout:       original" in out
+
+    # --fusion none names the target layout; the source is loaded with the fusions it was saved in.
+    back = tmp_path / "back"
+    assert cli("convert", runtime, back, "--fusion", "none")[0] == 0
+    assert filecmp.cmp(llama_checkpoint / "model.safetensors", back / "model.safetensors", shallow=False)
+    code, _, err = cli("convert", runtime, tmp_path / "other", "--fusion", "qkv", "--runtime-format")
+    assert code == 2 and "convert it to the original layout first" in err
 
 
-def test_verify_fails_above_tolerance(run_cli, llama_checkpoint):
-    same = run_cli("verify", llama_checkpoint, "--patch", "LlamaMLP=cli_patches:SameMLP")
-    assert same.returncode == 0, same.stdout + same.stderr
-    doubled = run_cli("verify", llama_checkpoint, "--patch", "LlamaMLP=cli_patches:DoubledMLP")
-    assert doubled.returncode == 1
-    assert "FAILED" in doubled.stdout and "NO" in doubled.stdout
+def test_verify_passes_for_equivalent_fusions(cli, moe_checkpoint):
+    code, out, err = cli("verify", moe_checkpoint, "--fusion", "qkv,gate_up,linear_experts")
+    assert code == 0, out + err
+    assert "PASSED" in out and "logits" in out and "speed ratio" in out
 
 
-def test_demo_runs_end_to_end(run_cli):
-    result = run_cli("demo")
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("byte-identical to the source: yes") == 2
-    assert "demo PASSED" in result.stdout
+def test_verify_fails_above_tolerance(cli, llama_checkpoint):
+    code, out, err = cli("verify", llama_checkpoint, "--patch", "LlamaMLP=cli_patches:SameMLP")
+    assert code == 0, out + err
+    code, out, _ = cli("verify", llama_checkpoint, "--patch", "LlamaMLP=cli_patches:DoubledMLP")
+    assert code == 1
+    assert "FAILED" in out and "NO" in out
+
+
+def test_demo_runs_end_to_end(cli):
+    code, out, err = cli("demo")
+    assert code == 0, out + err
+    assert out.count("byte-identical to the source: yes") == 2
+    assert "demo PASSED" in out
 
 
 @pytest.mark.parametrize(
@@ -99,32 +136,21 @@ def test_demo_runs_end_to_end(run_cli):
         (["plan", "{llama}", "--patch", "LlamaMLP=no_such_module:X"], "cannot import 'no_such_module'"),
         (["plan", "{llama}", "--patch", "LlamaMLP=cli_patches:Missing"], "has no 'Missing'"),
         (["plan", "{llama}", "--patch", "LlamaMLP=cli_patches:NOT_A_MODULE"], "must be a subclass of torch.nn.Module"),
+        (["plan", "{llama}", "--import", "no_such_module"], "cannot import --import module 'no_such_module'"),
+        (["--import", "no_such_module", "plan", "{llama}"], "cannot import --import module 'no_such_module'"),
     ],
 )
-def test_bad_input_is_one_line_and_exit_code_2(run_cli, llama_checkpoint, tmp_path, args, message):
-    args = [a.format(llama=llama_checkpoint, empty=tmp_path) for a in args]
-    result = run_cli(*args)
-    assert result.returncode == 2
-    assert message in result.stderr
-    assert "Traceback" not in result.stderr
-    # Only modelpatch's own line: other packages may log at import time (torchao does when installed).
-    assert len([line for line in result.stderr.splitlines() if line.startswith("modelpatch")]) == 1
+def test_bad_input_is_one_line_and_exit_code_2(cli, llama_checkpoint, tmp_path, args, message):
+    code, out, err = cli(*[a.format(llama=llama_checkpoint, empty=tmp_path) for a in args])
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err and out == ""
+    assert len(err.strip().splitlines()) == 1, err
 
 
-def test_runtime_layout_back_to_the_original_and_inspect_says_which(llama_checkpoint, tmp_path, capsys):
-    from modelpatch.cli.main import main
-
-    runtime = tmp_path / "runtime"
-    assert main(["convert", str(llama_checkpoint), str(runtime), "--fusion", "qkv,gate_up", "--runtime-format"]) == 0
-    capsys.readouterr()
-    assert main(["inspect", str(runtime)]) == 0
-    assert "runtime layout of fusions ['gate_up', 'qkv']" in capsys.readouterr().out
-    assert main(["inspect", str(llama_checkpoint)]) == 0
-    assert "layout:       original" in capsys.readouterr().out
-
-    # --fusion none names the target layout; the source is loaded with the fusions it was saved in.
-    back = tmp_path / "back"
-    assert main(["convert", str(runtime), str(back), "--fusion", "none"]) == 0
-    assert filecmp.cmp(llama_checkpoint / "model.safetensors", back / "model.safetensors", shallow=False)
-    assert main(["convert", str(runtime), str(tmp_path / "other"), "--fusion", "qkv", "--runtime-format"]) == 2
-    assert "convert it to the original layout first" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    "args", [["bogus"], ["inspect"], ["convert", "a", "b", "--dtype", "int8"], ["verify", "x", "--atol", "small"]]
+)
+def test_usage_errors_exit_code_2(cli, args):
+    code, out, err = cli(*args)
+    assert code == 2 and out == "" and "usage: modelpatch" in err

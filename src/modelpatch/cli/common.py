@@ -1,9 +1,15 @@
-"""Argument parsing shared by the commands: checkpoint sources, model classes, ``--fusion`` and ``--patch`` specs."""
+"""What the commands share once they run: model classes, ``--fusion`` and ``--patch`` specs, progress bars.
+
+This module imports torch and transformers: commands import it inside ``run``, never at module level (see
+:mod:`modelpatch.cli.arguments`).
+"""
 
 from __future__ import annotations
 
-import argparse
 import importlib
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import transformers
@@ -14,13 +20,11 @@ from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
 from ..errors import FusionError
 from ..fusions import available_fusions
+from ..loading import materialize
 from ..loading.config import load_config
 from ..loading.hub import HubOptions, resolve_checkpoint
 from ..patching import Patcher
-
-
-class UsageError(Exception):
-    """Bad command-line input: reported in one line, exit code 2."""
+from .arguments import UsageError
 
 
 def _named_class(name: str) -> type | None:
@@ -68,26 +72,6 @@ def model_classes(model_type: str) -> list[str]:
             value = getattr(modeling_auto, attribute).get(model_type)
             found.update([value] if isinstance(value, str) else value or ())
     return sorted(found)
-
-
-def add_source_arguments(parser: argparse.ArgumentParser, name: str = "path") -> None:
-    """The checkpoint argument ``name``: a local directory or a hub repo id, with the hub options."""
-    parser.add_argument(name, help="checkpoint directory, or hub repo id (org/name) resolved through the hub cache")
-    parser.add_argument("--revision", help="hub branch, tag or commit (default: main)")
-    parser.add_argument("--subfolder", default="", help="the checkpoint's folder inside the directory or repository")
-    parser.add_argument("--cache-dir", help="huggingface_hub cache to use instead of HF_HUB_CACHE")
-    parser.add_argument("--local-files-only", action="store_true", help="never download: use the hub cache only")
-    parser.add_argument(
-        "--allow-pickle",
-        action="store_true",
-        help="accept pytorch_model.bin checkpoints (read with torch.load(weights_only=True); prefer safetensors)",
-    )
-    parser.add_argument(
-        "--model-class",
-        metavar="NAME",
-        help="transformers class to load into, e.g. LlamaForCausalLM or AutoModelForCausalLM "
-        "(default: the config's architectures, else AutoModel)",
-    )
 
 
 def open_checkpoint(args: argparse.Namespace, path: str) -> tuple[Path, PretrainedConfig]:
@@ -139,15 +123,19 @@ def parse_patches(specs: list[str] | None) -> Patcher | None:
         raise UsageError(f"Bad --patch: {exc}") from None
 
 
-def add_patch_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--fusion",
-        metavar="NAMES",
-        help=f"comma-separated fusions to enable ({', '.join(available_fusions())}), or 'none'",
-    )
-    parser.add_argument(
-        "--patch",
-        action="append",
-        metavar="ORIGINAL=package.module:Class",
-        help="replace class ORIGINAL (an exact name or a regex) by an importable nn.Module subclass; repeatable",
-    )
+@contextmanager
+def load_progress(enabled: bool) -> Iterator[None]:
+    """Let the loader show its progress bar (loads above its size threshold) only when ``enabled``.
+
+    The loader has no switch for its bar, only a size threshold: a disabled bar is a threshold no load reaches, for
+    the command's duration.
+    """
+    if enabled:
+        yield
+        return
+    threshold = materialize.PROGRESS_BAR_MIN_BYTES
+    materialize.PROGRESS_BAR_MIN_BYTES = sys.maxsize
+    try:
+        yield
+    finally:
+        materialize.PROGRESS_BAR_MIN_BYTES = threshold

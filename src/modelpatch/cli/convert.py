@@ -3,25 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from transformers import PretrainedConfig
+from .arguments import UsageError, add_source_arguments, add_dtype_argument, add_patch_arguments
 
-from ..errors import LoadPlanError
-from ..loading import from_pretrained, get_load_report, save_pretrained
-from ..loading.diagnose import collapse_indices
-from ..state import is_runtime_layout, stored_fusion_config
-from .common import (
-    UsageError,
-    add_patch_arguments,
-    add_source_arguments,
-    architectures_note,
-    model_class_for,
-    model_classes,
-    open_checkpoint,
-    parse_fusions,
-    parse_patches,
-)
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -31,11 +20,14 @@ def register(commands: argparse._SubParsersAction) -> None:
         description="Convert a checkpoint offline. By default DST is in the original layout; --runtime-format "
         "writes the patched/fused layout, which later loads need no conversion for. A SRC in a runtime layout is "
         "loaded with the fusions it was saved with, so `--fusion none` turns it back into the original layout. Every "
-        "tensor of SRC is kept: when the model class has no place for one, nothing is written and the command fails.",
+        "tensor of SRC is kept: when the model class has no place for one, nothing is written and the command fails. "
+        "SRC's other files (tokenizer, chat template, processor configs, README, LICENSE, ...) are copied along; its "
+        "weight files and subdirectories are not (see docs/cli.md).",
     )
     add_source_arguments(parser, "src")
     parser.add_argument("dst", help="destination directory")
     add_patch_arguments(parser)
+    add_dtype_argument(parser, "auto")
     parser.add_argument("--runtime-format", action="store_true", help="write the runtime (fused) layout")
     parser.add_argument("--max-shard-size", default="50GB", help="shard above this size (default 50GB)")
     parser.add_argument("--force", action="store_true", help="overwrite DST if it exists")
@@ -43,6 +35,13 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..errors import LoadPlanError
+    from ..loading import from_pretrained, get_load_report, save_pretrained
+    from ..loading.diagnose import collapse_indices
+    from ..state import is_runtime_layout, stored_fusion_config
+    from .carry import plan_carry
+    from .common import model_class_for, open_checkpoint, parse_fusions, parse_patches
+
     source, config = open_checkpoint(args, args.src)
     destination = Path(args.dst)
     if destination.exists() and not args.force:
@@ -61,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
                 "first (--fusion none), then from there to other fusions."
             )
         fusions = None
+    carry = plan_carry(source)
     try:
         # "error": a checkpoint key the model has no place for would be missing from DST.
         model = from_pretrained(
@@ -69,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
             patcher=parse_patches(args.patch),
             fusion_config=fusions,
             unexpected_keys="error",
+            dtype=args.dtype,
             allow_pickle=args.allow_pickle,
         )
     except LoadPlanError as exc:
@@ -85,13 +86,20 @@ def run(args: argparse.Namespace) -> int:
     files = save_pretrained(
         model, destination, save_original_format=not args.runtime_format, max_shard_size=args.max_shard_size
     )
+    copied = carry.copy_to(destination, {file.name for file in files})
     layout = "runtime" if args.runtime_format else "original"
     print(f"wrote {len(files)} files to {destination} ({layout} layout)")
+    if copied:
+        print(f"copied from {args.src}: {', '.join(map(str, copied))}")
+    if carry.skipped and not args.quiet:
+        print(f"modelpatch convert: note: not copied from {args.src}: {', '.join(carry.skipped)}", file=sys.stderr)
     return 0
 
 
 def _keep_every_tensor(args: argparse.Namespace, config: PretrainedConfig) -> str:
     """What to do when the chosen class would drop tensors of the source."""
+    from .common import architectures_note, model_classes
+
     note = "" if args.model_class else architectures_note(config)
     candidates = ", ".join(model_classes(config.model_type))
     return (

@@ -10,24 +10,27 @@ import argparse
 import filecmp
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig, PreTrainedModel, Qwen2MoeConfig, Qwen2MoeForCausalLM
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
-from ..loading import from_pretrained, get_load_report, save_pretrained
-from ..verify import verify
 
-_SIZES = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2)
+def demo_models() -> list[tuple[str, type[PreTrainedModel], PretrainedConfig, dict[str, bool]]]:
+    """(title, model class, config, fusions) of each demo checkpoint."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-DEMO_MODELS: tuple[tuple[str, type[PreTrainedModel], PretrainedConfig, dict[str, bool]], ...] = (
-    ("llama (grouped-query)", LlamaForCausalLM, LlamaConfig(**_SIZES), {"qkv": True, "gate_up": True}),
-    (
-        "qwen2_moe",
-        Qwen2MoeForCausalLM,
-        Qwen2MoeConfig(**_SIZES, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=128),
-        {"qkv": True, "gate_up": True, "linear_experts": True},
-    ),
-)
+    sizes = dict(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2,
+    )
+    moe = Qwen2MoeConfig(
+        **sizes, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=128
+    )
+    return [
+        ("llama (grouped-query)", LlamaForCausalLM, LlamaConfig(**sizes), {"qkv": True, "gate_up": True}),
+        ("qwen2_moe", Qwen2MoeForCausalLM, moe, {"qkv": True, "gate_up": True, "linear_experts": True}),
+    ]
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -49,10 +52,15 @@ def _same_files(a: Path, b: Path) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..loading import from_pretrained, get_load_report, save_pretrained
+    from ..verify import verify
+
     with tempfile.TemporaryDirectory(prefix="modelpatch-demo-") as scratch:
         root = Path(args.keep or scratch)
         ok = True
-        for index, (title, model_class, config, fusions) in enumerate(DEMO_MODELS):
+        for index, (title, model_class, config, fusions) in enumerate(demo_models()):
             source, saved = root / f"{config.model_type}-source", root / f"{config.model_type}-saved"
             torch.manual_seed(index)
             model_class(config).save_pretrained(source)

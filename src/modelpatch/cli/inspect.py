@@ -6,15 +6,7 @@ import argparse
 import re
 from collections import Counter
 
-import torch
-
-from ..checkpoint import Checkpoint
-from ..fusions import available_fusions, get_fusion
-from ..fusions.apply import discover
-from ..loading.build import build_empty_model, config_build_errors
-from ..loading.config import resolve_model_class
-from ..state import is_runtime_layout, stored_fusion_config
-from .common import add_source_arguments, model_class_for, open_checkpoint
+from .arguments import add_source_arguments
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
 
@@ -23,7 +15,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "inspect",
         help="model type, module classes, applicable fusions and checkpoint key layout",
-        description="Describe a checkpoint without reading tensor data.",
+        description="Describe a local checkpoint without reading tensor data. Everything is checked (config, "
+        "model build, file headers) before anything is printed.",
     )
     add_source_arguments(parser)
     parser.set_defaults(run=run)
@@ -38,41 +31,68 @@ def _size(num_bytes: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    for line in _describe(args):
+        print(line)
+    return 0
+
+
+def _describe(args: argparse.Namespace) -> list[str]:
+    """The lines ``inspect`` prints, all computed first, so that a malformed checkpoint prints nothing."""
+    import torch
+
+    from ..checkpoint import Checkpoint
+    from ..fusions import available_fusions, get_fusion
+    from ..fusions.apply import discover
+    from ..loading.build import build_empty_model, config_build_errors
+    from ..loading.config import resolve_model_class
+    from ..state import is_runtime_layout, stored_fusion_config
+    from .common import model_class_for, open_checkpoint
+
     directory, config = open_checkpoint(args, args.path)
     model_class = resolve_model_class(model_class_for(config, args.model_class), config)
-    with config_build_errors(directory / "config.json", model_class):
-        model = build_empty_model(model_class, config, torch.float32, [])
-    print(f"checkpoint:   {directory}")
-    print(f"model type:   {config.model_type}")
-    print(f"architecture: {model_class.__name__}")
-    print(f"parameters:   {sum(p.numel() for p in model.parameters()):,}")
-    stored = stored_fusion_config(config)
-    if is_runtime_layout(config):
-        print(f"layout:       runtime layout of fusions {sorted(k for k, v in (stored or {}).items() if v)}: loads only "
-              "with them; `modelpatch convert SRC DST --fusion none` writes the original layout")
-    else:
-        print("layout:       original (loads in stock transformers)"
-              + (f"; saved with fusions {sorted(k for k, v in stored.items() if v)}" if stored else ""))
-
-    print("\nmodule classes:")
-    for name, count in sorted(Counter(type(m).__name__ for m in model.modules()).items()):
-        print(f"  {count:>5}  {name}")
-
-    print("\nfusions:")
-    for fusion in available_fusions():
-        mapping, modules = discover(model, {fusion: get_fusion(fusion)})
-        if mapping:
-            print(f"  {fusion:<18} {len(modules[fusion])} modules of {', '.join(sorted(mapping))}")
-        else:
-            print(f"  {fusion:<18} not applicable")
-
     with Checkpoint.open(directory, allow_pickle=args.allow_pickle) as checkpoint:
         keys = checkpoint.keys()
         dtypes = Counter(str(checkpoint.info(k).dtype).removeprefix("torch.") for k in keys)
         layout = Counter(_INDEX.sub("*", k) for k in keys)
-        print(f"\ncheckpoint:   {len(keys)} tensors in {len(checkpoint.files)} file(s), {_size(checkpoint.total_bytes)}")
-        print(f"dtypes:       {', '.join(f'{d} ({n})' for d, n in dtypes.most_common())}")
-        print("key layout (indices as *):")
-        for pattern, count in sorted(layout.items()):
-            print(f"  {count:>5}  {pattern}")
-    return 0
+        files, total_bytes = len(checkpoint.files), checkpoint.total_bytes
+    with config_build_errors(directory / "config.json", model_class):
+        model = build_empty_model(model_class, config, torch.float32, [])
+
+    lines = [
+        f"checkpoint:   {directory}",
+        f"model type:   {config.model_type}",
+        f"architecture: {model_class.__name__}",
+        f"parameters:   {sum(p.numel() for p in model.parameters()):,}",
+    ]
+    stored = stored_fusion_config(config)
+    if is_runtime_layout(config):
+        lines.append(
+            f"layout:       runtime layout of fusions {sorted(k for k, v in (stored or {}).items() if v)}: loads only "
+            "with them; `modelpatch convert SRC DST --fusion none` writes the original layout"
+        )
+    else:
+        lines.append(
+            "layout:       original (loads in stock transformers)"
+            + (f"; saved with fusions {sorted(k for k, v in stored.items() if v)}" if stored else "")
+        )
+
+    lines += ["", "module classes:"]
+    classes = Counter(type(m).__name__ for m in model.modules())
+    lines += [f"  {count:>5}  {name}" for name, count in sorted(classes.items())]
+
+    lines += ["", "fusions:"]
+    for fusion in available_fusions():
+        mapping, modules = discover(model, {fusion: get_fusion(fusion)})
+        if mapping:
+            lines.append(f"  {fusion:<18} {len(modules[fusion])} modules of {', '.join(sorted(mapping))}")
+        else:
+            lines.append(f"  {fusion:<18} not applicable")
+
+    lines += [
+        "",
+        f"checkpoint:   {len(keys)} tensors in {files} file(s), {_size(total_bytes)}",
+        f"dtypes:       {', '.join(f'{d} ({n})' for d, n in dtypes.most_common())}",
+        "key layout (indices as *):",
+    ]
+    lines += [f"  {count:>5}  {pattern}" for pattern, count in sorted(layout.items())]
+    return lines

@@ -1,24 +1,32 @@
 """``modelpatch`` entry point: sub-command dispatch and exit codes.
 
 Exit codes: 0 success; 1 verification failed; 2 bad input (usage, missing path, no config.json, a malformed or
-oversized file, unknown fusion, bad ``--patch``, a checkpoint that does not match its model, a read-only target).
-Bad input is reported in words, never as a traceback: every such error is a ``ModelPatchError`` (or a
-``UsageError`` of the command line).
+oversized file, unknown fusion, bad ``--patch`` or ``--import``, a checkpoint that does not match its model, a
+read-only target). Bad input is reported in words, never as a traceback: every such error is a ``ModelPatchError``
+(or a ``UsageError`` of the command line).
+
+Parsing imports nothing heavy (``--help`` and ``--version`` answer at once): torch and transformers are imported by
+the command that runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
+import os
 import sys
 
+from .. import __version__
 from ..errors import ModelPatchError
 from . import convert, demo, inspect, plan, verify
-from .common import UsageError
+from .arguments import UsageError, add_common_options
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 COMMANDS = (inspect, plan, convert, verify, demo)
+
+logger = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,24 +35,55 @@ def build_parser() -> argparse.ArgumentParser:
         description="Restructure transformers checkpoints: inspect, plan, convert and verify patches and fusions.",
         epilog="Exit codes: 0 success, 1 verification failed, 2 bad input.",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log what modelpatch does")
+    parser.add_argument("--version", action="version", version=f"modelpatch {__version__}")
+    add_common_options(parser, per_command=False)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         command.register(commands)
+    for command_parser in commands.choices.values():
+        add_common_options(command_parser, per_command=True)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if not args.verbose:
+def import_modules(names: list[str]) -> None:
+    """Import the ``--import`` modules, so that what they register at import (fusions, patches) is available.
+
+    The current directory is searched after the installed packages, as a user running ``modelpatch`` next to their
+    ``my_fusions.py`` expects (a console script's ``sys.path`` lacks it, unlike ``python -m``).
+    """
+    if names and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # whatever the module raises: an import error, a rejected registration, ...
+            logger.info("importing %s failed", name, exc_info=True)
+            message = " ".join(str(exc).split())  # one line, whatever the exception's message
+            raise UsageError(f"cannot import --import module {name!r}: {type(exc).__name__}: {message}") from None
+
+
+def _configure_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if not verbose:
         import transformers
 
         transformers.logging.set_verbosity_error()
         transformers.logging.disable_progress_bar()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``modelpatch`` with ``argv`` (default: ``sys.argv[1:]``) and return its exit code."""
     try:
-        return args.run(args)
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help and --version (0), or a usage error argparse has printed (2)
+        return exc.code if isinstance(exc.code, int) else EXIT_OK
+    _configure_logging(args.verbose)
+    try:
+        import_modules([*args.imports, *args.command_imports])
+        from .common import load_progress
+
+        with load_progress(not args.quiet and sys.stderr.isatty()):
+            return args.run(args)
     except (UsageError, ModelPatchError) as exc:
         print(f"modelpatch {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

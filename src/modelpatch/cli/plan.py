@@ -4,15 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..loading.load import plan_pretrained
-from .common import (
-    add_patch_arguments,
-    add_source_arguments,
-    model_class_for,
-    open_checkpoint,
-    parse_fusions,
-    parse_patches,
-)
+from .arguments import add_source_arguments, add_patch_arguments
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -31,6 +23,9 @@ def _keys(keys: list[str]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..loading.load import plan_pretrained
+    from .common import model_class_for, open_checkpoint, parse_fusions, parse_patches
+
     directory, config = open_checkpoint(args, args.path)
     planned = plan_pretrained(
         model_class_for(config, args.model_class),

@@ -3,43 +3,55 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-import torch
-
-from ..loading import from_pretrained
-from ..verify import default_inputs, verify
-from .common import (
-    UsageError,
-    add_patch_arguments,
-    add_source_arguments,
-    model_class_for,
-    open_checkpoint,
-    parse_fusions,
-    parse_patches,
-)
+from .arguments import UsageError, add_source_arguments, add_dtype_argument, add_patch_arguments
 
 
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "verify",
         help="compare stock and patched outputs on identical deterministic inputs",
-        description="Load PATH twice, unpatched and with the given patches/fusions, run identical deterministic "
-        "inputs (token ids, and an image for vision-language models) and print the max abs/rel difference of every "
-        "output and the speed ratio. Exits 1 when an output is out of tolerance.",
+        description="Load PATH twice, stock and with the given patches/fusions (and the patches registered by "
+        "--import modules), run identical deterministic inputs (token ids, and an image for vision-language models) "
+        "and print the max abs/rel difference of every output and the speed ratio. Exits 1 when an output is out of "
+        "tolerance.",
     )
     add_source_arguments(parser)
     add_patch_arguments(parser)
+    add_dtype_argument(parser, "float32", "the tolerances are meant for it: loosen them for half precision")
     parser.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance (default 1e-5)")
     parser.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)")
     parser.set_defaults(run=run)
 
 
+@contextmanager
+def _without_registered_patches() -> Iterator[None]:
+    """Empty the global patch registry for the block (the stock reference load), then restore it as it was."""
+    from ..patching import clear_patch_mapping, get_patch_mapping, register_patch_mapping
+
+    registered = get_patch_mapping()
+    clear_patch_mapping()
+    try:
+        yield
+    finally:
+        register_patch_mapping(registered)
+
+
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..loading import from_pretrained
+    from ..verify import default_inputs, verify
+    from .common import model_class_for, open_checkpoint, parse_fusions, parse_patches
+
     directory, config = open_checkpoint(args, args.path)
     model_class = model_class_for(config, args.model_class)
     patcher, fusions = parse_patches(args.patch), parse_fusions(args.fusion)
-    load = {"dtype": "float32", "allow_pickle": args.allow_pickle}
-    reference = from_pretrained(model_class, directory, fusion_config={}, **load)
+    load = {"dtype": args.dtype, "allow_pickle": args.allow_pickle}
+    with _without_registered_patches():
+        reference = from_pretrained(model_class, directory, fusion_config={}, **load)
     candidate = from_pretrained(model_class, directory, patcher=patcher, fusion_config=fusions, **load)
     inputs = default_inputs(reference)
     try:

@@ -1,0 +1,7 @@
+"""``python -m modelpatch.cli``: the ``modelpatch`` command."""
+
+import sys
+
+from .main import main
+
+sys.exit(main())
