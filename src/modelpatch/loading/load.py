@@ -168,9 +168,13 @@ def _plan(
         model, scope = build_empty_model_patched(concrete, config, resolved_dtype, layers)
     except Exception as exc:
         if not isinstance(exc, ModelPatchError):
-            # The config's fault if the stock model cannot be built either; otherwise a replacement's, raised as is.
+            # The config's fault if the stock model cannot be built either, with transformers' default attention
+            # and experts implementations; otherwise a replacement's or a keyword's error, raised as is.
+            stock_config = copy.deepcopy(config)
+            stock_config._attn_implementation = None
+            stock_config._experts_implementation = None
             with config_build_errors(directory / "config.json", concrete):
-                build_empty_model(concrete, copy.deepcopy(config), resolved_dtype, [])
+                build_empty_model(concrete, stock_config, resolved_dtype, [])
         raise
     replaced = _check_patches(concrete, scope, patcher, layers[-1])
     keep_in_fp32(model, resolved_dtype)
