@@ -168,12 +168,12 @@ REFUSED = {
     "gate_up rows that do not halve": (
         _odd_gate_up_rows,
         ["conversion errors", "missing from the checkpoint"],
-        [f"{EXPERTS_1}.gate_up_proj", "does not split into 2 equal parts", f"{EXPERTS_1}.0.gate_proj.weight"],
+        [f"{EXPERTS_1}.gate_up_proj", "does not split into 2 equal parts", f"{EXPERTS_1}.{{0..3}}.gate_proj.weight"],
     ),
     "wrong intermediate size": (
         _wrong_intermediate_size,
         ["shape mismatches"],
-        [f"{EXPERTS_1}.down_proj", f"{EXPERTS_1}.0.down_proj.weight", "[32, 15]", "[32, 16]"],
+        [f"{EXPERTS_1}.down_proj", f"{EXPERTS_1}.{{0..3}}.down_proj.weight", "[32, 15]", "[32, 16]"],
     ),
 }
 
