@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -23,18 +23,26 @@ model_state_lock = threading.RLock()
 
 
 def build_empty_model(
-    model_class: type[PreTrainedModel], config: PretrainedConfig, dtype: torch.dtype, layers: Sequence[PatchMapping]
+    model_class: type[PreTrainedModel],
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    layers: Sequence[PatchMapping],
+    prepare: Callable[[PreTrainedModel], None] | None = None,
 ) -> PreTrainedModel:
     """Instantiate ``model_class(config)`` on the meta device with floating parameters in ``dtype``.
 
     ``layers`` are the patch mappings to apply, highest priority first. transformers' own init contexts are used so
-    the result is the same module tree and dtype layout that stock ``from_pretrained`` builds.
+    the result is the same module tree and dtype layout that stock ``from_pretrained`` builds. ``prepare`` runs on
+    the built model still inside those contexts but outside the patches, where stock lets a quantizer swap modules.
     """
     with model_state_lock, ExitStack() as stack:
-        for context in model_class.get_init_context(dtype, False, False, None):
+        for context in model_class.get_init_context(dtype, prepare is not None, False, None):
             stack.enter_context(context)
-        stack.enter_context(patch_scope(*layers))
-        return model_class(config)
+        with patch_scope(*layers):
+            model = model_class(config)
+        if prepare is not None:
+            prepare(model)
+        return model
 
 
 def build_initialized_model(

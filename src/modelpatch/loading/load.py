@@ -48,6 +48,7 @@ from .config import checkpoint_directory, load_config, resolve_dtype, resolve_mo
 from .diagnose import Replacement
 from .materialize import load_into_model
 from .plan import LoadPlan, UnexpectedKeys, model_expectations, plan_model_load
+from .quantization import Quantization, load_quantization
 from .report import LoadReport
 from .save import install_original_format_save
 
@@ -97,6 +98,7 @@ class PlannedLoad:
     transforms: list[WeightTransform]
     fusions: PreparedFusions
     runtime_layout: bool
+    quantization: Quantization | None = None
 
 
 def _plan(
@@ -109,6 +111,8 @@ def _plan(
     *,
     new_parameters: Sequence[str],
     unexpected_keys: UnexpectedKeys,
+    quantization_config: Any = None,
+    device_map: Any = None,
 ) -> PlannedLoad:
     _check_patcher(patcher)
     if unexpected_keys not in ("warn", "error", "ignore"):
@@ -116,15 +120,24 @@ def _plan(
     _check_patterns(new_parameters)
     directory = checkpoint.directory
     config = copy.deepcopy(config)
+    # An unsupported quantization method is refused by name here, before anything is built or read.
+    quantization = load_quantization(config, quantization_config, device_map=device_map)
     concrete = resolve_model_class(model_class, config)
     config.name_or_path = str(directory)
     metas = {key: TensorMeta(checkpoint.info(key).shape, checkpoint.info(key).dtype) for key in checkpoint.keys()}
     # Stock 5.x from_pretrained defaults to "auto" and records the dtype on the config and its sub-configs.
     resolved_dtype = resolve_dtype("auto" if dtype is None else dtype, config, (m.dtype for m in metas.values()))
+    if quantization is not None:
+        resolved_dtype = quantization.update_dtype(resolved_dtype)
     _set_config_dtype(config, resolved_dtype)
     try:
         layers, fusions = _load_setup(concrete, config, patcher, fusion_config)
-        model = build_empty_model(concrete, config, resolved_dtype, layers)
+        prepare = (
+            None
+            if quantization is None
+            else lambda m: quantization.preprocess(m, dtype=resolved_dtype, checkpoint_files=checkpoint.files)
+        )
+        model = build_empty_model(concrete, config, resolved_dtype, layers, prepare)
     except Exception as exc:
         if not isinstance(exc, ModelPatchError):
             # The config's fault if the stock model cannot be built either; otherwise a replacement's, raised as is.
@@ -134,9 +147,11 @@ def _plan(
     keep_in_fp32(model, resolved_dtype)
     transforms = _conversions(model, patcher, fusions)
     runtime_layout = is_runtime_layout(config)
+    # A quantized checkpoint's tensors first become the parameters they make up (stage one, quantization.py).
+    parameters = metas if quantization is None else quantization.plan_checkpoint(model, metas, resolved_dtype)
     plan = plan_model_load(
         model,
-        metas,
+        parameters,
         [] if runtime_layout else transforms,
         new_parameters=new_parameters,
         unexpected_keys=unexpected_keys,
@@ -144,8 +159,11 @@ def _plan(
         replacements=(lambda: _replacements(model, concrete, config, resolved_dtype, layers, fusions))
         if any(layers)
         else None,
+        quantized=quantization is not None,
     )
-    return PlannedLoad(directory, model, plan, metas, transforms, fusions, runtime_layout)
+    if quantization is not None:
+        quantization.check_conversions(plan)
+    return PlannedLoad(directory, model, plan, metas, transforms, fusions, runtime_layout, quantization)
 
 
 def _replacements(
@@ -193,6 +211,7 @@ def plan_pretrained(
     dtype: torch.dtype | str | None = None,
     new_parameters: Sequence[str] = (),
     allow_pickle: bool = False,
+    quantization_config: Any = None,
 ) -> PlannedLoad:
     """Plan :func:`from_pretrained` without reading any tensor data: the meta-device model and its :class:`LoadPlan`.
 
@@ -202,7 +221,8 @@ def plan_pretrained(
     config = load_config(directory)
     with Checkpoint.open(directory, allow_pickle=allow_pickle) as checkpoint:
         return _plan(
-            model_class, config, checkpoint, patcher, fusion_config, dtype, new_parameters=new_parameters, unexpected_keys="ignore"
+            model_class, config, checkpoint, patcher, fusion_config, dtype, new_parameters=new_parameters,
+            unexpected_keys="ignore", quantization_config=quantization_config,
         )
 
 
@@ -220,6 +240,7 @@ def from_pretrained(
     new_parameters: Sequence[str] = (),
     unexpected_keys: UnexpectedKeys = "warn",
     allow_pickle: bool = False,
+    quantization_config: Any = None,
 ) -> PreTrainedModel:
     """Load a local checkpoint into ``model_class`` with patches, fusions and weight conversions applied.
 
@@ -239,6 +260,9 @@ def from_pretrained(
             as stock transformers initialises them (a fresh task head, say). Any other absent parameter is an error.
         unexpected_keys: What to do with checkpoint keys the model has no place for: "warn", "error" or "ignore".
         allow_pickle: Accept ``pytorch_model.bin`` checkpoints, read with ``torch.load(weights_only=True)``.
+        quantization_config: Quantize at load like stock (a transformers ``TorchAoConfig``), or loading options of a
+            quantized checkpoint. Quantized checkpoints (``quantization_config`` in config.json) need nothing: fp8 and
+            torchao load as stock loads them; other methods are refused by name (see quantization.py).
 
     Raises:
         CheckpointError: ``path`` is not a local checkpoint directory, or a file in it is malformed.
@@ -255,23 +279,24 @@ def from_pretrained(
     generation_config = _load_generation_config(directory)
     with Checkpoint.open(directory, allow_pickle=allow_pickle) as checkpoint:
         planned = _plan(
-            model_class, config, checkpoint, patcher, fusion_config, dtype, new_parameters=new_parameters, unexpected_keys=unexpected_keys
+            model_class, config, checkpoint, patcher, fusion_config, dtype, new_parameters=new_parameters,
+            unexpected_keys=unexpected_keys, quantization_config=quantization_config, device_map=device_map,
         )
         model, plan, metas = planned.model, planned.plan, planned.checkpoint
         runtime_layout, transforms, fusions = planned.runtime_layout, planned.transforms, planned.fusions
         # Safetensors tensors (byte range known) are views of a private file mapping; pickle ones are not.
-        load_into_model(
-            model,
-            plan,
-            checkpoint.tensor,
-            target_device,
-            checkpoint.total_bytes,
-            file_mapped=lambda key: checkpoint.info(key).start >= 0,
-        )
+        fetch, file_mapped = checkpoint.tensor, lambda key: checkpoint.info(key).start >= 0
+        if planned.quantization is not None:
+            fetch, file_mapped = planned.quantization.fetch(fetch, file_mapped)
+        load_into_model(model, plan, fetch, target_device, checkpoint.total_bytes, file_mapped=file_mapped)
         # A file rewritten in place while its tensors were being read may have given data of two versions.
         checkpoint.check_unchanged()
 
+    if planned.quantization is not None:
+        planned.quantization.quantize_loaded(model, plan.loaded_keys())
     _finalize(model, plan.expected.keys() - set(plan.loaded_keys()), target_device)
+    if planned.quantization is not None:
+        planned.quantization.finish(model)
     fusions.record(model)
     if generation_config is not None and model.can_generate():
         model.generation_config = generation_config
