@@ -201,7 +201,8 @@ class Quantization:
         """Refuse, naming them, stage-two conversions that would concatenate or stack quantized (torchao) tensors."""
         quantized = self.quantized_keys()
         offending = [
-            f"{group.converter!r} on {sorted(set(group.source_keys()) & quantized)}"
+            f"{sorted(set(group.source_keys()) & quantized)} -> {group.target_keys()} "
+            f"({', '.join(type(op).__name__ for op in group.operations)})"
             for group in plan.conversion.groups
             if set(group.source_keys()) & quantized
         ]
