@@ -4,7 +4,9 @@ Checkpoints are made here: fp8 ones by block-quantizing a stock-saved tiny model
 checkpoints are made (float8_e4m3fn weights, ``weight_scale_inv = amax / 448`` per 128x128 block, ``quant_method:
 "fp8"`` in config.json); torchao ones by stock itself (``quantization_config=TorchAoConfig(Int8WeightOnlyConfig())``
 at load, then ``save_pretrained``). On a machine without a GPU stock dequantizes fp8 to the model's dtype; modelpatch
-must give the same modules and the same tensors, bit for bit.
+must give the same modules and the same tensors, bit for bit. compressed-tensors ones are written by hand in its
+``float-quantized`` format (float8 weights, one bfloat16 scale per output channel), which stock loads as they are and
+decompresses in place at the first forward.
 """
 
 from __future__ import annotations
@@ -293,7 +295,6 @@ def test_torchao_quantization_at_load_quantizes_the_fused_projection(plain_llama
         ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "gptq"),
         ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}, "awq"),
         ({"load_in_4bit": True}, "bitsandbytes"),
-        ({"quant_method": "compressed-tensors", "format": "float-quantized"}, "compressed-tensors"),
         ({"quant_method": "made_up"}, "made_up"),
     ],
 )
@@ -317,3 +318,69 @@ def test_fp8_quantization_at_load_without_a_gpu_is_refused_with_stocks_reason(pl
 
     with pytest.raises(LoadPlanError, match=r"fp8 quantizer refuses this load: No GPU"):
         modelpatch.from_pretrained(AutoModelForCausalLM, plain_llama, quantization_config=FineGrainedFP8Config())
+
+
+# --- compressed-tensors -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compressed_tensors_checkpoint(plain_llama, tmp_path_factory) -> Path:
+    """FP8 weights with channel-wise scales in compressed-tensors' ``float-quantized`` format (as llm-compressor's
+    FP8_DYNAMIC scheme writes them)."""
+    pytest.importorskip("compressed_tensors")
+    path = tmp_path_factory.mktemp("compressed") / "llama"
+    shutil.copytree(plain_llama, path)
+    tensors = {}
+    for key, tensor in load_file(str(path / "model.safetensors")).items():
+        if _is_quantized_projection(key):
+            scale = tensor.float().abs().amax(dim=1, keepdim=True) / FP8_MAX
+            tensors[key] = (tensor.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            tensors[key.removesuffix("weight") + "weight_scale"] = scale.to(torch.bfloat16)
+        else:
+            tensors[key] = tensor
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    raw = json.loads((path / "config.json").read_text())
+    raw["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "ignore": ["lm_head"],
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True},
+        }},
+    }
+    (path / "config.json").write_text(json.dumps(raw))
+    return path
+
+
+def test_compressed_tensors_checkpoint_loads_like_stock(compressed_tensors_checkpoint):
+    stock = AutoModelForCausalLM.from_pretrained(compressed_tensors_checkpoint)
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, compressed_tensors_checkpoint)
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.float8_e4m3fn  # compressed until it runs
+    assert_same_as_stock(model, stock)
+    # The first forward decompresses in place, in both.
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    assert_tensors_identical(model.state_dict(), stock.state_dict())
+    assert model.config.quantization_config.to_dict() == stock.config.quantization_config.to_dict()
+
+
+def test_compressed_tensors_checkpoint_with_a_fusion_is_refused_by_name(compressed_tensors_checkpoint, no_tensor_reads):
+    with pytest.raises(LoadPlanError, match=r"compressed-tensors checkpoint stores quantized tensors(.|\n)*qkv_proj"):
+        modelpatch.from_pretrained(AutoModelForCausalLM, compressed_tensors_checkpoint, fusion_config={"qkv": True})
+
+
+def test_compressed_tensors_save_is_refused_by_name(compressed_tensors_checkpoint, tmp_path):
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, compressed_tensors_checkpoint)
+    for original_format in (True, False):
+        with pytest.raises(SaveError, match=r"modelpatch does not save compressed-tensors models"):
+            modelpatch.save_pretrained(model, tmp_path / "out", save_original_format=original_format)
+    assert not (tmp_path / "out").exists()
+
+
+def test_compressed_tensors_dequantize_at_load_is_refused_by_name(compressed_tensors_checkpoint, no_tensor_reads):
+    from transformers import CompressedTensorsConfig
+
+    with pytest.raises(LoadPlanError, match=r"compressed-tensors quantizer loads this checkpoint with CompressedTensorsDequantize"):
+        modelpatch.from_pretrained(
+            AutoModelForCausalLM, compressed_tensors_checkpoint, quantization_config=CompressedTensorsConfig(dequantize=True)
+        )

@@ -148,7 +148,10 @@ def _plan(
     transforms = _conversions(model, patcher, fusions)
     runtime_layout = is_runtime_layout(config)
     # A quantized checkpoint's tensors first become the parameters they make up (stage one, quantization.py).
-    parameters = metas if quantization is None else quantization.plan_checkpoint(model, metas, resolved_dtype)
+    parameters = metas
+    if quantization is not None:
+        parameters = quantization.plan_checkpoint(model, metas, resolved_dtype)
+        quantization.check_conversions([] if runtime_layout else transforms)
     plan = plan_model_load(
         model,
         parameters,
@@ -161,8 +164,6 @@ def _plan(
         else None,
         quantized=quantization is not None,
     )
-    if quantization is not None:
-        quantization.check_conversions(plan)
     return PlannedLoad(directory, model, plan, metas, transforms, fusions, runtime_layout, quantization)
 
 
@@ -261,8 +262,8 @@ def from_pretrained(
         unexpected_keys: What to do with checkpoint keys the model has no place for: "warn", "error" or "ignore".
         allow_pickle: Accept ``pytorch_model.bin`` checkpoints, read with ``torch.load(weights_only=True)``.
         quantization_config: Quantize at load like stock (a transformers ``TorchAoConfig``), or loading options of a
-            quantized checkpoint. Quantized checkpoints (``quantization_config`` in config.json) need nothing: fp8 and
-            torchao load as stock loads them; other methods are refused by name (see quantization.py).
+            quantized checkpoint. Quantized checkpoints (``quantization_config`` in config.json) need nothing: fp8,
+            torchao and compressed-tensors load as stock loads them; other methods are refused by name.
 
     Raises:
         CheckpointError: ``path`` is not a local checkpoint directory, or a file in it is malformed.

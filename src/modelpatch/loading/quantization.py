@@ -13,7 +13,12 @@ its quantizers declare): a transformers upgrade means auditing this file. What i
   a modelpatch :class:`ConversionOperation` (``Fp8Dequantize`` -> :class:`Fp8BlockDequantize`, ``TorchAoDeserialize``
   -> :class:`TorchAoTensor`); an op without a translation is refused by name;
 * ``param_needs_quantization`` and ``get_quantize_ops`` to quantize at load, ``get_state_dict_and_metadata`` to save.
-  Private attributes read: ``pre_quantized``, ``quantization_config.dequantize`` and torchao's ``metadata``.
+  Private attributes read: ``pre_quantized``, ``quantization_config.dequantize``, torchao's ``metadata`` and the
+  transforms' ``_original_source_patterns`` / ``_original_target_patterns``.
+
+Supported methods: fp8 (block-scaled; dequantized, as stock does on a machine without a GPU), torchao (pre-quantized
+safetensors checkpoints, and quantization at load) and compressed-tensors (its tensors load as they are into the
+modules its quantizer prepares, as in stock). Every other method is refused by name before any tensor is read.
 
 A quantized checkpoint loads in two stages. Stage one, here: the tensors that make up one quantized parameter
 (``q_proj.weight`` + ``q_proj.weight_scale_inv``; ``q_proj._weight_qdata`` + ``q_proj._weight_scale`` + ...) become
@@ -46,12 +51,15 @@ from ..errors import LoadPlanError, SaveError
 from ..state import FUSION_CONFIG_KEY, QUANTIZATION_ATTRIBUTE
 from .diagnose import collapse_lines
 from .materialize import release_pages, set_tensor
-from .plan import LoadPlan
 from .report import LoadReport
 
-# What modelpatch loads, by ``quant_method``. compressed-tensors is not among them: its quantizer replaces modules with
-# compressed-tensors' own (or dequantizes through them), which modelpatch does not translate yet.
-SUPPORTED_METHODS = ("fp8", "torchao")
+# What modelpatch loads, by ``quant_method``. compressed-tensors loads its tensors as they are into the parameters its
+# ``preprocess_model`` adds (their dequantizing op, ``dequantize=True``, has no translation and is refused by name).
+SUPPORTED_METHODS = ("fp8", "torchao", "compressed-tensors")
+
+# Checkpoint dtypes that are plain numbers; anything else a quantized checkpoint stores (float8, packed integers)
+# only means something with its companions.
+_PLAIN_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @dataclass(frozen=True)
@@ -89,7 +97,7 @@ def _supported_or_refused(settings: Any, where: str) -> str | None:
         raise _refusal(
             f"{where} asks for quantization method {method!r} (quant_method): the checkpoint would be quantized with "
             f"it, and modelpatch does not support {method!r}. modelpatch loads {', '.join(SUPPORTED_METHODS)} "
-            "checkpoints (and quantizes at load with torchao); load this one with stock transformers, or a "
+            "checkpoints through transformers' quantizers (and quantizes at load with torchao); load this one with stock transformers, or a "
             "full-precision checkpoint with modelpatch.",
             method,
         )
@@ -103,6 +111,7 @@ class Quantization:
     quantizer: HfQuantizer
     method: str
     stage: ConversionPlan | None = None
+    parameters: dict[str, TensorMeta] | None = None  # the checkpoint as stage two sees it
 
     @property
     def dequantizes(self) -> bool:
@@ -148,6 +157,7 @@ class Quantization:
                 kept.append(group)
         plan.groups = kept
         self.stage = plan
+        self.parameters = dict(plan.outputs)
         return dict(plan.outputs)
 
     def _transforms(self, model: PreTrainedModel, dtype: torch.dtype) -> list[WeightTransform]:
@@ -192,18 +202,25 @@ class Quantization:
         )
 
     def quantized_keys(self) -> set[str]:
-        """Stage-one outputs that are quantized tensors (not dequantized ones): what stage two must not convert."""
-        if self.stage is None or self.dequantizes:
+        """What stage two must not convert: quantized tensors stage one built (torchao's, not dequantized ones) and
+        tensors loaded as they are whose values mean something only with their companions (float8, packed)."""
+        if self.stage is None or self.parameters is None:
             return set()
-        return {key for group in self.stage.groups for key in group.target_keys()}
+        built = set() if self.dequantizes else {key for group in self.stage.groups for key in group.target_keys()}
+        return built | {key for key, meta in self.parameters.items() if meta.dtype not in _PLAIN_DTYPES}
 
-    def check_conversions(self, plan: LoadPlan) -> None:
-        """Refuse, naming them, stage-two conversions that would concatenate or stack quantized (torchao) tensors."""
+    def check_conversions(self, transforms: Sequence[WeightTransform]) -> None:
+        """Refuse, naming them, stage-two conversions that would concatenate or stack quantized tensors.
+
+        Checked before stage two is validated, so that this is the error rather than the keys it leaves missing.
+        """
         quantized = self.quantized_keys()
+        if not quantized or not transforms:
+            return
         offending = [
             f"{sorted(set(group.source_keys()) & quantized)} -> {group.target_keys()} "
             f"({', '.join(type(op).__name__ for op in group.operations)})"
-            for group in plan.conversion.groups
+            for group in plan_load(self.parameters or {}, transforms).groups
             if set(group.source_keys()) & quantized
         ]
         if offending:
@@ -335,5 +352,10 @@ def quantized_checkpoint(
             )
     tensors, metadata = quantizer.get_state_dict_and_metadata(model)
     if tensors is None:
-        raise SaveError(f"transformers' {record.method} quantizer gives no state to save for {type(model).__name__}.")
+        raise SaveError(
+            f"Cannot save {type(model).__name__}: transformers' {record.method} quantizer has no serialisation of its "
+            "own, and the model's live state is not the checkpoint's (compressed-tensors decompresses the weights in "
+            "place at the first forward, so what stock writes depends on whether the model ran). modelpatch does not "
+            f"save {record.method} models. Nothing was written."
+        )
     return tensors, metadata
