@@ -332,7 +332,7 @@ class Fp8BlockDequantize(ConversionOperation):
     def _runs(self, slots: list) -> list[tuple]:
         size = 1 + self.companions
         if not slots or len(slots) % size:
-            raise ConversionError(f"{self!r} needs slots in runs of {size} (weight, scale, ...), got {len(slots)} slots.")
+            raise ConversionError(f"{self!r} needs slots in runs of {size} (weight, scale, ...), got {len(slots)}.")
         return [tuple(slots[i : i + size]) for i in range(0, len(slots), size)]
 
     def bind(self, shapes, num_targets):
@@ -345,10 +345,11 @@ class Fp8BlockDequantize(ConversionOperation):
             if scale is None:
                 out.append(weight)
                 continue
-            pairs = list(zip(weight, scale)) if isinstance(weight, list) and isinstance(scale, list) else [(weight, scale)]
-            if isinstance(weight, list) != isinstance(scale, list) or len(pairs) != (len(weight) if isinstance(weight, list) else 1):
+            # An indexed slot (one tensor per expert) pairs with an indexed slot of as many scales.
+            weights, scales = (weight, scale) if isinstance(weight, list) else ([weight], [scale])
+            if not isinstance(scale, type(weight)) or len(weights) != len(scales):
                 raise ConversionError(f"{self!r}: weights {weight} and scales {scale} do not pair up.")
-            for weight_shape, scale_shape in pairs:
+            for weight_shape, scale_shape in zip(weights, scales):
                 if len(weight_shape) < 2:
                     raise ConversionError(f"{self!r}: a block-scaled weight must be at least 2-D, got {weight_shape}.")
                 grid = _scale_grid(scale_shape)
@@ -395,8 +396,8 @@ class Fp8BlockDequantize(ConversionOperation):
 
     def reverse(self):
         raise ConversionError(
-            f"{self!r} has no exact reverse: the float8 weights were dequantized at load and their block scales are not "
-            "kept, so the checkpoint's float8 tensors cannot be written back. Save in the runtime layout "
+            f"{self!r} has no exact reverse: the float8 weights were dequantized at load and their block scales "
+            "are not kept, so the checkpoint's float8 tensors cannot be written back. Save in the runtime layout "
             "(save_original_format=False) to write the dequantized weights."
         )
 
@@ -425,9 +426,10 @@ class TorchAoTensor(ConversionOperation):
         first = keys[0]
         if not isinstance(first, str):
             raise ConversionError(f"{self!r} reads one tensor per slot, got {first!r}.")
+        # torchao names the data of ``<module>.<param>`` ``<module>._<param>_<data>``; a param name may contain "_".
         module, _, flat = first.rpartition(".")
-        names = [name for name in self._tensor_names() if name.rpartition(".")[0] == module]
-        tensor_name = next((n for n in names if flat.startswith(f"_{n.rpartition('.')[2]}_")), None)
+        splits = [i for i, char in enumerate(flat) if char == "_" and i > 1] if flat.startswith("_") else []
+        tensor_name = next((name for i in splits if (name := f"{module}.{flat[1:i]}") in self.metadata), None)
         if tensor_name is None:
             raise ConversionError(f"{self!r}: the checkpoint's torchao metadata has no entry for {first!r}.")
         prefix = f"{module}._{tensor_name.rpartition('.')[2]}_"
@@ -437,12 +439,6 @@ class TorchAoTensor(ConversionOperation):
                 raise ConversionError(f"{self!r}: {key!r} is not data of torchao tensor {tensor_name!r}.")
             data_names.append(None if key is None else key[len(prefix) :])
         return replace(self, tensor_name=tensor_name, data_names=tuple(data_names), dtypes=tuple(dtypes))
-
-    def _tensor_names(self) -> list[str]:
-        try:
-            return json.loads(self.metadata["tensor_names"])
-        except (KeyError, TypeError, ValueError):
-            raise ConversionError(f"{self!r}: the checkpoint's torchao metadata has no valid 'tensor_names'.") from None
 
     def _entry(self) -> dict:
         if self.tensor_name is None:

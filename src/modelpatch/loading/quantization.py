@@ -97,8 +97,8 @@ def _supported_or_refused(settings: Any, where: str) -> str | None:
         raise _refusal(
             f"{where} asks for quantization method {method!r} (quant_method): the checkpoint would be quantized with "
             f"it, and modelpatch does not support {method!r}. modelpatch loads {', '.join(SUPPORTED_METHODS)} "
-            "checkpoints through transformers' quantizers (and quantizes at load with torchao); load this one with stock transformers, or a "
-            "full-precision checkpoint with modelpatch.",
+            "checkpoints through transformers' quantizers (and quantizes at load with torchao); load this one with "
+            "stock transformers, or a full-precision checkpoint with modelpatch.",
             method,
         )
     return method
@@ -110,8 +110,7 @@ class Quantization:
 
     quantizer: HfQuantizer
     method: str
-    stage: ConversionPlan | None = None
-    parameters: dict[str, TensorMeta] | None = None  # the checkpoint as stage two sees it
+    stage: ConversionPlan | None = None  # stage one; its outputs are the checkpoint as stage two sees it
 
     @property
     def dequantizes(self) -> bool:
@@ -157,7 +156,6 @@ class Quantization:
                 kept.append(group)
         plan.groups = kept
         self.stage = plan
-        self.parameters = dict(plan.outputs)
         return dict(plan.outputs)
 
     def _transforms(self, model: PreTrainedModel, dtype: torch.dtype) -> list[WeightTransform]:
@@ -204,10 +202,10 @@ class Quantization:
     def quantized_keys(self) -> set[str]:
         """What stage two must not convert: quantized tensors stage one built (torchao's, not dequantized ones) and
         tensors loaded as they are whose values mean something only with their companions (float8, packed)."""
-        if self.stage is None or self.parameters is None:
+        if self.stage is None:
             return set()
         built = set() if self.dequantizes else {key for group in self.stage.groups for key in group.target_keys()}
-        return built | {key for key, meta in self.parameters.items() if meta.dtype not in _PLAIN_DTYPES}
+        return built | {key for key, meta in self.stage.outputs.items() if meta.dtype not in _PLAIN_DTYPES}
 
     def check_conversions(self, transforms: Sequence[WeightTransform]) -> None:
         """Refuse, naming them, stage-two conversions that would concatenate or stack quantized tensors.
@@ -220,7 +218,7 @@ class Quantization:
         offending = [
             f"{sorted(set(group.source_keys()) & quantized)} -> {group.target_keys()} "
             f"({', '.join(type(op).__name__ for op in group.operations)})"
-            for group in plan_load(self.parameters or {}, transforms).groups
+            for group in plan_load(self.stage.outputs, transforms).groups  # type: ignore[union-attr]
             if set(group.source_keys()) & quantized
         ]
         if offending:
@@ -342,7 +340,8 @@ def quantized_checkpoint(
     if original_format:
         converted = [] if report is None else [group.sources_summary() for group in report.groups]
         renamed = [] if report is None else [f"{v} -> {k}" for k, v in report.direct.items() if k != v]
-        if report is None or report.runtime_layout or converted or renamed or getattr(model.config, FUSION_CONFIG_KEY, None):
+        fused = getattr(model.config, FUSION_CONFIG_KEY, None)
+        if report is None or report.runtime_layout or converted or renamed or fused:
             raise SaveError(
                 f"Cannot save {type(model).__name__} in its checkpoint's layout: it holds {record.method} tensors "
                 "and its layout differs from the checkpoint's (conversions or fusions: "

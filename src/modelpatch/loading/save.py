@@ -276,7 +276,8 @@ def save_pretrained(
     if generation_config is not None and model.can_generate():
         extra_files["generation_config.json"] = (generation_config.to_json_string()).encode()
     files = write_checkpoint(path, tensors, extra_files=extra_files, metadata=metadata, max_shard_size=max_shard_size)
-    logger.info("Saved %d tensors to %s (%s layout)", len(tensors), path, "checkpoint" if save_original_format else "runtime")
+    layout = "checkpoint" if save_original_format else "runtime"
+    logger.info("Saved %d tensors to %s (%s layout)", len(tensors), path, layout)
     return files
 
 
