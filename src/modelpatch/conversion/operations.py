@@ -35,6 +35,14 @@ def _norm_dim(dim: int, rank: int, op: ConversionOperation) -> int:
     return dim % rank
 
 
+def common_dtype(dtypes: list[DtypeSlot], owner: str) -> torch.dtype:
+    """The one dtype of the present slots; ``owner`` names who needs it in the error."""
+    present = {d for d in dtypes if d is not None}
+    if len(present) != 1:
+        raise ConversionError(f"{owner}: the tensors have different dtypes {sorted(map(str, present))}.")
+    return present.pop()
+
+
 def _require_tensor_slots(shapes: list[ShapeSlot], op: ConversionOperation) -> list[Shape]:
     if any(isinstance(s, list) for s in shapes):
         raise ConversionError(f"{op!r} needs one tensor per slot; apply MergeModulelist to indexed ('*') patterns first.")
@@ -76,10 +84,7 @@ class ConversionOperation(ABC):
         By default every present slot has the same dtype and the outputs keep it; operations that combine tensors of
         different dtypes (a quantized weight and its float32 scales) override this.
         """
-        present = {d for d in dtypes if d is not None}
-        if len(present) != 1:
-            raise ConversionError(f"{self!r}: the tensors have different dtypes {sorted(map(str, present))}.")
-        return present.pop()
+        return common_dtype(dtypes, repr(self))
 
 
 class _PerSlotOperation(ConversionOperation):

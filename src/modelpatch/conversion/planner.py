@@ -27,6 +27,7 @@ from .operations import (
     ShapeSlot,
     Slot,
     bind_operations,
+    common_dtype,
     run_operations,
 )
 from .transforms import (
@@ -268,10 +269,7 @@ def _group_and_bind(
 def _output_dtype(bound: Sequence[ConversionOperation], dtypes: list[DtypeSlot]) -> torch.dtype:
     """The dtype a bound chain produces from slots of ``dtypes`` (a chain without operations keeps the one dtype)."""
     if not bound:
-        present = {d for d in dtypes if d is not None}
-        if len(present) != 1:
-            raise ConversionError(f"the tensors have different dtypes {sorted(map(str, present))}")
-        return present.pop()
+        return common_dtype(dtypes, "the group")
     dtype = bound[0].output_dtype(dtypes)
     for op in bound[1:]:
         dtype = op.output_dtype([dtype])
