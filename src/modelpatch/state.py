@@ -30,6 +30,7 @@ REPORT_ATTRIBUTE = "modelpatch_report"  # the LoadReport of a loaded model (publ
 TRANSFORMS_ATTRIBUTE = "_modelpatch_transforms"  # the transforms a save runs backwards (a loaded model: its report's)
 BASE_TRANSFORMS_ATTRIBUTE = "_modelpatch_base_transforms"  # the same without fusions: what unfuse goes back to
 EXPECTED_STATE_ATTRIBUTE = "_modelpatch_expected_state"  # runtime key -> (shape, dtype) as built: what a save checks
+QUANTIZATION_ATTRIBUTE = "_modelpatch_quantization"  # how a quantized load left the model: what a save must respect
 
 
 def stored_fusion_config(config: PretrainedConfig) -> Any:

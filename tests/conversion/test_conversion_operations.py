@@ -287,3 +287,26 @@ def test_fused_merge_concatenate_rejects_mismatched_tensors():
     with pytest.raises(ConversionError, match="cannot stack"):
         run_operations([merge, concatenate], [[torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.float16)],
                                               [torch.zeros(2, 3)] * 2])
+
+
+# --- quantizer operations: exact forward, no reverse ---------------------------------------------------------------
+
+
+def test_fp8_block_dequantize_multiplies_each_block_by_its_scale_and_has_no_reverse():
+    from modelpatch.conversion.operations import Fp8BlockDequantize
+
+    generator = torch.Generator().manual_seed(0)
+    weight = (torch.randn(4, 6, generator=generator) * 100).to(torch.float8_e4m3fn)
+    scale = torch.rand(2, 3, generator=generator)  # blocks of 2 x 2
+    experts = [weight, weight.flip(0)]
+    op = Fp8BlockDequantize(dtype=torch.bfloat16, companions=2)
+    bound, shapes = bind_operations([op], [(4, 6), (2, 3), None, [(4, 6)] * 2, [(2, 3)] * 2, None], 2)
+    assert shapes == [(4, 6), [(4, 6)] * 2]
+    single, stacked = run_operations(bound, [weight, scale, None, experts, [scale, scale], None])
+    expected = (weight.float() * scale.repeat_interleave(2, 0).repeat_interleave(2, 1)).to(torch.bfloat16)
+    assert torch.equal(single, expected) and torch.equal(stacked[0], expected)
+    assert bound[0].output_dtype([torch.float8_e4m3fn, torch.float32, None] * 2) == torch.bfloat16
+    with pytest.raises(ConversionError, match="no exact reverse"):
+        bound[0].reverse()
+    with pytest.raises(ConversionError, match="not float8"):
+        bound[0].output_dtype([torch.int8, torch.float32, None])

@@ -322,3 +322,35 @@ def test_alternative_converter_loads_its_layout_but_plan_save_keeps_the_targets(
     duplicates = plan_load(both, split).problems["duplicate keys"]
     assert len(duplicates) == 3
     assert all("the conversion of ['model.layers.0.mlp.experts.down_proj']" in line for line in duplicates)
+
+
+# --- optional source slots and dtype-changing operations (quantized checkpoints) ---------------------------------
+
+
+def test_optional_sources_are_absent_slots_and_the_first_operation_sets_the_dtype():
+    from modelpatch.conversion.operations import Fp8BlockDequantize
+
+    patterns = [r"(?<![^.])weight$", r"(?<![^.])weight_scale_inv$"]
+    converter = WeightConverter(patterns, "weight", [Fp8BlockDequantize(dtype=torch.bfloat16, companions=1)],
+                                optional=patterns[1:])
+    checkpoint = {
+        "a.weight": meta(256, 128, dtype=torch.float8_e4m3fn),
+        "a.weight_scale_inv": meta(2, 1),
+        "norm.weight": meta(256, dtype=torch.bfloat16),
+    }
+    plan = plan_load(checkpoint, [converter])
+    assert not any(plan.problems.values())
+    groups = {group.target_keys()[0]: group for group in plan.groups}
+    assert groups["a.weight"].dtype == torch.bfloat16 and groups["a.weight"].source_keys() == ["a.weight", "a.weight_scale_inv"]
+    assert groups["norm.weight"].sources == ("norm.weight", None) and groups["norm.weight"].dtype == torch.bfloat16
+
+    # A scale without its weight is an incomplete group; a weight that does not divide into its grid is named.
+    broken = plan_load({"a.weight_scale_inv": meta(2, 1), "b.weight": meta(201, 128, dtype=torch.float8_e4m3fn),
+                        "b.weight_scale_inv": meta(2, 1)}, [converter])
+    assert len(broken.problems["incomplete groups"]) == 1 and "a.weight_scale_inv" in broken.problems["incomplete groups"][0]
+    assert "does not divide into the scale grid (2, 1)" in broken.problems["conversion errors"][0]
+
+
+def test_optional_patterns_must_be_later_source_patterns():
+    with pytest.raises(ConversionError, match="not source patterns after the first"):
+        WeightConverter(["a", "b"], "c", optional=["a"])

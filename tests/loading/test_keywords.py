@@ -275,7 +275,6 @@ def test_trust_remote_code(stock_checkpoint, tmp_path):
 
 
 REFUSED_VALUES = {
-    "quantization_config": {"quant_method": "bitsandbytes", "load_in_8bit": True},
     "key_mapping": {"^old": "new"},
     "state_dict": {},
     "gguf_file": "model.gguf",
@@ -309,11 +308,6 @@ def test_refused_keyword_names_itself_and_why(stock_checkpoint, name):
     with pytest.raises(ValueError) as info:
         modelpatch.from_pretrained(AutoModelForCausalLM, stock_checkpoint("llama").path, **{name: REFUSED_VALUES[name]})
     assert str(info.value).startswith(f"{name}=") and keywords.REFUSED[name].reason in str(info.value)
-
-
-def test_quantization_message(stock_checkpoint):
-    with pytest.raises(ValueError, match="quantization at load is not supported by modelpatch yet"):
-        modelpatch.AutoModelForCausalLM.from_pretrained(stock_checkpoint("llama").path, quantization_config={})
 
 
 def test_refused_keywords_accept_the_values_modelpatch_honours(stock_checkpoint):

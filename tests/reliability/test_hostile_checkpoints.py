@@ -329,14 +329,14 @@ def fp8_weights_with_their_scales(d: Path):
         tensors[key] = tensors[key].to(torch.float8_e4m3fn)
         tensors[key.removesuffix("weight") + "weight_scale_inv"] = torch.ones(1, 1)
     save_file(tensors, str(file), metadata={"format": "pt"})
-    return LoadPlanError, ["quantized", "fp8", "weight_scale_inv", "does not load quantized checkpoints"]
+    return LoadPlanError, ["quantized", "fp8", "weight_scale_inv", "does not support"]
 
 
 def config_declares_quantization(d: Path):
     config = json.loads((d / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
     (d / "config.json").write_text(json.dumps(config))
-    return LoadPlanError, ["quantized", "'gptq'", "does not load quantized checkpoints"]
+    return LoadPlanError, ["quantized", "'gptq'", "does not support"]
 
 
 def edit_config(d: Path, **values) -> Path:

@@ -12,16 +12,21 @@ inverse, so a grouped-query ``q/k/v`` concatenation (sizes 128/64/64) splits bac
 from __future__ import annotations
 
 import math
+import json
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from ..errors import ConversionError
 
 Shape = tuple[int, ...]
-ShapeSlot = Shape | list[Shape]
-Slot = torch.Tensor | list[torch.Tensor]
+# A slot is None where a converter's optional source pattern found no tensor in the group.
+ShapeSlot = Shape | list[Shape] | None
+Slot = torch.Tensor | list[torch.Tensor] | None
+DtypeSlot = torch.dtype | None
+KeySlot = str | tuple[str, ...] | None
 
 
 def _norm_dim(dim: int, rank: int, op: ConversionOperation) -> int:
@@ -30,9 +35,19 @@ def _norm_dim(dim: int, rank: int, op: ConversionOperation) -> int:
     return dim % rank
 
 
+def common_dtype(dtypes: list[DtypeSlot], owner: str) -> torch.dtype:
+    """The one dtype of the present slots; ``owner`` names who needs it in the error."""
+    present = {d for d in dtypes if d is not None}
+    if len(present) != 1:
+        raise ConversionError(f"{owner}: the tensors have different dtypes {sorted(map(str, present))}.")
+    return present.pop()
+
+
 def _require_tensor_slots(shapes: list[ShapeSlot], op: ConversionOperation) -> list[Shape]:
     if any(isinstance(s, list) for s in shapes):
         raise ConversionError(f"{op!r} needs one tensor per slot; apply MergeModulelist to indexed ('*') patterns first.")
+    if any(s is None for s in shapes):
+        raise ConversionError(f"{op!r} cannot take absent (optional) slots.")
     return list(shapes)  # type: ignore[arg-type]
 
 
@@ -54,11 +69,30 @@ class ConversionOperation(ABC):
     def reverse(self) -> ConversionOperation:
         """The exact inverse of this bound operation (an unbound declaration when nothing needs recording)."""
 
+    def for_sources(self, keys: list[KeySlot], dtypes: list[DtypeSlot]) -> ConversionOperation:
+        """This operation specialised to one group's checkpoint tensors (their names and dtypes), before binding.
+
+        Called on the first operation of a converter only, the one that reads checkpoint tensors. The default is the
+        operation itself; one whose result depends on what the checkpoint stores beside a tensor (torchao's
+        per-tensor metadata) picks it here.
+        """
+        return self
+
+    def output_dtype(self, dtypes: list[DtypeSlot]) -> torch.dtype:
+        """The dtype of this bound operation's outputs, given the dtype of each input slot (None: an absent slot).
+
+        By default every present slot has the same dtype and the outputs keep it; operations that combine tensors of
+        different dtypes (a quantized weight and its float32 scales) override this.
+        """
+        return common_dtype(dtypes, repr(self))
+
 
 class _PerSlotOperation(ConversionOperation):
     """An operation applied to every tensor independently (lists of tensors included)."""
 
     def bind(self, shapes, num_targets):
+        if any(slot is None for slot in shapes):
+            raise ConversionError(f"{self!r} cannot take absent (optional) slots.")
         return self, [[self._shape(s) for s in slot] if isinstance(slot, list) else self._shape(slot) for slot in shapes]
 
     def apply(self, slots):
@@ -268,6 +302,201 @@ class LinearToConv3d(_PerSlotOperation):
 
     def reverse(self):
         return Conv3dToLinear(kernel_shape=self.kernel_shape)
+
+_FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz)
+
+
+def _scale_grid(shape: Shape) -> tuple[int, int]:
+    """Blocks per (rows, columns) that a scale tensor of ``shape`` stands for: its last two dims, or one scale."""
+    if len(shape) >= 2:
+        return shape[-2], shape[-1]
+    if math.prod(shape) == 1:
+        return 1, 1
+    raise ConversionError(f"a scale of shape {shape} is neither a block grid (2-D) nor one per-tensor scale.")
+
+
+@dataclass(frozen=True)
+class Fp8BlockDequantize(ConversionOperation):
+    """Float8 weights and their block scales -> full-precision weights, as transformers' FP8 loader dequantizes them.
+
+    The slots come in runs of ``1 + companions``: a float8 weight, its ``weight_scale_inv`` (one float32 scale per
+    block of a ``[rows/blocks, cols/blocks]`` grid, or one for the tensor), then further companions
+    (``activation_scale``) that a dequantized weight has no use for and that are dropped. The outputs are the weights:
+    ``weight.float() * scale`` block by block, cast to ``dtype`` — the same arithmetic, in the same order, as
+    transformers 5.23's ``Fp8Dequantize``, so the result is bitwise stock's. A run whose scale is absent is a weight the
+    checkpoint did not quantize (a norm): it passes through (cast to ``dtype`` only when other weights of the group
+    are dequantized, so that they can be stacked). ``uint8`` scales are MXFP8's power-of-two exponents.
+
+    There is no exact reverse: the scales are not kept, and re-quantizing what was dequantized does not give them back.
+    """
+
+    dtype: torch.dtype = torch.bfloat16
+    companions: int = 2
+    scaled: bool | None = None
+
+    def _runs(self, slots: list) -> list[tuple]:
+        size = 1 + self.companions
+        if not slots or len(slots) % size:
+            raise ConversionError(f"{self!r} needs slots in runs of {size} (weight, scale, ...), got {len(slots)}.")
+        return [tuple(slots[i : i + size]) for i in range(0, len(slots), size)]
+
+    def bind(self, shapes, num_targets):
+        out: list[ShapeSlot] = []
+        scaled = set()
+        for weight, scale, *_ in self._runs(shapes):
+            if weight is None:
+                raise ConversionError(f"{self!r}: a scale without its weight.")
+            scaled.add(scale is not None)
+            if scale is None:
+                out.append(weight)
+                continue
+            # An indexed slot (one tensor per expert) pairs with an indexed slot of as many scales.
+            weights, scales = (weight, scale) if isinstance(weight, list) else ([weight], [scale])
+            if not isinstance(scale, type(weight)) or len(weights) != len(scales):
+                raise ConversionError(f"{self!r}: weights {weight} and scales {scale} do not pair up.")
+            for weight_shape, scale_shape in zip(weights, scales):
+                if len(weight_shape) < 2:
+                    raise ConversionError(f"{self!r}: a block-scaled weight must be at least 2-D, got {weight_shape}.")
+                grid = _scale_grid(scale_shape)
+                if weight_shape[-2] % grid[0] or weight_shape[-1] % grid[1]:
+                    raise ConversionError(
+                        f"{self!r}: weight {weight_shape} does not divide into the scale grid {grid} (transformers "
+                        "dequantizes only whole blocks)."
+                    )
+            out.append(weight)
+        return replace(self, scaled=True in scaled), out
+
+    def output_dtype(self, dtypes):
+        runs = self._runs(dtypes)
+        if any(scale is not None for _, scale, *_ in runs):
+            for weight, scale, *_ in runs:
+                if scale is not None and weight not in _FLOAT8_DTYPES:
+                    raise ConversionError(
+                        f"{self!r}: a scaled weight is {weight}, not float8 (packed FP4 weights are not supported)."
+                    )
+            return self.dtype
+        return super().output_dtype([weight for weight, *_ in runs])
+
+    def apply(self, slots):
+        out: list[Slot] = []
+        for weight, scale, *_ in self._runs(slots):
+            if scale is None:
+                out.append([self._cast(t) for t in weight] if isinstance(weight, list) else self._cast(weight))
+            elif isinstance(weight, list):
+                out.append([self._dequantize(w, s) for w, s in zip(weight, scale)])  # type: ignore[arg-type]
+            else:
+                out.append(self._dequantize(weight, scale))  # type: ignore[arg-type]
+        return out
+
+    def _cast(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.dtype) if self.scaled and tensor.is_floating_point() else tensor
+
+    def _dequantize(self, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        rows, cols = weight.shape[-2:]
+        grid_rows, grid_cols = _scale_grid(tuple(scale.shape))
+        scale = (scale.to(torch.float32) - 127.0).exp2() if scale.dtype == torch.uint8 else scale.to(torch.float32)
+        blocks = weight.to(torch.float32).reshape(-1, grid_rows, rows // grid_rows, grid_cols, cols // grid_cols)
+        scales = scale.reshape(-1, grid_rows, grid_cols).unsqueeze(-1).unsqueeze(2)
+        return (blocks * scales).to(self.dtype).reshape(weight.shape)
+
+    def reverse(self):
+        raise ConversionError(
+            f"{self!r} has no exact reverse: the float8 weights were dequantized at load and their block scales "
+            "are not kept, so the checkpoint's float8 tensors cannot be written back. Save in the runtime layout "
+            "(save_original_format=False) to write the dequantized weights."
+        )
+
+
+@dataclass(frozen=True)
+class TorchAoTensor(ConversionOperation):
+    """torchao's flattened tensor-subclass data -> the tensor subclass (an ``Int8Tensor`` weight, say).
+
+    torchao saves a quantized ``<module>.weight`` as ``<module>._weight_qdata``, ``<module>._weight_scale``, ... plus a
+    JSON entry per tensor in the safetensors metadata (its subclass, block size, dtype and which data it has).
+    ``metadata`` is that mapping; :meth:`for_sources` picks the entry of each group's tensor and which slot holds which
+    data, and torchao's own ``unflatten_tensor_state_dict`` rebuilds the subclass. Absent slots are data the tensor
+    does not have (an ``Int8Tensor`` has no ``scale_and_zero``).
+
+    No reverse: the flattened data alone is not the format, its metadata is part of it. A save writes torchao
+    tensors with torchao's own serialisation (data and metadata together).
+    """
+
+    metadata: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+    tensor_name: str | None = None
+    data_names: tuple[str | None, ...] = ()
+    dtypes: tuple[torch.dtype | None, ...] = ()
+    result_dtype: torch.dtype | None = None
+
+    def for_sources(self, keys, dtypes):
+        first = keys[0]
+        if not isinstance(first, str):
+            raise ConversionError(f"{self!r} reads one tensor per slot, got {first!r}.")
+        # torchao names the data of ``<module>.<param>`` ``<module>._<param>_<data>``; a param name may contain "_".
+        module, _, flat = first.rpartition(".")
+        splits = [i for i, char in enumerate(flat) if char == "_" and i > 1] if flat.startswith("_") else []
+        tensor_name = next((name for i in splits if (name := f"{module}.{flat[1:i]}") in self.metadata), None)
+        if tensor_name is None:
+            raise ConversionError(f"{self!r}: the checkpoint's torchao metadata has no entry for {first!r}.")
+        prefix = f"{module}._{tensor_name.rpartition('.')[2]}_"
+        data_names = []
+        for key in keys:
+            if key is not None and (not isinstance(key, str) or not key.startswith(prefix)):
+                raise ConversionError(f"{self!r}: {key!r} is not data of torchao tensor {tensor_name!r}.")
+            data_names.append(None if key is None else key[len(prefix) :])
+        return replace(self, tensor_name=tensor_name, data_names=tuple(data_names), dtypes=tuple(dtypes))
+
+    def _entry(self) -> dict:
+        if self.tensor_name is None:
+            raise ConversionError(f"{self!r} is used before it is specialised to a group (for_sources).")
+        entry = json.loads(self.metadata[self.tensor_name])
+        wanted = set(entry.get("_tensor_data_names") or ())
+        present = {name for name in self.data_names if name is not None}
+        if not wanted <= present:
+            raise ConversionError(
+                f"{self!r}: torchao tensor {self.tensor_name!r} needs data {sorted(wanted)}, the checkpoint has "
+                f"{sorted(present)}."
+            )
+        return entry
+
+    def bind(self, shapes, num_targets):
+        entry = self._entry()
+        # torchao builds the subclass from meta tensors of the stored shapes: the runtime shape and dtype, no data.
+        entry["_data"].update(
+            {
+                name: torch.empty(shape, dtype=dtype, device="meta")
+                for name, shape, dtype in zip(self.data_names, shapes, self.dtypes)
+                if name is not None
+            }
+        )
+        from torchao.prototype.safetensors.safetensors_utils import object_from_dict
+
+        try:
+            tensor = object_from_dict(entry)
+        except Exception as exc:  # torchao's constructors raise many types on inconsistent data
+            raise ConversionError(f"{self!r}: torchao cannot build {self.tensor_name!r} from {shapes}: {exc}") from None
+        return replace(self, result_dtype=tensor.dtype), [tuple(tensor.shape)]
+
+    def output_dtype(self, dtypes):
+        if self.result_dtype is None:
+            raise ConversionError(f"{self!r}: the dtype of a torchao tensor is known once it is bound.")
+        return self.result_dtype
+
+    def apply(self, slots):
+        from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
+
+        module, _, param = self.tensor_name.rpartition(".")  # type: ignore[union-attr]
+        data = {f"{module}._{param}_{name}": t for name, t in zip(self.data_names, slots) if name is not None}
+        metadata = {self.tensor_name: self.metadata[self.tensor_name], "tensor_names": json.dumps([self.tensor_name])}
+        tensors, leftover = unflatten_tensor_state_dict(data, metadata)
+        if leftover or self.tensor_name not in tensors:
+            raise ConversionError(f"{self!r}: torchao did not rebuild {self.tensor_name!r} (left {sorted(leftover)}).")
+        return [tensors[self.tensor_name]]
+
+    def reverse(self):
+        raise ConversionError(
+            f"{self!r} has no tensor-only reverse: torchao tensors are written by torchao's serialisation, data and "
+            "metadata together (modelpatch.save_pretrained does this for a torchao model whose layout is unchanged)."
+        )
 
 
 def bind_operations(

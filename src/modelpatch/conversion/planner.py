@@ -19,7 +19,17 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ConversionError
-from .operations import ConversionOperation, Shape, ShapeSlot, Slot, bind_operations, run_operations
+from .operations import (
+    ConversionOperation,
+    DtypeSlot,
+    KeySlot,
+    Shape,
+    ShapeSlot,
+    Slot,
+    bind_operations,
+    common_dtype,
+    run_operations,
+)
 from .transforms import (
     _INDEX_SEGMENT,
     WeightConverter,
@@ -29,8 +39,6 @@ from .transforms import (
     literal_form,
     render_target,
 )
-
-KeySlot = str | tuple[str, ...]
 
 _ANY_INDEX = "\x01"
 
@@ -87,7 +95,10 @@ class ConversionGroup:
 
     def run(self, fetch: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
         """Read this group's sources through ``fetch`` and return its targets."""
-        slots: list[Slot] = [[fetch(k) for k in keys] if isinstance(keys, tuple) else fetch(keys) for keys in self.sources]
+        slots: list[Slot] = [
+            [fetch(k) for k in keys] if isinstance(keys, tuple) else None if keys is None else fetch(keys)
+            for keys in self.sources
+        ]
         outputs = run_operations(list(self.operations), slots)
         result: dict[str, torch.Tensor] = {}
         for keys, value in zip(self.targets, outputs):
@@ -127,7 +138,17 @@ def _format_problems(problems: Mapping[str, list[str]]) -> str:
 
 
 def _flatten(slots: Sequence[KeySlot]) -> list[str]:
-    return [k for s in slots for k in (s if isinstance(s, tuple) else (s,))]
+    return [k for s in slots if s is not None for k in (s if isinstance(s, tuple) else (s,))]
+
+
+def _slot_dtype(keys: KeySlot, metas: Mapping[str, TensorMeta]) -> DtypeSlot:
+    """The dtype of a slot's tensors (None for an absent slot); the tensors of an indexed slot share one."""
+    if keys is None:
+        return None
+    dtypes = {metas[k].dtype for k in (keys if isinstance(keys, tuple) else (keys,))}
+    if len(dtypes) > 1:
+        raise ConversionError(f"the tensors of one slot have different dtypes {sorted(map(str, dtypes))}")
+    return dtypes.pop()
 
 
 def _source_template(pattern: str, index: int | str | None) -> str:
@@ -181,7 +202,8 @@ def _group_and_bind(
         converter = converters[number]
         inputs = converter.target_patterns if reverse else converter.source_patterns
         outputs = converter.source_patterns if reverse else converter.target_patterns
-        missing = [p for i, p in enumerate(inputs) if i not in slots]
+        optional = frozenset() if reverse else converter.optional
+        missing = [p for i, p in enumerate(inputs) if i not in slots and p not in optional]
         any_key, any_match = next(iter(next(iter(slots.values())).values()))
         if missing:
             present = sorted(name(k) for s in slots.values() for k, _ in s.values())
@@ -189,10 +211,14 @@ def _group_and_bind(
             plan.unbuilt |= _unbuilt(outputs, any_match, reverse)
             continue
         try:
-            key_slots, shape_slots = [], []
+            key_slots: list[KeySlot] = []
+            shape_slots: list[ShapeSlot] = []
             for position in range(len(inputs)):
-                entries = slots[position]
-                if has_index(inputs[position]):
+                entries = slots.get(position)
+                if entries is None:  # an optional pattern this group lacks
+                    key_slots.append(None)
+                    shape_slots.append(None)
+                elif has_index(inputs[position]):
                     indices = sorted(entries)
                     if indices != list(range(len(indices))):
                         raise ConversionError(f"indices {indices} of pattern {inputs[position]!r} are not 0..{len(indices) - 1}")
@@ -202,13 +228,17 @@ def _group_and_bind(
                     (key, _), = entries.values()
                     key_slots.append(key)
                     shape_slots.append(keys[key].shape)
-            dtypes = {keys[k].dtype for k in _flatten(key_slots)}
-            if len(dtypes) > 1:
-                raise ConversionError(f"the tensors have different dtypes {sorted(map(str, dtypes))}")
+            slot_dtypes = [_slot_dtype(k, keys) for k in key_slots]
             operations = (
                 [op.reverse() for op in reversed(converter.operations)] if reverse else list(converter.operations)
             )
+            if operations:
+                source_names = [
+                    None if k is None else tuple(map(name, k)) if isinstance(k, tuple) else name(k) for k in key_slots
+                ]
+                operations[0] = operations[0].for_sources(source_names, slot_dtypes)
             bound, out_shapes = bind_operations(operations, shape_slots, len(outputs))
+            dtype = _output_dtype(bound, slot_dtypes)
             if len(out_shapes) != len(outputs):
                 raise ConversionError(f"the operations produce {len(out_shapes)} tensors for {len(outputs)} patterns")
             _, first_match = next(iter(slots[0].values()))
@@ -229,11 +259,21 @@ def _group_and_bind(
             operations=tuple(bound),
             source_shapes=tuple(shape_slots),
             target_shapes=tuple(out_shapes),
-            dtype=dtypes.pop(),
+            dtype=dtype,
         )
         plan.groups.append(group)
         plan.outputs.update(group.target_metas())
     return consumed
+
+
+def _output_dtype(bound: Sequence[ConversionOperation], dtypes: list[DtypeSlot]) -> torch.dtype:
+    """The dtype a bound chain produces from slots of ``dtypes`` (a chain without operations keeps the one dtype)."""
+    if not bound:
+        return common_dtype(dtypes, "the group")
+    dtype = bound[0].output_dtype(dtypes)
+    for op in bound[1:]:
+        dtype = op.output_dtype([dtype])
+    return dtype
 
 
 def _unbuilt(outputs: Sequence[str], match: re.Match[str], reverse: bool) -> set[str]:
@@ -303,7 +343,8 @@ def plan_load(checkpoint: Mapping[str, TensorMeta], transforms: Sequence[WeightT
 
 def _rename_sources(group: ConversionGroup, renamed: Mapping[str, str]) -> ConversionGroup:
     sources = tuple(
-        tuple(renamed[k] for k in keys) if isinstance(keys, tuple) else renamed[keys] for keys in group.sources
+        tuple(renamed[k] for k in keys) if isinstance(keys, tuple) else None if keys is None else renamed[keys]
+        for keys in group.sources
     )
     return ConversionGroup(
         group.converter, sources, group.targets, group.operations, group.source_shapes, group.target_shapes, group.dtype

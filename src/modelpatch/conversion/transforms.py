@@ -130,6 +130,10 @@ class WeightConverter(WeightTransform):
     finds and records it, so saving writes those keys back the way they came; a model with nothing recorded (built
     with ``from_config``, or reloaded from a runtime-layout save) is saved in the target layout: :func:`plan_save`
     does not run the converter backwards.
+
+    ``optional`` names source patterns that a group may lack: the operations get None in their slot. Quantized
+    checkpoints need them: a weight's scales are stored beside it only where the weight was quantized. The first
+    source pattern cannot be optional (it names the group).
     """
 
     def __init__(
@@ -139,9 +143,16 @@ class WeightConverter(WeightTransform):
         operations: Iterable[ConversionOperation] | ConversionOperation = (),
         *,
         alternative: bool = False,
+        optional: Iterable[str] = (),
     ):
         super().__init__(source_patterns, target_patterns)
         self.alternative = alternative
+        self.optional = frozenset(optional)
+        if not self.optional <= set(self.source_patterns[1:]):
+            raise ConversionError(
+                f"optional patterns {sorted(self.optional - set(self.source_patterns[1:]))} are not source patterns "
+                f"after the first of {list(self.source_patterns)}."
+            )
         operations = (operations,) if isinstance(operations, ConversionOperation) else tuple(operations)
         for op in operations:
             if not isinstance(op, ConversionOperation):
@@ -157,11 +168,12 @@ class WeightConverter(WeightTransform):
         return None
 
     def _key(self) -> tuple:
-        return (*super()._key(), self.operations, self.alternative)
+        return (*super()._key(), self.operations, self.alternative, self.optional)
 
     def __repr__(self) -> str:
         return (
             f"WeightConverter(source_patterns={list(self.source_patterns)!r}, "
             f"target_patterns={list(self.target_patterns)!r}, operations={list(self.operations)!r}"
-            f"{', alternative=True' if self.alternative else ''})"
+            f"{', alternative=True' if self.alternative else ''}"
+            f"{f', optional={sorted(self.optional)!r}' if self.optional else ''})"
         )

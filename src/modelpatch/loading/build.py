@@ -17,7 +17,7 @@ import contextvars
 import functools
 import re
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -79,36 +79,49 @@ def _isolate_from_transformers_patches() -> None:
 
 
 @contextmanager
-def _modelpatch_build(layers: Sequence[PatchMapping]) -> Iterator[PatchScope]:
-    """The context of one build: the turn on process-wide state, transformers' registry out, ``layers`` applied."""
+def _isolated_build() -> Iterator[None]:
+    """The context of one build: the turn on process-wide state, and transformers' patch registry reading empty."""
     _isolate_from_transformers_patches()
-    with model_state_lock, patch_scope(*layers) as scope:
+    with model_state_lock:
         token = _inside_build.set(True)
         try:
-            yield scope
+            yield
         finally:
             _inside_build.reset(token)
 
 
 def build_empty_model(
-    model_class: type[PreTrainedModel], config: PretrainedConfig, dtype: torch.dtype, layers: Sequence[PatchMapping]
+    model_class: type[PreTrainedModel],
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    layers: Sequence[PatchMapping],
+    prepare: Callable[[PreTrainedModel], None] | None = None,
 ) -> PreTrainedModel:
     """Instantiate ``model_class(config)`` on the meta device with floating parameters in ``dtype``.
 
     ``layers`` are the patch mappings to apply, highest priority first. transformers' own init contexts are used so
-    the result is the same module tree and dtype layout that stock ``from_pretrained`` builds.
+    the result is the same module tree and dtype layout that stock ``from_pretrained`` builds. ``prepare`` runs on
+    the built model still inside those contexts but outside the patches, where stock lets a quantizer swap modules.
     """
-    return build_empty_model_patched(model_class, config, dtype, layers)[0]
+    return build_empty_model_patched(model_class, config, dtype, layers, prepare)[0]
 
 
 def build_empty_model_patched(
-    model_class: type[PreTrainedModel], config: PretrainedConfig, dtype: torch.dtype, layers: Sequence[PatchMapping]
+    model_class: type[PreTrainedModel],
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    layers: Sequence[PatchMapping],
+    prepare: Callable[[PreTrainedModel], None] | None = None,
 ) -> tuple[PreTrainedModel, PatchScope]:
     """:func:`build_empty_model`, and the :class:`PatchScope` of the build (what it matched and replaced)."""
-    with _modelpatch_build(layers) as scope, ExitStack() as stack:
-        for context in model_class.get_init_context(dtype, False, False, None):
+    with _isolated_build(), ExitStack() as stack:
+        for context in model_class.get_init_context(dtype, prepare is not None, False, None):
             stack.enter_context(context)
-        return model_class(config), scope
+        with patch_scope(*layers) as scope:
+            model = model_class(config)
+        if prepare is not None:
+            prepare(model)
+        return model, scope
 
 
 def build_initialized_model(
@@ -116,7 +129,7 @@ def build_initialized_model(
 ) -> tuple[PreTrainedModel, PatchScope]:
     """Instantiate and initialise ``model_class`` from ``config`` like stock ``from_config``, under the patches;
     return it with the :class:`PatchScope` of the build."""
-    with _modelpatch_build(layers) as scope:
+    with _isolated_build(), patch_scope(*layers) as scope:
         return model_class._from_config(config, **({"dtype": dtype} if dtype is not None else {})), scope
 
 

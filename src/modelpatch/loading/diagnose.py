@@ -94,15 +94,18 @@ _METHOD_BY_KEY = (
 )
 
 
-def quantization(config: Any, unexpected: Sequence[str], present: Mapping[str, object]) -> str | None:
-    """How a checkpoint is quantized (method and evidence), or None when nothing says it is.
+def quantization(
+    config: Any, unexpected: Sequence[str], present: Mapping[str, object], handled: bool = False
+) -> str | None:
+    """How a checkpoint is quantized (method and evidence) beyond what the load's quantizer handles, or None.
 
-    Evidence: ``quantization_config`` in the config, or ``unexpected`` keys (the model has no place for them) that
-    only quantized checkpoints have; ``present`` holds every key the checkpoint provides, after renaming.
+    Evidence: ``quantization_config`` in the config (unless ``handled``: a quantizer of the load reads it), or
+    ``unexpected`` keys (the model has no place for them) that only quantized checkpoints have; ``present`` holds
+    every key the checkpoint provides, after renaming.
     """
     evidence = []
     method = None
-    settings = getattr(config, "quantization_config", None)
+    settings = None if handled else getattr(config, "quantization_config", None)
     if settings is not None:
         method = (
             settings.get("quant_method") if isinstance(settings, Mapping) else getattr(settings, "quant_method", None)
@@ -136,9 +139,13 @@ def explain(
     stock model).
     """
     if quantized is not None:
+        from .quantization import SUPPORTED_METHODS  # imports transformers' quantizers: only for this message
+
         return [
-            f"This is a quantized checkpoint ({quantized}). modelpatch does not load quantized checkpoints yet: "
-            "load a full-precision checkpoint of this model, or this one with stock transformers."
+            f"This is a quantized checkpoint ({quantized}), and its quantization is not one modelpatch loads: "
+            f"modelpatch does not support quantized checkpoints other than {', '.join(SUPPORTED_METHODS)} declared by "
+            "a quantization_config in config.json (their weights would load without their scales). Load a "
+            "full-precision checkpoint of this model, or this one with stock transformers."
         ], True
     hints = []
     unexplained = set(missing)

@@ -41,10 +41,6 @@ _ADAPTERS = (
 )
 
 REFUSED: Mapping[str, Refusal] = {
-    "quantization_config": Refusal(
-        "quantization at load is not supported by modelpatch yet: load the model, then quantize it (e.g. with "
-        "torchao's quantize_)"
-    ),
     "key_mapping": Refusal(
         "regex key mappings cannot be reversed on save: pass patcher=Patcher(extra_weight_conversions="
         "[WeightRenaming(...)]) instead, which save_pretrained writes back under the original names"

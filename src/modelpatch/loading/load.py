@@ -62,6 +62,7 @@ from .hub import HubOptions, resolve_checkpoint
 from .keywords import config_overrides
 from .materialize import load_into_model
 from .plan import LoadPlan, UnexpectedKeys, model_expectations, plan_model_load
+from .quantization import Quantization, load_quantization
 from .report import LoadReport
 from .save import install_original_format_save
 
@@ -136,6 +137,7 @@ class PlannedLoad:
     fusions: PreparedFusions
     runtime_layout: bool
     replaced: dict[str, tuple[str, str]]
+    quantization: Quantization | None = None
 
 
 def _plan(
@@ -149,6 +151,8 @@ def _plan(
     *,
     new_parameters: Sequence[str],
     unexpected_keys: UnexpectedKeys,
+    quantization_config: Any = None,
+    device_map: Any = None,
 ) -> PlannedLoad:
     _check_patcher(patcher)
     if unexpected_keys not in ("warn", "error", "ignore"):
@@ -156,16 +160,25 @@ def _plan(
     _check_patterns(new_parameters)
     directory = checkpoint.directory
     config = copy.deepcopy(config)
+    # An unsupported quantization method is refused by name here, before anything is built or read.
+    quantization = load_quantization(config, quantization_config, device_map=device_map)
     concrete = resolve_model_class(model_class, config)
     # What the caller named (a repo id stays a repo id), as stock from_pretrained records it.
     config.name_or_path = str(name_or_path)
     metas = {key: TensorMeta(checkpoint.info(key).shape, checkpoint.info(key).dtype) for key in checkpoint.keys()}
     # Stock 5.x from_pretrained defaults to "auto" and records the dtype on the config and its sub-configs.
     resolved_dtype = resolve_dtype("auto" if dtype is None else dtype, config, (m.dtype for m in metas.values()))
+    if quantization is not None:
+        resolved_dtype = quantization.update_dtype(resolved_dtype)
     _set_config_dtype(config, resolved_dtype)
     try:
         layers, fusions = _load_setup(concrete, config, patcher, fusion_config)
-        model, scope = build_empty_model_patched(concrete, config, resolved_dtype, layers)
+        prepare = (
+            None
+            if quantization is None
+            else lambda m: quantization.preprocess(m, dtype=resolved_dtype, checkpoint_files=checkpoint.files)
+        )
+        model, scope = build_empty_model_patched(concrete, config, resolved_dtype, layers, prepare)
     except Exception as exc:
         if not isinstance(exc, ModelPatchError):
             # The config's fault if the stock model cannot be built either, with transformers' default attention
@@ -180,9 +193,14 @@ def _plan(
     keep_in_fp32(model, resolved_dtype)
     transforms = _conversions(model, patcher, fusions)
     runtime_layout = is_runtime_layout(config)
+    # A quantized checkpoint's tensors first become the parameters they make up (stage one, quantization.py).
+    parameters = metas
+    if quantization is not None:
+        parameters = quantization.plan_checkpoint(model, metas, resolved_dtype)
+        quantization.check_conversions([] if runtime_layout else transforms)
     plan = plan_model_load(
         model,
-        metas,
+        parameters,
         [] if runtime_layout else transforms,
         new_parameters=new_parameters,
         unexpected_keys=unexpected_keys,
@@ -190,8 +208,9 @@ def _plan(
         replacements=(lambda: _replacements(model, concrete, config, resolved_dtype, layers, fusions))
         if any(layers)
         else None,
+        quantized=quantization is not None,
     )
-    return PlannedLoad(directory, model, plan, metas, transforms, fusions, runtime_layout, replaced)
+    return PlannedLoad(directory, model, plan, metas, transforms, fusions, runtime_layout, replaced, quantization)
 
 
 def _replacements(
@@ -239,6 +258,7 @@ def plan_pretrained(
     token: bool | str | None = None,
     local_files_only: bool = False,
     force_download: bool = False,
+    quantization_config: Any = None,
 ) -> PlannedLoad:
     """Plan :func:`from_pretrained` without reading any tensor data: the meta-device model and its :class:`LoadPlan`.
 
@@ -260,7 +280,7 @@ def plan_pretrained(
     with opened as checkpoint:
         return _plan(
             model_class, path, config, checkpoint, patcher, fusion_config, dtype, new_parameters=new_parameters,
-            unexpected_keys="ignore",
+            unexpected_keys="ignore", quantization_config=quantization_config,
         )
 
 
@@ -294,6 +314,7 @@ def from_pretrained(
     trust_remote_code: bool | None = None,
     torch_dtype: torch.dtype | str | None = None,
     output_loading_info: bool = False,
+    quantization_config: Any = None,
     **kwargs: Any,
 ) -> PreTrainedModel | tuple[PreTrainedModel, dict[str, Any]]:
     """Load a checkpoint into ``model_class`` with patches, fusions and weight conversions applied.
@@ -344,8 +365,11 @@ def from_pretrained(
         **kwargs: Attributes of the checkpoint's config to override (``output_attentions=True``), as in
             transformers. ``low_cpu_mem_usage`` (and ``offload_state_dict``) are accepted and change nothing:
             modelpatch always loads lazily (meta-device build, memory-mapped tensors). transformers keywords that
-            modelpatch cannot honour (``quantization_config``, ``key_mapping``, ``state_dict``, ...) raise
+            modelpatch cannot honour (``key_mapping``, ``state_dict``, ...) raise
             ``ValueError`` saying why; any other keyword raises ``TypeError``.
+        quantization_config: Quantize at load like stock (a transformers ``TorchAoConfig``), or loading options of a
+            quantized checkpoint. Quantized checkpoints (``quantization_config`` in config.json) need nothing: fp8,
+            torchao and compressed-tensors load as stock loads them; other methods are refused by name.
 
     Raises:
         CheckpointError: ``path`` is neither a checkpoint directory nor a hub repository that can be resolved, or a
@@ -397,22 +421,24 @@ def from_pretrained(
             dtype,
             new_parameters=new_parameters,
             unexpected_keys=unexpected_keys,
+            quantization_config=quantization_config,
+            device_map=device_map,
         )
         model, plan, metas = planned.model, planned.plan, planned.checkpoint
         runtime_layout, transforms, fusions = planned.runtime_layout, planned.transforms, planned.fusions
         # Safetensors tensors (byte range known) are views of a private file mapping; pickle ones are not.
-        load_into_model(
-            model,
-            plan,
-            checkpoint.tensor,
-            target_device,
-            checkpoint.total_bytes,
-            file_mapped=lambda key: checkpoint.info(key).start >= 0,
-        )
+        fetch, file_mapped = checkpoint.tensor, lambda key: checkpoint.info(key).start >= 0
+        if planned.quantization is not None:
+            fetch, file_mapped = planned.quantization.fetch(fetch, file_mapped)
+        load_into_model(model, plan, fetch, target_device, checkpoint.total_bytes, file_mapped=file_mapped)
         # A file rewritten in place while its tensors were being read may have given data of two versions.
         checkpoint.check_unchanged()
 
+    if planned.quantization is not None:
+        planned.quantization.quantize_loaded(model, plan.loaded_keys())
     _finalize(model, plan.expected.keys() - set(plan.loaded_keys()), target_device)
+    if planned.quantization is not None:
+        planned.quantization.finish(model)
     fusions.record(model)
     if generation_config is not None and model.can_generate():
         model.generation_config = generation_config

@@ -86,14 +86,16 @@ def plan_model_load(
     new_parameters: Sequence[str] = (),
     unexpected_keys: UnexpectedKeys = "warn",
     replacements: Callable[[], Sequence[Replacement]] | None = None,
+    quantized: bool = False,
 ) -> LoadPlan:
     """Plan and validate a load. Raises :class:`LoadPlanError` naming every offending key, grouped by problem.
 
     Checkpoint keys the model has no place for are ``dropped`` when the model recomputes them (non-persistent
     buffers), ``ignored`` when the model class declares them ignorable (``_keys_to_ignore_on_load_unexpected``)
-    and ``unexpected`` otherwise. A quantized checkpoint is always an error: its weights would load without their
-    scales. ``replacements`` lists the modules the load's patches replaced; it is called only to explain missing
-    keys in the error.
+    and ``unexpected`` otherwise. A quantized checkpoint is an error unless ``quantized`` (a quantizer of the load
+    turned ``checkpoint`` into the parameters already): its weights would load without their scales.
+    ``replacements`` lists the modules the load's patches replaced; it is called only to explain missing keys in
+    the error.
     """
     expected = model_expectations(model)
     tied = dict(getattr(model, "all_tied_weights_keys", {}) or {})
@@ -151,12 +153,12 @@ def plan_model_load(
             plan.unexpected.append(key)
     if plan.unexpected and unexpected_keys == "error":
         problems["unexpected in the checkpoint"].extend(plan.unexpected)
-    quantized = quantization(model.config, plan.unexpected, conversion.outputs)
-    if quantized is not None:
-        problems["quantized checkpoint"].append(quantized)
+    quantized_by = quantization(model.config, plan.unexpected, conversion.outputs, handled=quantized)
+    if quantized_by is not None:
+        problems["quantized checkpoint"].append(quantized_by)
 
     if any(problems.values()):
-        raise _plan_error(model, conversion, problems, plan.unexpected, unexpected_keys, quantized, replacements)
+        raise _plan_error(model, conversion, problems, plan.unexpected, unexpected_keys, quantized_by, replacements)
     if plan.unexpected and unexpected_keys == "warn":
         logger.warning(
             "%d checkpoint keys are not used by %s: %s", len(plan.unexpected), type(model).__name__, ", ".join(plan.unexpected)

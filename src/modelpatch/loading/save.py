@@ -35,6 +35,7 @@ from ..conversion.planner import TensorMeta, plan_save
 from ..conversion.registry import model_conversions
 from ..errors import ConversionError, SaveError
 from ..state import EXPECTED_STATE_ATTRIBUTE, RUNTIME_LAYOUT_KEY, TRANSFORMS_ATTRIBUTE
+from .quantization import quantized_checkpoint
 from .report import LoadReport, get_load_report
 
 logger = logging.getLogger(__name__)
@@ -48,19 +49,20 @@ def _kind(dtype: torch.dtype) -> str:
     return "floating" if dtype.is_floating_point else "complex" if dtype.is_complex else "integer"
 
 
-def _check_saveable(model: PreTrainedModel, state: Mapping[str, Any]) -> None:
+def _check_saveable(model: PreTrainedModel, state: Mapping[str, Any], quantized: bool = False) -> None:
     """Refuse, naming every module at fault, a state that a save would write wrongly.
 
     The state is compared with the one recorded when modelpatch built the model: a module whose parameters changed
     names, shapes or kind of dtype, or that gained tensors, was substituted by something whose layout the recorded
     conversions cannot reverse (a quantizer's module, say). Tensor subclasses (torchao's quantized weights) have no
-    plain storage to write. Either would give a checkpoint that loads wrong, so nothing is written.
+    plain storage to write, unless ``quantized``: the model's load quantizer serialises them. Either would give a
+    checkpoint that loads wrong, so nothing is written.
     """
     problems: dict[str, list[str]] = defaultdict(list)
     for key, tensor in state.items():
         if not isinstance(tensor, torch.Tensor):
             problems[_module_of(key)].append(f"{key.rpartition('.')[2]} is a {type(tensor).__name__}, not a tensor")
-        elif type(tensor.detach()) is not torch.Tensor:
+        elif type(tensor.detach()) is not torch.Tensor and not quantized:
             problems[_module_of(key)].append(
                 f"{key.rpartition('.')[2]} is a {type(tensor.detach()).__name__} (a tensor subclass, e.g. quantized)"
             )
@@ -207,11 +209,27 @@ def checkpoint_tensors(
     ``state_dict`` defaults to ``model.state_dict()`` (Trainer passes its own). Raises :class:`SaveError` naming every
     module whose state cannot be written correctly.
     """
+    return _checkpoint_contents(model, state_dict, original_format=original_format)[0]
+
+
+def _checkpoint_contents(
+    model: PreTrainedModel, state_dict: Mapping[str, torch.Tensor] | None, *, original_format: bool
+) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
+    """:func:`checkpoint_tensors` and the safetensors metadata to write with them (a quantizer's, else None).
+
+    A model loaded with a quantizer is written by that quantizer's own serialisation, as stock writes it (``state_dict``
+    is then not used, as in stock), or refused by name (quantization.py).
+    """
     _reject_wrapped(model)
     state = dict(state_dict) if state_dict is not None else model.state_dict()
-    _check_saveable(model, state)
-    state = _state_to_save(model, state, get_load_report(model))
-    return _independent(_checkpoint_layout(model, state) if original_format else state)
+    report = get_load_report(model)
+    quantized = quantized_checkpoint(model, report, original_format=original_format)
+    _check_saveable(model, state, quantized=quantized is not None)
+    if quantized is not None:
+        tensors, metadata = quantized
+        return _independent(_state_to_save(model, tensors, report)), metadata
+    state = _state_to_save(model, state, report)
+    return _independent(_checkpoint_layout(model, state) if original_format else state), None
 
 
 def save_pretrained(
@@ -235,11 +253,15 @@ def save_pretrained(
     Returns:
         The files written.
 
+    A model loaded with a quantizer (torchao) is written as stock writes it: the quantizer's flattened tensors and
+    their safetensors metadata, with the ``quantization_config``. Where its layout differs from the checkpoint's, or
+    where the quantized weights were dequantized at load (fp8), the original layout is refused by name.
+
     Raises:
         SaveError: A module was substituted since the model was built (a quantizer's module, a quantized tensor
             subclass, PEFT layers) and its state cannot be written so that it loads back the same; nothing is written.
     """
-    tensors = checkpoint_tensors(model, original_format=save_original_format)
+    tensors, metadata = _checkpoint_contents(model, None, original_format=save_original_format)
     config = copy.deepcopy(model.config)
     config.architectures = [type(model).__name__]
     if save_original_format:
@@ -253,8 +275,9 @@ def save_pretrained(
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None and model.can_generate():
         extra_files["generation_config.json"] = (generation_config.to_json_string()).encode()
-    files = write_checkpoint(path, tensors, extra_files=extra_files, max_shard_size=max_shard_size)
-    logger.info("Saved %d tensors to %s (%s layout)", len(tensors), path, "checkpoint" if save_original_format else "runtime")
+    files = write_checkpoint(path, tensors, extra_files=extra_files, metadata=metadata, max_shard_size=max_shard_size)
+    layout = "checkpoint" if save_original_format else "runtime"
+    logger.info("Saved %d tensors to %s (%s layout)", len(tensors), path, layout)
     return files
 
 

@@ -1,0 +1,360 @@
+"""Quantized checkpoints, and quantization at load, done by transformers' own quantizers.
+
+This is the one module of modelpatch that uses transformers' quantizer API (``transformers.quantizers`` and the ops
+its quantizers declare): a transformers upgrade means auditing this file. What it uses, where stock
+``from_pretrained`` uses it:
+
+* ``get_hf_quantizer``: the quantizer stock would use, with its environment checks (on a machine without a GPU the fp8
+  quantizer switches itself to dequantizing, with a warning);
+* ``update_dtype``, ``preprocess_model`` (module swaps; torchao reads the checkpoint's safetensors metadata there) and
+  ``postprocess_model`` (the config's ``quantization_config``; a dequantized model loses it);
+* ``update_weight_conversions([], model)``: the tensors that make up one quantized parameter and the transformers op
+  that loads them. Its renamings are translated into modelpatch :class:`WeightRenaming` s and each supported op into
+  a modelpatch :class:`ConversionOperation` (``Fp8Dequantize`` -> :class:`Fp8BlockDequantize`, ``TorchAoDeserialize``
+  -> :class:`TorchAoTensor`); an op without a translation is refused by name;
+* ``param_needs_quantization`` and ``get_quantize_ops`` to quantize at load, ``get_state_dict_and_metadata`` to save.
+  Private attributes read: ``pre_quantized``, ``quantization_config.dequantize``, torchao's ``metadata`` and the
+  transforms' ``_original_source_patterns`` / ``_original_target_patterns``.
+
+Supported methods: fp8 (block-scaled; dequantized, as stock does on a machine without a GPU), torchao (pre-quantized
+safetensors checkpoints, and quantization at load) and compressed-tensors (its tensors load as they are into the
+modules its quantizer prepares, as in stock). Every other method is refused by name before any tensor is read.
+
+A quantized checkpoint loads in two stages. Stage one, here: the tensors that make up one quantized parameter
+(``q_proj.weight`` + ``q_proj.weight_scale_inv``; ``q_proj._weight_qdata`` + ``q_proj._weight_scale`` + ...) become
+that parameter (dequantized, or a torchao tensor). Stage two, the ordinary plan, sees those parameters as the
+checkpoint, so the model's conversions and modelpatch's fusions apply to them as to any checkpoint (dequantized fp8
+experts are stacked, dequantized q/k/v concatenated) — except where a conversion would have to concatenate or stack
+torchao tensors, which is refused by name.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.core_model_loading import WeightConverter as HfWeightConverter
+from transformers.core_model_loading import WeightRenaming as HfWeightRenaming
+from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+from transformers.integrations.torchao import TorchAoDeserialize
+from transformers.quantizers import HfQuantizer
+from transformers.quantizers.auto import get_hf_quantizer
+
+from ..conversion.operations import ConversionOperation, Fp8BlockDequantize, TorchAoTensor
+from ..conversion.planner import ConversionPlan, TensorMeta, plan_load
+from ..conversion.transforms import WeightConverter, WeightRenaming, WeightTransform
+from ..errors import LoadPlanError, SaveError
+from ..state import FUSION_CONFIG_KEY, QUANTIZATION_ATTRIBUTE
+from .diagnose import collapse_lines
+from .materialize import release_pages, set_tensor
+from .report import LoadReport
+
+# What modelpatch loads, by ``quant_method``. compressed-tensors loads its tensors as they are into the parameters its
+# ``preprocess_model`` adds (their dequantizing op, ``dequantize=True``, has no translation and is refused by name).
+SUPPORTED_METHODS = ("fp8", "torchao", "compressed-tensors")
+
+# Checkpoint dtypes that are plain numbers; anything else a quantized checkpoint stores (float8, packed integers)
+# only means something with its companions.
+_PLAIN_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class QuantizedLoad:
+    """What a save needs to know of a model loaded with a quantizer (kept on the model).
+
+    ``dequantized``: the weights were dequantized at load (fp8 without a GPU): the model holds plain tensors and its
+    config no longer has a ``quantization_config``, as in stock.
+    """
+
+    method: str
+    dequantized: bool
+
+
+def _method_of(settings: Any) -> str | None:
+    """The ``quant_method`` of a quantization config (a dict from config.json or a transformers config object)."""
+    if settings is None:
+        return None
+    if isinstance(settings, Mapping):
+        method = settings.get("quant_method")
+        if method is None and (settings.get("load_in_8bit") or settings.get("load_in_4bit")):
+            method = "bitsandbytes"  # old bitsandbytes configs name the method only by these flags
+    else:
+        method = getattr(settings, "quant_method", None)
+    return None if method is None else str(getattr(method, "value", method))
+
+
+def _refusal(message: str, method: str | None) -> LoadPlanError:
+    return LoadPlanError(f"{message} Nothing was loaded.", {"quantization": [str(method)]})
+
+
+def _supported_or_refused(settings: Any, where: str) -> str | None:
+    method = _method_of(settings)
+    if settings is not None and method not in SUPPORTED_METHODS:
+        raise _refusal(
+            f"{where} asks for quantization method {method!r} (quant_method): the checkpoint would be quantized with "
+            f"it, and modelpatch does not support {method!r}. modelpatch loads {', '.join(SUPPORTED_METHODS)} "
+            "checkpoints through transformers' quantizers (and quantizes at load with torchao); load this one with "
+            "stock transformers, or a full-precision checkpoint with modelpatch.",
+            method,
+        )
+    return method
+
+
+@dataclass
+class Quantization:
+    """transformers' quantizer of one load and the stage-one plan modelpatch derives from it."""
+
+    quantizer: HfQuantizer
+    method: str
+    stage: ConversionPlan | None = None  # stage one; its outputs are the checkpoint as stage two sees it
+
+    @property
+    def dequantizes(self) -> bool:
+        return bool(getattr(self.quantizer.quantization_config, "dequantize", False))
+
+    def update_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return self.quantizer.update_dtype(dtype)
+
+    def preprocess(self, model: PreTrainedModel, *, dtype: torch.dtype, checkpoint_files: Sequence[Any]) -> None:
+        """The quantizer's module swaps and checkpoint reading, on the meta model (headers and metadata only)."""
+        files = [str(f) for f in checkpoint_files] or None
+        self.quantizer.preprocess_model(
+            model=model, dtype=dtype, device_map=None, checkpoint_files=files, use_kernels=False
+        )
+
+    # --- stage one -------------------------------------------------------------------------------------------------
+
+    def plan_checkpoint(
+        self, model: PreTrainedModel, checkpoint: Mapping[str, TensorMeta], dtype: torch.dtype
+    ) -> dict[str, TensorMeta]:
+        """Group the tensors of each quantized parameter; return the checkpoint as stage two sees it.
+
+        Raises LoadPlanError naming every key whose tensors do not make up a parameter (a scale without its weight,
+        a weight that does not divide into its scale grid). Reads no tensor data. Quantizing at load, the checkpoint
+        is full precision and is returned as it is.
+        """
+        if not self.quantizer.pre_quantized:
+            return dict(checkpoint)
+        plan = plan_load(checkpoint, self._transforms(model, dtype))
+        if any(plan.problems.values()):
+            lines = [f"The {self.method} quantized tensors of the checkpoint do not make up {type(model).__name__}'s "
+                     "parameters; nothing was loaded."]
+            for kind, items in plan.problems.items():
+                lines.append(f"{kind} ({len(items)}):")
+                lines.extend(f"  - {item}" for item in collapse_lines(items))
+            raise LoadPlanError("\n".join(lines), {k: list(v) for k, v in plan.problems.items() if v})
+        # A group with none of its companions is a tensor the checkpoint did not quantize (a norm): read it directly.
+        kept = []
+        for group in plan.groups:
+            if all(source is None for source in group.sources[1:]):
+                plan.direct[group.target_keys()[0]] = group.source_keys()[0]
+            else:
+                kept.append(group)
+        plan.groups = kept
+        self.stage = plan
+        return dict(plan.outputs)
+
+    def _transforms(self, model: PreTrainedModel, dtype: torch.dtype) -> list[WeightTransform]:
+        """The quantizer's own conversions (what it adds to a model with none), in modelpatch's vocabulary."""
+        transforms: list[WeightTransform] = []
+        for transform in self.quantizer.update_weight_conversions([], model):
+            sources, targets = transform._original_source_patterns, transform._original_target_patterns
+            if any("*" in pattern for pattern in [*sources, *targets]):
+                raise self._untranslatable(f"{type(transform).__name__} {sources} -> {targets}")
+            if isinstance(transform, HfWeightConverter):
+                transforms.append(self._converter(sources, targets, transform.operations, dtype))
+            elif isinstance(transform, HfWeightRenaming) and len(sources) == len(targets) == 1:
+                # transformers' patterns end at a name boundary (`scale` does not match `scale_inv`).
+                boundary = r"(?!\w)" if re.search(r"[A-Za-z0-9]$", sources[0]) else ""
+                transforms.append(WeightRenaming(sources[0] + boundary, targets[0]))
+            else:
+                raise self._untranslatable(f"{type(transform).__name__} {sources} -> {targets}")
+        return transforms
+
+    def _converter(
+        self, sources: Sequence[str], targets: Sequence[str], operations: Sequence[Any], dtype: torch.dtype
+    ) -> WeightConverter:
+        """``[weight, weight_scale_inv, ...] -> weight``: the parameter's tensors, the first required."""
+        if len(targets) != 1 or len(operations) != 1:
+            raise self._untranslatable(f"WeightConverter {sources} -> {targets} with {operations}")
+        (operation,) = operations
+        translated: ConversionOperation
+        if isinstance(operation, Fp8Dequantize):
+            translated = Fp8BlockDequantize(dtype=dtype, companions=len(sources) - 1)
+        elif isinstance(operation, TorchAoDeserialize):
+            translated = TorchAoTensor(metadata=dict(getattr(self.quantizer, "metadata", None) or {}))
+        else:
+            raise self._untranslatable(type(operation).__name__)
+        patterns = [rf"(?<![^.]){re.escape(name)}$" for name in sources]
+        return WeightConverter(patterns, targets[0], [translated], optional=patterns[1:])
+
+    def _untranslatable(self, what: str) -> LoadPlanError:
+        return _refusal(
+            f"transformers' {self.method} quantizer loads this checkpoint with {what}, which modelpatch does not "
+            "translate into its own conversions (a transformers version modelpatch was not written for?).",
+            self.method,
+        )
+
+    def quantized_keys(self) -> set[str]:
+        """What stage two must not convert: quantized tensors stage one built (torchao's, not dequantized ones) and
+        tensors loaded as they are whose values mean something only with their companions (float8, packed)."""
+        if self.stage is None:
+            return set()
+        built = set() if self.dequantizes else {key for group in self.stage.groups for key in group.target_keys()}
+        return built | {key for key, meta in self.stage.outputs.items() if meta.dtype not in _PLAIN_DTYPES}
+
+    def check_conversions(self, transforms: Sequence[WeightTransform]) -> None:
+        """Refuse, naming them, stage-two conversions that would concatenate or stack quantized tensors.
+
+        Checked before stage two is validated, so that this is the error rather than the keys it leaves missing.
+        """
+        quantized = self.quantized_keys()
+        if not quantized or not transforms:
+            return
+        offending = [
+            f"{sorted(set(group.source_keys()) & quantized)} -> {group.target_keys()} "
+            f"({', '.join(type(op).__name__ for op in group.operations)})"
+            for group in plan_load(self.stage.outputs, transforms).groups  # type: ignore[union-attr]
+            if set(group.source_keys()) & quantized
+        ]
+        if offending:
+            raise LoadPlanError(
+                f"The {self.method} checkpoint stores quantized tensors that a conversion of this load would combine, "
+                "and modelpatch cannot concatenate or stack quantized tensors; nothing was loaded.\n"
+                + "\n".join(f"  - {line}" for line in collapse_lines(offending))
+                + "\nHint: load without the fusion that needs them (fusion_config={name: False}), or quantize at load "
+                "instead: load a full-precision checkpoint with quantization_config=...",
+                {"quantized tensors converted": offending},
+            )
+
+    def fetch(
+        self, read: Callable[[str], torch.Tensor], file_mapped: Callable[[str], bool]
+    ) -> tuple[Callable[[str], torch.Tensor], Callable[[str], bool]]:
+        """Stage two's ``fetch`` and ``file_mapped`` over the checkpoint's ``read``: a quantized parameter is built
+        from its tensors when stage two asks for it, one at a time."""
+        if self.stage is None:
+            return read, file_mapped
+        groups = {group.target_keys()[0]: group for group in self.stage.groups}
+        direct = self.stage.direct
+
+        def fetch(key: str) -> torch.Tensor:
+            group = groups.get(key)
+            if group is None:
+                return read(direct[key])
+            sources = {k: read(k) for k in group.source_keys()}
+            (tensor,) = group.run(sources.__getitem__).values()
+            # Dequantized weights are new memory: the file pages they came from are done with. A torchao tensor
+            # may hold views of them, which must stay.
+            if self.dequantizes:
+                for source_key, source in sources.items():
+                    if file_mapped(source_key):
+                        release_pages(source)
+            return tensor
+
+        return fetch, lambda key: key in direct and file_mapped(direct[key])
+
+    # --- after the tensors are in place ----------------------------------------------------------------------------
+
+    def quantize_loaded(self, model: PreTrainedModel, keys: Sequence[str]) -> None:
+        """Quantize at load (a full-precision checkpoint and ``quantization_config=``): every loaded parameter the
+        quantizer wants, with its own op, after modelpatch's conversions and fusions (a fused ``qkv_proj`` is one
+        quantized Linear)."""
+        if self.quantizer.pre_quantized:
+            return
+        operation = self.quantizer.get_quantize_ops()
+        for key in keys:
+            if self.quantizer.param_needs_quantization(model, key):
+                produced = operation.convert(
+                    {key: model.get_parameter(key)}, model=model, full_layer_name=key, missing_keys=set()
+                )
+                for name, tensor in produced.items():  # an embedding untied from its head gives the head back
+                    set_tensor(model, name, tensor)
+
+    def finish(self, model: PreTrainedModel) -> None:
+        """What stock does last: the quantizer on the model, then its post-processing (config, dequantized state)."""
+        model.hf_quantizer = self.quantizer
+        self.quantizer.postprocess_model(model)
+        object.__setattr__(model, QUANTIZATION_ATTRIBUTE, QuantizedLoad(self.method, self.dequantizes))
+
+
+def load_quantization(
+    config: PretrainedConfig, quantization_config: Any, *, device_map: Any = None
+) -> Quantization | None:
+    """The quantization of one load (from ``config.quantization_config`` or the ``quantization_config`` argument),
+    or None. Refuses, naming the method, everything modelpatch does not load, before any tensor is read."""
+    stored = getattr(config, "quantization_config", None) or getattr(
+        config.get_text_config(decoder=True), "quantization_config", None
+    )
+    method = _supported_or_refused(stored, "config.json")
+    method = _supported_or_refused(quantization_config, "quantization_config=") or method
+    if method is None:
+        return None
+    if device_map is not None and method == "torchao":
+        raise _refusal(
+            "device_map with a torchao model: modelpatch does not dispatch torchao tensors across devices; pass "
+            "device= instead.",
+            method,
+        )
+    try:
+        quantizer, _, _ = get_hf_quantizer(config, quantization_config, device_map, True, {})
+    except (ValueError, TypeError, RuntimeError, ImportError) as exc:  # its checks raise these, each with a reason
+        raise _refusal(f"transformers' {method} quantizer refuses this load: {exc}", method) from None
+    quantization = Quantization(quantizer, method)
+    if method == "fp8" and not quantization.dequantizes:
+        raise _refusal(
+            "fp8 kept in float8 (transformers' FP8Linear, on a GPU): modelpatch loads fp8 checkpoints dequantized "
+            "only. Pass quantization_config=FineGrainedFP8Config(dequantize=True).",
+            method,
+        )
+    return quantization
+
+
+def quantized_checkpoint(
+    model: PreTrainedModel, report: LoadReport | None, *, original_format: bool
+) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
+    """The tensors and safetensors metadata a save of a quantized model writes (what stock writes), or None for a
+    model that holds plain tensors (no quantizer, or dequantized and saved in the runtime layout).
+
+    Raises SaveError, naming the method, for what modelpatch cannot write so that it loads back the same model.
+    """
+    record: QuantizedLoad | None = getattr(model, QUANTIZATION_ATTRIBUTE, None)
+    if record is None:
+        return None
+    if record.dequantized:
+        if original_format:
+            raise SaveError(
+                f"Cannot save {type(model).__name__} in its checkpoint's layout: its {record.method} weights were "
+                "dequantized at load and their block scales are not kept, so the float8 tensors cannot be written back "
+                "(stock transformers would re-quantize every 2-D weight, embeddings included, under a config that no "
+                "longer declares fp8: a checkpoint that loads wrong). Nothing was written. Save the dequantized "
+                "weights with save_original_format=False."
+            )
+        return None
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None:
+        raise SaveError(f"{type(model).__name__} was loaded with {record.method} but its quantizer was removed since.")
+    if original_format:
+        converted = [] if report is None else [group.sources_summary() for group in report.groups]
+        renamed = [] if report is None else [f"{v} -> {k}" for k, v in report.direct.items() if k != v]
+        fused = getattr(model.config, FUSION_CONFIG_KEY, None)
+        if report is None or report.runtime_layout or converted or renamed or fused:
+            raise SaveError(
+                f"Cannot save {type(model).__name__} in its checkpoint's layout: it holds {record.method} tensors "
+                "and its layout differs from the checkpoint's (conversions or fusions: "
+                f"{', '.join([*converted, *renamed][:3]) or 'fusions or a runtime-layout source'}), and modelpatch "
+                "cannot split or unstack quantized tensors. Nothing was written. Save with "
+                "save_original_format=False (modelpatch loads that back), or load without the fusions."
+            )
+    tensors, metadata = quantizer.get_state_dict_and_metadata(model)
+    if tensors is None:
+        raise SaveError(
+            f"Cannot save {type(model).__name__}: transformers' {record.method} quantizer has no serialisation of its "
+            "own, and the model's live state is not the checkpoint's (compressed-tensors decompresses the weights in "
+            "place at the first forward, so what stock writes depends on whether the model ran). modelpatch does not "
+            f"save {record.method} models. Nothing was written."
+        )
+    return tensors, metadata

@@ -1,0 +1,388 @@
+"""Quantized checkpoints and quantization at load, compared with stock transformers on the same directories.
+
+Checkpoints are made here: fp8 ones by block-quantizing a stock-saved tiny model the way published DeepSeek / Qwen FP8
+checkpoints are made (float8_e4m3fn weights, ``weight_scale_inv = amax / 448`` per 128x128 block, ``quant_method:
+"fp8"`` in config.json); torchao ones by stock itself (``quantization_config=TorchAoConfig(Int8WeightOnlyConfig())``
+at load, then ``save_pretrained``). On a machine without a GPU stock dequantizes fp8 to the model's dtype; modelpatch
+must give the same modules and the same tensors, bit for bit. compressed-tensors ones are written by hand in its
+``float-quantized`` format (float8 weights, one bfloat16 scale per output channel), which stock loads as they are and
+decompresses in place at the first forward.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from stock_checkpoints import assert_tensors_identical, bits, read_tensors
+from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
+
+import modelpatch
+from modelpatch.checkpoint import Checkpoint
+from modelpatch.errors import LoadPlanError, SaveError
+
+torchao = pytest.importorskip("torchao")
+from torchao.quantization import Int8WeightOnlyConfig  # noqa: E402
+from transformers import TorchAoConfig  # noqa: E402
+
+BLOCK = 128
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+
+
+def _config(model_type: str, **overrides):
+    # hidden 256 and intermediate 384: 2 x 3 blocks of 128 per projection, so block scales matter.
+    values = dict(
+        vocab_size=128, hidden_size=256, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    return AutoConfig.for_model(model_type, **{**values, **overrides})
+
+
+FP8_MODELS = {
+    "llama": _config("llama"),
+    "qwen2_moe": _config(
+        "qwen2_moe", moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
+        shared_expert_intermediate_size=256,
+    ),
+}
+
+
+def quantize_fp8_blockwise(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8_e4m3fn weight and its ``weight_scale_inv`` (one float32 scale per 128x128 block: amax / 448)."""
+    rows, cols = weight.shape
+    blocks = weight.float().reshape(rows // BLOCK, BLOCK, cols // BLOCK, BLOCK)
+    scale = blocks.abs().amax(dim=(1, 3)) / FP8_MAX
+    quantized = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return quantized.reshape(rows, cols), scale
+
+
+def _is_quantized_projection(key: str) -> bool:
+    # Like the published checkpoints: linear projections only (no embeddings, head, norms, routers or gates).
+    return key.endswith("_proj.weight")
+
+
+def write_fp8_checkpoint(config, path: Path) -> Path:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param, dtype=torch.float32).to(param.dtype) * 0.05)
+    model.save_pretrained(path)
+    tensors = {}
+    for key, tensor in load_file(str(path / "model.safetensors")).items():
+        if _is_quantized_projection(key):
+            tensors[key], tensors[key.removesuffix("weight") + "weight_scale_inv"] = quantize_fp8_blockwise(tensor)
+        else:
+            tensors[key] = tensor
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    raw = json.loads((path / "config.json").read_text())
+    raw["quantization_config"] = {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]
+    }
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    return path
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8")
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = write_fp8_checkpoint(FP8_MODELS[name], root / name)
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def plain_llama(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("plain") / "llama"
+    torch.manual_seed(1)
+    config = _config("llama", hidden_size=64, intermediate_size=96)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    return path
+
+
+def int8_config() -> TorchAoConfig:
+    return TorchAoConfig(Int8WeightOnlyConfig())
+
+
+@pytest.fixture(scope="module")
+def torchao_checkpoint(plain_llama, tmp_path_factory) -> Path:
+    """What stock writes for a model it quantized at load with torchao int8 weight-only."""
+    path = tmp_path_factory.mktemp("torchao") / "llama"
+    AutoModelForCausalLM.from_pretrained(plain_llama, quantization_config=int8_config()).save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def no_tensor_reads(monkeypatch):
+    def refuse(self, key):
+        raise AssertionError(f"tensor {key!r} was read")
+
+    monkeypatch.setattr(Checkpoint, "tensor", refuse)
+
+
+def flat_state(model) -> dict[str, torch.Tensor]:
+    """State dict with torchao tensors spread into their data (``<key>:qdata`` ...), for a bitwise comparison."""
+    out = {}
+    for key, tensor in model.state_dict().items():
+        if type(tensor) is torch.Tensor:
+            out[key] = tensor
+        else:
+            out[f"{key}:{type(tensor).__name__}"] = torch.empty(0)
+            out.update({f"{key}:{name}": getattr(tensor, name) for name in tensor.tensor_data_names})
+    return out
+
+
+def module_types(model) -> dict[str, str]:
+    return {name: type(module).__qualname__ for name, module in model.named_modules()}
+
+
+def logits(model) -> torch.Tensor:
+    ids = torch.randint(0, 120, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def assert_same_as_stock(model, stock) -> None:
+    assert module_types(model) == module_types(stock)
+    assert_tensors_identical(flat_state(model), flat_state(stock))
+    assert torch.equal(bits(logits(model)), bits(logits(stock)))
+
+
+# --- fp8 ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(FP8_MODELS))
+def test_fp8_checkpoint_loads_dequantized_like_stock(fp8_checkpoint, name):
+    path = fp8_checkpoint(name)
+    stock = AutoModelForCausalLM.from_pretrained(path)
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, path)
+    assert_same_as_stock(model, stock)
+    # Without a GPU stock dequantizes and drops the quantization config; so does modelpatch.
+    assert model.dtype == stock.dtype == torch.bfloat16
+    assert getattr(model.config, "quantization_config", None) is None
+    assert getattr(stock.config, "quantization_config", None) is None
+    assert not model.is_quantized and not stock.is_quantized
+
+
+def test_fp8_dequantization_is_weight_times_block_scale(fp8_checkpoint):
+    path = fp8_checkpoint("llama")
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, path)
+    stored = read_tensors(path)
+    key = "model.layers.1.mlp.down_proj.weight"  # [256, 384]: a 2 x 3 grid of blocks
+    weight, scale = stored[key].float(), stored[key.removesuffix("weight") + "weight_scale_inv"]
+    assert tuple(scale.shape) == (2, 3)
+    expected = weight * scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
+    assert torch.equal(model.get_parameter(key), expected.to(torch.bfloat16))
+
+
+def test_fp8_composes_with_qkv_fusion(fp8_checkpoint):
+    path = fp8_checkpoint("llama")
+    stock = AutoModelForCausalLM.from_pretrained(path)
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, path, fusion_config={"qkv": True})
+    for layer, stock_layer in zip(model.model.layers, stock.model.layers):
+        parts = [getattr(stock_layer.self_attn, p).weight for p in ("q_proj", "k_proj", "v_proj")]
+        assert torch.equal(layer.self_attn.qkv_proj.weight, torch.cat(parts))
+    torch.testing.assert_close(logits(model), logits(stock))
+
+
+def test_fp8_save_refuses_the_checkpoint_layout_and_writes_the_dequantized_runtime_layout(fp8_checkpoint, tmp_path):
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, fp8_checkpoint("llama"))
+    for save in (lambda: modelpatch.save_pretrained(model, tmp_path / "out"), lambda: model.save_pretrained(tmp_path / "o")):
+        with pytest.raises(SaveError, match=r"fp8 weights were dequantized at load.*save_original_format=False"):
+            save()
+        assert not (tmp_path / "out").exists() and not (tmp_path / "o").exists()
+    modelpatch.save_pretrained(model, tmp_path / "runtime", save_original_format=False)
+    assert "quantization_config" not in json.loads((tmp_path / "runtime" / "config.json").read_text())
+    reloaded = modelpatch.from_pretrained(AutoModelForCausalLM, tmp_path / "runtime")
+    assert_tensors_identical(reloaded.state_dict(), model.state_dict())
+
+
+def test_fp8_scale_without_its_weight_is_named(fp8_checkpoint, tmp_path, no_tensor_reads):
+    path = tmp_path / "broken"
+    shutil.copytree(fp8_checkpoint("llama"), path)
+    tensors = load_file(str(path / "model.safetensors"))
+    del tensors["model.layers.0.self_attn.o_proj.weight"]
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(LoadPlanError, match=r"fp8 quantized tensors(.|\n)*layers\.0\.self_attn\.o_proj\.weight_scale_inv"):
+        modelpatch.from_pretrained(AutoModelForCausalLM, path)
+
+
+# --- torchao ------------------------------------------------------------------------------------------------------
+
+
+def test_torchao_checkpoint_loads_like_stock(torchao_checkpoint):
+    stock = AutoModelForCausalLM.from_pretrained(torchao_checkpoint)
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, torchao_checkpoint)
+    assert type(model.model.layers[0].self_attn.q_proj.weight).__name__ == "Int8Tensor"
+    assert_same_as_stock(model, stock)
+    assert model.config.quantization_config.to_dict() == stock.config.quantization_config.to_dict()
+    assert model.hf_quantizer.quantization_config.quant_method == "torchao"
+
+
+def test_torchao_checkpoint_saves_what_stock_writes(torchao_checkpoint, tmp_path):
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, torchao_checkpoint)
+    modelpatch.save_pretrained(model, tmp_path / "modelpatch")
+    model.save_pretrained(tmp_path / "stock_path")  # the stock save method of a modelpatch model
+    # Stock's own default save of a torchao checkpoint it loaded fails (its deserializer has no reverse op); its
+    # runtime-layout save writes what it wrote when it quantized the model: the source checkpoint.
+    stock = AutoModelForCausalLM.from_pretrained(torchao_checkpoint)
+    stock.save_pretrained(tmp_path / "stock", save_original_format=False)
+    for directory in (tmp_path / "modelpatch", tmp_path / "stock_path", torchao_checkpoint):
+        assert_tensors_identical(read_tensors(directory), read_tensors(tmp_path / "stock"))
+        assert metadata(directory) == metadata(tmp_path / "stock")
+        saved = json.loads((directory / "config.json").read_text())
+        stock_config = json.loads((tmp_path / "stock" / "config.json").read_text())
+        assert saved["quantization_config"] == stock_config["quantization_config"]
+    reloaded = modelpatch.from_pretrained(AutoModelForCausalLM, tmp_path / "modelpatch")
+    assert_tensors_identical(flat_state(reloaded), flat_state(model))
+
+
+def metadata(directory: Path) -> dict[str, str]:
+    with safe_open(str(directory / "model.safetensors"), "pt") as file:
+        return file.metadata()
+
+
+def test_torchao_checkpoint_with_a_fusion_that_would_concatenate_it_is_refused(torchao_checkpoint, no_tensor_reads):
+    with pytest.raises(LoadPlanError, match=r"cannot concatenate or stack quantized tensors(.|\n)*self_attn\.qkv_proj\.weight"):
+        modelpatch.from_pretrained(AutoModelForCausalLM, torchao_checkpoint, fusion_config={"qkv": True})
+
+
+def test_torchao_quantization_at_load_like_stock(plain_llama):
+    stock = AutoModelForCausalLM.from_pretrained(plain_llama, quantization_config=int8_config())
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, plain_llama, quantization_config=int8_config())
+    assert_same_as_stock(model, stock)
+    assert type(model.lm_head.weight) is torch.nn.Parameter  # the head is not quantized, as in stock
+
+
+def test_torchao_quantization_at_load_quantizes_the_fused_projection(plain_llama, tmp_path):
+    stock = AutoModelForCausalLM.from_pretrained(plain_llama, quantization_config=int8_config())
+    model = modelpatch.from_pretrained(
+        AutoModelForCausalLM, plain_llama, fusion_config={"qkv": True}, quantization_config=int8_config()
+    )
+    for layer, stock_layer in zip(model.model.layers, stock.model.layers):
+        fused = layer.self_attn.qkv_proj.weight
+        assert type(fused).__name__ == "Int8Tensor"
+        # Row-wise int8: the fused projection's data are its parts' data, stacked.
+        for name in fused.tensor_data_names:
+            parts = [getattr(getattr(stock_layer.self_attn, p).weight, name) for p in ("q_proj", "k_proj", "v_proj")]
+            assert torch.equal(getattr(fused, name), torch.cat(parts)), name
+    assert torch.equal(logits(model), logits(stock))
+
+    with pytest.raises(SaveError, match=r"torchao tensors and its layout differs.*save_original_format=False"):
+        modelpatch.save_pretrained(model, tmp_path / "original")
+    assert not (tmp_path / "original").exists()
+    modelpatch.save_pretrained(model, tmp_path / "runtime", save_original_format=False)
+    reloaded = modelpatch.from_pretrained(AutoModelForCausalLM, tmp_path / "runtime")
+    assert type(reloaded.model.layers[0].self_attn.qkv_proj.weight).__name__ == "Int8Tensor"
+    assert_tensors_identical(flat_state(reloaded), flat_state(model))
+
+
+# --- refused ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "settings, method",
+    [
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "gptq"),
+        ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}, "awq"),
+        ({"load_in_4bit": True}, "bitsandbytes"),
+        ({"quant_method": "made_up"}, "made_up"),
+    ],
+)
+def test_unsupported_methods_are_refused_by_name_before_any_tensor_is_read(plain_llama, tmp_path, no_tensor_reads, settings, method):
+    path = tmp_path / "quantized"
+    shutil.copytree(plain_llama, path)
+    raw = json.loads((path / "config.json").read_text())
+    raw["quantization_config"] = settings
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(LoadPlanError, match=rf"quantized with it, and modelpatch does not support '{method}'"):
+        modelpatch.from_pretrained(AutoModelForCausalLM, path)
+
+
+def test_unsupported_quantization_at_load_is_refused_by_name(plain_llama, no_tensor_reads):
+    with pytest.raises(LoadPlanError, match=r"quantization_config= asks for quantization method 'bitsandbytes'"):
+        modelpatch.from_pretrained(AutoModelForCausalLM, plain_llama, quantization_config=BitsAndBytesConfig(load_in_8bit=True))
+
+
+def test_fp8_quantization_at_load_without_a_gpu_is_refused_with_stocks_reason(plain_llama, no_tensor_reads):
+    from transformers import FineGrainedFP8Config
+
+    with pytest.raises(LoadPlanError, match=r"fp8 quantizer refuses this load: No GPU"):
+        modelpatch.from_pretrained(AutoModelForCausalLM, plain_llama, quantization_config=FineGrainedFP8Config())
+
+
+# --- compressed-tensors -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compressed_tensors_checkpoint(plain_llama, tmp_path_factory) -> Path:
+    """FP8 weights with channel-wise scales in compressed-tensors' ``float-quantized`` format (as llm-compressor's
+    FP8_DYNAMIC scheme writes them)."""
+    pytest.importorskip("compressed_tensors")
+    path = tmp_path_factory.mktemp("compressed") / "llama"
+    shutil.copytree(plain_llama, path)
+    tensors = {}
+    for key, tensor in load_file(str(path / "model.safetensors")).items():
+        if _is_quantized_projection(key):
+            scale = tensor.float().abs().amax(dim=1, keepdim=True) / FP8_MAX
+            tensors[key] = (tensor.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            tensors[key.removesuffix("weight") + "weight_scale"] = scale.to(torch.bfloat16)
+        else:
+            tensors[key] = tensor
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    raw = json.loads((path / "config.json").read_text())
+    raw["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "ignore": ["lm_head"],
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True},
+        }},
+    }
+    (path / "config.json").write_text(json.dumps(raw))
+    return path
+
+
+def test_compressed_tensors_checkpoint_loads_like_stock(compressed_tensors_checkpoint):
+    stock = AutoModelForCausalLM.from_pretrained(compressed_tensors_checkpoint)
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, compressed_tensors_checkpoint)
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.float8_e4m3fn  # compressed until it runs
+    assert_same_as_stock(model, stock)
+    # The first forward decompresses in place, in both.
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    assert_tensors_identical(model.state_dict(), stock.state_dict())
+    assert model.config.quantization_config.to_dict() == stock.config.quantization_config.to_dict()
+
+
+def test_compressed_tensors_checkpoint_with_a_fusion_is_refused_by_name(compressed_tensors_checkpoint, no_tensor_reads):
+    with pytest.raises(LoadPlanError, match=r"compressed-tensors checkpoint stores quantized tensors(.|\n)*qkv_proj"):
+        modelpatch.from_pretrained(AutoModelForCausalLM, compressed_tensors_checkpoint, fusion_config={"qkv": True})
+
+
+def test_compressed_tensors_save_is_refused_by_name(compressed_tensors_checkpoint, tmp_path):
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, compressed_tensors_checkpoint)
+    for original_format in (True, False):
+        with pytest.raises(SaveError, match=r"modelpatch does not save compressed-tensors models"):
+            modelpatch.save_pretrained(model, tmp_path / "out", save_original_format=original_format)
+    assert not (tmp_path / "out").exists()
+
+
+def test_compressed_tensors_dequantize_at_load_is_refused_by_name(compressed_tensors_checkpoint, no_tensor_reads):
+    from transformers import CompressedTensorsConfig
+
+    with pytest.raises(LoadPlanError, match=r"compressed-tensors quantizer loads this checkpoint with CompressedTensorsDequantize"):
+        modelpatch.from_pretrained(
+            AutoModelForCausalLM, compressed_tensors_checkpoint, quantization_config=CompressedTensorsConfig(dequantize=True)
+        )
