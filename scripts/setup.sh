@@ -1,13 +1,23 @@
 #!/usr/bin/env bash
-# Creates .venv with Python 3.11 and installs modelpatch (editable) with its test dependencies.
-# torch is pinned to 2.13.0: its CPU wheel is available locally; any other request downloads gigabytes.
+# Creates a virtual environment with Python 3.11 and installs modelpatch (editable) with its test dependencies.
+#
+# pyproject.toml declares compatible ranges; the exact versions come from a constraints file (pip -c), so every
+# setup resolves to the same, CI-tested set. torch is pinned to 2.13.0 there: its CPU wheel is available locally;
+# any other version downloads gigabytes.
+#
+#   VENV         where to create it                      (default .venv)
+#   CONSTRAINTS  the pins to install                     (default .ci/constraints.txt: the highest supported
+#                                                         transformers; .ci/constraints-lowest.txt: the lowest)
+#   PYTHON       the interpreter that creates the venv   (default python3.11)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3.11}"
-if [ ! -x .venv/bin/python ]; then
-    "$PYTHON" -m venv .venv
+VENV="${VENV:-.venv}"
+CONSTRAINTS="${CONSTRAINTS:-.ci/constraints.txt}"
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
 fi
-.venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet "torch==2.13.0"
-.venv/bin/python -m pip install --quiet -e ".[test]"
-.venv/bin/python -c "import modelpatch, torch, transformers; print('modelpatch', modelpatch.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__)"
+"$VENV/bin/python" -m pip install --quiet --upgrade pip -c "$CONSTRAINTS"
+"$VENV/bin/python" -m pip install --quiet "torch==2.13.0" -c "$CONSTRAINTS"
+"$VENV/bin/python" -m pip install --quiet -e ".[test]" -c "$CONSTRAINTS"
+"$VENV/bin/python" -c "import modelpatch, torch, transformers; print('modelpatch', modelpatch.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__)"

@@ -1,0 +1,106 @@
+"""Packaging: what the installed distribution declares and ships (issue 12, "installable beside other tools").
+
+Read from the installed metadata (``importlib.metadata``), so a venv set up from a stale pyproject.toml fails here
+until ``scripts/setup.sh`` reinstalls it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import importlib.resources
+import json
+import shutil
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parents[1]
+DIST = "modelpatch"
+
+
+def _requirements() -> list[Requirement]:
+    return [Requirement(line) for line in metadata.requires(DIST) or ()]
+
+
+def _runtime() -> list[Requirement]:
+    return [r for r in _requirements() if r.marker is None or "extra" not in str(r.marker)]
+
+
+def _extra(name: str) -> list[Requirement]:
+    return [r for r in _requirements() if r.marker is not None and r.marker.evaluate({"extra": name})]
+
+
+def _editable() -> bool:
+    direct_url = metadata.distribution(DIST).read_text("direct_url.json")
+    return bool(direct_url) and json.loads(direct_url).get("dir_info", {}).get("editable", False)
+
+
+def test_runtime_dependencies_are_ranges():
+    runtime = {r.name.lower(): r for r in _runtime()}
+    assert {"torch", "transformers", "safetensors", "accelerate", "tqdm"} <= runtime.keys()
+    for requirement in runtime.values():
+        operators = {spec.operator for spec in requirement.specifier}
+        assert not operators & {"==", "==="}, f"{requirement} is pinned: pins belong in .ci/constraints*.txt"
+        assert operators & {">=", ">", "~="}, f"{requirement} has no lower bound"
+
+
+def test_extras_declared():
+    assert {r.name for r in _extra("peft")} == {"peft"}
+    assert {r.name for r in _extra("torchao")} == {"torchao"}
+    assert {"pytest", "hypothesis", "peft", "torchao"} <= {r.name for r in _extra("test")}
+    for requirement in _extra("peft") + _extra("torchao") + _extra("test"):
+        assert not {spec.operator for spec in requirement.specifier} & {"==", "==="}, requirement
+
+
+@pytest.mark.parametrize("name", ["transformers", "torch", "safetensors", "accelerate", "tqdm"])
+def test_installed_versions_inside_declared_ranges(name):
+    (requirement,) = [r for r in _runtime() if r.name.lower() == name]
+    installed = Version(metadata.version(name))
+    assert requirement.specifier.contains(installed, prereleases=True), (
+        f"installed {name} {installed} is outside the declared {requirement}"
+    )
+
+
+def test_installed_metadata_matches_pyproject():
+    """The metadata the other tests read is the current pyproject's (else: rerun scripts/setup.sh)."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    if metadata.version(DIST) != pyproject["version"]:
+        pytest.skip("the installed modelpatch is not this checkout")
+    declared = sorted(str(Requirement(r)) for r in pyproject["dependencies"])
+    assert sorted(str(r) for r in _runtime()) == declared
+
+
+def test_py_typed_ships():
+    assert importlib.resources.files("modelpatch").joinpath("py.typed").is_file()
+    if not _editable():
+        files = {str(f).replace("\\", "/") for f in metadata.files(DIST) or ()}
+        assert "modelpatch/py.typed" in files
+    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert "py.typed" in package_data["modelpatch"]
+
+
+def test_wheel_contains_py_typed_and_license(tmp_path):
+    """Build the wheel from a copy of the sources (no network, no build isolation) and look inside."""
+    setuptools = pytest.importorskip("setuptools")
+    if Version(setuptools.__version__) < Version("77"):
+        pytest.skip("building needs setuptools >= 77 (PEP 639 license field)")
+    source = tmp_path / "src_tree"
+    shutil.copytree(ROOT / "src", source / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy2(ROOT / name, source / name)
+    out = tmp_path / "dist"
+    out.mkdir()
+    subprocess.run(
+        [sys.executable, "-c", f"import setuptools.build_meta as b; b.build_wheel({str(out)!r})"],
+        cwd=source, check=True, capture_output=True, text=True,
+    )
+    (wheel,) = out.glob("modelpatch-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert "modelpatch/py.typed" in names
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
