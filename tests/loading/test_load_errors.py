@@ -417,3 +417,16 @@ def test_safetensors_preferred_over_pickle(stock_checkpoint, tmp_path):
     model = modelpatch.from_pretrained(AutoModelForCausalLM, directory)  # allow_pickle not needed, .bin never read
     assert model.model.norm.weight.shape == (64,)
 
+
+
+def test_quantized_checkpoints_on_a_transformers_without_the_quantizer_api_are_refused_by_name(stock_checkpoint, tmp_path):
+    from modelpatch.loading.quantization import quantizer_api_supported
+
+    if quantizer_api_supported():
+        pytest.skip("this transformers has the quantizer API modelpatch drives (tests/loading/test_quantized.py)")
+    path = shutil.copytree(stock_checkpoint("llama").path, tmp_path / "fp8")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(modelpatch.LoadPlanError, match=r"fp8.*update_weight_conversions.*Upgrade transformers"):
+        modelpatch.from_pretrained(AutoModelForCausalLM, path)

@@ -30,6 +30,7 @@ torchao tensors, which is refused by name.
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -281,6 +282,12 @@ class Quantization:
         object.__setattr__(model, QUANTIZATION_ATTRIBUTE, QuantizedLoad(self.method, self.dequantizes))
 
 
+def quantizer_api_supported() -> bool:
+    """Whether this transformers' quantizers have the API modelpatch drives (5.23's): conversions are rewritten
+    knowing the model's parameters. Earlier 5.x releases rewrite them without the model, with other semantics."""
+    return "model" in inspect.signature(HfQuantizer.update_weight_conversions).parameters
+
+
 def load_quantization(
     config: PretrainedConfig, quantization_config: Any, *, device_map: Any = None
 ) -> Quantization | None:
@@ -293,6 +300,16 @@ def load_quantization(
     method = _supported_or_refused(quantization_config, "quantization_config=") or method
     if method is None:
         return None
+    if not quantizer_api_supported():
+        import transformers
+
+        raise _refusal(
+            f"A {method} checkpoint: transformers {transformers.__version__}'s quantizers rewrite weight conversions "
+            "without the model "
+            "(HfQuantizer.update_weight_conversions(conversions)); modelpatch loads quantized checkpoints with the "
+            "API of transformers 5.23 (update_weight_conversions(conversions, model)). Upgrade transformers.",
+            method,
+        )
     if device_map is not None and method == "torchao":
         raise _refusal(
             "device_map with a torchao model: modelpatch does not dispatch torchao tensors across devices; pass "
