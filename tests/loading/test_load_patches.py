@@ -9,7 +9,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 
 import modelpatch
 from modelpatch import MergeModulelist, Patcher, WeightConverter, WeightRenaming
-from modelpatch.conversion.builtin import builtin_conversions
+from modelpatch.conversion.registry import get_checkpoint_conversion_mapping
 
 
 class CountingMLP(LlamaMLP):
@@ -58,7 +58,7 @@ def test_patcher_applies_to_from_config():
 
 def test_conversion_list_is_extras_then_unfiltered_builtins(stock_checkpoint, tmp_path):
     ckpt = stock_checkpoint("qwen2_moe")
-    gate_up, down = builtin_conversions()["qwen2_moe"]
+    gate_up, down = get_checkpoint_conversion_mapping("qwen2_moe")
     # Replace only the down_proj converter by an equivalent one of our own.
     extra = WeightConverter("mlp.experts.*.down_proj.weight", "mlp.experts.down_proj", [MergeModulelist(dim=0)])
     patcher = Patcher(filtered_weight_conversion_patterns=r"\*\.down_proj", extra_weight_conversions=extra)
