@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from modelpatch import (
     Chunk,
     Concatenate,
-    ConversionError,
     Conv3dToLinear,
+    ConversionError,
     FuseExpertGroups,
     Interleave,
     LinearToConv3d,
@@ -22,7 +22,11 @@ from modelpatch import (
     SplitModulelist,
     Transpose,
 )
-from modelpatch.conversion.operations import bind_operations, reverse_operations, run_operations
+from modelpatch.conversion.operations import (
+    bind_operations,
+    reverse_operations,
+    run_operations,
+)
 
 DTYPES = [
     torch.float32,

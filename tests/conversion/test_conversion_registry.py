@@ -13,8 +13,8 @@ from modelpatch import (
     Concatenate,
     ConversionError,
     MergeModulelist,
-    WeightConverter,
     PrefixChange,
+    WeightConverter,
     WeightRenaming,
     get_checkpoint_conversion_mapping,
     register_checkpoint_conversion_mapping,
@@ -72,7 +72,8 @@ def test_transformers_objects_are_translated():
 
 
 def test_an_operation_without_translation_is_named():
-    from transformers.core_model_loading import ConversionOps, WeightConverter as HFConverter
+    from transformers.core_model_loading import ConversionOps
+    from transformers.core_model_loading import WeightConverter as HFConverter
 
     class Dequantize(ConversionOps):
         def convert(self, input_dict, source_patterns, target_patterns, **kwargs):

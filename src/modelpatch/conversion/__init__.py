@@ -17,7 +17,10 @@ from .operations import (
     Transpose,
 )
 from .planner import ConversionGroup, ConversionPlan, TensorMeta, plan_load, plan_save
-from .registry import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
+from .registry import (
+    get_checkpoint_conversion_mapping,
+    register_checkpoint_conversion_mapping,
+)
 from .transforms import (
     GroupWeightRename,
     IndexOffsetRenaming,

@@ -403,7 +403,7 @@ class PermuteForRope(ConversionOperation):
     def _permute(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.dim() not in (1, 2):
             return tensor
-        rows, heads = tensor.shape[0], self.num_heads
+        rows, heads = tensor.shape[0], int(self.num_heads or 1)  # bound: bind checked it is set
         half = rows // heads // 2
         pairs = (2, half) if self.inverse else (half, 2)
         trailing = tuple(tensor.shape[1:])

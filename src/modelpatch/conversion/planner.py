@@ -11,6 +11,7 @@ the real shapes, so executing it is mechanical and reversing it is exact.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,7 +19,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ConversionError
-from .operations import ConversionOperation, Shape, ShapeSlot, Slot, bind_operations, run_operations
+from .operations import (
+    ConversionOperation,
+    Shape,
+    ShapeSlot,
+    Slot,
+    bind_operations,
+    run_operations,
+)
 from .transforms import (
     _PLACEHOLDER,
     GroupWeightRename,
@@ -211,7 +219,7 @@ def _group_and_bind(
             for position in range(len(inputs)):
                 found = slots[position]
                 if None not in found:
-                    indices = sorted(found)
+                    indices = sorted(i for i in found if i is not None)
                     if indices != list(range(len(indices))):
                         raise ConversionError(f"indices {indices} of pattern {inputs[position]!r} are not 0..{len(indices) - 1}")
                     key_slots.append(tuple(found[i].key for i in indices))
@@ -224,10 +232,7 @@ def _group_and_bind(
             if len(dtypes) > 1:
                 raise ConversionError(f"the tensors have different dtypes {sorted(map(str, dtypes))}")
             first = next(iter(slots[0].values())).found
-
-            def output_key(position: int, index: int | None) -> str:
-                return _change_prefix(_render(converter, position, first, index, reverse), change, prefix)
-
+            output_key = functools.partial(_output_key, converter, first, reverse, change, prefix)
             operations = (
                 [op.reverse() for op in reversed(converter.operations)] if reverse else list(converter.operations)
             )
@@ -261,6 +266,13 @@ def _group_and_bind(
         plan.groups.append(group)
         plan.outputs.update(group.target_metas())
     return consumed
+
+
+def _output_key(
+    converter: WeightConverter, found: KeyMatch, reverse: bool, change: str, prefix: str, position: int, index: int | None
+) -> str:
+    """Output ``position`` (entry ``index`` of an indexed one) of the group ``found`` belongs to, prefix changed."""
+    return _change_prefix(_render(converter, position, found, index, reverse), change, prefix)
 
 
 def _render(converter: WeightConverter, position: int, found: KeyMatch, index: int | str | None, reverse: bool) -> str:

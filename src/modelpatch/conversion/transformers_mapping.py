@@ -34,7 +34,8 @@ LEGACY = "legacy"
 
 def _registry() -> dict[str, list[Any]]:
     hf_mapping.get_checkpoint_conversion_mapping(LEGACY)  # builds transformers' cache on first use
-    return hf_mapping._checkpoint_conversion_mapping_cache
+    cache: dict[str, list[Any]] = hf_mapping._checkpoint_conversion_mapping_cache  # type: ignore[assignment]
+    return cache
 
 
 def builtin_keys() -> set[str]:
@@ -75,13 +76,13 @@ def translate(items: Iterable[Any], owner: str) -> list[WeightTransform]:
     return translated
 
 
-def _patterns(transform: hf.WeightTransform) -> tuple[list[str], list[str]]:
+def _patterns(transform: Any) -> tuple[list[str], list[str]]:
     # transformers rewrites source_patterns/target_patterns in place when it builds a transform (anchors, capture
     # groups); the originals are what its constructor took, and what ours takes.
     return list(transform._original_source_patterns), list(transform._original_target_patterns)
 
 
-def _translate_transform(transform: hf.WeightTransform, owner: str) -> WeightTransform:
+def _translate_transform(transform: Any, owner: str) -> WeightTransform:
     kind = type(transform)
     sources, targets = _patterns(transform)
     result: WeightTransform
