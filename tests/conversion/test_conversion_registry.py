@@ -173,3 +173,20 @@ def test_concurrent_registrations_all_land():
         t.join()
     assert not errors
     assert all(get_checkpoint_conversion_mapping(f"custom_{i}") == [QKV] for i in range(16))
+
+
+def test_a_class_name_mapping_wins_over_the_model_type():
+    from transformers import AutoConfig, Qwen2MoeForCausalLM
+
+    from modelpatch.conversion.registry import model_conversions
+
+    config = AutoConfig.for_model("qwen2_moe", num_hidden_layers=1, num_experts=2)
+    with torch.device("meta"):
+        model = Qwen2MoeForCausalLM(config)
+    renaming = WeightRenaming(r"^transformer\.", "model.")
+    register_checkpoint_conversion_mapping("Qwen2MoeForCausalLM", [renaming])
+    transforms = model_conversions(model)
+    # The root matched by class; its Qwen2MoeModel still gets the model type's mapping, scoped to it, as in stock.
+    assert transforms[0] == renaming
+    assert [t.source_patterns for t in transforms[1:]] == [t.source_patterns for t in get_checkpoint_conversion_mapping("qwen2_moe")]
+    assert all(t.scope == ("", "model") for t in transforms[1:])

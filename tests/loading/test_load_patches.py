@@ -72,6 +72,23 @@ def test_conversion_list_is_extras_then_unfiltered_builtins(stock_checkpoint, tm
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == (ckpt.path / "model.safetensors").read_bytes()
 
 
+def test_transformers_own_converter_through_a_patcher(stock_checkpoint, tmp_path):
+    """transformers' WeightConverter is accepted where modelpatch's is, and translated."""
+    from transformers import core_model_loading as hf
+
+    ckpt = stock_checkpoint("qwen2_moe")
+    extra = hf.WeightConverter("mlp.experts.*.down_proj.weight", "mlp.experts.down_proj", [hf.MergeModulelist(dim=0)])
+    patcher = Patcher(filtered_weight_conversion_patterns=r"\*\.down_proj", extra_weight_conversions=extra)
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path, patcher=patcher)
+    report = modelpatch.get_load_report(model)
+    assert WeightConverter("mlp.experts.*.down_proj.weight", "mlp.experts.down_proj", [MergeModulelist(dim=0)]) in {
+        g.converter for g in report.groups
+    }
+    assert_tensors_identical(model.state_dict(), modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path).state_dict())
+    modelpatch.save_pretrained(model, tmp_path / "out")
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (ckpt.path / "model.safetensors").read_bytes()
+
+
 def test_extra_renaming_through_a_patcher(stock_checkpoint, tmp_path):
     """A checkpoint with renamed keys loads with an extra WeightRenaming and saves back under its own names."""
     from stock_checkpoints import rewrite_checkpoint

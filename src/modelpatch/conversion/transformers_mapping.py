@@ -31,6 +31,10 @@ from .transforms import (
 
 LEGACY = "legacy"
 
+# transformers' transforms are accepted wherever modelpatch's are (a Patcher's extra conversions, a fusion's
+# transforms): they pass isinstance checks, and planning translates them (:func:`translate`) before using them.
+WeightTransform.register(hf.WeightTransform)
+
 
 def _registry() -> dict[str, list[Any]]:
     hf_mapping.get_checkpoint_conversion_mapping(LEGACY)  # builds transformers' cache on first use
@@ -54,10 +58,6 @@ def user_registered_in_transformers(key: str) -> bool:
     return key in hf_mapping.USER_REGISTERED_MAPPINGS
 
 
-def is_transformers_transform(item: object) -> bool:
-    return isinstance(item, hf.WeightTransform)
-
-
 def translate(items: Iterable[Any], owner: str) -> list[WeightTransform]:
     """modelpatch transforms for ``items`` (modelpatch's, kept as they are, or transformers', translated).
 
@@ -67,10 +67,10 @@ def translate(items: Iterable[Any], owner: str) -> list[WeightTransform]:
     """
     translated = []
     for item in items:
-        if isinstance(item, WeightTransform):
-            translated.append(item)
-        elif isinstance(item, hf.WeightTransform):
+        if isinstance(item, hf.WeightTransform):  # first: it is a virtual WeightTransform too (below)
             translated.append(_translate_transform(item, owner))
+        elif isinstance(item, WeightTransform):
+            translated.append(item)
         else:
             raise TypeError(f"Conversion mapping items must be WeightConverter/WeightRenaming, got {item!r}.")
     return translated

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import re
+from abc import ABCMeta
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -135,7 +136,7 @@ class KeyMatch:
         return self.replace(_expand(template, self.match, index))
 
 
-class WeightTransform:
+class WeightTransform(metaclass=ABCMeta):
     """Base of :class:`WeightRenaming` and :class:`WeightConverter`.
 
     ``alternative=True`` marks a transform whose sources are another layout some checkpoints use, while its targets

@@ -14,6 +14,7 @@ from transformers import PreTrainedModel
 
 from ..conversion.planner import ConversionPlan, TensorMeta, plan_load
 from ..conversion.registry import legacy_conversions
+from ..conversion.transformers_mapping import translate
 from ..conversion.transforms import WeightTransform
 from ..errors import LoadPlanError
 
@@ -69,6 +70,8 @@ def plan_model_load(
     expected = model_expectations(model)
     tied = dict(getattr(model, "all_tied_weights_keys", {}) or {})
 
+    # transformers' own transforms (a Patcher's extras, say) become modelpatch's, configured like the model's own.
+    transforms = [t.configured(model.config) for t in translate(transforms, type(model).__name__)]
     legacy = legacy_conversions()
     conversion = plan_load(
         checkpoint, [*transforms, *legacy], expected=expected, base_model_prefix=getattr(model, "base_model_prefix", "") or ""
