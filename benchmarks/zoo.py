@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import io
 import json
 import logging
@@ -121,6 +122,15 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "molmo2": {"adapter_config": {"vision_feature_layer": [-1, -2]}},
     "ernie4_5_vl_moe": {"text_config": {"rope_parameters": {"rope_theta": 500000.0, "rope_type": "default",
                                                             "mrope_section": [3, 3, 2]}}},
+    "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]}},
+    "qwen3_omni_moe": {"talker_config": {"text_config": {"shared_expert_intermediate_size": INTERMEDIATE}}},
+    **{name: {"prediction_length": 4} for name in ("autoformer", "informer", "time_series_transformer")},
+    # transformers' own ResNet instead of timm's (not installed here)
+    **{
+        name: {"backbone_config": {"model_type": "resnet", "depths": [1, 1, 1, 1],
+                                   "out_features": ["stage2", "stage3", "stage4"]}}
+        for name in ("detr", "conditional_detr", "deformable_detr", "table-transformer", "dab-detr")
+    },
 }
 _STAGE_DEPTHS = {"depths", "encoder_depths", "decoder_depths", "num_layers_per_stage"}
 _BACKBONE_OUTPUTS = {"out_features", "out_indices"}
@@ -234,6 +244,13 @@ def _layer_count(values: dict[str, Any]) -> int | None:
     return next((v for k, v in values.items() if k in _LAYER_KEYS and isinstance(v, int)), None)
 
 
+def _per_layer(values: list[Any]) -> list[Any]:
+    """A per-layer list for the remaining layers: one layer of each kind first (``layer_types`` must keep a full
+    attention layer, say), in the order they first appear, then the first layers."""
+    kinds = list(dict.fromkeys(v for v in values if isinstance(v, str)))
+    return (kinds + values)[:LAYERS] if len(kinds) > 1 else values[:LAYERS]
+
+
 def _rope_sections(value: Any) -> Any:
     """An ``mrope_section`` that adds up to half the small head dim, in as many sections."""
     if not isinstance(value, dict) or not isinstance(value.get("mrope_section"), list) or not value["mrope_section"]:
@@ -258,7 +275,9 @@ def _shrunk(values: dict[str, Any], token_ids: _TokenIds, level: int) -> dict[st
         elif isinstance(value, int) and key in caps and value > caps[key]:
             overrides[key] = caps[key]
         elif isinstance(value, list) and key in caps and value and all(isinstance(v, int) for v in value):
-            overrides[key] = [min(v, caps[key]) for v in value]  # one size per kind of expert, say
+            # one size per kind of expert, or per layer (then one per remaining layer)
+            per_layer = value[:LAYERS] if layers and len(value) == layers > LAYERS else value
+            overrides[key] = [min(v, caps[key]) for v in per_layer]
         elif _VOCAB_KEY.search(key) and (value is None or isinstance(value, int) and value > VOCAB):
             overrides[key] = VOCAB
         elif _TOKEN_KEY.search(key) and isinstance(value, (int, list)):
@@ -269,7 +288,7 @@ def _shrunk(values: dict[str, Any], token_ids: _TokenIds, level: int) -> dict[st
         elif level < 2 and key in _BACKBONE_OUTPUTS:
             overrides[key] = None  # the stages they name may be gone; the default is the last stage
         elif isinstance(value, list) and layers and len(value) == layers > LAYERS:
-            overrides[key] = value[:LAYERS]  # per-layer lists (layer_types, ...) follow the layer count
+            overrides[key] = _per_layer(value)
         elif isinstance(value, dict) and layers and value and all(str(k).isdigit() for k in value):
             overrides[key] = {k: v for k, v in value.items() if int(k) < LAYERS}  # per-layer settings
         elif level == 0 and key in ("rope_parameters", "rope_scaling") and (sections := _rope_sections(value)) != value:
@@ -298,9 +317,23 @@ def tiny_config(config_class: type[PretrainedConfig], level: int = 0) -> Pretrai
     (0 shrinks the most; see :func:`_shrunk`)."""
     default = config_class()
     kwargs = _overrides(default, _TokenIds(), level)
-    for key, value in _OVERRIDES.get(default.model_type, {}).items():
-        kwargs[key] = {**kwargs[key], **value} if isinstance(kwargs.get(key), dict) and isinstance(value, dict) else value
-    return config_class(**kwargs)
+    return config_class(**_merged(kwargs, _OVERRIDES.get(default.model_type, {})))
+
+
+def _merged(values: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with ``overrides`` merged in, dict by dict (a sub-config of another ``model_type`` replaced)."""
+    merged = dict(values)
+    for key, value in overrides.items():
+        current = merged.get(key)
+        if (
+            isinstance(current, dict)
+            and isinstance(value, dict)
+            and value.get("model_type", current.get("model_type")) == current.get("model_type")
+        ):
+            merged[key] = _merged(current, value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
 
 
 # ---------------------------------------------------------------------------------------------- comparisons
@@ -384,8 +417,8 @@ def check_class(name: str, work: Path) -> ClassResult:
     ``exact`` instead of ``bitwise``: stock's load does not give back the model it saved (two checkpoint keys land on
     one parameter, say) while modelpatch's does, bit for bit, and saves the checkpoint stock wrote.
     """
-    cls = getattr(transformers, name)
     try:
+        cls = getattr(transformers, name)
         model = _build(cls)
         source = work / f"{name}-stock-saved"
         model.save_pretrained(source)
