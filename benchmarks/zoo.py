@@ -244,10 +244,10 @@ def _layer_count(values: dict[str, Any]) -> int | None:
     return next((v for k, v in values.items() if k in _LAYER_KEYS and isinstance(v, int)), None)
 
 
-def _per_layer(values: list[Any]) -> list[Any]:
-    """A per-layer list for the remaining layers: one layer of each kind first (``layer_types`` must keep a full
-    attention layer, say), in the order they first appear, then the first layers."""
-    kinds = list(dict.fromkeys(v for v in values if isinstance(v, str)))
+def _per_layer(values: list[Any], kinds_first: bool) -> list[Any]:
+    """A per-layer list for the remaining layers: the first layers, or (``kinds_first``) one layer of each kind
+    first, in the order they first appear (``layer_types`` that must keep a full attention layer, say)."""
+    kinds = list(dict.fromkeys(v for v in values if isinstance(v, str))) if kinds_first else []
     return (kinds + values)[:LAYERS] if len(kinds) > 1 else values[:LAYERS]
 
 
@@ -262,8 +262,12 @@ def _rope_sections(value: Any) -> Any:
 def _shrunk(values: dict[str, Any], token_ids: _TokenIds, level: int) -> dict[str, Any]:
     """The overrides that make one config level tiny (``values`` is its full ``to_dict``).
 
-    Level 0 shrinks widths and depths; level 1 depths only; level 2 only the layer count and the vocabulary.
+    ``level // 2`` says what shrinks: 0 widths and depths, 1 depths only, 2 only the layer count and the vocabulary;
+    ``level % 2`` how per-layer lists follow the layer count: the first layers, or one of each kind first (see
+    :func:`_per_layer`) with lists of sizes as long as the layer count read as per-layer too (Gemma 3n's
+    ``intermediate_size``; a Swin's ``num_heads``, one per stage, are not).
     """
+    kinds_first, level = bool(level % 2), level // 2
     caps = {**(_WIDTHS if level == 0 else {}), **(_DEPTHS if level < 2 else {k: _DEPTHS[k] for k in _LAYER_KEYS})}
     layers = _layer_count(values)
     overrides: dict[str, Any] = {}
@@ -275,8 +279,8 @@ def _shrunk(values: dict[str, Any], token_ids: _TokenIds, level: int) -> dict[st
         elif isinstance(value, int) and key in caps and value > caps[key]:
             overrides[key] = caps[key]
         elif isinstance(value, list) and key in caps and value and all(isinstance(v, int) for v in value):
-            # one size per kind of expert, or per layer (then one per remaining layer)
-            per_layer = value[:LAYERS] if layers and len(value) == layers > LAYERS else value
+            # one size per kind of expert, or (second reading) per layer
+            per_layer = value[:LAYERS] if kinds_first and layers and len(value) == layers > LAYERS else value
             overrides[key] = [min(v, caps[key]) for v in per_layer]
         elif _VOCAB_KEY.search(key) and (value is None or isinstance(value, int) and value > VOCAB):
             overrides[key] = VOCAB
@@ -288,7 +292,7 @@ def _shrunk(values: dict[str, Any], token_ids: _TokenIds, level: int) -> dict[st
         elif level < 2 and key in _BACKBONE_OUTPUTS:
             overrides[key] = None  # the stages they name may be gone; the default is the last stage
         elif isinstance(value, list) and layers and len(value) == layers > LAYERS:
-            overrides[key] = _per_layer(value)
+            overrides[key] = _per_layer(value, kinds_first)
         elif isinstance(value, dict) and layers and value and all(str(k).isdigit() for k in value):
             overrides[key] = {k: v for k, v in value.items() if int(k) < LAYERS}  # per-layer settings
         elif level == 0 and key in ("rope_parameters", "rope_scaling") and (sections := _rope_sections(value)) != value:
@@ -298,7 +302,7 @@ def _shrunk(values: dict[str, Any], token_ids: _TokenIds, level: int) -> dict[st
     return overrides
 
 
-LEVELS = 3
+LEVELS = 6
 
 
 def _overrides(config: PretrainedConfig, token_ids: _TokenIds, level: int) -> dict[str, Any]:
