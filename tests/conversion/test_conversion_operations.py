@@ -10,14 +10,23 @@ from hypothesis import strategies as st
 from modelpatch import (
     Chunk,
     Concatenate,
-    ConversionError,
     Conv3dToLinear,
+    ConversionError,
+    FuseExpertGroups,
+    Interleave,
     LinearToConv3d,
     MergeModulelist,
+    PermuteForRope,
+    Split,
+    SplitExpertGroups,
     SplitModulelist,
     Transpose,
 )
-from modelpatch.conversion.operations import bind_operations, reverse_operations, run_operations
+from modelpatch.conversion.operations import (
+    bind_operations,
+    reverse_operations,
+    run_operations,
+)
 
 DTYPES = [
     torch.float32,
@@ -179,6 +188,132 @@ def test_moe_chain_roundtrip(experts, rows_gate, rows_up, cols, dtype, seed, tra
     _, (fused,) = roundtrip(ops, [gate, up], 1)
     expected = (experts, cols, rows_gate + rows_up) if transpose else (experts, rows_gate + rows_up, cols)
     assert tuple(fused.shape) == expected
+
+
+# ------------------------------------------------------------- the operations of transformers' conversion mapping
+
+
+def _stock(op, inputs: dict, sources: list[str], targets: list[str], **kwargs) -> dict:
+    """transformers' own operation on the same tensors (what stock loading computes)."""
+    return op.convert(dict(inputs), source_patterns=sources, target_patterns=targets, **kwargs)
+
+
+@given(st.integers(1, 3), st.integers(1, 4), st.integers(1, 3), st.booleans(), dtypes, seeds, st.data())
+@PROPERTY
+def test_interleave_roundtrip_and_matches_transformers(rank, half, other, inverse, dtype, seed, data):
+    from transformers.core_model_loading import Interleave as StockInterleave
+
+    dim = data.draw(st.integers(0, rank - 1))
+    shape = [other] * rank
+    shape[dim] = 2 * half
+    tensor = random_tensor(tuple(shape), dtype, seed)
+    _, (out,) = roundtrip([Interleave(dim=dim, inverse=inverse)], [tensor], 1)
+    (stock,) = _stock(StockInterleave(dim, inverse), {"w": tensor}, ["w"], ["w"]).values()
+    assert same(out, stock)
+
+
+def test_interleave_rejects_an_odd_size():
+    with pytest.raises(ConversionError, match="odd"):
+        Interleave(dim=0).bind([(3, 2)], 1)
+
+
+@given(st.integers(1, 3), st.integers(1, 3), st.sampled_from([1, 2]), st.booleans(), seeds)
+@PROPERTY
+def test_permute_for_rope_roundtrip_and_matches_transformers(heads, half, rank, inverse, seed):
+    from transformers.core_model_loading import PermuteForRope as StockPermute
+
+    class Config:
+        num_attention_heads = heads
+
+    shape = (heads * half * 2, 5)[:rank]
+    q, k, v = (random_tensor(shape, torch.float32, seed + i) for i in range(3))
+    op = PermuteForRope(inverse=inverse, slots=(0, 1)).configured(Config())
+    assert op.num_heads == heads
+    _, (pq, pk, pv) = roundtrip([op], [q, k, v], 3)
+    stock = _stock(StockPermute(permute_layer_names=["q_proj", "k_proj"], inverse=inverse),
+                   {"q_proj": q, "k_proj": k, "v_proj": v}, ["qkv"], ["q_proj", "k_proj", "v_proj"], config=Config())
+    assert same(pq, stock["q_proj"]) and same(pk, stock["k_proj"]) and same(pv, v)
+
+
+def test_permute_for_rope_reads_the_sub_config_and_needs_heads():
+    class Vision:
+        num_attention_heads = 3
+
+    class Config:
+        vision_config = Vision()
+        num_attention_heads = 8
+
+    assert PermuteForRope(subconfig_key="vision_config").configured(Config()).num_heads == 3
+    with pytest.raises(ConversionError, match="heads"):
+        PermuteForRope().bind([(4, 2)], 1)
+    with pytest.raises(ConversionError, match="row pairs"):
+        PermuteForRope(num_heads=2).bind([(6, 2)], 1)
+
+
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=3), dtypes, seeds)
+@PROPERTY
+def test_split_sizes_come_from_the_targets(sizes, dtype, seed):
+    tensor = random_tensor((sum(sizes), 3), dtype, seed)
+    op = Split(dim=0).for_targets([(size, 3) for size in sizes])
+    bound, _ = roundtrip([op], [tensor], len(sizes))
+    assert bound[0].reverse() == Concatenate(dim=0, sizes=tuple(sizes), equal_parts=False)
+    with pytest.raises(ConversionError, match="target parameters"):
+        Split(dim=0).for_targets([None]).bind([(4, 3)], 1)
+
+
+def test_transpose_with_check_dims_applies_only_when_the_layout_differs():
+    tensor = random_tensor((2, 3, 4), torch.float32, 0)
+    op = Transpose(1, 2, check_dims=True)
+    bound, (out,) = roundtrip([op.for_targets([(2, 4, 3)])], [tensor], 1)
+    assert bound[0].applied and out.shape == (2, 4, 3)
+    bound, (out,) = roundtrip([op.for_targets([(2, 3, 4)])], [tensor], 1)
+    assert not bound[0].applied and out is tensor
+    # With nothing to compare (saving a never-loaded model) it does nothing, as transformers' reverse.
+    assert op.reverse().bind([(2, 3, 4)], 1) == (Transpose(2, 1, check_dims=True, applied=False), [(2, 3, 4)])
+
+
+@given(st.integers(1, 6), st.integers(1, 3), st.integers(1, 3), st.integers(1, 3), dtypes, seeds)
+@PROPERTY
+def test_expert_groups_roundtrip_and_match_transformers(experts, targets, sources, rows, dtype, seed):
+    from transformers.core_model_loading import ErnieFuseAndSplitTextVisionExperts
+
+    if -(-experts // targets) * (targets - 1) >= experts:
+        return  # transformers' best-effort split would leave a group empty; ours refuses it (below)
+    slots = [[random_tensor((rows + s, 2), dtype, seed + 10 * s + e) for e in range(experts)] for s in range(sources)]
+    bound, outputs = roundtrip([FuseExpertGroups(stack_dim=0, concat_dim=1)], slots, targets)
+    assert isinstance(bound[0].reverse(), SplitExpertGroups)
+    names, target_names = [f"s{i}" for i in range(sources)], [f"t{i}" for i in range(targets)]
+    stock = _stock(ErnieFuseAndSplitTextVisionExperts(0, 1), dict(zip(names, slots)), names, target_names, config=None)
+    assert all(same(out, stock[name]) for out, name in zip(outputs, target_names))
+
+
+def test_expert_groups_refuse_empty_groups():
+    with pytest.raises(ConversionError, match="groups"):
+        FuseExpertGroups().bind([[(2, 2)] * 2], 3)
+
+
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=4), dtypes, seeds)
+@PROPERTY
+def test_concatenate_of_an_indexed_slot_splits_back_into_it(sizes, dtype, seed):
+    shards = [random_tensor((size, 2), dtype, seed + i) for i, size in enumerate(sizes)]
+    bound, (joined,) = roundtrip([Concatenate(dim=0)], [shards], 1)
+    assert bound[0].indexed and joined.shape == (sum(sizes), 2)
+
+
+def test_parts_of_an_indexed_slot_come_from_the_config():
+    class Text:
+        split_ngram_parts = 3
+
+    class Config:
+        def get_text_config(self):
+            return Text()
+
+    declared = Concatenate(dim=0, equal_parts=True, indexed=True, parts_attribute="split_ngram_parts")
+    reverse = declared.configured(Config()).reverse()  # a never-loaded model: equal parts, as many as configured
+    assert reverse == Chunk(dim=0, equal_parts=True, indexed=True, parts=3, parts_attribute="split_ngram_parts")
+    assert reverse.bind([(6, 2)], 1)[1] == [[(2, 2)] * 3]
+    with pytest.raises(ConversionError, match="split_ngram_parts"):
+        declared.configured(object())
 
 
 def test_grouped_query_concatenate_reverses_to_128_64_64():

@@ -29,7 +29,7 @@ from modelpatch import (
     WeightRenaming,
 )
 from modelpatch.conversion import TensorMeta, plan_load, plan_save
-from modelpatch.conversion.builtin import builtin_conversions
+from modelpatch.conversion.registry import get_checkpoint_conversion_mapping
 
 H, KV, I = 8, 4, 6  # hidden, kv rows (grouped-query: k/v have half q's rows), expert intermediate
 PROPERTY = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -84,7 +84,7 @@ def check_no_key_twice_none_dropped(checkpoint, plan) -> None:
 
 
 def transforms_for(style: str, fused_qkv: bool):
-    return [*(SEED_QKV if fused_qkv else []), *builtin_conversions()["mixtral" if style == "mixtral" else "qwen2_moe"]]
+    return [*(SEED_QKV if fused_qkv else []), *get_checkpoint_conversion_mapping("mixtral" if style == "mixtral" else "qwen2_moe")]
 
 
 styles = st.sampled_from(["qwen", "mixtral"])
@@ -222,20 +222,20 @@ def test_non_contiguous_expert_indices_are_reported():
     checkpoint = moe_checkpoint(1, 3)
     for name in ("gate_proj", "up_proj", "down_proj"):
         del checkpoint[f"model.layers.0.mlp.experts.1.{name}.weight"]
-    plan = plan_load(checkpoint, builtin_conversions()["qwen2_moe"])
+    plan = plan_load(checkpoint, get_checkpoint_conversion_mapping("qwen2_moe"))
     assert any("[0, 2]" in line for line in plan.problems["conversion errors"])
 
 
 def test_mixed_dtypes_in_one_group_are_reported():
     checkpoint = moe_checkpoint(1, 2)
     checkpoint["model.layers.0.mlp.experts.1.up_proj.weight"] = meta(I, H, dtype=torch.float16)
-    plan = plan_load(checkpoint, builtin_conversions()["qwen2_moe"])
+    plan = plan_load(checkpoint, get_checkpoint_conversion_mapping("qwen2_moe"))
     assert any("different dtypes" in line for line in plan.problems["conversion errors"])
 
 
 def test_renaming_collisions_are_reported():
     checkpoint = {"visual.a": meta(2), "model.visual.a": meta(2), "model.layers.0.w": meta(2)}
-    plan = plan_load(checkpoint, builtin_conversions()["qwen2_vl"])
+    plan = plan_load(checkpoint, get_checkpoint_conversion_mapping("Qwen2VLForConditionalGeneration"))
     assert plan.problems["duplicate keys"] and "'model.visual.a'" in plan.problems["duplicate keys"][0]
     assert plan.direct == {"model.visual.a": "visual.a", "model.language_model.layers.0.w": "model.layers.0.w"} or (
         plan.direct == {"model.visual.a": "model.visual.a", "model.language_model.layers.0.w": "model.layers.0.w"}
@@ -247,7 +247,7 @@ def test_renaming_collisions_are_reported():
        st.booleans())
 @PROPERTY
 def test_qwen2_vl_either_layout_maps_to_runtime_keys_and_back(keys, runtime):
-    transforms = builtin_conversions()["qwen2_vl"]
+    transforms = get_checkpoint_conversion_mapping("Qwen2VLForConditionalGeneration")
     legacy = {k: meta(2) for k in keys}
     to_runtime = {k: (k if k.startswith("lm_head") else "model." + (k if k.startswith("visual") else
                                                                      "language_model." + k[len("model."):]))
@@ -277,13 +277,13 @@ def test_plan_save_cannot_derive_keys_from_regex_sources():
 
 def test_planning_reads_no_data():
     """plan_load works on metadata alone: no tensor exists anywhere in this test."""
-    plan = plan_load(moe_checkpoint(2, 2), builtin_conversions()["qwen2_moe"])
+    plan = plan_load(moe_checkpoint(2, 2), get_checkpoint_conversion_mapping("qwen2_moe"))
     assert all(isinstance(m, TensorMeta) for m in plan.outputs.values())
 
 
 def test_renaming_then_converter_records_checkpoint_names():
     checkpoint = moe_checkpoint(1, 2, "mixtral")
-    plan = plan_load(checkpoint, builtin_conversions()["mixtral"])
+    plan = plan_load(checkpoint, get_checkpoint_conversion_mapping("mixtral"))
     group = next(g for g in plan.groups if g.target_keys() == ["model.layers.0.mlp.experts.gate_up_proj"])
     assert group.sources == (
         tuple(f"model.layers.0.block_sparse_moe.experts.{e}.w1.weight" for e in range(2)),
@@ -293,7 +293,7 @@ def test_renaming_then_converter_records_checkpoint_names():
 
 
 def test_empty_checkpoint_plans_nothing():
-    plan = plan_load({}, builtin_conversions()["qwen2_moe"] + [WeightRenaming("^a", "b")])
+    plan = plan_load({}, get_checkpoint_conversion_mapping("qwen2_moe") + [WeightRenaming("^a", "b")])
     assert not plan.direct and not plan.groups and not problem_lines(plan)
 
 

@@ -1,28 +1,33 @@
-"""The per-model-type registry: register_checkpoint_conversion_mapping / get_checkpoint_conversion_mapping."""
+"""The conversion registry: transformers' own mapping translated, register_checkpoint_conversion_mapping /
+get_checkpoint_conversion_mapping, and how a model's transforms are collected (class names, sub-model scopes, legacy)."""
 
 from __future__ import annotations
 
 import threading
 
 import pytest
+import torch
 
 import modelpatch
 from modelpatch import (
     Concatenate,
     ConversionError,
     MergeModulelist,
+    PrefixChange,
     WeightConverter,
     WeightRenaming,
     get_checkpoint_conversion_mapping,
     register_checkpoint_conversion_mapping,
 )
-from modelpatch.conversion.registry import registered_model_types
+from modelpatch.conversion.registry import legacy_conversions, registered_model_types
 
 QKV = WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"], [Concatenate(dim=0)])
 
 
-def test_builtin_model_types():
-    assert {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "qwen2_vl", "qwen2_5_vl"} <= set(registered_model_types())
+def test_builtin_keys_are_transformers_mapping():
+    keys = set(registered_model_types())
+    assert {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "Qwen2VLForConditionalGeneration", "legacy"} <= keys
+    assert len(keys) >= 250
     assert get_checkpoint_conversion_mapping("llama") is None
 
 
@@ -37,19 +42,65 @@ def test_builtin_per_expert_to_fused(model_type):
 
 def test_builtin_mixtral():
     renaming, gate_up, down = get_checkpoint_conversion_mapping("mixtral")
-    assert renaming == WeightRenaming(r"\.block_sparse_moe\.", ".mlp.")
+    assert renaming == WeightRenaming(".block_sparse_moe.", ".mlp.")
     assert gate_up.source_patterns == (".experts.*.w1.weight", ".experts.*.w3.weight")
     assert down.source_patterns == (".experts.*.w2.weight",)
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl"])
-def test_builtin_qwen_vl_renamings(model_type):
-    visual, text = get_checkpoint_conversion_mapping(model_type)
+@pytest.mark.parametrize("class_name", ["Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"])
+def test_builtin_qwen_vl_renamings(class_name):
+    visual, text = get_checkpoint_conversion_mapping(class_name)
     assert visual.rename("visual.patch_embed.proj.weight") == "model.visual.patch_embed.proj.weight"
     assert text.rename("model.layers.0.mlp.up_proj.weight") == "model.language_model.layers.0.mlp.up_proj.weight"
     # Keys already in the runtime layout (what save_pretrained(save_original_format=False) writes) are left alone.
     for key in ("model.visual.blocks.0.norm1.weight", "model.language_model.norm.weight", "lm_head.weight"):
         assert visual.rename(key) is None and text.rename(key) is None
+
+
+def test_transformers_objects_are_translated():
+    from transformers import core_model_loading as transformers
+
+    hf = transformers.WeightConverter(
+        ["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"], "mlp.experts.gate_up_proj",
+        [transformers.MergeModulelist(dim=0), transformers.Concatenate(dim=1)],
+    )
+    register_checkpoint_conversion_mapping("qwen2_moe", [hf, transformers.WeightRenaming(r"\.moe\.", ".mlp.")], overwrite=True)
+    converter, renaming = get_checkpoint_conversion_mapping("qwen2_moe")
+    assert converter == WeightConverter(hf.source_patterns, "mlp.experts.gate_up_proj",
+                                        [MergeModulelist(dim=0), Concatenate(dim=1, equal_parts=True)])
+    assert renaming == WeightRenaming(r"\.moe\.", ".mlp.")
+
+
+def test_an_operation_without_translation_is_named():
+    from transformers.core_model_loading import ConversionOps
+    from transformers.core_model_loading import WeightConverter as HFConverter
+
+    class Dequantize(ConversionOps):
+        def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+            return input_dict
+
+    with pytest.raises(ConversionError, match=r"Dequantize.*'my_moe'"):
+        register_checkpoint_conversion_mapping("my_moe", [HFConverter("w", "w2", [Dequantize()])])
+    assert get_checkpoint_conversion_mapping("my_moe") is None
+
+
+def test_model_conversions_walk_sub_models_class_names_first():
+    from transformers import AutoConfig, LlavaForConditionalGeneration
+
+    from modelpatch.conversion.registry import model_conversions
+
+    config = AutoConfig.for_model("llava")
+    with torch.device("meta"):
+        model = LlavaForConditionalGeneration(config)
+    transforms = model_conversions(model)
+    # The root's model-type mapping unscoped, then the class mappings of LlavaModel and of the CLIP vision tower, each
+    # scoped to its sub-model (with or without the base model's prefix).
+    assert transforms[:4] == get_checkpoint_conversion_mapping("llava")
+    inner, vision = transforms[4:]
+    assert inner.source_patterns == ("^language_model.model",) and inner.scope == ("", "model")
+    assert isinstance(vision, PrefixChange) and vision.scope == ("vision_tower", "model")
+    assert vision.rename("model.vision_tower.vision_model.embeddings.x") == "model.vision_tower.embeddings.x"
+    assert all(t.alternative for t in legacy_conversions())
 
 
 def test_register_with_keyword_model_type_and_overwrite():
@@ -122,3 +173,20 @@ def test_concurrent_registrations_all_land():
         t.join()
     assert not errors
     assert all(get_checkpoint_conversion_mapping(f"custom_{i}") == [QKV] for i in range(16))
+
+
+def test_a_class_name_mapping_wins_over_the_model_type():
+    from transformers import AutoConfig, Qwen2MoeForCausalLM
+
+    from modelpatch.conversion.registry import model_conversions
+
+    config = AutoConfig.for_model("qwen2_moe", num_hidden_layers=1, num_experts=2)
+    with torch.device("meta"):
+        model = Qwen2MoeForCausalLM(config)
+    renaming = WeightRenaming(r"^transformer\.", "model.")
+    register_checkpoint_conversion_mapping("Qwen2MoeForCausalLM", [renaming])
+    transforms = model_conversions(model)
+    # The root matched by class; its Qwen2MoeModel still gets the model type's mapping, scoped to it, as in stock.
+    assert transforms[0] == renaming
+    assert [t.source_patterns for t in transforms[1:]] == [t.source_patterns for t in get_checkpoint_conversion_mapping("qwen2_moe")]
+    assert all(t.scope == ("", "model") for t in transforms[1:])

@@ -170,3 +170,30 @@ def test_keep_in_fp32_modules_as_stock(tmp_path, dtype):
     assert {k: v.dtype for k, v in ours.state_dict().items()} == {k: v.dtype for k, v in stock.state_dict().items()}
     for key, tensor in stock.state_dict().items():
         assert torch.equal(ours.state_dict()[key], tensor), key
+
+
+def test_bert_legacy_gamma_beta_keys_load_like_stock(stock_checkpoint, tmp_path):
+    """transformers' "legacy" renamings: a BERT checkpoint with TF-era ``LayerNorm.gamma``/``beta`` names loads into
+    ``LayerNorm.weight``/``bias`` exactly as stock loads it, and saves back under the names it came with (as stock's
+    save of that model does)."""
+    from stock_checkpoints import rewrite_checkpoint
+
+    ckpt = stock_checkpoint("bert")
+
+    def to_legacy(tensors):
+        for key in [k for k in tensors if "LayerNorm." in k]:
+            tensors[key.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta")] = (
+                tensors.pop(key)
+            )
+
+    legacy = rewrite_checkpoint(ckpt.path, tmp_path / "legacy", to_legacy)
+    assert any(k.endswith("LayerNorm.gamma") for k in read_tensors(legacy))
+    stock = ckpt.model_class.from_pretrained(legacy)
+    mine = modelpatch.from_pretrained(ckpt.model_class, legacy, unexpected_keys="error")
+    assert_tensors_identical(mine.state_dict(), stock.state_dict())
+    assert_tensors_identical(mine.state_dict(), ckpt.model_class.from_pretrained(ckpt.path).state_dict())
+
+    stock.save_pretrained(tmp_path / "stock")
+    modelpatch.save_pretrained(mine, tmp_path / "mine")
+    assert_tensors_identical(read_tensors(tmp_path / "mine"), read_tensors(tmp_path / "stock"))
+    assert_tensors_identical(read_tensors(tmp_path / "mine"), read_tensors(legacy))

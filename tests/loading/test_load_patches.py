@@ -11,7 +11,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
 
 import modelpatch
 from modelpatch import MergeModulelist, Patcher, WeightConverter, WeightRenaming
-from modelpatch.conversion.builtin import builtin_conversions
+from modelpatch.conversion.registry import get_checkpoint_conversion_mapping
 
 
 class CountingMLP(LlamaMLP):
@@ -64,7 +64,7 @@ def test_patcher_applies_to_from_config():
 
 def test_conversion_list_is_extras_then_unfiltered_builtins(stock_checkpoint, tmp_path):
     ckpt = stock_checkpoint("qwen2_moe")
-    gate_up, down = builtin_conversions()["qwen2_moe"]
+    gate_up, down = get_checkpoint_conversion_mapping("qwen2_moe")
     # Replace only the down_proj converter by an equivalent one of our own.
     extra = WeightConverter("mlp.experts.*.down_proj.weight", "mlp.experts.down_proj", [MergeModulelist(dim=0)])
     patcher = Patcher(filtered_weight_conversion_patterns=r"\*\.down_proj", extra_weight_conversions=extra)
@@ -74,6 +74,23 @@ def test_conversion_list_is_extras_then_unfiltered_builtins(stock_checkpoint, tm
     assert {g.converter for g in report.groups} == {extra, gate_up}
     reference = modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path)
     assert_tensors_identical(model.state_dict(), reference.state_dict())
+    modelpatch.save_pretrained(model, tmp_path / "out")
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (ckpt.path / "model.safetensors").read_bytes()
+
+
+def test_transformers_own_converter_through_a_patcher(stock_checkpoint, tmp_path):
+    """transformers' WeightConverter is accepted where modelpatch's is, and translated."""
+    from transformers import core_model_loading as hf
+
+    ckpt = stock_checkpoint("qwen2_moe")
+    extra = hf.WeightConverter("mlp.experts.*.down_proj.weight", "mlp.experts.down_proj", [hf.MergeModulelist(dim=0)])
+    patcher = Patcher(filtered_weight_conversion_patterns=r"\*\.down_proj", extra_weight_conversions=extra)
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path, patcher=patcher)
+    report = modelpatch.get_load_report(model)
+    assert WeightConverter("mlp.experts.*.down_proj.weight", "mlp.experts.down_proj", [MergeModulelist(dim=0)]) in {
+        g.converter for g in report.groups
+    }
+    assert_tensors_identical(model.state_dict(), modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path).state_dict())
     modelpatch.save_pretrained(model, tmp_path / "out")
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == (ckpt.path / "model.safetensors").read_bytes()
 

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 import modelpatch
 from modelpatch import Chunk, Concatenate, LoadPlanError, WeightConverter
-from modelpatch.conversion.builtin import builtin_conversions
+from modelpatch.conversion.transformers_mapping import builtin_mapping
 
 SEED_EXAMPLE = Path(__file__).with_name("seed_qwen2_moe_example.py")
 
@@ -138,7 +138,7 @@ def test_grouped_query_variant_through_a_patcher(stock_checkpoint, tmp_path):
     namespace = _run_seed_example(stock_checkpoint("qwen2_moe_mha").path)
     modelpatch.clear_patch_mapping()
     modelpatch.register_checkpoint_conversion_mapping(
-        model_type="qwen2_moe", mapping=builtin_conversions()["qwen2_moe"], overwrite=True
+        model_type="qwen2_moe", mapping=builtin_mapping("qwen2_moe"), overwrite=True
     )
 
     extra = [

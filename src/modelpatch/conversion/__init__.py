@@ -1,18 +1,34 @@
-"""Weight conversion: pure tensor operations, declarative transforms, planning, and the per-model-type registry."""
+"""Weight conversion: pure tensor operations, declarative transforms, planning, and the conversion registry (which
+translates transformers' own mapping)."""
 
 from .operations import (
     Chunk,
     Concatenate,
     Conv3dToLinear,
     ConversionOperation,
+    FuseExpertGroups,
+    Interleave,
     LinearToConv3d,
     MergeModulelist,
+    PermuteForRope,
+    Split,
+    SplitExpertGroups,
     SplitModulelist,
     Transpose,
 )
 from .planner import ConversionGroup, ConversionPlan, TensorMeta, plan_load, plan_save
-from .registry import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
-from .transforms import WeightConverter, WeightRenaming, WeightTransform
+from .registry import (
+    get_checkpoint_conversion_mapping,
+    register_checkpoint_conversion_mapping,
+)
+from .transforms import (
+    GroupWeightRename,
+    IndexOffsetRenaming,
+    PrefixChange,
+    WeightConverter,
+    WeightRenaming,
+    WeightTransform,
+)
 
 __all__ = [
     "Chunk",
@@ -21,8 +37,16 @@ __all__ = [
     "ConversionGroup",
     "ConversionOperation",
     "ConversionPlan",
+    "FuseExpertGroups",
+    "GroupWeightRename",
+    "IndexOffsetRenaming",
+    "Interleave",
     "LinearToConv3d",
     "MergeModulelist",
+    "PermuteForRope",
+    "PrefixChange",
+    "Split",
+    "SplitExpertGroups",
     "SplitModulelist",
     "TensorMeta",
     "Transpose",

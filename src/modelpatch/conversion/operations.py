@@ -7,6 +7,11 @@ Every operation is declared without sizes (``Concatenate(dim=0)``) and **bound**
 shapes, read from checkpoint headers: binding validates the shapes, computes the output shapes and records what the
 exact reverse needs (the part sizes of a concatenation, the count of a merge). ``bound.reverse()`` is then the exact
 inverse, so a grouped-query ``q/k/v`` concatenation (sizes 128/64/64) splits back into 128/64/64, not equal chunks.
+
+Two hooks fix what an operation reads from the model rather than from the checkpoint, before binding:
+``configured(config)`` (a head count, a number of parts: the values transformers' ops read from the config at run
+time) and ``for_targets(shapes)`` (the model's own parameter shapes of the converter's targets, for ``Split`` and a
+``Transpose`` that only applies when the checkpoint's layout differs).
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ from __future__ import annotations
 import math
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -86,6 +92,14 @@ class ConversionOperation(ABC):
         """
         return common_dtype(dtypes, repr(self))
 
+    def configured(self, config: Any) -> ConversionOperation:
+        """This operation with the values it reads from the model's (root) config filled in; most read none."""
+        return self
+
+    def for_targets(self, shapes: Sequence[ShapeSlot | None]) -> ConversionOperation:
+        """This operation told the model's shapes of the converter's targets (None where the model has no such key)."""
+        return self
+
 
 class _PerSlotOperation(ConversionOperation):
     """An operation applied to every tensor independently (lists of tensors included)."""
@@ -105,36 +119,61 @@ class _PerSlotOperation(ConversionOperation):
     def _tensor(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
 
-@dataclass(frozen=True)
-class Concatenate(ConversionOperation):
-    """Concatenate all slots along ``dim`` into one tensor (``q, k, v -> qkv``).
+class _PartsFromConfig:
+    """``configured`` of :class:`Concatenate` and :class:`Chunk`: the number of parts of an indexed slot read from the
+    text config's ``parts_attribute`` (transformers' ``num_shards_attribute``)."""
 
-    ``sizes`` is recorded when bound. ``equal_parts=True`` declares that the parts always have the same size, which
-    lets a model that was never loaded from a checkpoint be saved in the checkpoint layout.
+    def configured(self, config):
+        if self.parts_attribute is None or self.parts is not None:
+            return self
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        parts = getattr(text_config, self.parts_attribute, None)
+        if not isinstance(parts, int) or parts < 1:
+            raise ConversionError(
+                f"{self!r} reads its number of parts from the config's {self.parts_attribute!r}, which is {parts!r}."
+            )
+        return replace(self, parts=parts)
+
+
+@dataclass(frozen=True)
+class Concatenate(_PartsFromConfig, ConversionOperation):
+    """Concatenate all slots along ``dim`` into one tensor (``q, k, v -> qkv``), or the entries of a single indexed
+    slot (``shard_0 .. shard_n -> one``).
+
+    ``sizes`` and ``indexed`` (whether the parts were one indexed slot) are recorded when bound. ``equal_parts=True``
+    declares that the parts always have the same size, which lets a model that was never loaded from a checkpoint be
+    saved in the checkpoint layout; an indexed slot then splits back into ``parts`` entries (or as many as the text
+    config's ``parts_attribute`` says).
     """
 
     dim: int = 0
     sizes: tuple[int, ...] | None = None
     equal_parts: bool = False
+    indexed: bool = False
+    parts: int | None = None
+    parts_attribute: str | None = None
 
     def bind(self, shapes, num_targets):
-        shapes = _require_tensor_slots(shapes, self)
-        if not shapes:
+        indexed = len(shapes) == 1 and isinstance(shapes[0], list)
+        parts = list(shapes[0]) if indexed else _require_tensor_slots(shapes, self)
+        if not parts:
             raise ConversionError(f"{self!r} got no tensors.")
-        rank = len(shapes[0])
+        rank = len(parts[0])
         dim = _norm_dim(self.dim, rank, self)
-        for shape in shapes:
-            if len(shape) != rank or any(a != b for i, (a, b) in enumerate(zip(shape, shapes[0])) if i != dim):
-                raise ConversionError(f"{self!r}: cannot concatenate shapes {shapes} along dim {self.dim}.")
-        sizes = tuple(s[dim] for s in shapes)
+        for shape in parts:
+            if len(shape) != rank or any(a != b for i, (a, b) in enumerate(zip(shape, parts[0])) if i != dim):
+                raise ConversionError(f"{self!r}: cannot concatenate shapes {parts} along dim {self.dim}.")
+        sizes = tuple(s[dim] for s in parts)
         if self.sizes is not None and self.sizes != sizes:
             raise ConversionError(f"{self!r}: the parts have sizes {sizes} along dim {self.dim}, not {self.sizes}.")
-        out = list(shapes[0])
+        if indexed and self.parts is not None and len(parts) != self.parts:
+            raise ConversionError(f"{self!r}: the indexed slot has {len(parts)} entries, not {self.parts}.")
+        out = list(parts[0])
         out[dim] = sum(sizes)
-        return replace(self, sizes=sizes), [tuple(out)]
+        return replace(self, sizes=sizes, indexed=indexed), [tuple(out)]
 
     def apply(self, slots):
-        return [torch.cat(slots, dim=self.dim)]  # type: ignore[arg-type]
+        return [torch.cat(slots[0] if self.indexed else slots, dim=self.dim)]  # type: ignore[arg-type]
 
     def reverse(self):
         if self.sizes is None and not self.equal_parts:
@@ -142,16 +181,30 @@ class Concatenate(ConversionOperation):
                 f"{self!r} cannot be reversed: its part sizes were never recorded (no checkpoint was loaded through "
                 "it). Declare Concatenate(..., equal_parts=True) or give sizes=..., or save in the runtime layout."
             )
-        return Chunk(dim=self.dim, sizes=self.sizes, equal_parts=self.equal_parts)
+        return Chunk(
+            dim=self.dim,
+            sizes=self.sizes,
+            equal_parts=self.equal_parts,
+            indexed=self.indexed or self.parts_attribute is not None,
+            parts=self.parts,
+            parts_attribute=self.parts_attribute,
+        )
 
 
 @dataclass(frozen=True)
-class Chunk(ConversionOperation):
-    """Split one tensor along ``dim`` into one part per target (equal parts unless ``sizes`` are given)."""
+class Chunk(_PartsFromConfig, ConversionOperation):
+    """Split one tensor along ``dim`` into one part per target (equal parts unless ``sizes`` are given).
+
+    ``indexed=True`` makes the parts one indexed slot (``one -> shard_0 .. shard_n``) of ``parts`` entries (or as
+    many as the text config's ``parts_attribute`` says) instead of one slot per target.
+    """
 
     dim: int = 0
     sizes: tuple[int, ...] | None = None
     equal_parts: bool = False
+    indexed: bool = False
+    parts: int | None = None
+    parts_attribute: str | None = None
 
     def bind(self, shapes, num_targets):
         shapes = _require_tensor_slots(shapes, self)
@@ -161,9 +214,12 @@ class Chunk(ConversionOperation):
         dim = _norm_dim(self.dim, len(shape), self)
         sizes = self.sizes
         if sizes is None:
-            if num_targets < 1 or shape[dim] % num_targets:
-                raise ConversionError(f"{self!r}: dim {self.dim} of size {shape[dim]} does not split into {num_targets} equal parts.")
-            sizes = (shape[dim] // num_targets,) * num_targets
+            count = self.parts if self.indexed else num_targets
+            if count is None:
+                raise ConversionError(f"{self!r} splits into an indexed slot but is given no number of parts.")
+            if count < 1 or shape[dim] % count:
+                raise ConversionError(f"{self!r}: dim {self.dim} of size {shape[dim]} does not split into {count} equal parts.")
+            sizes = (shape[dim] // count,) * count
         if sum(sizes) != shape[dim]:
             raise ConversionError(f"{self!r}: part sizes {sizes} do not add up to {shape[dim]} (shape {shape}).")
         parts = []
@@ -171,13 +227,38 @@ class Chunk(ConversionOperation):
             part = list(shape)
             part[dim] = size
             parts.append(tuple(part))
-        return replace(self, sizes=tuple(sizes)), parts
+        return replace(self, sizes=tuple(sizes)), [parts] if self.indexed else parts
 
     def apply(self, slots):
-        return list(torch.split(slots[0], list(self.sizes), dim=self.dim))  # type: ignore[arg-type]
+        parts = list(torch.split(slots[0], list(self.sizes), dim=self.dim))  # type: ignore[arg-type]
+        return [parts] if self.indexed else parts
 
     def reverse(self):
-        return Concatenate(dim=self.dim, sizes=self.sizes, equal_parts=self.sizes is None or self.equal_parts)
+        return Concatenate(
+            dim=self.dim,
+            sizes=self.sizes,
+            equal_parts=self.sizes is None or self.equal_parts,
+            indexed=self.indexed,
+            parts=self.parts,
+            parts_attribute=self.parts_attribute,
+        )
+
+
+@dataclass(frozen=True)
+class Split(Chunk):
+    """Split one tensor along ``dim`` into one part per target, each as large as the model's target parameter
+    (transformers' ``Split``: ``att_proj -> q_proj, k_proj, v_proj`` of unequal sizes). The sizes come from
+    :meth:`for_targets`; the exact reverse is the :class:`Concatenate` of those sizes."""
+
+    def for_targets(self, shapes):
+        if self.sizes is not None or not shapes or any(not isinstance(s, tuple) for s in shapes):
+            return self
+        return replace(self, sizes=tuple(s[_norm_dim(self.dim, len(s), self)] for s in shapes))
+
+    def bind(self, shapes, num_targets):
+        if self.sizes is None:
+            raise ConversionError(f"{self!r} splits into the sizes of the model's target parameters, and the model has none of some target.")
+        return super().bind(shapes, num_targets)
 
 
 @dataclass(frozen=True)
@@ -236,10 +317,37 @@ class SplitModulelist(ConversionOperation):
 
 @dataclass(frozen=True)
 class Transpose(_PerSlotOperation):
-    """Swap two dimensions of every tensor."""
+    """Swap two dimensions of every tensor.
+
+    ``check_dims=True`` (transformers' option) transposes only when the tensor's shape differs from the model's
+    target parameter (given by :meth:`for_targets`), so checkpoints in either layout load. Whether it did is recorded
+    (``applied``) and the reverse does the same; with no target shape to compare (saving a model that was never
+    loaded) it does nothing, which is what stock transformers' reverse does too.
+    """
 
     dim0: int = 0
     dim1: int = 1
+    check_dims: bool = False
+    expected: Shape | None = None
+    applied: bool | None = None
+
+    def for_targets(self, shapes):
+        if not self.check_dims or self.applied is not None or not shapes or not isinstance(shapes[0], tuple):
+            return self
+        return replace(self, expected=shapes[0])
+
+    def bind(self, shapes, num_targets):
+        if not self.check_dims:
+            return super().bind(shapes, num_targets)
+        applied = self.applied
+        if applied is None:
+            first = shapes[0] if shapes else None
+            applied = self.expected is not None and isinstance(first, tuple) and first != tuple(self.expected)
+        bound = replace(self, expected=None, applied=applied)
+        return bound, (_PerSlotOperation.bind(bound, shapes, num_targets)[1] if applied else list(shapes))
+
+    def apply(self, slots):
+        return super().apply(slots) if not self.check_dims or self.applied else slots
 
     def _shape(self, shape):
         d0, d1 = _norm_dim(self.dim0, len(shape), self), _norm_dim(self.dim1, len(shape), self)
@@ -251,7 +359,202 @@ class Transpose(_PerSlotOperation):
         return tensor.transpose(self.dim0, self.dim1).contiguous()
 
     def reverse(self):
-        return self
+        return replace(self, dim0=self.dim1, dim1=self.dim0) if self.check_dims else self
+
+
+@dataclass(frozen=True)
+class Interleave(_PerSlotOperation):
+    """Interleave the two halves of ``dim`` (``[a0 a1 .. b0 b1 ..] -> [a0 b0 a1 b1 ..]`` when ``inverse``, the
+    de-interleaving otherwise): transformers' ``Interleave`` for checkpoints that store ``gate``/``up`` rows
+    alternating. A permutation, so its reverse (``inverse`` flipped) is exact."""
+
+    dim: int = 0
+    inverse: bool = False
+
+    def _shape(self, shape):
+        dim = _norm_dim(self.dim, len(shape), self)
+        if shape[dim] % 2:
+            raise ConversionError(f"{self!r}: dim {self.dim} of shape {shape} has an odd size.")
+        return tuple(shape)
+
+    def _tensor(self, tensor):
+        dim = _norm_dim(self.dim, tensor.dim(), self)
+        shape = list(tensor.shape)
+        halves = [2, shape[dim] // 2] if self.inverse else [shape[dim] // 2, 2]
+        split = tensor.reshape(shape[:dim] + halves + shape[dim + 1 :])
+        return split.transpose(dim, dim + 1).reshape(shape).contiguous()
+
+    def reverse(self):
+        return replace(self, inverse=not self.inverse)
+
+
+@dataclass(frozen=True)
+class PermuteForRope(ConversionOperation):
+    """Permute the rows of each head between interleaved (complex) and split-half rotary layouts.
+
+    Rows of each of ``num_heads`` heads go from ``[half, 2]`` to ``[2, half]`` order (the reverse with ``inverse``),
+    for 1-D and 2-D tensors; other ranks pass unchanged, as in transformers. ``slots`` selects the slots it applies to
+    (all when None: transformers' ``permute_layer_names``, resolved to positions). ``num_heads`` is read from the
+    config's (or its ``subconfig_key`` sub-config's) ``num_attention_heads`` by :meth:`configured`.
+    """
+
+    num_heads: int | None = None
+    inverse: bool = False
+    slots: tuple[int, ...] | None = None
+    subconfig_key: str | None = None
+
+    def configured(self, config):
+        if self.num_heads is not None:
+            return self
+        sub = getattr(config, self.subconfig_key, config) if self.subconfig_key is not None else config
+        return replace(self, num_heads=getattr(sub, "num_attention_heads", 1))
+
+    def _selected(self, count: int) -> range | tuple[int, ...]:
+        if self.slots is None:
+            return range(count)
+        if any(not 0 <= i < count for i in self.slots):
+            raise ConversionError(f"{self!r}: slots {self.slots} out of range for {count} tensors.")
+        return self.slots
+
+    def bind(self, shapes, num_targets):
+        if not self.num_heads:
+            raise ConversionError(f"{self!r} needs the number of heads: configure it with the model's config first.")
+        for position in self._selected(len(shapes)):
+            shape = shapes[position]
+            if isinstance(shape, list):
+                raise ConversionError(f"{self!r} permutes single tensors, slot {position} is indexed.")
+            if len(shape) in (1, 2) and shape[0] % (2 * self.num_heads):
+                raise ConversionError(f"{self!r}: {shape[0]} rows do not split into {self.num_heads} heads of row pairs.")
+        return self, list(shapes)
+
+    def apply(self, slots):
+        out = list(slots)
+        for position in self._selected(len(slots)):
+            out[position] = self._permute(slots[position])  # type: ignore[arg-type]
+        return out
+
+    def _permute(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() not in (1, 2):
+            return tensor
+        rows, heads = tensor.shape[0], int(self.num_heads or 1)  # bound: bind checked it is set
+        half = rows // heads // 2
+        pairs = (2, half) if self.inverse else (half, 2)
+        trailing = tuple(tensor.shape[1:])
+        return tensor.reshape(heads, *pairs, *trailing).transpose(1, 2).reshape(rows, *trailing).contiguous()
+
+    def reverse(self):
+        return replace(self, inverse=not self.inverse)
+
+
+@dataclass(frozen=True)
+class FuseExpertGroups(ConversionOperation):
+    """Split every indexed slot (one list of experts per source) into one group per target, then give each target the
+    concatenation along ``concat_dim`` of its group of every source, each stacked along ``stack_dim``.
+
+    transformers' ``ErnieFuseAndSplitTextVisionExperts``: Ernie 4.5 VL checkpoints list text experts then vision
+    experts; ``gate``/``up`` per expert become ``text_moe.experts.gate_up_proj`` and ``vision_moe...``. Groups have
+    ``ceil(experts / targets)`` experts (the last fewer), as in transformers. Bound: the group sizes and each source's
+    size along ``concat_dim``, which the exact reverse (:class:`SplitExpertGroups`) splits back into.
+    """
+
+    stack_dim: int = 0
+    concat_dim: int = 1
+    group_sizes: tuple[int, ...] | None = None
+    part_sizes: tuple[int, ...] | None = None
+
+    def bind(self, shapes, num_targets):
+        if not shapes or any(not isinstance(slot, list) or not slot for slot in shapes):
+            raise ConversionError(f"{self!r} needs indexed ('*') source patterns.")
+        counts = {len(slot) for slot in shapes}
+        if len(counts) > 1:
+            raise ConversionError(f"{self!r}: the source patterns have different numbers of entries {sorted(counts)}.")
+        experts = counts.pop()
+        size = math.ceil(experts / max(num_targets, 1))
+        groups = tuple(len(range(experts)[i * size : (i + 1) * size]) for i in range(num_targets))
+        if not groups or 0 in groups or (self.group_sizes is not None and groups != self.group_sizes):
+            raise ConversionError(f"{self!r}: {experts} experts do not split into {num_targets} groups {self.group_sizes or ''}.")
+        rank = len(shapes[0][0]) + 1
+        stack, concat = _norm_dim(self.stack_dim, rank, self), _norm_dim(self.concat_dim, rank, self)
+        if stack == concat:
+            raise ConversionError(f"{self!r}: stack_dim and concat_dim must differ.")
+        parts = []
+        for slot in shapes:
+            if any(s != slot[0] for s in slot) or len(slot[0]) + 1 != rank:
+                raise ConversionError(f"{self!r}: cannot stack tensors of shapes {slot}.")
+            parts.append(list(slot[0]))
+            parts[-1].insert(stack, 0)
+        for part in parts:
+            if any(a != b for i, (a, b) in enumerate(zip(part, parts[0])) if i not in (stack, concat)):
+                raise ConversionError(f"{self!r}: cannot concatenate the experts of shapes {[s[0] for s in shapes]}.")
+        part_sizes = tuple(part[concat] for part in parts)
+        outputs = []
+        for group in groups:
+            out = list(parts[0])
+            out[stack], out[concat] = group, sum(part_sizes)
+            outputs.append(tuple(out))
+        return replace(self, group_sizes=groups, part_sizes=part_sizes), outputs
+
+    def apply(self, slots):
+        outputs, start = [], 0
+        for group in self.group_sizes:  # type: ignore[union-attr]
+            stacked = [torch.stack(slot[start : start + group], dim=self.stack_dim) for slot in slots]  # type: ignore[index]
+            outputs.append(torch.cat(stacked, dim=self.concat_dim))
+            start += group
+        return outputs
+
+    def reverse(self):
+        return SplitExpertGroups(self.stack_dim, self.concat_dim, self.group_sizes, self.part_sizes)
+
+
+@dataclass(frozen=True)
+class SplitExpertGroups(ConversionOperation):
+    """The reverse of :class:`FuseExpertGroups` (transformers' ``ErnieSplitAndDecoupleTextVisionExperts``): every
+    tensor is split along ``concat_dim`` into one part per output pattern (``part_sizes``, equal when unbound) and
+    unstacked along ``stack_dim``; output ``j`` lists part ``j``'s experts of every tensor in order."""
+
+    stack_dim: int = 0
+    concat_dim: int = 1
+    group_sizes: tuple[int, ...] | None = None
+    part_sizes: tuple[int, ...] | None = None
+
+    def bind(self, shapes, num_targets):
+        shapes = _require_tensor_slots(shapes, self)
+        if not shapes:
+            raise ConversionError(f"{self!r} got no tensors.")
+        rank = len(shapes[0])
+        stack, concat = _norm_dim(self.stack_dim, rank, self), _norm_dim(self.concat_dim, rank, self)
+        if stack == concat or any(len(s) != rank for s in shapes):
+            raise ConversionError(f"{self!r}: cannot split shapes {shapes}.")
+        part_sizes = self.part_sizes
+        if part_sizes is None:
+            if num_targets < 1 or shapes[0][concat] % num_targets:
+                raise ConversionError(f"{self!r}: dim {self.concat_dim} of {shapes[0]} does not split into {num_targets} equal parts.")
+            part_sizes = (shapes[0][concat] // num_targets,) * num_targets
+        groups = tuple(s[stack] for s in shapes)
+        if self.group_sizes is not None and groups != self.group_sizes:
+            raise ConversionError(f"{self!r}: the tensors hold {groups} experts, not {self.group_sizes}.")
+        outputs: list[ShapeSlot] = []
+        for size in part_sizes:
+            entries = []
+            for shape in shapes:
+                if shape[concat] != sum(part_sizes) or any(a != b for i, (a, b) in enumerate(zip(shape, shapes[0])) if i != stack):
+                    raise ConversionError(f"{self!r}: cannot split shapes {shapes} into parts {part_sizes}.")
+                entry = list(shape)
+                entry[concat] = size
+                del entry[stack]
+                entries += [tuple(entry)] * shape[stack]
+            outputs.append(entries)
+        return replace(self, group_sizes=groups, part_sizes=tuple(part_sizes)), outputs
+
+    def apply(self, slots):
+        outputs: list[list[torch.Tensor]] = [[] for _ in self.part_sizes]  # type: ignore[union-attr]
+        for tensor in slots:
+            for position, part in enumerate(torch.split(tensor, list(self.part_sizes), dim=self.concat_dim)):  # type: ignore[arg-type]
+                outputs[position].extend(torch.unbind(part, dim=self.stack_dim))
+        return outputs  # type: ignore[return-value]
+
+    def reverse(self):
+        return FuseExpertGroups(self.stack_dim, self.concat_dim, self.group_sizes, self.part_sizes)
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ the real shapes, so executing it is mechanical and reversing it is exact.
 
 from __future__ import annotations
 
-import re
+import functools
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -30,14 +30,16 @@ from .operations import (
     common_dtype,
     run_operations,
 )
+from .transformers_mapping import translate
 from .transforms import (
-    _INDEX_SEGMENT,
+    _PLACEHOLDER,
+    GroupWeightRename,
+    KeyMatch,
     WeightConverter,
     WeightRenaming,
     WeightTransform,
     has_index,
     literal_form,
-    render_target,
 )
 
 _ANY_INDEX = "\x01"
@@ -121,6 +123,7 @@ class ConversionPlan:
     groups: list[ConversionGroup] = field(default_factory=list)
     outputs: dict[str, TensorMeta] = field(default_factory=dict)
     problems: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    used: set[int] = field(default_factory=set)  # ids of the transforms that matched some key
     unbuilt: set[str] = field(default_factory=set)
 
     def raise_problems(self) -> None:
@@ -152,86 +155,118 @@ def _slot_dtype(keys: KeySlot, metas: Mapping[str, TensorMeta]) -> DtypeSlot:
 
 
 def _source_template(pattern: str, index: int | str | None) -> str:
-    """The literal checkpoint key fragment a source pattern stands for, for saving."""
-    text = literal_form(_INDEX_SEGMENT.sub(str(index), pattern) if index is not None else pattern)
+    """The checkpoint key fragment a source pattern stands for, for saving."""
+    text = literal_form(_PLACEHOLDER.sub(str(index), pattern) if index is not None else pattern)
     if text is None:
         raise ConversionError(f"Cannot derive a checkpoint key from source pattern {pattern!r}: it is not plain text.")
     return text
 
 
+@dataclass(frozen=True)
+class _Entry:
+    """One key matched by a converter: the key, the converter's number and the match, and how the base model's
+    prefix changes its outputs (``"+"`` added, ``"-"`` stripped, ``""`` neither)."""
+
+    key: str
+    number: int
+    found: KeyMatch
+    prefix_change: str = ""
+
+
+def _change_prefix(key: str, change: str, prefix: str) -> str:
+    if change == "+":
+        return f"{prefix}.{key}"
+    return key[len(prefix) + 1 :] if change == "-" else key
+
+
+def _prefix_change(key: str, expected: Mapping[str, TensorMeta] | None, prefix: str) -> str:
+    """As transformers: strip the base model's prefix when the model has the key without it, else add it when the
+    model has the key with it (a task model from a base-model checkpoint and the other way round)."""
+    if expected is None or not prefix or key in expected:
+        return ""
+    if key.startswith(prefix + ".") and key[len(prefix) + 1 :] in expected:
+        return "-"
+    return "+" if f"{prefix}.{key}" in expected else ""
+
+
 def _group_and_bind(
     keys: Mapping[str, TensorMeta],
+    entries: Sequence[_Entry],
     converters: Sequence[WeightConverter],
     plan: ConversionPlan,
     *,
     reverse: bool,
     names: Mapping[str, str] | None = None,
+    expected: Mapping[str, TensorMeta] | None = None,
+    prefix: str = "",
 ) -> set[str]:
-    """Group ``keys`` by converter, bind each group and add it to ``plan``. Returns the keys consumed.
+    """Group the matched ``entries`` by converter, bind each group and add it to ``plan``. Returns the keys consumed.
 
-    ``names`` maps keys to what problem messages call them (the checkpoint's own names, before renaming).
+    ``names`` maps keys to what problem messages call them (the checkpoint's own names, before renaming);
+    ``expected`` (the model's keys) gives the operations that need them the model's shapes of their targets.
     """
 
     def name(key: str) -> str:
         return names.get(key, key) if names else key
 
-    buckets: dict[tuple[int, str], dict[int, dict[int | None, tuple[str, re.Match[str]]]]] = defaultdict(
-        lambda: defaultdict(dict)
-    )
-    consumed: set[str] = set()
-    for key in keys:
-        for number, converter in enumerate(converters):
-            found = converter.match_target(key) if reverse else converter.match_source(key)
-            if found is None:
-                continue
-            position, match = found
-            index = int(match.group("index")) if "index" in match.re.groupindex else None
-            outputs = converter.source_patterns if reverse else converter.target_patterns
-            # Keys of one group render to the same first output key (whatever the index of an indexed slot).
-            group_id = _render(outputs[0], match, _ANY_INDEX, reverse)
-            slot = buckets[(number, group_id)][position]
-            if index in slot:
-                plan.problems["duplicate keys"].append(
-                    f"{name(key)!r} and {name(slot[index][0])!r} fill the same slot of {converter!r}"
-                )
-            slot[index] = (key, match)
-            consumed.add(key)
-            break
+    buckets: dict[tuple[int, str, str], dict[int, dict[int | None, _Entry]]] = defaultdict(lambda: defaultdict(dict))
+    for entry in entries:
+        converter = converters[entry.number]
+        outputs = converter.source_patterns if reverse else converter.target_patterns
+        # Keys of one group render to the same first output key (whatever the index of an indexed slot).
+        group_id = _render(converter, 0, entry.found, _ANY_INDEX, reverse)
+        slot = buckets[(entry.number, entry.prefix_change, group_id)][entry.found.position]
+        index = entry.found.index
+        if index in slot:
+            plan.problems["duplicate keys"].append(
+                f"{name(entry.key)!r} and {name(slot[index].key)!r} fill the same slot of {converter!r}"
+            )
+        slot[index] = entry
 
-    for (number, _), slots in buckets.items():
+    consumed: set[str] = {entry.key for entry in entries}
+    for (number, change, _), slots in buckets.items():
         converter = converters[number]
         inputs = converter.target_patterns if reverse else converter.source_patterns
         outputs = converter.source_patterns if reverse else converter.target_patterns
         optional = frozenset() if reverse else converter.optional
         missing = [p for i, p in enumerate(inputs) if i not in slots and p not in optional]
-        any_key, any_match = next(iter(next(iter(slots.values())).values()))
+        any_entry = next(iter(next(iter(slots.values())).values()))
+        any_key = any_entry.key
         if missing:
-            present = sorted(name(k) for s in slots.values() for k, _ in s.values())
+            present = sorted(name(e.key) for s in slots.values() for e in s.values())
             plan.problems["incomplete groups"].append(f"{present} match {converter!r} but nothing matches {missing}")
-            plan.unbuilt |= _unbuilt(outputs, any_match, reverse)
+            plan.unbuilt |= _unbuilt(converter, outputs, any_entry.found, reverse)
             continue
         try:
             key_slots: list[KeySlot] = []
-            shape_slots: list[ShapeSlot] = []
+            shape_slots: list[ShapeSlot | None] = []
             for position in range(len(inputs)):
-                entries = slots.get(position)
-                if entries is None:  # an optional pattern this group lacks
+                found = slots.get(position)
+                if found is None:  # an optional pattern this group lacks
                     key_slots.append(None)
                     shape_slots.append(None)
-                elif has_index(inputs[position]):
-                    indices = sorted(entries)
+                elif None not in found:
+                    indices = sorted(i for i in found if i is not None)
                     if indices != list(range(len(indices))):
                         raise ConversionError(f"indices {indices} of pattern {inputs[position]!r} are not 0..{len(indices) - 1}")
-                    key_slots.append(tuple(entries[i][0] for i in indices))
-                    shape_slots.append([keys[entries[i][0]].shape for i in indices])
+                    key_slots.append(tuple(found[i].key for i in indices))
+                    shape_slots.append([keys[found[i].key].shape for i in indices])
                 else:
-                    (key, _), = entries.values()
-                    key_slots.append(key)
-                    shape_slots.append(keys[key].shape)
+                    (entry,) = found.values()
+                    key_slots.append(entry.key)
+                    shape_slots.append(keys[entry.key].shape)
             slot_dtypes = [_slot_dtype(k, keys) for k in key_slots]
+            first = next(iter(slots[0].values())).found
+            output_key = functools.partial(_output_key, converter, first, reverse, change, prefix)
             operations = (
                 [op.reverse() for op in reversed(converter.operations)] if reverse else list(converter.operations)
             )
+            if expected is not None:
+                targets = [
+                    None if has_index(template) else getattr(expected.get(output_key(i, None)), "shape", None)
+                    for i, template in enumerate(outputs)
+                ]
+                operations = [op.for_targets(targets) for op in operations]
             if operations:
                 source_names = [
                     None if k is None else tuple(map(name, k)) if isinstance(k, tuple) else name(k) for k in key_slots
@@ -241,16 +276,15 @@ def _group_and_bind(
             dtype = _output_dtype(bound, slot_dtypes)
             if len(out_shapes) != len(outputs):
                 raise ConversionError(f"the operations produce {len(out_shapes)} tensors for {len(outputs)} patterns")
-            _, first_match = next(iter(slots[0].values()))
-            out_keys: list[KeySlot] = []
-            for template, shape in zip(outputs, out_shapes):
-                if isinstance(shape, list):
-                    out_keys.append(tuple(_render(template, first_match, i, reverse) for i in range(len(shape))))
-                else:
-                    out_keys.append(_render(template, first_match, None, reverse))
+            out_keys: list[KeySlot] = [
+                tuple(output_key(position, i) for i in range(len(shape)))
+                if isinstance(shape, list)
+                else output_key(position, None)
+                for position, shape in enumerate(out_shapes)
+            ]
         except ConversionError as exc:
             plan.problems["conversion errors"].append(f"{converter!r} on {name(any_key)!r}: {exc}")
-            plan.unbuilt |= _unbuilt(outputs, any_match, reverse)
+            plan.unbuilt |= _unbuilt(converter, outputs, any_entry.found, reverse)
             continue
         group = ConversionGroup(
             converter=converter,
@@ -276,22 +310,57 @@ def _output_dtype(bound: Sequence[ConversionOperation], dtypes: list[DtypeSlot])
     return dtype
 
 
-def _unbuilt(outputs: Sequence[str], match: re.Match[str], reverse: bool) -> set[str]:
+def _unbuilt(converter: WeightConverter, outputs: Sequence[str], found: KeyMatch, reverse: bool) -> set[str]:
     """The output keys a group that could not be built would have had (``*`` for an index)."""
     keys = set()
-    for template in outputs:
+    for position in range(len(outputs)):
         try:
-            keys.add(_render(template, match, _ANY_INDEX, reverse).replace(_ANY_INDEX, "*"))
+            keys.add(_render(converter, position, found, _ANY_INDEX, reverse).replace(_ANY_INDEX, "*"))
         except ConversionError:  # a source pattern that stands for no literal key (saving only): nothing to name
             continue
     return keys
 
 
-def _render(template: str, match: re.Match[str], index: int | str | None, reverse: bool) -> str:
+def _output_key(
+    converter: WeightConverter, found: KeyMatch, reverse: bool, change: str, prefix: str, position: int, index: int | None
+) -> str:
+    """Output ``position`` (entry ``index`` of an indexed one) of the group ``found`` belongs to, prefix changed."""
+    return _change_prefix(_render(converter, position, found, index, reverse), change, prefix)
+
+
+def _render(converter: WeightConverter, position: int, found: KeyMatch, index: int | str | None, reverse: bool) -> str:
+    """Output ``position`` of ``converter`` for the key ``found`` matched (a checkpoint key when ``reverse``)."""
     if reverse:
-        key = match.string
-        return key[: match.start()] + _source_template(template, index) + key[match.end() :]
-    return render_target(template, match, index)
+        return found.replace(_source_template(converter.source_patterns[position], index))
+    return found.render(converter.template(position), index)
+
+
+def _match_converters(keys: Iterable[str], converters: Sequence[WeightConverter], *, reverse: bool) -> dict[str, tuple[int, KeyMatch]]:
+    """The first converter matching each key (its sources, or its targets when ``reverse``)."""
+    matched = {}
+    for key in keys:
+        for number, converter in enumerate(converters):
+            found = converter.match_target(key) if reverse else converter.match_source(key)
+            if found is not None:
+                matched[key] = (number, found)
+                break
+    return matched
+
+
+def apply_renamings(keys: Iterable[str], renamings: Sequence[WeightRenaming], used: set[int] | None = None) -> dict[str, str]:
+    """Each key renamed by every renaming in turn (the ids of those that renamed something are added to ``used``).
+    A :class:`GroupWeightRename` applies only when some key (as renamed so far) matches its guard pattern."""
+    renamed = {key: key for key in keys}
+    for renaming in renamings:
+        if isinstance(renaming, GroupWeightRename) and not any(map(renaming.is_guard, renamed.values())):
+            continue
+        for key, current in renamed.items():
+            new = renaming.rename(current)
+            if new is not None:
+                renamed[key] = new
+                if used is not None:
+                    used.add(id(renaming))
+    return renamed
 
 
 def _split(transforms: Sequence[WeightTransform]) -> tuple[list[WeightRenaming], list[WeightConverter]]:
@@ -316,25 +385,47 @@ def _producer(plan: ConversionPlan, output: str) -> str:
     return f"the conversion of {group.sources_summary()}"
 
 
-def plan_load(checkpoint: Mapping[str, TensorMeta], transforms: Sequence[WeightTransform]) -> ConversionPlan:
-    """Plan checkpoint keys -> runtime keys. Problems are collected in ``plan.problems``, not raised."""
-    renamings, converters = _split(transforms)
+def plan_load(
+    checkpoint: Mapping[str, TensorMeta],
+    transforms: Sequence[WeightTransform],
+    *,
+    expected: Mapping[str, TensorMeta] | None = None,
+    base_model_prefix: str = "",
+) -> ConversionPlan:
+    """Plan checkpoint keys -> runtime keys. Problems are collected in ``plan.problems``, not raised.
+
+    Renamings apply first, in order, then the first converter whose source pattern matches. With ``expected`` (the
+    model's keys), each key behaves as in stock transformers: the base model's prefix is stripped or added when that
+    gives a key of the model, a key the transforms would make unknown to the model loads under its own name when the
+    model has it, and operations learn the model's shapes of their targets.
+    """
+    renamings, converters = _split(translate(transforms, "plan_load"))
     plan = ConversionPlan()
     renamed: dict[str, str] = {}
-    for key in checkpoint:
-        new = key
-        for renaming in renamings:
-            new = renaming.rename(new) or new
+    entries: list[_Entry] = []
+    after_renamings = apply_renamings(checkpoint, renamings, plan.used)
+    matched = _match_converters(after_renamings.values(), converters, reverse=False)
+    for key, new in after_renamings.items():
+        found = matched.get(new)
+        first = new if found is None else found[1].render(converters[found[0]].template(0), 0)
+        change = _prefix_change(first, expected, base_model_prefix)
+        if expected is not None and _change_prefix(first, change, base_model_prefix) not in expected and key in expected:
+            found, new, change = None, key, ""
+        if found is None:
+            new = _change_prefix(new, change, base_model_prefix)
         if new in renamed:
             plan.problems["duplicate keys"].append(f"{key!r} and {renamed[new]!r} are both renamed to {new!r}")
             continue
         renamed[new] = key
+        if found is not None:
+            entries.append(_Entry(new, found[0], found[1], change))
+            plan.used.add(id(converters[found[0]]))
     renamed_meta = {new: checkpoint[old] for new, old in renamed.items()}
-    consumed = _group_and_bind(renamed_meta, converters, plan, reverse=False, names=renamed)
+    consumed = _group_and_bind(
+        renamed_meta, entries, converters, plan, reverse=False, names=renamed, expected=expected, prefix=base_model_prefix
+    )
     # Groups were built on renamed keys; record the checkpoint's own names as their sources.
-    plan.groups = [
-        _rename_sources(group, renamed) for group in plan.groups
-    ]
+    plan.groups = [_rename_sources(group, renamed) for group in plan.groups]
     for new, old in renamed.items():
         if new not in consumed:
             _add_direct(plan, new, old, checkpoint[old])
@@ -356,34 +447,30 @@ def plan_save(
 ) -> ConversionPlan:
     """Plan runtime keys -> checkpoint keys by running ``transforms`` backwards (for models never loaded).
 
-    ``alternative`` converters are skipped unless ``alternatives`` is true: their targets already are the checkpoint
+    ``alternative`` transforms are skipped unless ``alternatives`` is true: their targets already are the checkpoint
     layout the model saves to. (Unfusing a live model runs them backwards: there the sources are the layout wanted.)
     """
+    transforms = [t for t in translate(transforms, "plan_save") if alternatives or not t.alternative]
     renamings, converters = _split(transforms)
-    converters = [c for c in converters if alternatives or not c.alternative]
     plan = ConversionPlan()
-    consumed = _group_and_bind(runtime, converters, plan, reverse=True)
+    matched = _match_converters(runtime, converters, reverse=True)
+    entries = [_Entry(key, number, found) for key, (number, found) in matched.items()]
+    consumed = _group_and_bind(runtime, entries, converters, plan, reverse=True)
     inverses = [r.inverse() for r in reversed(renamings)]
+    produced = [k for g in plan.groups for k in g.target_keys()] + [k for k in runtime if k not in consumed]
+    unrenamed = apply_renamings(produced, inverses)
 
-    def unrename(key: str) -> str:
-        for inverse in inverses:
-            key = inverse.rename(key) or key
-        return key
+    def unrename(keys: KeySlot) -> KeySlot:
+        return tuple(unrenamed[k] for k in keys) if isinstance(keys, tuple) else unrenamed[keys]
 
     plan.groups = [
         ConversionGroup(
-            g.converter,
-            g.sources,
-            tuple(tuple(map(unrename, k)) if isinstance(k, tuple) else unrename(k) for k in g.targets),
-            g.operations,
-            g.source_shapes,
-            g.target_shapes,
-            g.dtype,
+            g.converter, g.sources, tuple(map(unrename, g.targets)), g.operations, g.source_shapes, g.target_shapes, g.dtype
         )
         for g in plan.groups
     ]
-    plan.outputs = {unrename(k): v for k, v in plan.outputs.items()}
+    plan.outputs = {unrenamed[k]: v for k, v in plan.outputs.items()}
     for key, meta in runtime.items():
         if key not in consumed:
-            _add_direct(plan, unrename(key), key, meta)
+            _add_direct(plan, unrenamed[key], key, meta)
     return plan

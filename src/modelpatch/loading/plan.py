@@ -13,7 +13,9 @@ import torch
 from transformers import PreTrainedModel
 
 from ..conversion.planner import ConversionPlan, TensorMeta, plan_load
-from ..conversion.transforms import WeightRenaming, WeightTransform
+from ..conversion.registry import legacy_conversions
+from ..conversion.transformers_mapping import translate
+from ..conversion.transforms import WeightTransform
 from ..errors import LoadPlanError
 from .diagnose import Replacement, collapse_lines, explain, quantization
 
@@ -58,26 +60,6 @@ def _compile_any(patterns: Iterable[str]) -> re.Pattern[str] | None:
     return re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns else None
 
 
-def _prefix_variants(model: PreTrainedModel, checkpoint_keys: Iterable[str]) -> list[list[WeightTransform]]:
-    """Extra renamings to try so a task model loads from a base-model checkpoint and the other way round."""
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    variants: list[list[WeightTransform]] = [[]]
-    if not prefix:
-        return variants
-    escaped = re.escape(prefix)
-    model_keys = list(model.state_dict(keep_vars=True))
-    model_has_prefix = any(k.startswith(prefix + ".") for k in model_keys)
-    checkpoint_has_prefix = any(k.startswith(prefix + ".") for k in checkpoint_keys)
-    if model_has_prefix and not checkpoint_has_prefix:
-        # Keys under the task model's own top-level modules (a head saved next to base-model keys) keep their names.
-        own = sorted({k.split(".", 1)[0] for k in model_keys if not k.startswith(prefix + ".")})
-        keep = "|".join(re.escape(name) + r"\." for name in [prefix, *own])
-        variants.append([WeightRenaming(rf"^(?!{keep})", f"{prefix}.")])
-    if checkpoint_has_prefix and not model_has_prefix:
-        variants.append([WeightRenaming(rf"^{escaped}\.", "")])
-    return variants
-
-
 def plan_model_load(
     model: PreTrainedModel,
     checkpoint: Mapping[str, TensorMeta],
@@ -100,15 +82,14 @@ def plan_model_load(
     expected = model_expectations(model)
     tied = dict(getattr(model, "all_tied_weights_keys", {}) or {})
 
-    best: tuple[int, ConversionPlan, list[WeightTransform]] | None = None
-    for extra in _prefix_variants(model, checkpoint):
-        candidate = [*transforms, *extra]
-        conversion = plan_load(checkpoint, candidate)
-        score = len(conversion.outputs.keys() & expected.keys())
-        if best is None or score > best[0]:
-            best = (score, conversion, candidate)
-    assert best is not None
-    _, conversion, used = best
+    # transformers' own transforms (a Patcher's extras, say) become modelpatch's, configured like the model's own.
+    transforms = [t.configured(model.config) for t in translate(transforms, type(model).__name__)]
+    legacy = legacy_conversions()
+    conversion = plan_load(
+        checkpoint, [*transforms, *legacy], expected=expected, base_model_prefix=getattr(model, "base_model_prefix", "") or ""
+    )
+    # Every load also reads transformers' legacy key names; the report keeps those some key had.
+    used = [*transforms, *(t for t in legacy if id(t) in conversion.used)]
 
     problems: dict[str, list[str]] = defaultdict(list)
     for kind, items in conversion.problems.items():

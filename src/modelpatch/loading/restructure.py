@@ -11,6 +11,7 @@ is at most one converted group. Tensors no transform touches (``o_proj``, norms)
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -159,12 +160,13 @@ def _bound(transforms: Sequence[WeightTransform], groups: Sequence[ConversionGro
     bound: dict[WeightConverter, set[tuple]] = {}
     for group in groups:
         bound.setdefault(group.converter, set()).add(group.operations)
-    return [
-        WeightConverter(t.source_patterns, t.target_patterns, next(iter(bound[t])), alternative=t.alternative)
-        if isinstance(t, WeightConverter) and len(bound.get(t, ())) == 1
-        else t
-        for t in transforms
-    ]
+    result: list[WeightTransform] = []
+    for transform in transforms:
+        if isinstance(transform, WeightConverter) and len(bound.get(transform, ())) == 1:
+            transform = copy.copy(transform)  # scope, options and patterns as declared; only the operations bound
+            transform.operations = next(iter(bound[transform]))
+        result.append(transform)
+    return result
 
 
 def _dismantle(module: nn.Module) -> None:

@@ -1,0 +1,161 @@
+"""transformers' own conversion mapping, translated into modelpatch's transforms and operations.
+
+This is the one module that touches transformers' conversion internals (``transformers.conversion_mapping`` and
+``transformers.core_model_loading``: their registry, the private ``_original_*_patterns`` of its transforms, its
+classes of operations). Moving to another transformers release means auditing this file.
+
+The registry of transformers is read live, at lookup time: its ~250 built-in entries (model types, class names and
+``"legacy"``) and whatever was registered there since. Every transform and operation is translated one to one; one
+that has no translation raises :class:`ConversionError` naming it and the mapping it belongs to, rather than loading
+something else than stock would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from transformers import conversion_mapping as hf_mapping
+from transformers import core_model_loading as hf
+
+from ..errors import ConversionError
+from . import operations as ops
+from .transforms import (
+    GroupWeightRename,
+    IndexOffsetRenaming,
+    PrefixChange,
+    WeightConverter,
+    WeightRenaming,
+    WeightTransform,
+)
+
+LEGACY = "legacy"
+
+# transformers' transforms are accepted wherever modelpatch's are (a Patcher's extra conversions, a fusion's
+# transforms): they pass isinstance checks, and planning translates them (:func:`translate`) before using them.
+WeightTransform.register(hf.WeightTransform)
+
+
+def _registry() -> dict[str, list[Any]]:
+    hf_mapping.get_checkpoint_conversion_mapping(LEGACY)  # builds transformers' cache on first use
+    cache: dict[str, list[Any]] = hf_mapping._checkpoint_conversion_mapping_cache  # type: ignore[assignment]
+    return cache
+
+
+def builtin_keys() -> set[str]:
+    """Model types and class names transformers registers a mapping for (``"legacy"`` included)."""
+    return set(_registry())
+
+
+def builtin_mapping(key: str) -> list[WeightTransform] | None:
+    """transformers' mapping for ``key`` (a model type or class name), translated; None when it has none."""
+    items = hf_mapping.get_checkpoint_conversion_mapping(key)
+    return None if items is None else translate(items, key)
+
+
+def user_registered_in_transformers(key: str) -> bool:
+    """Whether ``key`` was registered through transformers' own ``register_checkpoint_conversion_mapping``."""
+    return key in hf_mapping.USER_REGISTERED_MAPPINGS
+
+
+def translate(items: Iterable[Any], owner: str) -> list[WeightTransform]:
+    """modelpatch transforms for ``items`` (modelpatch's, kept as they are, or transformers', translated).
+
+    Raises:
+        TypeError: an item is neither.
+        ConversionError: a transformers transform or operation that has no translation (named, with ``owner``).
+    """
+    translated = []
+    for item in items:
+        if isinstance(item, hf.WeightTransform):  # first: it is a virtual WeightTransform too (below)
+            translated.append(_translate_transform(item, owner))
+        elif isinstance(item, WeightTransform):
+            translated.append(item)
+        else:
+            raise TypeError(f"Conversion mapping items must be WeightConverter/WeightRenaming, got {item!r}.")
+    return translated
+
+
+def _patterns(transform: Any) -> tuple[list[str], list[str]]:
+    # transformers rewrites source_patterns/target_patterns in place when it builds a transform (anchors, capture
+    # groups); the originals are what its constructor took, and what ours takes.
+    return list(transform._original_source_patterns), list(transform._original_target_patterns)
+
+
+def _translate_transform(transform: Any, owner: str) -> WeightTransform:
+    kind = type(transform)
+    sources, targets = _patterns(transform)
+    result: WeightTransform
+    if kind is hf.PrefixChange:
+        result = PrefixChange(transform.prefix_to_add, transform.prefix_to_remove, transform.model_prefix)
+    elif kind is hf.GroupWeightRename:
+        result = GroupWeightRename(sources, targets)
+    elif kind is hf.Inkling2IndexOffsetWeightRename:
+        result = IndexOffsetRenaming(sources, targets, transform.offset)
+    elif kind is hf.WeightRenaming:
+        # transformers reads a renaming with several targets through its first (its reverse, say).
+        result = WeightRenaming(sources, targets[:1])
+    elif kind is hf.WeightConverter:
+        result = WeightConverter(sources, targets, _translate_operations(transform.operations, sources, targets, owner))
+    else:
+        raise ConversionError(f"Cannot translate transformers' {kind.__name__} in the conversion mapping of {owner!r}.")
+    if getattr(transform, "scope_prefix", None) is not None:
+        result = result.scoped(transform.scope_prefix, transform.base_model_prefix or "")
+    return result
+
+
+def _translate_operations(
+    operations: Sequence[Any], sources: Sequence[str], targets: Sequence[str], owner: str
+) -> list[ops.ConversionOperation]:
+    """Translate a chain. transformers' ``PermuteForRope`` picks the tensors it permutes by name (its
+    ``permute_layer_names`` searched in the patterns the tensors carry at that point of the chain: the sources, then
+    the targets once an operation changed their number); ours takes their positions."""
+    names = list(sources)
+    translated: list[ops.ConversionOperation] = []
+    for operation in operations:
+        kind = type(operation)
+        if kind is hf.PermuteForRope:
+            translated.append(_permute_for_rope(operation, names))
+        elif kind is hf.VisionFuseAndPermuteForRope:
+            translated += [_permute_for_rope(operation.permute_op, names), ops.Concatenate(operation.dim, equal_parts=True)]
+        elif kind is hf.VisionUnfuseAndPermuteForRope:
+            translated += [ops.Chunk(operation.dim), _permute_for_rope(operation.permute_op, list(targets))]
+        elif kind in _OPERATIONS:
+            translated.append(_OPERATIONS[kind](operation))
+        else:
+            raise ConversionError(
+                f"Cannot translate transformers' operation {kind.__name__} in the conversion mapping of {owner!r}."
+            )
+        if kind not in _PER_TENSOR:
+            names = list(targets)
+    return translated
+
+
+def _permute_for_rope(operation: Any, names: Sequence[str]) -> ops.PermuteForRope:
+    selected = operation.permute_layer_names
+    slots = None if selected is None else tuple(i for i, name in enumerate(names) if any(s in name for s in selected))
+    return ops.PermuteForRope(inverse=operation.inverse, slots=slots, subconfig_key=operation.subconfig_key)
+
+
+def _parts(operation: Any) -> dict[str, Any]:
+    attribute = operation.num_shards_attribute
+    return {} if attribute is None else {"indexed": True, "parts_attribute": attribute}
+
+
+_OPERATIONS: dict[type, Callable[[Any], ops.ConversionOperation]] = {
+    # Concatenate reverses as an equal Chunk in transformers; ours records the real sizes when it loads, and falls
+    # back to equal parts (what stock writes) only for a model that was never loaded.
+    hf.Concatenate: lambda op: ops.Concatenate(op.dim, equal_parts=True, **_parts(op)),
+    hf.Chunk: lambda op: ops.Chunk(op.dim, **_parts(op)),
+    hf.Split: lambda op: ops.Split(op.dim),
+    hf.MergeModulelist: lambda op: ops.MergeModulelist(op.dim),
+    hf.SplitModulelist: lambda op: ops.SplitModulelist(op.dim),
+    hf.Transpose: lambda op: ops.Transpose(op.dim0, op.dim1, check_dims=op.check_dims),
+    hf.Interleave: lambda op: ops.Interleave(op.dim, op.inverse),
+    hf.Conv3dToLinear: lambda op: ops.Conv3dToLinear(kernel_shape=(op.in_channels, *op.kernel_size)),
+    hf.LinearToConv3d: lambda op: ops.LinearToConv3d(kernel_shape=(op.in_channels, *op.kernel_size)),
+    hf.ErnieFuseAndSplitTextVisionExperts: lambda op: ops.FuseExpertGroups(op.stack_dim, op.concat_dim),
+    hf.ErnieSplitAndDecoupleTextVisionExperts: lambda op: ops.SplitExpertGroups(op.stack_dim, op.concat_dim),
+}
+# Operations that keep one tensor per pattern, so the tensors keep the patterns' names after them.
+_PER_TENSOR = {hf.PermuteForRope, hf.Transpose, hf.Interleave, hf.Conv3dToLinear, hf.LinearToConv3d, hf.MergeModulelist}
