@@ -30,6 +30,16 @@ import modelpatch
 pytestmark = pytest.mark.reliability
 
 
+def stock_from_pretrained(model_class, *args, **kwargs):
+    """Stock ``from_pretrained`` while transformers' patch registry holds entries. Older releases of the supported
+    range apply them by importing every transformers module, some of which need optional packages (torchvision):
+    without those, stock itself cannot load, so there is no scenario to compare against."""
+    try:
+        return model_class.from_pretrained(*args, **kwargs)
+    except ModuleNotFoundError as exc:
+        pytest.skip(f"stock transformers cannot apply its own patch registry here: {exc}")
+
+
 class ZeroMLP(LlamaMLP):
     """Loads LlamaMLP's weights, and computes nothing: a model built with it gives other logits."""
 
@@ -100,7 +110,7 @@ def test_a_stock_fused_load_does_not_break_later_modelpatch_loads(tmp_path, tran
 
     expected = vision(Qwen2VLForConditionalGeneration.from_pretrained(tmp_path).eval())
     # Stock transformers' own fused load registers its fused PatchEmbed in transformers' patch registry, for good.
-    Qwen2VLForConditionalGeneration.from_pretrained(tmp_path, fusion_config={"patch_embeddings": True})
+    stock_from_pretrained(Qwen2VLForConditionalGeneration, tmp_path, fusion_config={"patch_embeddings": True})
     assert monkey_patching.get_patch_mapping()
 
     model = modelpatch.from_pretrained(Qwen2VLForConditionalGeneration, tmp_path)
@@ -117,5 +127,5 @@ def test_transformers_registry_still_works_outside_modelpatch_builds(stock, tran
     monkey_patching.register_patch_mapping({"LlamaMLP": ZeroMLP})
     modelpatch.from_pretrained(AutoModelForCausalLM, llama.path)
     assert monkey_patching.get_patch_mapping() == {"LlamaMLP": ZeroMLP}
-    stock_model = AutoModelForCausalLM.from_pretrained(llama.path)
+    stock_model = stock_from_pretrained(AutoModelForCausalLM, llama.path)
     assert type(stock_model.model.layers[0].mlp) is ZeroMLP

@@ -36,6 +36,16 @@ LEGACY = "legacy"
 WeightTransform.register(hf.WeightTransform)
 
 
+class _Absent:
+    """Stands for a transformers class this release does not have (it never matches an object)."""
+
+
+def _hf(name: str) -> type:
+    """``transformers.core_model_loading.<name>``, or :class:`_Absent` on releases before it existed (``Split``,
+    ``Inkling2IndexOffsetWeightRename`` came in later 5.x releases)."""
+    return getattr(hf, name, _Absent)
+
+
 def _registry() -> dict[str, list[Any]]:
     hf_mapping.get_checkpoint_conversion_mapping(LEGACY)  # builds transformers' cache on first use
     cache: dict[str, list[Any]] = hf_mapping._checkpoint_conversion_mapping_cache  # type: ignore[assignment]
@@ -90,7 +100,7 @@ def _translate_transform(transform: Any, owner: str) -> WeightTransform:
         result = PrefixChange(transform.prefix_to_add, transform.prefix_to_remove, transform.model_prefix)
     elif kind is hf.GroupWeightRename:
         result = GroupWeightRename(sources, targets)
-    elif kind is hf.Inkling2IndexOffsetWeightRename:
+    elif kind is _hf("Inkling2IndexOffsetWeightRename"):
         result = IndexOffsetRenaming(sources, targets, transform.offset)
     elif kind is hf.WeightRenaming:
         # transformers reads a renaming with several targets through its first (its reverse, say).
@@ -147,7 +157,7 @@ _OPERATIONS: dict[type, Callable[[Any], ops.ConversionOperation]] = {
     # back to equal parts (what stock writes) only for a model that was never loaded.
     hf.Concatenate: lambda op: ops.Concatenate(op.dim, equal_parts=True, **_parts(op)),
     hf.Chunk: lambda op: ops.Chunk(op.dim, **_parts(op)),
-    hf.Split: lambda op: ops.Split(op.dim),
+    _hf("Split"): lambda op: ops.Split(op.dim),
     hf.MergeModulelist: lambda op: ops.MergeModulelist(op.dim),
     hf.SplitModulelist: lambda op: ops.SplitModulelist(op.dim),
     hf.Transpose: lambda op: ops.Transpose(op.dim0, op.dim1, check_dims=op.check_dims),
