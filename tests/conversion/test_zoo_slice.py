@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import transformers
 
 import modelpatch
 from modelpatch import MergeModulelist, WeightConverter
@@ -80,6 +81,10 @@ def registry_classes():
 
 @pytest.mark.parametrize("model_type", sorted(SLICE))
 def test_zoo_type_round_trips_bitwise(model_type, registry_classes):
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no model type {model_type!r} (a later release added it)")
     result = zoo.check_type(model_type, registry_classes)
     assert result.status == "bitwise", zoo._line(result)
     tested = [c for c in result.classes if c.status == "bitwise"]

@@ -321,6 +321,9 @@ def load_quantization(
     except (ValueError, TypeError, RuntimeError, ImportError) as exc:  # its checks raise these, each with a reason
         raise _refusal(f"transformers' {method} quantizer refuses this load: {exc}", method) from None
     quantization = Quantization(quantizer, method)
+    if method == "compressed-tensors" and getattr(quantizer.quantization_config, "dequantize", False):
+        # Refused from the settings, whatever ops this transformers release would use to dequantize at load.
+        raise quantization._untranslatable("CompressedTensorsDequantize (dequantize=True)")
     if method == "fp8" and not quantization.dequantizes:
         raise _refusal(
             "fp8 kept in float8 (transformers' FP8Linear, on a GPU): modelpatch loads fp8 checkpoints dequantized "
