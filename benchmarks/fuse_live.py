@@ -6,7 +6,9 @@ then fused in place (``qkv`` + ``gate_up``) and unfused again. Reported, each in
 * the time of ``fuse`` and ``unfuse``, next to the time of stock ``from_pretrained`` and of a fused
   ``modelpatch.from_pretrained`` of the same checkpoint (the alternative to fusing in memory);
 * the peak resident memory *added* during ``fuse`` / ``unfuse`` (sampled every millisecond from /proc), as a multiple
-  of the largest converted group (one layer's fused ``gate_up_proj``): the target is <= 1x plus allocator slack.
+  of the largest converted group (one layer's fused ``gate_up_proj``): the target is <= 1x plus allocator slack. The
+  model's tensors are first moved into process memory, as after training (a fresh stock load holds views of the
+  memory-mapped checkpoint, whose pages stay mapped when a module drops them).
 
 Usage::
 
@@ -63,6 +65,7 @@ class PeakRss:
 
 def _measure(mode: str, path: str) -> dict[str, float]:
     """One measurement, in this (fresh) process."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     import modelpatch
@@ -74,8 +77,11 @@ def _measure(mode: str, path: str) -> dict[str, float]:
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(path)
     loaded = time.perf_counter() - start
-    for param in model.parameters():  # fault every page in, so the peaks below are the restructuring's alone
-        param.data.sum()
+    with torch.no_grad():
+        # In process memory, as after training (stock's load leaves views of the memory-mapped file, whose pages
+        # stay mapped when a module drops them): what fuse frees is then really freed.
+        for param in model.parameters():
+            param.data = param.data.clone()
     group = max(layer.mlp.gate_proj.weight.nbytes + layer.mlp.up_proj.weight.nbytes for layer in model.model.layers)
     with PeakRss() as fuse_rss:
         start = time.perf_counter()

@@ -99,6 +99,8 @@ def worker(impl: str, case: str, path: str) -> dict:
     transformers.utils.logging.disable_progress_bar()
     model_type = AutoConfig.from_pretrained(path).model_type
     importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")  # not load time
+    # transformers builds its conversion registry once per process (both loaders read it): not load time either.
+    transformers.conversion_mapping.get_checkpoint_conversion_mapping(model_type)
     input_ids = torch.randint(0, 1000, (1, TOKENS), generator=torch.Generator().manual_seed(0))
     # modelpatch exports its names lazily: importing its loader is import time, like the modeling module above.
     load = modelpatch.from_pretrained

@@ -55,6 +55,32 @@ def _find_madvise() -> Callable[[int, int], object] | None:
 _madvise = _find_madvise()
 
 
+def _find_malloc_trim() -> Callable[[], object] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        trim = ctypes.CDLL(None).malloc_trim  # glibc
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return lambda: trim(0)
+
+
+_malloc_trim = _find_malloc_trim()
+
+
+def return_freed_memory() -> None:
+    """Give the memory of freed tensors back to the operating system now (glibc keeps freed heap chunks otherwise).
+
+    Restructuring a live model frees each module's old tensors right after allocating the new ones; their chunks,
+    of other sizes than the next module's, would not be reused, and resident memory would grow by every converted
+    group instead of one. A no-op where the C library has no ``malloc_trim``.
+    """
+    if _malloc_trim is not None:
+        _malloc_trim()
+
+
 def release_pages(tensor: torch.Tensor) -> None:
     """Drop the resident pages lying wholly inside ``tensor``, a consumed view of a *private file* mapping.
 

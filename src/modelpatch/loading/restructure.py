@@ -38,6 +38,7 @@ from ..state import (
     stored_fusion_config,
 )
 from .build import build_empty_model
+from .materialize import return_freed_memory
 from .plan import model_expectations
 from .report import get_load_report
 from .save import install_original_format_save
@@ -151,6 +152,7 @@ def _swap(
             setattr(model.get_submodule(parent_name), child, new)
             _dismantle(live)
             del live, new, tensors, live_buffers  # the old module's converted tensors go now, not at the end
+            return_freed_memory()
     return last_groups
 
 
