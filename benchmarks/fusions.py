@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -96,7 +97,7 @@ def compare(
 
 
 def row(cells: list[str], widths: list[int]) -> str:
-    return "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"
+    return "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)) + " |"
 
 
 def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
@@ -127,7 +128,7 @@ def bench_patch_embed(device: torch.device, dtypes: list[str], patches: list[int
             x = torch.randn(n, 3 * 2 * 14 * 14, device=device, dtype=dtype)
             with torch.inference_mode():
                 diff = (stock(x).float() - fused(x).float()).abs().max().item()
-                t_stock, t_fused = compare(lambda: stock(x), lambda: fused(x), device, budget_s=1.0 if quick else 15.0,
+                t_stock, t_fused = compare(partial(stock, x), partial(fused, x), device, budget_s=1.0 if quick else 15.0,
                                            min_repeats=3 if quick else 5)
             speedups.append((dtype_name, t_stock / t_fused))
             rows.append([dtype_name, str(n), f"{t_stock * 1e3:.2f}", f"{t_fused * 1e3:.2f}",
@@ -167,12 +168,12 @@ def bench_llm(device: torch.device, dtypes: list[str], checkpoint: Path, prompt_
         generator = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, stock.config.vocab_size, (1, prompt_len), generator=generator).to(device)
 
-        def prefill(model):
+        def prefill(model, prompt=prompt):
             def run():
                 return model(input_ids=prompt, past_key_values=DynamicCache(config=model.config), use_cache=True)
             return run
 
-        def decoder(model):
+        def decoder(model, prompt=prompt):
             """One decode step on a cache holding the prompt; each step gets a fresh copy of that cache (untimed)."""
             prefilled = DynamicCache(config=model.config)
             token = model(input_ids=prompt, past_key_values=prefilled, use_cache=True).logits[:, -1:].argmax(-1)

@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
 
     header = ("case", "metric", "stock", "modelpatch", "ratio", "min ratio", "target")
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    line = "  ".join("{:<%d}" % w for w in widths)
+    line = "  ".join(f"{{:<{w}}}" for w in widths)
     print()
     print(f"{args.repeats} fresh process(es) per measurement: medians (targets checked on their ratio) and the ratio "
           "of the fastest runs ('min ratio'); torch threads: default; "

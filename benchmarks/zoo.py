@@ -615,7 +615,10 @@ def _line(result: TypeResult) -> str:
 def summary(results: list[TypeResult]) -> str:
     counts = {status: sum(r.status == status for r in results) for status in ("bitwise", "failed", "not buildable")}
     buildable = [r for r in results if r.status != "not buildable"]
-    tested = lambda r: [c for c in r.classes if c.status != "not buildable"]
+
+    def tested(r: TypeResult) -> list[ClassResult]:
+        return [c for c in r.classes if c.status != "not buildable"]
+
     stock_clean = [r for r in buildable if tested(r) and all(c.stock_roundtrip for c in tested(r))]
     exact = sum(any(c.status == "exact" for c in r.classes) for r in results if r.status == "bitwise")
     return (

@@ -95,19 +95,18 @@ _LAZY: dict[str, str] = {
     ),
 }
 
-__all__ = sorted(
-    [
-        "CheckpointError",
-        "CheckpointPermissionError",
-        "ConversionError",
-        "FusionError",
-        "LoadPlanError",
-        "ModelPatchError",
-        "PatchRegistryError",
-        "SaveError",
-        *_LAZY,
-    ]
-)
+# A list display (not a call) so that linters see the errors imported above as re-exported.
+__all__ = [
+    "CheckpointError",
+    "CheckpointPermissionError",
+    "ConversionError",
+    "FusionError",
+    "LoadPlanError",
+    "ModelPatchError",
+    "PatchRegistryError",
+    "SaveError",
+    *sorted(_LAZY),
+]
 
 
 def __getattr__(name: str) -> object:

@@ -153,13 +153,13 @@ def _time_both(
     medians: tuple[list[float], list[float]] = ([], [])
     times: tuple[list[float], list[float]] = ([], [])
     for _ in range(max(1, rounds)):
-        for timer, bucket, all_times in zip(timers, medians, times):
+        for timer, bucket, all_times in zip(timers, medians, times, strict=True):
             measurement = timer.blocked_autorange(min_run_time=min_run_time)
             bucket.append(measurement.median)
             all_times.extend(measurement.times)
     ref, cand = (
         Timing(statistics.median(all_times), min(bucket), max(bucket), len(all_times))
-        for bucket, all_times in zip(medians, times)
+        for bucket, all_times in zip(medians, times, strict=True)
     )
     return ref, cand
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+
 def edit_config(directory: Path, **changes) -> None:
     config = json.loads((directory / "config.json").read_text())
     for key, value in changes.items():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -78,7 +80,7 @@ def roundtrip(operations, slots, num_targets: int):
     reverse = reverse_operations(bound)
     restored = run_operations(reverse, outputs)
     assert len(restored) == len(slots)
-    for original, back in zip(slots, restored):
+    for original, back in zip(slots, restored, strict=True):
         assert same(back, original)
     # Re-binding the reverse on the output shapes predicts the original shapes (what planning a save does).
     _, back_shapes = bind_operations(reverse, out_shapes, len(slots))
@@ -283,8 +285,8 @@ def test_expert_groups_roundtrip_and_match_transformers(experts, targets, source
     bound, outputs = roundtrip([FuseExpertGroups(stack_dim=0, concat_dim=1)], slots, targets)
     assert isinstance(bound[0].reverse(), SplitExpertGroups)
     names, target_names = [f"s{i}" for i in range(sources)], [f"t{i}" for i in range(targets)]
-    stock = _stock(ErnieFuseAndSplitTextVisionExperts(0, 1), dict(zip(names, slots)), names, target_names, config=None)
-    assert all(same(out, stock[name]) for out, name in zip(outputs, target_names))
+    stock = _stock(ErnieFuseAndSplitTextVisionExperts(0, 1), dict(zip(names, slots, strict=True)), names, target_names, config=None)
+    assert all(same(out, stock[name]) for out, name in zip(outputs, target_names, strict=True))
 
 
 def test_expert_groups_refuse_empty_groups():
@@ -324,15 +326,15 @@ def test_grouped_query_concatenate_reverses_to_128_64_64():
     assert reverse == Chunk(dim=0, sizes=(128, 64, 64))
     parts = reverse.apply([torch.cat([q, k, v])])
     assert [p.shape[0] for p in parts] == [128, 64, 64]
-    assert all(torch.equal(a, b) for a, b in zip(parts, (q, k, v)))
+    assert all(torch.equal(a, b) for a, b in zip(parts, (q, k, v), strict=True))
 
 
 def test_operations_are_declared_without_sizes_and_bound_immutably():
     declared = Concatenate(dim=0)
     bound, _ = bind_operations([declared], [(2, 3), (4, 3)], 1)
     assert declared.sizes is None and bound[0].sizes == (2, 4)
-    with pytest.raises(Exception):
-        declared.dim = 1  # frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        declared.dim = 1
 
 
 # ------------------------------------------------------------------------------------------------- bind errors

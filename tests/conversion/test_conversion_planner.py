@@ -31,7 +31,8 @@ from modelpatch import (
 from modelpatch.conversion import TensorMeta, plan_load, plan_save
 from modelpatch.conversion.registry import get_checkpoint_conversion_mapping
 
-H, KV, I = 8, 4, 6  # hidden, kv rows (grouped-query: k/v have half q's rows), expert intermediate
+# Dimension letters as the shape formulas below write them (I is not ambiguous there).
+H, KV, I = 8, 4, 6  # noqa: E741 - hidden, kv rows (grouped-query: k/v have half q's rows), expert intermediate
 PROPERTY = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SEED_QKV = [WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"], [Concatenate(dim=0)])]
 

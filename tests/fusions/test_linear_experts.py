@@ -91,7 +91,7 @@ def test_zeroing_an_expert_changes_exactly_its_tokens(tiny, name):
             for param in experts[expert].parameters():
                 param.zero_()
             after = experts(hidden, top_k_index, top_k_weights)
-            for param, value in zip(experts[expert].parameters(), saved):
+            for param, value in zip(experts[expert].parameters(), saved, strict=True):
                 param.copy_(value)
             changed = (after != before).any(dim=-1)
             assert torch.equal(changed, routed), f"expert {expert}"

@@ -46,7 +46,7 @@ def test_one_linear_sized_from_the_projections(tiny, name):
     if fused.bias is not None:
         assert torch.equal(fused.bias, torch.cat([p.bias for p in stock_parts]))
     # The original names stay callable, own no parameters, and expose their rows of the fused weight.
-    for child, stock_part in zip(children, stock_parts):
+    for child, stock_part in zip(children, stock_parts, strict=True):
         part = getattr(attention, child)
         assert isinstance(part, ProjectionSlice) and not list(part.parameters())
         assert torch.equal(part.weight, stock_part.weight)
@@ -68,7 +68,7 @@ def test_generation_with_kv_cache_matches_stock(tiny):
     expected = ckpt.stock().generate(prompt, **kwargs)
     actual = ckpt.load({"qkv": True}).generate(prompt, **kwargs)
     assert torch.equal(actual.sequences, expected.sequences)
-    for a, e in zip(actual.scores, expected.scores):
+    for a, e in zip(actual.scores, expected.scores, strict=True):
         torch.testing.assert_close(a, e, atol=ATOL, rtol=0)
 
 
@@ -83,7 +83,7 @@ def test_attention_outputs_are_still_recorded(tiny):
         expected = stock(ids, output_attentions=True).attentions
         actual = fused(ids, output_attentions=True).attentions
     assert len(actual) == len(expected) == 2
-    for a, e in zip(actual, expected):
+    for a, e in zip(actual, expected, strict=True):
         torch.testing.assert_close(a, e, atol=ATOL, rtol=0)
 
 

@@ -5,12 +5,13 @@
 #     documented class sizes qkv_proj as 3 * heads * head_dim, wrong when there are fewer key/value heads);
 #   * a tiny local checkpoint (CHECKPOINT, set by the test through runpy's init_globals) instead of the hub id.
 # Run by tests/loading/test_seed_example.py; not collected by pytest (no test_ prefix).
-from modelpatch import AutoModelForCausalLM, Patcher, WeightConverter, Concatenate
 import torch
 import torch.nn as nn
 from transformers.activations import ACT2FN
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.qwen2_moe.modeling_qwen2_moe import apply_rotary_pos_emb
+
+from modelpatch import AutoModelForCausalLM, Concatenate, Patcher, WeightConverter
 
 
 class ExpertMLP(nn.Module):

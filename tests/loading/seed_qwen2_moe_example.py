@@ -9,14 +9,19 @@ from typing import Unpack
 
 import torch
 import torch.nn as nn
-from modelpatch import AutoModelForCausalLM, Concatenate, WeightConverter
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache
-from modelpatch import register_checkpoint_conversion_mapping
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.qwen2_moe.modeling_qwen2_moe import apply_rotary_pos_emb
-from modelpatch import register_patch_mapping
 from transformers.utils.generic import TransformersKwargs
+
+from modelpatch import (
+    AutoModelForCausalLM,
+    Concatenate,
+    WeightConverter,
+    register_checkpoint_conversion_mapping,
+    register_patch_mapping,
+)
 
 
 class MoeMLP(nn.Module):

@@ -164,7 +164,7 @@ def test_cuda_device(stock_checkpoint):
     model = modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path, device="cuda")
     assert {p.device.type for p in model.parameters()} | {b.device.type for b in model.buffers()} == {"cuda"}
     stock = AutoModelForCausalLM.from_pretrained(ckpt.path)
-    for (name, a), b in zip(model.state_dict().items(), stock.state_dict().values()):
+    for (name, a), b in zip(model.state_dict().items(), stock.state_dict().values(), strict=True):
         assert torch.equal(bits(a.cpu()), bits(b)), name
 
 

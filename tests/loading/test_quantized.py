@@ -197,7 +197,7 @@ def test_fp8_composes_with_qkv_fusion(fp8_checkpoint):
     path = fp8_checkpoint("llama")
     stock = AutoModelForCausalLM.from_pretrained(path)
     model = modelpatch.from_pretrained(AutoModelForCausalLM, path, fusion_config={"qkv": True})
-    for layer, stock_layer in zip(model.model.layers, stock.model.layers):
+    for layer, stock_layer in zip(model.model.layers, stock.model.layers, strict=True):
         parts = [getattr(stock_layer.self_attn, p).weight for p in ("q_proj", "k_proj", "v_proj")]
         assert torch.equal(layer.self_attn.qkv_proj.weight, torch.cat(parts))
     torch.testing.assert_close(logits(model), logits(stock))
@@ -277,7 +277,7 @@ def test_torchao_quantization_at_load_quantizes_the_fused_projection(plain_llama
     model = modelpatch.from_pretrained(
         AutoModelForCausalLM, plain_llama, fusion_config={"qkv": True}, quantization_config=int8_config()
     )
-    for layer, stock_layer in zip(model.model.layers, stock.model.layers):
+    for layer, stock_layer in zip(model.model.layers, stock.model.layers, strict=True):
         fused = layer.self_attn.qkv_proj.weight
         assert type(fused).__name__ == "Int8Tensor"
         # Row-wise int8: the fused projection's data are its parts' data, stacked.

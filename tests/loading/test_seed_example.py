@@ -226,7 +226,8 @@ def test_documented_patcher_example_runs_with_only_its_import_changed(stock_chec
 
 
 def test_modelpatch_auto_classes_stand_for_transformers(stock_checkpoint):
-    from modelpatch import AutoModel, AutoModelForCausalLM as PatchedAuto
+    from modelpatch import AutoModel
+    from modelpatch import AutoModelForCausalLM as PatchedAuto
 
     ckpt = stock_checkpoint("llama")
     assert PatchedAuto.transformers_class is AutoModelForCausalLM

@@ -15,8 +15,8 @@ from patching_support import (
     ReimplementedLlamaAttention,
     ReimplementedQwen2MoeRouter,
     WrappedLlamaAttention,
-    _copy_llama_attention_state,
     WrappedQwen2MoeAttention,
+    _copy_llama_attention_state,
     input_ids,
     llama_config,
     qwen2_moe_config,
@@ -29,6 +29,7 @@ import modelpatch
 
 LAYERS = 3
 HEADS = 4
+SEQ = input_ids().shape[1]
 
 
 def _build(model_cls, config, seed=0):
@@ -42,7 +43,7 @@ def _run(model, **kwargs):
         return model(ids, **kwargs)
 
 
-def _assert_attentions(outputs, layers=LAYERS, seq=input_ids().shape[1]):
+def _assert_attentions(outputs, layers=LAYERS, seq=SEQ):
     assert outputs.attentions is not None
     assert len(outputs.attentions) == layers
     for attention in outputs.attentions:
@@ -92,7 +93,7 @@ def test_output_attentions_on_patched_and_unpatched_models(case):
         outputs = _run(model, output_attentions=True)
         _assert_attentions(outputs)  # exactly one per layer: neither missing nor recorded twice
         torch.testing.assert_close(outputs.logits, expected.logits, rtol=0, atol=0)
-        for actual, reference in zip(outputs.attentions, expected.attentions):
+        for actual, reference in zip(outputs.attentions, expected.attentions, strict=True):
             torch.testing.assert_close(actual, reference, rtol=0, atol=0)
     # Asking for nothing still records nothing.
     assert _run(patched).attentions is None
@@ -160,7 +161,7 @@ def test_router_logits_recorded_from_a_non_subclass_router():
     for model in (patched, after):
         outputs = _run(model, output_router_logits=True)
         assert len(outputs.router_logits) == LAYERS
-        for actual, reference in zip(outputs.router_logits, expected.router_logits):
+        for actual, reference in zip(outputs.router_logits, expected.router_logits, strict=True):
             assert actual.shape == (input_ids().shape[1], config.num_experts)
             torch.testing.assert_close(actual, reference, rtol=0, atol=0)
         torch.testing.assert_close(outputs.aux_loss, expected.aux_loss, rtol=0, atol=0)
@@ -211,7 +212,7 @@ def test_recorder_extension_is_permanent_in_place_and_inert_for_stock_models():
     after.load_state_dict(stock_before.state_dict())
     outputs = _run(after, output_attentions=True)
     _assert_attentions(outputs)
-    for actual, reference in zip(outputs.attentions, expected.attentions):
+    for actual, reference in zip(outputs.attentions, expected.attentions, strict=True):
         torch.testing.assert_close(actual, reference, rtol=0, atol=0)
     _assert_attentions(_run(patched, output_attentions=True))
 

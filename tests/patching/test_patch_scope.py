@@ -12,9 +12,9 @@ import torch
 from patching_support import (
     ArgsRecordingAttention,
     CountingLlamaAttention,
+    MarkedBertSelfAttention,
     MarkedLlamaAttention,
     MarkedLlamaMLP,
-    MarkedBertSelfAttention,
     MarkedQwen2MoeAttention,
     MarkedQwen2MoeExperts,
     OtherLlamaAttention,
@@ -318,9 +318,12 @@ def test_exception_inside_inner_scope_restores_the_outer_scope():
 
 def test_exception_while_building_inside_scope_restores_originals():
     modelpatch.register_patch_mapping({"LlamaAttention": MarkedLlamaAttention})
-    with pytest.raises(Exception):
+    config = llama_config()
+    # Set after validation, so that construction itself fails: in LlamaMLP, after the patched attention was built.
+    config.hidden_act = "no-such-activation"
+    with pytest.raises(KeyError, match="no-such-activation"):
         with modelpatch.apply_patches():
-            LlamaModel(llama_config(num_attention_heads=5))  # 32 is not divisible by 5: construction fails
+            LlamaModel(config)
     assert _attn_mlp(_tiny_llama()) == ({LlamaAttention}, {LlamaMLP})
 
 
@@ -440,9 +443,9 @@ def test_non_subclass_replacement_receives_the_original_constructor_args():
         model = LlamaModel(config)
     assert ArgsRecordingAttention.init_calls == 3
     assert len(ArgsRecordingAttention.received) == 3
-    for layer_idx, ((args, kwargs), layer) in enumerate(zip(ArgsRecordingAttention.received, model.layers)):
+    for layer_idx, ((args, kwargs), layer) in enumerate(zip(ArgsRecordingAttention.received, model.layers, strict=True)):
         # LlamaDecoderLayer calls LlamaAttention(config=config, layer_idx=layer_idx).
-        bound = dict(zip(("config", "layer_idx"), args)) | kwargs
+        bound = dict(zip(("config", "layer_idx"), args, strict=False)) | kwargs
         assert bound.keys() == {"config", "layer_idx"}
         assert bound["config"] is model.config
         assert bound["layer_idx"] == layer_idx

@@ -502,10 +502,9 @@ def test_unmodified_copies_load(stock, tmp_path):
 
 def test_plan_errors_name_the_checkpoints_own_keys(tmp_path):
     """A Mixtral checkpoint (renamed block_sparse_moe -> mlp at load) missing one expert weight."""
+    from reliability_support import llama_kwargs
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig
-
-    from reliability_support import llama_kwargs
 
     directory = tmp_path / "mixtral"
     config = AutoConfig.for_model("mixtral", **llama_kwargs(intermediate_size=32, num_local_experts=4,

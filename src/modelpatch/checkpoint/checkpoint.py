@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 
+from modelpatch.errors import CheckpointError
+
 from .json_file import MAX_INDEX_BYTES, read_json
 from .safetensors_file import ClosesOnExit, FileIdentity, SafetensorsFile, TensorInfo
-from modelpatch.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 

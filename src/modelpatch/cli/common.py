@@ -6,6 +6,7 @@ This module imports torch and transformers: commands import it inside ``run``, n
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 from collections.abc import Iterator

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .arguments import UsageError, add_source_arguments, add_dtype_argument, add_patch_arguments
+from .arguments import UsageError, add_dtype_argument, add_patch_arguments, add_source_arguments
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

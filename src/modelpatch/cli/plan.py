@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .arguments import add_source_arguments, add_patch_arguments
+from .arguments import add_patch_arguments, add_source_arguments
 
 
 def register(commands: argparse._SubParsersAction) -> None:

@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from .arguments import UsageError, add_source_arguments, add_dtype_argument, add_patch_arguments
+from .arguments import UsageError, add_dtype_argument, add_patch_arguments, add_source_arguments
 
 
 def register(commands: argparse._SubParsersAction) -> None:

@@ -16,8 +16,8 @@ time) and ``for_targets(shapes)`` (the model's own parameter shapes of the conve
 
 from __future__ import annotations
 
-import math
 import json
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -161,7 +161,7 @@ class Concatenate(_PartsFromConfig, ConversionOperation):
         rank = len(parts[0])
         dim = _norm_dim(self.dim, rank, self)
         for shape in parts:
-            if len(shape) != rank or any(a != b for i, (a, b) in enumerate(zip(shape, parts[0])) if i != dim):
+            if len(shape) != rank or any(a != b for i, (a, b) in enumerate(zip(shape, parts[0], strict=True)) if i != dim):
                 raise ConversionError(f"{self!r}: cannot concatenate shapes {parts} along dim {self.dim}.")
         sizes = tuple(s[dim] for s in parts)
         if self.sizes is not None and self.sizes != sizes:
@@ -484,7 +484,7 @@ class FuseExpertGroups(ConversionOperation):
             parts.append(list(slot[0]))
             parts[-1].insert(stack, 0)
         for part in parts:
-            if any(a != b for i, (a, b) in enumerate(zip(part, parts[0])) if i not in (stack, concat)):
+            if any(a != b for i, (a, b) in enumerate(zip(part, parts[0], strict=True)) if i not in (stack, concat)):
                 raise ConversionError(f"{self!r}: cannot concatenate the experts of shapes {[s[0] for s in shapes]}.")
         part_sizes = tuple(part[concat] for part in parts)
         outputs = []
@@ -537,7 +537,7 @@ class SplitExpertGroups(ConversionOperation):
         for size in part_sizes:
             entries = []
             for shape in shapes:
-                if shape[concat] != sum(part_sizes) or any(a != b for i, (a, b) in enumerate(zip(shape, shapes[0])) if i != stack):
+                if shape[concat] != sum(part_sizes) or any(a != b for i, (a, b) in enumerate(zip(shape, shapes[0], strict=True)) if i != stack):
                     raise ConversionError(f"{self!r}: cannot split shapes {shapes} into parts {part_sizes}.")
                 entry = list(shape)
                 entry[concat] = size
@@ -657,7 +657,7 @@ class Fp8BlockDequantize(ConversionOperation):
             weights, scales = (weight, scale) if isinstance(weight, list) else ([weight], [scale])
             if not isinstance(scale, type(weight)) or len(weights) != len(scales):
                 raise ConversionError(f"{self!r}: weights {weight} and scales {scale} do not pair up.")
-            for weight_shape, scale_shape in zip(weights, scales):
+            for weight_shape, scale_shape in zip(weights, scales, strict=True):
                 if len(weight_shape) < 2:
                     raise ConversionError(f"{self!r}: a block-scaled weight must be at least 2-D, got {weight_shape}.")
                 grid = _scale_grid(scale_shape)
@@ -686,7 +686,7 @@ class Fp8BlockDequantize(ConversionOperation):
             if scale is None:
                 out.append([self._cast(t) for t in weight] if isinstance(weight, list) else self._cast(weight))
             elif isinstance(weight, list):
-                out.append([self._dequantize(w, s) for w, s in zip(weight, scale)])  # type: ignore[arg-type]
+                out.append([self._dequantize(w, s) for w, s in zip(weight, scale, strict=True)])  # type: ignore[arg-type]
             else:
                 out.append(self._dequantize(weight, scale))  # type: ignore[arg-type]
         return out
@@ -767,7 +767,7 @@ class TorchAoTensor(ConversionOperation):
         entry["_data"].update(
             {
                 name: torch.empty(shape, dtype=dtype, device="meta")
-                for name, shape, dtype in zip(self.data_names, shapes, self.dtypes)
+                for name, shape, dtype in zip(self.data_names, shapes, self.dtypes, strict=True)
                 if name is not None
             }
         )
@@ -788,7 +788,7 @@ class TorchAoTensor(ConversionOperation):
         from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
 
         module, _, param = self.tensor_name.rpartition(".")  # type: ignore[union-attr]
-        data = {f"{module}._{param}_{name}": t for name, t in zip(self.data_names, slots) if name is not None}
+        data = {f"{module}._{param}_{name}": t for name, t in zip(self.data_names, slots, strict=True) if name is not None}
         metadata = {self.tensor_name: self.metadata[self.tensor_name], "tensor_names": json.dumps([self.tensor_name])}
         tensors, leftover = unflatten_tensor_state_dict(data, metadata)
         if leftover or self.tensor_name not in tensors:
@@ -857,7 +857,7 @@ def _merge_and_concatenate(
     out_shape[cat_dim] = sum(shape[cat_dim] for shape in stacked_shapes)
     out = torch.empty(out_shape, dtype=first.dtype, device=first.device)
     offset = 0
-    for slot, shape in zip(slots, stacked_shapes):
+    for slot, shape in zip(slots, stacked_shapes, strict=True):
         region = out.narrow(cat_dim, offset, shape[cat_dim])
         if list(region.shape) != shape:
             raise ConversionError(f"{concatenate!r}: cannot concatenate stacked shapes {stacked_shapes} along dim {concatenate.dim}.")

@@ -79,8 +79,8 @@ class ConversionGroup:
     def target_metas(self) -> dict[str, TensorMeta]:
         return {
             key: TensorMeta(tuple(shape), self.dtype)
-            for keys, shapes in zip(self.targets, self.target_shapes)
-            for key, shape in (zip(keys, shapes) if isinstance(keys, tuple) else [(keys, shapes)])
+            for keys, shapes in zip(self.targets, self.target_shapes, strict=True)
+            for key, shape in (zip(keys, shapes, strict=True) if isinstance(keys, tuple) else [(keys, shapes)])
         }
 
     def reversed(self) -> ConversionGroup:
@@ -103,9 +103,9 @@ class ConversionGroup:
         ]
         outputs = run_operations(list(self.operations), slots)
         result: dict[str, torch.Tensor] = {}
-        for keys, value in zip(self.targets, outputs):
+        for keys, value in zip(self.targets, outputs, strict=True):
             if isinstance(keys, tuple):
-                result.update(zip(keys, value))  # type: ignore[arg-type]
+                result.update(zip(keys, value, strict=True))  # type: ignore[arg-type]
             else:
                 result[keys] = value  # type: ignore[assignment]
         return result

@@ -136,7 +136,8 @@ class KeyMatch:
         return self.replace(_expand(template, self.match, index))
 
 
-class WeightTransform(metaclass=ABCMeta):
+# ABCMeta without abstract methods: for ``register`` (transformers' own transforms count as instances).
+class WeightTransform(metaclass=ABCMeta):  # noqa: B024
     """Base of :class:`WeightRenaming` and :class:`WeightConverter`.
 
     ``alternative=True`` marks a transform whose sources are another layout some checkpoints use, while its targets
@@ -313,7 +314,7 @@ class GroupWeightRename(WeightRenaming):
     def inverse(self) -> GroupWeightRename:
         sources, targets = self._inverse_pairs()
         # The smallest inverse source is the guard, as transformers orders them.
-        pairs = sorted(zip(sources, targets))
+        pairs = sorted(zip(sources, targets, strict=True))
         inverse = GroupWeightRename([s for s, _ in pairs], [t for _, t in pairs], alternative=self.alternative)
         inverse.scope = self.scope
         return inverse

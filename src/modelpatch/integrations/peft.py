@@ -371,7 +371,8 @@ def _load_as_saved(peft_model: PeftModel, directory: Path, adapter_name: str, mo
     provided = remap(state_dict=dict.fromkeys(keys))
     missing = [k for k in peft_model.state_dict() if prefix in k and adapter_name in k and k not in provided]
     if missing:
-        warnings.warn(f"Found missing adapter keys while loading the checkpoint: {missing}.")
+        # stacklevel 3: the warning points at the caller of load_adapter.
+        warnings.warn(f"Found missing adapter keys while loading the checkpoint: {missing}.", stacklevel=3)
 
 
 def _parameter_prefix(config: PeftConfig) -> str:

@@ -140,7 +140,7 @@ def load_into_model(
             def fetch_source(key: str) -> torch.Tensor:
                 tensor = fetch(key)
                 if file_mapped(key):
-                    sources.append(tensor)
+                    sources.append(tensor)  # noqa: B023 - called only within this iteration, by group.run
                 return tensor
 
             outputs = group.run(fetch_source)

@@ -14,7 +14,6 @@ from ..conversion.transforms import WeightTransform
 from ..state import REPORT_ATTRIBUTE
 
 
-
 @dataclass(frozen=True)
 class LoadReport:
     """The outcome of :func:`modelpatch.from_pretrained`.

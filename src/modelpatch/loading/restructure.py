@@ -40,7 +40,6 @@ from ..state import (
 from .build import build_empty_model
 from .materialize import return_freed_memory
 from .plan import model_expectations
-from .report import get_load_report
 from .save import install_original_format_save
 
 logger = logging.getLogger(__name__)
