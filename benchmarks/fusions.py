@@ -9,8 +9,9 @@
 
 Each figure is the median of repetitions after warm-up; stock and fused calls alternate so that drift (thermal,
 other load) hits both sides alike. On a shared machine every parallel op can stall for a scheduling quantum: check
-``uptime`` first, CPU figures taken with a load average above the core count are not worth comparing. ``torch.set_num_threads`` is left at its default. Outputs of both sides are
-compared (max abs difference) so a speedup never comes from computing something else.
+``uptime`` first, CPU figures taken with a load average above the core count are not worth comparing.
+``torch.set_num_threads`` is left at its default. Outputs of both sides are compared (max abs difference) so a
+speedup never comes from computing something else.
 
 Usage::
 
@@ -44,10 +45,26 @@ from modelpatch.fusions import PatchEmbeddingsFusionSpec
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # ~207M parameters (~414 MB in bf16): 2 x 32000 x 1024 embeddings/head + 12 x (attention 3.1M + MLP 8.7M).
-LLAMA = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
-             num_key_value_heads=8, max_position_embeddings=2048, tie_word_embeddings=False)
-LLAMA_QUICK = dict(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+LLAMA = dict(
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=12,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+)
+LLAMA_QUICK = dict(
+    vocab_size=1000,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
 FUSIONS = {"qkv": True, "gate_up": True}
 
 
@@ -128,11 +145,24 @@ def bench_patch_embed(device: torch.device, dtypes: list[str], patches: list[int
             x = torch.randn(n, 3 * 2 * 14 * 14, device=device, dtype=dtype)
             with torch.inference_mode():
                 diff = (stock(x).float() - fused(x).float()).abs().max().item()
-                t_stock, t_fused = compare(partial(stock, x), partial(fused, x), device, budget_s=1.0 if quick else 15.0,
-                                           min_repeats=3 if quick else 5)
+                t_stock, t_fused = compare(
+                    partial(stock, x),
+                    partial(fused, x),
+                    device,
+                    budget_s=1.0 if quick else 15.0,
+                    min_repeats=3 if quick else 5,
+                )
             speedups.append((dtype_name, t_stock / t_fused))
-            rows.append([dtype_name, str(n), f"{t_stock * 1e3:.2f}", f"{t_fused * 1e3:.2f}",
-                         f"{t_stock / t_fused:.2f}x", f"{diff:.1e}"])
+            rows.append(
+                [
+                    dtype_name,
+                    str(n),
+                    f"{t_stock * 1e3:.2f}",
+                    f"{t_fused * 1e3:.2f}",
+                    f"{t_stock / t_fused:.2f}x",
+                    f"{diff:.1e}",
+                ]
+            )
     print_table(
         f"Patch embedding forward, Qwen2-VL PatchEmbed 1176 -> {embed_dim} ({device.type})",
         ["dtype", "patches", "Conv3d ms", "Linear ms", "speedup", "max |diff|"],
@@ -171,6 +201,7 @@ def bench_llm(device: torch.device, dtypes: list[str], checkpoint: Path, prompt_
         def prefill(model, prompt=prompt):
             def run():
                 return model(input_ids=prompt, past_key_values=DynamicCache(config=model.config), use_cache=True)
+
             return run
 
         def decoder(model, prompt=prompt):
@@ -202,8 +233,17 @@ def bench_llm(device: torch.device, dtypes: list[str], checkpoint: Path, prompt_
         for step, (t_stock, t_fused), diff in (("prefill", t_prefill, prefill_diff), ("decode", t_decode, decode_diff)):
             results[(dtype_name, step)] = t_stock / t_fused
             tokens = f"{prompt_len} tok" if step == "prefill" else f"1 tok @ {prompt_len}"
-            rows.append([dtype_name, step, tokens, f"{t_stock * 1e3:.1f}", f"{t_fused * 1e3:.1f}",
-                         f"{t_stock / t_fused:.2f}x", f"{diff:.1e}"])
+            rows.append(
+                [
+                    dtype_name,
+                    step,
+                    tokens,
+                    f"{t_stock * 1e3:.1f}",
+                    f"{t_fused * 1e3:.1f}",
+                    f"{t_stock / t_fused:.2f}x",
+                    f"{diff:.1e}",
+                ]
+            )
         del stock, fused
     print_table(
         f"Llama-shaped model, {parameters / 1e6:.0f}M parameters ({parameters * 2 / 1e6:.0f} MB in bf16), "
@@ -220,8 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16")
     parser.add_argument("--patches", default="1024,4096,16384", help="patch counts for the patch embedding")
     parser.add_argument("--prompt", type=int, default=128, help="prefill length / decode cache length")
-    parser.add_argument("--checkpoint-dir", type=Path, default=None,
-                        help="where to build (or reuse) the Llama checkpoint (default: a temporary directory)")
+    parser.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=None,
+        help="where to build (or reuse) the Llama checkpoint (default: a temporary directory)",
+    )
     parser.add_argument("--skip-patch-embed", action="store_true")
     parser.add_argument("--skip-llm", action="store_true")
     parser.add_argument("--quick", action="store_true", help="tiny sizes and few repetitions (checks the script)")
@@ -238,8 +282,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown dtypes {unknown}; choose among {sorted(DTYPES)}")
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, modelpatch {modelpatch.__version__}; "
-          f"device {device.type} ({name}); torch threads {torch.get_num_threads()}; python {sys.version.split()[0]}")
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, modelpatch {modelpatch.__version__}; "
+        f"device {device.type} ({name}); torch threads {torch.get_num_threads()}; python {sys.version.split()[0]}"
+    )
 
     failures = []
     if not args.skip_patch_embed:

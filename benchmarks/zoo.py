@@ -349,7 +349,9 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor.detach().cpu()).reshape(-1).view(torch.uint8)
 
 
-def first_difference(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], skip: Iterable[str] = ()) -> str:
+def first_difference(
+    actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], skip: Iterable[str] = ()
+) -> str:
     """The first way ``actual`` differs from ``expected`` (keys, dtypes, shapes, bytes), or ``""``."""
     skipped = set(skip)
     only = sorted((actual.keys() ^ expected.keys()) - skipped)
@@ -440,7 +442,11 @@ def check_class(name: str, work: Path) -> ClassResult:
     except Exception as exc:
         return ClassResult(name, "not buildable", "stock from_pretrained: " + _short(exc))
     missing = sorted(info.get("missing_keys", []))
-    issues = [f"{kind}: {sorted(info[kind])[:2]}" for kind in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(kind)]
+    issues = [
+        f"{kind}: {sorted(info[kind])[:2]}"
+        for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")
+        if info.get(kind)
+    ]
     if lossy := first_difference(stock.state_dict(), original, skip=missing):
         issues.append("stock's load differs from the model it saved: " + lossy)
     result = ClassResult(name, "bitwise", stock_issue="; ".join(issues))
@@ -546,10 +552,19 @@ class _Worker:
     """A worker process; :meth:`run` gives it one type and waits at most ``timeout`` seconds."""
 
     def __init__(self) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(modelpatch.__file__).parents[1]), os.environ.get("PYTHONPATH")]))}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(
+                filter(None, [str(Path(modelpatch.__file__).parents[1]), os.environ.get("PYTHONPATH")])
+            ),
+        }
         self.process = subprocess.Popen(
-            [sys.executable, __file__, "--worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL, text=True, env=env,
+            [sys.executable, __file__, "--worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
         )
 
     def run(self, model_type: str, timeout: float) -> TypeResult | None:

@@ -13,5 +13,7 @@ EXAMPLES = sorted((Path(__file__).parents[1] / "examples").glob("*.py"))
 
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
 def test_example_runs(script):
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL
+    )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -8,15 +8,33 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2VLConfig, Qwen2VLFo
 import modelpatch
 from modelpatch.verify import default_inputs
 
-TEXT = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+TEXT = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
 
 def _qwen2_vl_checkpoint(path):
     config = Qwen2VLConfig(
         text_config=dict(**TEXT, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}),
-        vision_config=dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, in_channels=3, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2),
-        image_token_id=60, video_token_id=61, vision_start_token_id=62, vision_end_token_id=63,
+        vision_config=dict(
+            depth=1,
+            embed_dim=32,
+            hidden_size=32,
+            num_heads=2,
+            in_channels=3,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        ),
+        image_token_id=60,
+        video_token_id=61,
+        vision_start_token_id=62,
+        vision_end_token_id=63,
     )
     torch.manual_seed(0)
     Qwen2VLForConditionalGeneration(config).save_pretrained(path)

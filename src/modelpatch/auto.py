@@ -39,8 +39,9 @@ class ModelPatchAutoClass:
 
         if model_args:
             raise TypeError(
-                f"{cls.__name__}.from_pretrained takes the checkpoint and keyword arguments only; got {len(model_args)} "
-                "extra positional argument(s) (pass a config as config=... or load it with AutoConfig first)."
+                f"{cls.__name__}.from_pretrained takes the checkpoint and keyword arguments only; "
+                f"got {len(model_args)} extra positional argument(s) "
+                "(pass a config as config=... or load it with AutoConfig first)."
             )
         return from_pretrained(cls.transformers_class, pretrained_model_name_or_path, **kwargs)
 

@@ -77,11 +77,14 @@ class VerificationReport:
         lines = [f"{'output':<{width}}  {'shape':<18} {'max abs':>10} {'max rel':>10}  ok"]
         for o in self.outputs:
             shape = "x".join(map(str, o.shape))
-            lines.append(f"{o.name:<{width}}  {shape:<18} {o.max_abs:>10.3g} {o.max_rel:>10.3g}  {'yes' if o.passed else 'NO'}")
+            lines.append(
+                f"{o.name:<{width}}  {shape:<18} {o.max_abs:>10.3g} {o.max_rel:>10.3g}  {'yes' if o.passed else 'NO'}"
+            )
         lines.extend(f"{name:<{width}}  missing from the candidate's outputs  NO" for name in self.missing)
         ref, cand = self.reference_timing, self.candidate_timing
         lines.append(
-            f"forward: reference {ref.median * 1e3:.3g} ms (±{ref.spread * 50:.0f}%), candidate {cand.median * 1e3:.3g} ms "
+            f"forward: reference {ref.median * 1e3:.3g} ms (±{ref.spread * 50:.0f}%), "
+            f"candidate {cand.median * 1e3:.3g} ms "
             f"(±{cand.spread * 50:.0f}%): speed ratio {self.speedup:.2f}x over {ref.runs} + {cand.runs} runs"
         )
         lines.append(f"{'PASSED' if self.passed else 'FAILED'} (atol={self.atol:g}, rtol={self.rtol:g})")
@@ -94,7 +97,10 @@ def default_inputs(model: PreTrainedModel, seq_len: int = 16, seed: int = 0) -> 
     text_config = config.get_text_config()
     generator = torch.Generator().manual_seed(seed)
     vocab = int(getattr(text_config, "vocab_size", 2))
-    special = {getattr(config, n, None) for n in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
+    special = {
+        getattr(config, n, None)
+        for n in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    }
     low = max(3, min(100, vocab // 2)) if vocab > 3 else 0
     ids = torch.randint(low, vocab, (1, seq_len), generator=generator)
     for token in special - {None}:
@@ -110,7 +116,9 @@ def default_inputs(model: PreTrainedModel, seq_len: int = 16, seed: int = 0) -> 
         inputs["image_grid_thw"] = grid
         image_tokens = int(grid.prod()) // merge**2
         start, end = getattr(config, "vision_start_token_id", None), getattr(config, "vision_end_token_id", None)
-        prompt = [t for t in (start,) if t is not None] + [image_token] * image_tokens + [t for t in (end,) if t is not None]
+        prompt = (
+            [t for t in (start,) if t is not None] + [image_token] * image_tokens + [t for t in (end,) if t is not None]
+        )
         inputs["input_ids"] = torch.cat([torch.tensor([prompt]), ids], dim=1)
         if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
             # What the processor returns beside input_ids: 1 marks image tokens (multimodal RoPE needs it).

@@ -64,7 +64,9 @@ def test_plan_lists_every_parameter_with_operations(cli, llama_checkpoint):
     assert len(fused) == 1
     assert "q_proj.weight" in fused[0] and "v_proj.weight" in fused[0]
     assert "Concatenate(dim=0, sizes=(32, 16, 16))" in fused[0]
-    planned = modelpatch.plan_pretrained(LlamaForCausalLM, llama_checkpoint, fusion_config={"qkv": True, "gate_up": True})
+    planned = modelpatch.plan_pretrained(
+        LlamaForCausalLM, llama_checkpoint, fusion_config={"qkv": True, "gate_up": True}
+    )
     targets = {line.split(" <- ")[0] for line in lines[1:] if " <- " in line}
     assert targets == set(planned.plan.expected)
 
@@ -74,7 +76,10 @@ def test_convert_round_trip_and_refusals(cli, llama_checkpoint, tmp_path):
     code, _, err = cli("convert", llama_checkpoint, runtime, "--fusion", "qkv,gate_up", "--runtime-format")
     assert code == 0, err
     config = json.loads((runtime / "config.json").read_text())
-    assert config["modelpatch_runtime_layout"] is True and config["modelpatch_fusion_config"] == {"qkv": True, "gate_up": True}
+    assert config["modelpatch_runtime_layout"] is True and config["modelpatch_fusion_config"] == {
+        "qkv": True,
+        "gate_up": True,
+    }
     assert "fusion_config" not in config  # transformers 5.23 would act on that key itself
 
     back = tmp_path / "back"

@@ -285,7 +285,9 @@ def test_expert_groups_roundtrip_and_match_transformers(experts, targets, source
     bound, outputs = roundtrip([FuseExpertGroups(stack_dim=0, concat_dim=1)], slots, targets)
     assert isinstance(bound[0].reverse(), SplitExpertGroups)
     names, target_names = [f"s{i}" for i in range(sources)], [f"t{i}" for i in range(targets)]
-    stock = _stock(ErnieFuseAndSplitTextVisionExperts(0, 1), dict(zip(names, slots, strict=True)), names, target_names, config=None)
+    stock = _stock(
+        ErnieFuseAndSplitTextVisionExperts(0, 1), dict(zip(names, slots, strict=True)), names, target_names, config=None
+    )
     assert all(same(out, stock[name]) for out, name in zip(outputs, target_names, strict=True))
 
 
@@ -422,8 +424,9 @@ def test_fused_merge_concatenate_rejects_mismatched_tensors():
     with pytest.raises(ConversionError, match="cannot stack"):
         run_operations([merge, concatenate], [[torch.zeros(2, 3), torch.zeros(2, 4)], [torch.zeros(2, 3)] * 2])
     with pytest.raises(ConversionError, match="cannot stack"):
-        run_operations([merge, concatenate], [[torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.float16)],
-                                              [torch.zeros(2, 3)] * 2])
+        run_operations(
+            [merge, concatenate], [[torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.float16)], [torch.zeros(2, 3)] * 2]
+        )
 
 
 # --- quantizer operations: exact forward, no reverse ---------------------------------------------------------------

@@ -43,7 +43,11 @@ def meta(*shape, dtype=torch.float32) -> TensorMeta:
 
 def moe_checkpoint(layers: int, experts: int, style: str = "qwen", bias: bool = True) -> dict[str, TensorMeta]:
     keys = {"model.embed_tokens.weight": meta(32, H), "model.norm.weight": meta(H), "lm_head.weight": meta(32, H)}
-    container, (g, u, d) = ("block_sparse_moe", ("w1", "w3", "w2")) if style == "mixtral" else ("mlp", ("gate_proj", "up_proj", "down_proj"))
+    container, (g, u, d) = (
+        ("block_sparse_moe", ("w1", "w3", "w2"))
+        if style == "mixtral"
+        else ("mlp", ("gate_proj", "up_proj", "down_proj"))
+    )
     for i in range(layers):
         p = f"model.layers.{i}."
         keys.update({p + "input_layernorm.weight": meta(H), p + "post_attention_layernorm.weight": meta(H)})
@@ -85,7 +89,10 @@ def check_no_key_twice_none_dropped(checkpoint, plan) -> None:
 
 
 def transforms_for(style: str, fused_qkv: bool):
-    return [*(SEED_QKV if fused_qkv else []), *get_checkpoint_conversion_mapping("mixtral" if style == "mixtral" else "qwen2_moe")]
+    return [
+        *(SEED_QKV if fused_qkv else []),
+        *get_checkpoint_conversion_mapping("mixtral" if style == "mixtral" else "qwen2_moe"),
+    ]
 
 
 styles = st.sampled_from(["qwen", "mixtral"])
@@ -170,8 +177,11 @@ def test_groups_reverse_bit_for_bit():
     checkpoint = moe_checkpoint(2, 3, "mixtral")
     generator = torch.Generator().manual_seed(0)
     tensors = {
-        k: torch.randint(0, 256, (m.shape[0] * (m.shape[1] if len(m.shape) > 1 else 1) * 2,), dtype=torch.uint8,
-                         generator=generator).view(torch.bfloat16).reshape(m.shape)
+        k: torch.randint(
+            0, 256, (m.shape[0] * (m.shape[1] if len(m.shape) > 1 else 1) * 2,), dtype=torch.uint8, generator=generator
+        )
+        .view(torch.bfloat16)
+        .reshape(m.shape)
         for k, m in checkpoint.items()
     }
     checkpoint = {k: meta(*m.shape, dtype=torch.bfloat16) for k, m in checkpoint.items()}
@@ -243,16 +253,35 @@ def test_renaming_collisions_are_reported():
     )
 
 
-@given(st.lists(st.sampled_from(["visual.blocks.0.w", "visual.merger.w", "model.layers.0.w", "model.norm.w",
-                                 "model.embed_tokens.w", "lm_head.w"]), unique=True, min_size=1),
-       st.booleans())
+@given(
+    st.lists(
+        st.sampled_from(
+            [
+                "visual.blocks.0.w",
+                "visual.merger.w",
+                "model.layers.0.w",
+                "model.norm.w",
+                "model.embed_tokens.w",
+                "lm_head.w",
+            ]
+        ),
+        unique=True,
+        min_size=1,
+    ),
+    st.booleans(),
+)
 @PROPERTY
 def test_qwen2_vl_either_layout_maps_to_runtime_keys_and_back(keys, runtime):
     transforms = get_checkpoint_conversion_mapping("Qwen2VLForConditionalGeneration")
     legacy = {k: meta(2) for k in keys}
-    to_runtime = {k: (k if k.startswith("lm_head") else "model." + (k if k.startswith("visual") else
-                                                                     "language_model." + k[len("model."):]))
-                  for k in keys}
+    to_runtime = {
+        k: (
+            k
+            if k.startswith("lm_head")
+            else "model." + (k if k.startswith("visual") else "language_model." + k[len("model.") :])
+        )
+        for k in keys
+    }
     checkpoint = {to_runtime[k]: m for k, m in legacy.items()} if runtime else legacy
     plan = plan_load(checkpoint, transforms)
     assert not problem_lines(plan)
@@ -271,7 +300,9 @@ def test_plan_save_of_an_unsized_concatenate_explains_how_to_fix_it():
 
 
 def test_plan_save_cannot_derive_keys_from_regex_sources():
-    converter = WeightConverter([r"experts\.*.w1", "experts.*.w3"], "experts.gate_up", [MergeModulelist(0), Concatenate(1)])
+    converter = WeightConverter(
+        [r"experts\.*.w1", "experts.*.w3"], "experts.gate_up", [MergeModulelist(0), Concatenate(1)]
+    )
     plan = plan_save({"m.experts.gate_up": meta(2, 8, 4)}, [converter])
     assert problem_lines(plan)
 
@@ -302,10 +333,15 @@ def test_alternative_converter_loads_its_layout_but_plan_save_keeps_the_targets(
     """An ``alternative`` converter reads another layout (3-D experts) into keys that already are a checkpoint layout
     (per-expert ones): plan_load converts what it finds, plan_save leaves the per-expert keys as they are."""
     split = [
-        WeightConverter(r"experts\.gate_up_proj$", ["experts.*.gate_proj.weight", "experts.*.up_proj.weight"],
-                        [Chunk(dim=1), SplitModulelist(dim=0)], alternative=True),
-        WeightConverter(r"experts\.down_proj$", "experts.*.down_proj.weight", [SplitModulelist(dim=0)],
-                        alternative=True),
+        WeightConverter(
+            r"experts\.gate_up_proj$",
+            ["experts.*.gate_proj.weight", "experts.*.up_proj.weight"],
+            [Chunk(dim=1), SplitModulelist(dim=0)],
+            alternative=True,
+        ),
+        WeightConverter(
+            r"experts\.down_proj$", "experts.*.down_proj.weight", [SplitModulelist(dim=0)], alternative=True
+        ),
     ]
     fused = {"m.experts.gate_up_proj": meta(3, 2 * I, H), "m.experts.down_proj": meta(3, H, I)}
     per_expert = moe_checkpoint(1, 3)
@@ -332,8 +368,9 @@ def test_optional_sources_are_absent_slots_and_the_first_operation_sets_the_dtyp
     from modelpatch.conversion.operations import Fp8BlockDequantize
 
     patterns = [r"(?<![^.])weight$", r"(?<![^.])weight_scale_inv$"]
-    converter = WeightConverter(patterns, "weight", [Fp8BlockDequantize(dtype=torch.bfloat16, companions=1)],
-                                optional=patterns[1:])
+    converter = WeightConverter(
+        patterns, "weight", [Fp8BlockDequantize(dtype=torch.bfloat16, companions=1)], optional=patterns[1:]
+    )
     checkpoint = {
         "a.weight": meta(256, 128, dtype=torch.float8_e4m3fn),
         "a.weight_scale_inv": meta(2, 1),
@@ -342,13 +379,25 @@ def test_optional_sources_are_absent_slots_and_the_first_operation_sets_the_dtyp
     plan = plan_load(checkpoint, [converter])
     assert not any(plan.problems.values())
     groups = {group.target_keys()[0]: group for group in plan.groups}
-    assert groups["a.weight"].dtype == torch.bfloat16 and groups["a.weight"].source_keys() == ["a.weight", "a.weight_scale_inv"]
+    assert groups["a.weight"].dtype == torch.bfloat16 and groups["a.weight"].source_keys() == [
+        "a.weight",
+        "a.weight_scale_inv",
+    ]
     assert groups["norm.weight"].sources == ("norm.weight", None) and groups["norm.weight"].dtype == torch.bfloat16
 
     # A scale without its weight is an incomplete group; a weight that does not divide into its grid is named.
-    broken = plan_load({"a.weight_scale_inv": meta(2, 1), "b.weight": meta(201, 128, dtype=torch.float8_e4m3fn),
-                        "b.weight_scale_inv": meta(2, 1)}, [converter])
-    assert len(broken.problems["incomplete groups"]) == 1 and "a.weight_scale_inv" in broken.problems["incomplete groups"][0]
+    broken = plan_load(
+        {
+            "a.weight_scale_inv": meta(2, 1),
+            "b.weight": meta(201, 128, dtype=torch.float8_e4m3fn),
+            "b.weight_scale_inv": meta(2, 1),
+        },
+        [converter],
+    )
+    assert (
+        len(broken.problems["incomplete groups"]) == 1
+        and "a.weight_scale_inv" in broken.problems["incomplete groups"][0]
+    )
     assert "does not divide into the scale grid (2, 1)" in broken.problems["conversion errors"][0]
 
 

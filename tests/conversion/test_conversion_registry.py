@@ -1,5 +1,6 @@
 """The conversion registry: transformers' own mapping translated, register_checkpoint_conversion_mapping /
-get_checkpoint_conversion_mapping, and how a model's transforms are collected (class names, sub-model scopes, legacy)."""
+get_checkpoint_conversion_mapping, and how a model's transforms are collected (class names, sub-model scopes,
+legacy)."""
 
 from __future__ import annotations
 
@@ -64,13 +65,17 @@ def test_transformers_objects_are_translated():
     from transformers import core_model_loading as transformers
 
     hf = transformers.WeightConverter(
-        ["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"], "mlp.experts.gate_up_proj",
+        ["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"],
+        "mlp.experts.gate_up_proj",
         [transformers.MergeModulelist(dim=0), transformers.Concatenate(dim=1)],
     )
-    register_checkpoint_conversion_mapping("qwen2_moe", [hf, transformers.WeightRenaming(r"\.moe\.", ".mlp.")], overwrite=True)
+    register_checkpoint_conversion_mapping(
+        "qwen2_moe", [hf, transformers.WeightRenaming(r"\.moe\.", ".mlp.")], overwrite=True
+    )
     converter, renaming = get_checkpoint_conversion_mapping("qwen2_moe")
-    assert converter == WeightConverter(hf.source_patterns, "mlp.experts.gate_up_proj",
-                                        [MergeModulelist(dim=0), Concatenate(dim=1, equal_parts=True)])
+    assert converter == WeightConverter(
+        hf.source_patterns, "mlp.experts.gate_up_proj", [MergeModulelist(dim=0), Concatenate(dim=1, equal_parts=True)]
+    )
     assert renaming == WeightRenaming(r"\.moe\.", ".mlp.")
 
 
@@ -151,7 +156,9 @@ def test_bad_model_type(model_type):
 
 def test_bad_mapping_items_leave_the_registry_unchanged():
     with pytest.raises(TypeError, match="WeightConverter/WeightRenaming"):
-        register_checkpoint_conversion_mapping(model_type="qwen2_moe", mapping=[QKV, Concatenate(dim=0)], overwrite=True)
+        register_checkpoint_conversion_mapping(
+            model_type="qwen2_moe", mapping=[QKV, Concatenate(dim=0)], overwrite=True
+        )
     assert len(get_checkpoint_conversion_mapping("qwen2_moe")) == 2
 
 
@@ -191,5 +198,7 @@ def test_a_class_name_mapping_wins_over_the_model_type():
     transforms = model_conversions(model)
     # The root matched by class; its Qwen2MoeModel still gets the model type's mapping, scoped to it, as in stock.
     assert transforms[0] == renaming
-    assert [t.source_patterns for t in transforms[1:]] == [t.source_patterns for t in get_checkpoint_conversion_mapping("qwen2_moe")]
+    assert [t.source_patterns for t in transforms[1:]] == [
+        t.source_patterns for t in get_checkpoint_conversion_mapping("qwen2_moe")
+    ]
     assert all(t.scope == ("", "model") for t in transforms[1:])

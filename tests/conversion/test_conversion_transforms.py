@@ -112,7 +112,10 @@ def test_target_templates_follow_transformers():
     renaming = WeightRenaming(r"\.indexer\.wq_b\.", r"\.compressor\.indexer\.q_b_proj\.")
     assert renaming.rename("layers.0.indexer.wq_b.weight") == "layers.0.compressor.indexer.q_b_proj.weight"
     renaming = WeightRenaming(r"(vision_tower\.layers\.\d+)\.ln_1\.", r"\1.layernorm_before.")
-    assert renaming.rename("model.vision_tower.layers.7.ln_1.weight") == "model.vision_tower.layers.7.layernorm_before.weight"
+    assert (
+        renaming.rename("model.vision_tower.layers.7.ln_1.weight")
+        == "model.vision_tower.layers.7.layernorm_before.weight"
+    )
     assert key_template(r"^model(?!\.(language_model|visual))") == ("model", None)
     assert key_template(r"^(?:(?!timm_model\.))(.+)") == ("\\1", "(.+)")
     with pytest.raises(ConversionError, match="not a key template"):
@@ -161,7 +164,9 @@ def test_renaming_that_cannot_be_inverted():
 
 
 def test_renaming_takes_one_target_for_any_number_of_sources():
-    legacy = WeightRenaming([r"^model\.language_model\.model", r"^language_model\.model\.model"], "model.language_model")
+    legacy = WeightRenaming(
+        [r"^model\.language_model\.model", r"^language_model\.model\.model"], "model.language_model"
+    )
     assert legacy.rename("language_model.model.model.x") == "model.language_model.x"
     assert legacy.rename("model.language_model.model.x") == "model.language_model.x"
     with pytest.raises(ConversionError, match="one target"):
@@ -170,7 +175,10 @@ def test_renaming_takes_one_target_for_any_number_of_sources():
 
 def test_group_rename_pairs_and_guard():
     group = GroupWeightRename([r"blocks.(\d+).norm0", r"blocks.(\d+).norm1"], [r"blocks.\1.norm1", r"blocks.\1.norm2"])
-    assert group.rename("blocks.0.norm0.w") == "blocks.0.norm1.w" and group.rename("blocks.0.norm1.w") == "blocks.0.norm2.w"
+    assert (
+        group.rename("blocks.0.norm0.w") == "blocks.0.norm1.w"
+        and group.rename("blocks.0.norm1.w") == "blocks.0.norm2.w"
+    )
     assert group.is_guard("blocks.2.norm0.w") and not group.is_guard("blocks.2.norm1.w")
     assert group.inverse().rename("blocks.0.norm2.w") == "blocks.0.norm1.w"
     with pytest.raises(ConversionError, match="pairs"):

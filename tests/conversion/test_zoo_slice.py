@@ -84,7 +84,9 @@ def test_zoo_type_round_trips_bitwise(model_type, registry_classes):
     from transformers import CONFIG_MAPPING
 
     if model_type not in CONFIG_MAPPING:
-        pytest.skip(f"transformers {transformers.__version__} has no model type {model_type!r} (a later release added it)")
+        pytest.skip(
+            f"transformers {transformers.__version__} has no model type {model_type!r} (a later release added it)"
+        )
     result = zoo.check_type(model_type, registry_classes)
     assert result.status == "bitwise", zoo._line(result)
     tested = [c for c in result.classes if c.status == "bitwise"]
@@ -99,8 +101,11 @@ def test_the_sweep_notices_a_wrong_conversion():
         "mixtral",
         [
             modelpatch.WeightRenaming(".block_sparse_moe.", ".mlp."),
-            WeightConverter([".experts.*.w3.weight", ".experts.*.w1.weight"], ".experts.gate_up_proj",
-                            [MergeModulelist(dim=0), modelpatch.Concatenate(dim=1)]),
+            WeightConverter(
+                [".experts.*.w3.weight", ".experts.*.w1.weight"],
+                ".experts.gate_up_proj",
+                [MergeModulelist(dim=0), modelpatch.Concatenate(dim=1)],
+            ),
             WeightConverter(".experts.*.w2.weight", ".experts.down_proj", [MergeModulelist(dim=0)]),
         ],
         overwrite=True,

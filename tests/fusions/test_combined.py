@@ -75,7 +75,9 @@ def test_from_config_builds_fused_classes(tiny, tmp_path):
     assert isinstance(layer.mlp.shared_expert.gate_up_proj, FusedLinear)
     assert isinstance(layer.mlp.experts, LinearExperts) and len(layer.mlp.experts) == 4
     assert model.config.modelpatch_fusion_config == ALL_TEXT
-    assert not hasattr(tiny("qwen2_moe").stock().config, "modelpatch_fusion_config")  # the caller's config is not modified
+    assert not hasattr(
+        tiny("qwen2_moe").stock().config, "modelpatch_fusion_config"
+    )  # the caller's config is not modified
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     with torch.no_grad():
         logits = model(ids).logits
@@ -159,8 +161,12 @@ def test_unpickles_in_a_fresh_process(tiny, tmp_path):
         "out['classes'] = sorted({type(m).__module__ + '.' + type(m).__name__ for m in model.modules()})\n"
         "torch.save(out, sys.argv[2])\n"
     )
-    subprocess.run([sys.executable, "-c", script, str(tmp_path / "model.pkl"), str(tmp_path / "out.pt")], check=True,
-                   capture_output=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "model.pkl"), str(tmp_path / "out.pt")],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     out = torch.load(tmp_path / "out.pt")
     assert "modelpatch.fusions.generated.PatchLinearPatchEmbed" in out["classes"]
     assert "modelpatch.fusions.generated.QKVFusedQwen2VLAttention" in out["classes"]
@@ -209,7 +215,11 @@ def test_stock_transformers_loads_a_default_format_save(tiny, tmp_path):
         "    out = [M.from_pretrained(p).model.visual(pixels, grid_thw=grid).last_hidden_state for p in sys.argv[1:]]\n"
         "print((out[0] - out[1]).abs().max().item())\n"
     )
-    result = subprocess.run([sys.executable, "-c", script, str(ckpt.path), str(tmp_path / "saved")],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(ckpt.path), str(tmp_path / "saved")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert float(result.stdout.split()[-1]) <= 1e-5

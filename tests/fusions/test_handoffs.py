@@ -175,7 +175,8 @@ def test_torchao_int8_weight_only_is_refused_by_name(tiny, tmp_path):
     assert type(model.model.layers[0].self_attn.qkv_proj.weight).__module__.startswith(torchao.__name__)
     ckpt.outputs(model)  # the quantized fused model runs
     for original_format in (True, False):
-        with pytest.raises(SaveError, match=r"model.layers.0.self_attn.qkv_proj \(FusedLinear\): weight is a Int8Tensor"):
+        match = r"model.layers.0.self_attn.qkv_proj \(FusedLinear\): weight is a Int8Tensor"
+        with pytest.raises(SaveError, match=match):
             modelpatch.save_pretrained(model, tmp_path / "out", save_original_format=original_format)
     assert not (tmp_path / "out").exists()
 
@@ -208,8 +209,15 @@ def test_trainer_checkpoint_of_a_fused_model_loads_in_stock(tiny, tmp_path):
     generator = torch.Generator().manual_seed(0)
     rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, VOCAB, (8, 10), generator=generator)]
     args = TrainingArguments(
-        output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-2,
-        report_to=[], save_strategy="no", use_cpu=True, logging_strategy="no", disable_tqdm=True,
+        output_dir=str(tmp_path / "run"),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        logging_strategy="no",
+        disable_tqdm=True,
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -256,7 +264,12 @@ def test_a_fused_model_generates_in_a_pipeline_like_stock(tiny):
     tokenizer = _word_tokenizer()
     prompt = "w5 w9 w12 w3"
     outputs = []
-    for model in (AutoModelForCausalLM.from_pretrained(ckpt.path), PatchedAuto.from_pretrained(ckpt.path, fusion_config=TEXT_FUSIONS)):
+    for model in (
+        AutoModelForCausalLM.from_pretrained(ckpt.path),
+        PatchedAuto.from_pretrained(ckpt.path, fusion_config=TEXT_FUSIONS),
+    ):
         generator = pipeline("text-generation", model=model, tokenizer=tokenizer, device="cpu")
-        outputs.append(generator(prompt, max_new_tokens=8, do_sample=False, return_full_text=False)[0]["generated_text"])
+        outputs.append(
+            generator(prompt, max_new_tokens=8, do_sample=False, return_full_text=False)[0]["generated_text"]
+        )
     assert outputs[0] == outputs[1] and len(outputs[0].split()) == 8

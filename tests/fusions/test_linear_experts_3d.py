@@ -196,14 +196,39 @@ def test_misfit_3d_checkpoints_are_refused_at_plan_time(tiny, tmp_path, case):
 
 # Other MoE families transformers 5.23 maps, as tiny configs; their experts are the same 3-D module shape.
 MORE_MOE = {
-    "deepseek_v3": dict(qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, kv_lora_rank=16, q_lora_rank=16,
-                        head_dim=8, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=0, n_group=1,
-                        topk_group=1, moe_intermediate_size=16),
-    "deepseek_v2": dict(qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, kv_lora_rank=16, q_lora_rank=16,
-                        n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1,
-                        moe_intermediate_size=16),
-    "glm4_moe": dict(n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=0, moe_intermediate_size=16, head_dim=8),
-    "dots1": dict(n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=0, moe_intermediate_size=16, head_dim=8),
+    "deepseek_v3": dict(
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        head_dim=8,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        first_k_dense_replace=0,
+        n_group=1,
+        topk_group=1,
+        moe_intermediate_size=16,
+    ),
+    "deepseek_v2": dict(
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        first_k_dense_replace=0,
+        n_group=1,
+        topk_group=1,
+        moe_intermediate_size=16,
+    ),
+    "glm4_moe": dict(
+        n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=0, moe_intermediate_size=16, head_dim=8
+    ),
+    "dots1": dict(
+        n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=0, moe_intermediate_size=16, head_dim=8
+    ),
     "hunyuan_v1_moe": dict(num_experts=4, moe_intermediate_size=16, head_dim=8),
     "phimoe": dict(num_local_experts=4),
     "minimax": dict(num_local_experts=4, head_dim=8),
@@ -217,8 +242,15 @@ def test_more_moe_families_load_3d_experts_and_save_them_back(model_type, tmp_pa
     from transformers import CONFIG_MAPPING
 
     config = CONFIG_MAPPING[model_type](
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
         **MORE_MOE[model_type],
     )
     torch.manual_seed(0)

@@ -105,7 +105,9 @@ def test_unknown_fusion_in_a_runtime_layout_checkpoint(tiny, tmp_path):
 def test_runtime_layout_checkpoint_with_other_fusions_is_refused(tiny, tmp_path):
     ckpt = tiny("llama")
     modelpatch.save_pretrained(ckpt.load({"qkv": True}), tmp_path / "runtime", save_original_format=False)
-    with pytest.raises(FusionError, match=r"runtime layout of fusions \['qkv'\].*modelpatch convert SRC DST --fusion none"):
+    with pytest.raises(
+        FusionError, match=r"runtime layout of fusions \['qkv'\].*modelpatch convert SRC DST --fusion none"
+    ):
         ckpt.load({}, path=tmp_path / "runtime")
 
 

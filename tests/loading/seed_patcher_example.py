@@ -78,7 +78,9 @@ class FusedQKVAttention(nn.Module):
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
-        out, weights = sdpa_attention_forward(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
+        out, weights = sdpa_attention_forward(
+            self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
+        )
         return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 
 
@@ -102,7 +104,7 @@ patcher = Patcher(
             target_patterns=["qkv_proj.bias"],
             operations=[Concatenate(dim=0)],
         ),
-    ]
+    ],
 )
 
 # Load model with patches applied

@@ -134,8 +134,10 @@ register_patch_mapping(
 )
 
 # Registering weight conversion mappings adapted for the new modules. This registration will:
-# - Override the original conversion mapping for qwen2_moe which concatenated the experts into a single parameter format.
-# - Concatenate the q_proj, k_proj, v_proj weights/biases into a single qkv_proj weight/bias for the new fused attention module.
+# - Override the original conversion mapping for qwen2_moe which concatenated the experts into a single parameter
+#   format.
+# - Concatenate the q_proj, k_proj, v_proj weights/biases into a single qkv_proj weight/bias for the new fused
+#   attention module.
 register_checkpoint_conversion_mapping(
     model_type="qwen2_moe",
     mapping=[

@@ -134,24 +134,52 @@ CONFIGS: dict[str, tuple[str, type, dict[str, Any]]] = {
     "llama_tied": ("llama", AutoModelForCausalLM, _llama_like(tie_word_embeddings=True)),
     "mistral": ("mistral", AutoModelForCausalLM, _llama_like(sliding_window=None)),
     "qwen2": ("qwen2", AutoModelForCausalLM, _llama_like()),
-    "gpt2": ("gpt2", AutoModelForCausalLM, {"vocab_size": VOCAB, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64}),
+    "gpt2": (
+        "gpt2",
+        AutoModelForCausalLM,
+        {"vocab_size": VOCAB, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64},
+    ),
     "bert": (
         "bert",
         AutoModelForMaskedLM,
-        {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "intermediate_size": 64, "max_position_embeddings": 64},
+        {
+            "vocab_size": VOCAB,
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "intermediate_size": 64,
+            "max_position_embeddings": 64,
+        },
     ),
     "bert_base": (
         "bert",
         AutoModel,
-        {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "intermediate_size": 64, "max_position_embeddings": 64},
+        {
+            "vocab_size": VOCAB,
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "intermediate_size": 64,
+            "max_position_embeddings": 64,
+        },
     ),
     "qwen2_moe": ("qwen2_moe", AutoModelForCausalLM, _moe(shared_expert_intermediate_size=48)),
     # num_key_value_heads == num_attention_heads: the seeds' 3 * heads * head_dim fused q/k/v sizing is valid.
-    "qwen2_moe_mha": ("qwen2_moe", AutoModelForCausalLM, _moe(shared_expert_intermediate_size=48, num_key_value_heads=4)),
-    "qwen2_moe_wide": ("qwen2_moe", AutoModelForCausalLM, _moe(shared_expert_intermediate_size=48, moe_intermediate_size=512)),
-    "mixtral": ("mixtral", AutoModelForCausalLM, _llama_like(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe_mha": (
+        "qwen2_moe",
+        AutoModelForCausalLM,
+        _moe(shared_expert_intermediate_size=48, num_key_value_heads=4),
+    ),
+    "qwen2_moe_wide": (
+        "qwen2_moe",
+        AutoModelForCausalLM,
+        _moe(shared_expert_intermediate_size=48, moe_intermediate_size=512),
+    ),
+    "mixtral": (
+        "mixtral",
+        AutoModelForCausalLM,
+        _llama_like(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
+    ),
     "qwen3_moe": ("qwen3_moe", AutoModelForCausalLM, _moe(head_dim=16)),
     "olmoe": ("olmoe", AutoModelForCausalLM, _llama_like(intermediate_size=32, num_experts=4, num_experts_per_tok=2)),
 }
@@ -161,13 +189,20 @@ QWEN2_VL_IMAGE_TOKEN = VOCAB - 4
 
 def _qwen2_vl_config(model_type: str = "qwen2_vl"):
     text = _llama_like(rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
-    vision = {"depth": 2, "num_heads": 4, "patch_size": 14, "temporal_patch_size": 2, "spatial_merge_size": 2,
-              "in_channels": 3}
+    vision = {
+        "depth": 2,
+        "num_heads": 4,
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "spatial_merge_size": 2,
+        "in_channels": 3,
+    }
     if model_type == "qwen2_vl":
         vision.update(embed_dim=32, hidden_size=64, mlp_ratio=2)
     else:
-        vision.update(hidden_size=32, out_hidden_size=64, intermediate_size=64, fullatt_block_indexes=[1],
-                      window_size=56)
+        vision.update(
+            hidden_size=32, out_hidden_size=64, intermediate_size=64, fullatt_block_indexes=[1], window_size=56
+        )
     return AutoConfig.for_model(
         model_type,
         text_config=text,
@@ -234,7 +269,9 @@ class CheckpointFactory:
             path = self._save(name, model, seed, max_shard_size="30KB")
             return StockCheckpoint(name, path, AutoModelForCausalLM, _token_inputs(seed), {"max_shard_size": "30KB"})
         if name == "llama_bf16":
-            model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **_llama_like()), dtype=torch.bfloat16)
+            model = AutoModelForCausalLM.from_config(
+                AutoConfig.for_model("llama", **_llama_like()), dtype=torch.bfloat16
+            )
             return StockCheckpoint(name, self._save(name, model, seed), AutoModelForCausalLM, _token_inputs(seed))
         raise KeyError(name)
 

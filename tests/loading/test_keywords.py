@@ -27,12 +27,21 @@ from modelpatch.loading import keywords
 from modelpatch.loading import load as load_module
 
 # Private keywords of stock from_pretrained (telemetry, backward compatibility): not part of its public interface.
-PRIVATE = {"cls", "pretrained_model_name_or_path", "model_args", "kwargs", "_from_pipeline", "_from_auto", "_commit_hash",
-           "_fast_init"}
+PRIVATE = {
+    "cls",
+    "pretrained_model_name_or_path",
+    "model_args",
+    "kwargs",
+    "_from_pipeline",
+    "_from_auto",
+    "_commit_hash",
+    "_fast_init",
+}
 
 
 def stock_keywords() -> set[str]:
-    """Every keyword transformers' PreTrainedModel.from_pretrained takes: its signature and what it reads from kwargs."""
+    """Every keyword transformers' PreTrainedModel.from_pretrained takes: its signature and what it reads from
+    kwargs."""
     source = inspect.getsource(PreTrainedModel.from_pretrained.__func__)
     names = set(inspect.signature(PreTrainedModel.from_pretrained).parameters)
     names |= set(re.findall(r'kwargs\.pop\("(\w+)"', source))
@@ -182,7 +191,11 @@ def test_config_path(stock_checkpoint, tmp_path):
 def test_config_overrides_like_stock(stock_checkpoint):
     path = stock_checkpoint("llama").path
     model = modelpatch.from_pretrained(
-        AutoModelForSequenceClassification, path, new_parameters=[r"^score\."], num_labels=5, output_attentions=True,
+        AutoModelForSequenceClassification,
+        path,
+        new_parameters=[r"^score\."],
+        num_labels=5,
+        output_attentions=True,
         attn_implementation="eager",
     )
     stock = AutoModelForSequenceClassification.from_pretrained(
@@ -235,12 +248,20 @@ def test_download_options_mean_nothing_for_local_directories(stock_checkpoint):
 
 def test_offload_buffers_reaches_accelerate(stock_checkpoint, tmp_path):
     checkpoint = stock_checkpoint("llama")
-    device_map = {"model.embed_tokens": "cpu", "model.layers": "disk", "model.norm": "cpu", "model.rotary_emb": "cpu",
-                  "lm_head": "cpu"}
+    device_map = {
+        "model.embed_tokens": "cpu",
+        "model.layers": "disk",
+        "model.norm": "cpu",
+        "model.rotary_emb": "cpu",
+        "lm_head": "cpu",
+    }
     stock = AutoModelForCausalLM.from_pretrained(checkpoint.path)
     for offload_buffers in (False, True):
         model = modelpatch.from_pretrained(
-            AutoModelForCausalLM, checkpoint.path, device_map=device_map, offload_folder=tmp_path / str(offload_buffers),
+            AutoModelForCausalLM,
+            checkpoint.path,
+            device_map=device_map,
+            offload_folder=tmp_path / str(offload_buffers),
             offload_buffers=offload_buffers,
         )
         hooks = [module._hf_hook for module in model.modules() if hasattr(module, "_hf_hook")]

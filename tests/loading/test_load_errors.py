@@ -150,7 +150,9 @@ def _broken_llama(source: Path, target: Path) -> Path:
     return rewrite_checkpoint(source, target, edit)
 
 
-def test_missing_and_mismatched_keys_in_one_error_before_any_data_is_read(stock_checkpoint, tmp_path, no_tensor_data_read):
+def test_missing_and_mismatched_keys_in_one_error_before_any_data_is_read(
+    stock_checkpoint, tmp_path, no_tensor_data_read
+):
     directory = _broken_llama(stock_checkpoint("llama").path, tmp_path / "broken")
     with pytest.raises(LoadPlanError) as info:
         modelpatch.from_pretrained(AutoModelForCausalLM, directory)
@@ -162,8 +164,17 @@ def test_missing_and_mismatched_keys_in_one_error_before_any_data_is_read(stock_
         "model.layers.1.self_attn.k_proj.weight",
     ]
     message = str(error)
-    for key in ("model.layers.0.mlp.up_proj.weight", "model.norm.weight", "lm_head.weight", "[129, 64]", "[128, 64]",
-                "model.layers.1.self_attn.k_proj.weight", "[48, 64]", "[32, 64]", "new_parameters"):
+    for key in (
+        "model.layers.0.mlp.up_proj.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+        "[129, 64]",
+        "[128, 64]",
+        "model.layers.1.self_attn.k_proj.weight",
+        "[48, 64]",
+        "[32, 64]",
+        "new_parameters",
+    ):
         assert key in message
     assert no_tensor_data_read == []
 
@@ -418,15 +429,20 @@ def test_safetensors_preferred_over_pickle(stock_checkpoint, tmp_path):
     assert model.model.norm.weight.shape == (64,)
 
 
-
-def test_quantized_checkpoints_on_a_transformers_without_the_quantizer_api_are_refused_by_name(stock_checkpoint, tmp_path):
+def test_quantized_checkpoints_on_a_transformers_without_the_quantizer_api_are_refused_by_name(
+    stock_checkpoint, tmp_path
+):
     from modelpatch.loading.quantization import quantizer_api_supported
 
     if quantizer_api_supported():
         pytest.skip("this transformers has the quantizer API modelpatch drives (tests/loading/test_quantized.py)")
     path = shutil.copytree(stock_checkpoint("llama").path, tmp_path / "fp8")
     config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+        "activation_scheme": "dynamic",
+    }
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(modelpatch.LoadPlanError, match=r"fp8.*update_weight_conversions.*Upgrade transformers"):
         modelpatch.from_pretrained(AutoModelForCausalLM, path)

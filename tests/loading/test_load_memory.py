@@ -220,7 +220,9 @@ def test_released_pages_are_read_again_when_a_parameter_views_them(stock_checkpo
 
     ckpt = stock_checkpoint("llama")
     split_and_join = WeightConverter(
-        ["gate_proj.weight", "up_proj.weight"], ["gate_proj.weight", "up_proj.weight"], [Concatenate(dim=0), Chunk(dim=0)]
+        ["gate_proj.weight", "up_proj.weight"],
+        ["gate_proj.weight", "up_proj.weight"],
+        [Concatenate(dim=0), Chunk(dim=0)],
     )
     identity = WeightConverter("model.norm.weight", "model.norm.weight", [])
     model = modelpatch.from_pretrained(

@@ -124,7 +124,10 @@ def test_qwen2_vl_layouts_load_to_the_same_runtime_model(stock_checkpoint):
     assert legacy.state_dict().keys() == runtime.state_dict().keys()
     report = modelpatch.get_load_report(legacy)
     assert report.direct["model.visual.patch_embed.proj.weight"] == "visual.patch_embed.proj.weight"
-    assert report.direct["model.language_model.layers.0.self_attn.q_proj.weight"] == "model.layers.0.self_attn.q_proj.weight"
+    assert (
+        report.direct["model.language_model.layers.0.self_attn.q_proj.weight"]
+        == "model.layers.0.self_attn.q_proj.weight"
+    )
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama_tied", "bert"])
@@ -164,7 +167,9 @@ def test_keep_in_fp32_modules_as_stock(tmp_path, dtype):
     from transformers import AutoModelForSeq2SeqLM, T5Config, T5ForConditionalGeneration
 
     torch.manual_seed(0)
-    T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)).save_pretrained(tmp_path / "t5")
+    T5ForConditionalGeneration(
+        T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)
+    ).save_pretrained(tmp_path / "t5")
     stock = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "t5", dtype=dtype)
     ours = modelpatch.from_pretrained(AutoModelForSeq2SeqLM, tmp_path / "t5", dtype=dtype)
     assert {k: v.dtype for k, v in ours.state_dict().items()} == {k: v.dtype for k, v in stock.state_dict().items()}

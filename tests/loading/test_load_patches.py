@@ -1,4 +1,5 @@
-"""Patches during construction, and the conversion list: extra conversions first, then the model type's minus filtered."""
+"""Patches during construction, and the conversion list: extra conversions first, then the model type's minus
+filtered."""
 
 from __future__ import annotations
 
@@ -55,8 +56,15 @@ def test_patcher_wins_over_the_registry_and_is_scoped(stock_checkpoint):
 
 
 def test_patcher_applies_to_from_config():
-    config = AutoConfig.for_model("llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                  num_attention_heads=2, num_key_value_heads=1)
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     model = modelpatch.from_config(AutoModelForCausalLM, config, patcher=Patcher({"LlamaMLP": CountingMLP}))
     assert type(model.model.layers[0].mlp) is CountingMLP
     assert type(modelpatch.from_config(AutoModelForCausalLM, config).model.layers[0].mlp) is LlamaMLP
@@ -90,7 +98,9 @@ def test_transformers_own_converter_through_a_patcher(stock_checkpoint, tmp_path
     assert WeightConverter("mlp.experts.*.down_proj.weight", "mlp.experts.down_proj", [MergeModulelist(dim=0)]) in {
         g.converter for g in report.groups
     }
-    assert_tensors_identical(model.state_dict(), modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path).state_dict())
+    assert_tensors_identical(
+        model.state_dict(), modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path).state_dict()
+    )
     modelpatch.save_pretrained(model, tmp_path / "out")
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == (ckpt.path / "model.safetensors").read_bytes()
 
@@ -148,7 +158,9 @@ def test_a_key_that_matches_nothing_in_a_load_is_a_warning_naming_it(stock_check
     patcher = Patcher({"LlamaAtention": MarkedAttention, "MLP$": OtherMLP})  # a typo, and a pattern that applies
     with caplog.at_level(logging.WARNING, logger="modelpatch"):
         model = modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path, patcher=patcher)
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "Patch key" in r.getMessage()]
+    warnings = [
+        r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "Patch key" in r.getMessage()
+    ]
     assert len(warnings) == 2
     assert "'LlamaAtention' of the Patcher matched no class built by this load of LlamaForCausalLM" in warnings[0]
     assert "'Qwen2MoeExperts' of the global patch registry matched no class" in warnings[1]
@@ -156,8 +168,15 @@ def test_a_key_that_matches_nothing_in_a_load_is_a_warning_naming_it(stock_check
     assert type(model.model.layers[0].mlp) is OtherMLP
 
     caplog.clear()
-    config = AutoConfig.for_model("llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                  num_attention_heads=2, num_key_value_heads=1)
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     with caplog.at_level(logging.WARNING, logger="modelpatch"):
         modelpatch.from_config(AutoModelForCausalLM, config, patcher=patcher)
     assert "'LlamaAtention' of the Patcher matched no class" in caplog.text

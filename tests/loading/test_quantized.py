@@ -205,7 +205,10 @@ def test_fp8_composes_with_qkv_fusion(fp8_checkpoint):
 
 def test_fp8_save_refuses_the_checkpoint_layout_and_writes_the_dequantized_runtime_layout(fp8_checkpoint, tmp_path):
     model = modelpatch.from_pretrained(AutoModelForCausalLM, fp8_checkpoint("llama"))
-    for save in (lambda: modelpatch.save_pretrained(model, tmp_path / "out"), lambda: model.save_pretrained(tmp_path / "o")):
+    for save in (
+        lambda: modelpatch.save_pretrained(model, tmp_path / "out"),
+        lambda: model.save_pretrained(tmp_path / "o"),
+    ):
         with pytest.raises(SaveError, match=r"fp8 weights were dequantized at load.*save_original_format=False"):
             save()
         assert not (tmp_path / "out").exists() and not (tmp_path / "o").exists()
@@ -221,7 +224,9 @@ def test_fp8_scale_without_its_weight_is_named(fp8_checkpoint, tmp_path, no_tens
     tensors = load_file(str(path / "model.safetensors"))
     del tensors["model.layers.0.self_attn.o_proj.weight"]
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(LoadPlanError, match=r"fp8 quantized tensors(.|\n)*layers\.0\.self_attn\.o_proj\.weight_scale_inv"):
+    with pytest.raises(
+        LoadPlanError, match=r"fp8 quantized tensors(.|\n)*layers\.0\.self_attn\.o_proj\.weight_scale_inv"
+    ):
         modelpatch.from_pretrained(AutoModelForCausalLM, path)
 
 
@@ -261,7 +266,9 @@ def metadata(directory: Path) -> dict[str, str]:
 
 
 def test_torchao_checkpoint_with_a_fusion_that_would_concatenate_it_is_refused(torchao_checkpoint, no_tensor_reads):
-    with pytest.raises(LoadPlanError, match=r"cannot concatenate or stack quantized tensors(.|\n)*self_attn\.qkv_proj\.weight"):
+    with pytest.raises(
+        LoadPlanError, match=r"cannot concatenate or stack quantized tensors(.|\n)*self_attn\.qkv_proj\.weight"
+    ):
         modelpatch.from_pretrained(AutoModelForCausalLM, torchao_checkpoint, fusion_config={"qkv": True})
 
 
@@ -307,7 +314,9 @@ def test_torchao_quantization_at_load_quantizes_the_fused_projection(plain_llama
         ({"quant_method": "made_up"}, "made_up"),
     ],
 )
-def test_unsupported_methods_are_refused_by_name_before_any_tensor_is_read(plain_llama, tmp_path, no_tensor_reads, settings, method):
+def test_unsupported_methods_are_refused_by_name_before_any_tensor_is_read(
+    plain_llama, tmp_path, no_tensor_reads, settings, method
+):
     path = tmp_path / "quantized"
     shutil.copytree(plain_llama, path)
     raw = json.loads((path / "config.json").read_text())
@@ -319,7 +328,9 @@ def test_unsupported_methods_are_refused_by_name_before_any_tensor_is_read(plain
 
 def test_unsupported_quantization_at_load_is_refused_by_name(plain_llama, no_tensor_reads):
     with pytest.raises(LoadPlanError, match=r"quantization_config= asks for quantization method 'bitsandbytes'"):
-        modelpatch.from_pretrained(AutoModelForCausalLM, plain_llama, quantization_config=BitsAndBytesConfig(load_in_8bit=True))
+        modelpatch.from_pretrained(
+            AutoModelForCausalLM, plain_llama, quantization_config=BitsAndBytesConfig(load_in_8bit=True)
+        )
 
 
 def test_fp8_quantization_at_load_without_a_gpu_is_refused_with_stocks_reason(plain_llama, no_tensor_reads):
@@ -350,13 +361,23 @@ def compressed_tensors_checkpoint(plain_llama, tmp_path_factory) -> Path:
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     raw = json.loads((path / "config.json").read_text())
     raw["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
         "ignore": ["lm_head"],
-        "config_groups": {"group_0": {
-            "targets": ["Linear"],
-            "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
-            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True},
-        }},
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+                "input_activations": {
+                    "num_bits": 8,
+                    "type": "float",
+                    "strategy": "token",
+                    "symmetric": True,
+                    "dynamic": True,
+                },
+            }
+        },
     }
     (path / "config.json").write_text(json.dumps(raw))
     return path
@@ -389,7 +410,11 @@ def test_compressed_tensors_save_is_refused_by_name(compressed_tensors_checkpoin
 def test_compressed_tensors_dequantize_at_load_is_refused_by_name(compressed_tensors_checkpoint, no_tensor_reads):
     from transformers import CompressedTensorsConfig
 
-    with pytest.raises(LoadPlanError, match=r"compressed-tensors quantizer loads this checkpoint with CompressedTensorsDequantize"):
+    with pytest.raises(
+        LoadPlanError, match=r"compressed-tensors quantizer loads this checkpoint with CompressedTensorsDequantize"
+    ):
         modelpatch.from_pretrained(
-            AutoModelForCausalLM, compressed_tensors_checkpoint, quantization_config=CompressedTensorsConfig(dequantize=True)
+            AutoModelForCausalLM,
+            compressed_tensors_checkpoint,
+            quantization_config=CompressedTensorsConfig(dequantize=True),
         )

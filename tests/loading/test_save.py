@@ -114,7 +114,9 @@ def test_save_that_cannot_be_reversed_fails_before_writing(stock_checkpoint, tmp
     modelpatch.save_pretrained(model, out)
     before = _snapshot(out)
     del model.model.layers[1].mlp.experts.down_proj  # the model no longer has a converted parameter
-    with pytest.raises(modelpatch.SaveError, match=r"model.layers.1.mlp.experts \(Qwen2MoeExperts\): down_proj is gone"):
+    with pytest.raises(
+        modelpatch.SaveError, match=r"model.layers.1.mlp.experts \(Qwen2MoeExperts\): down_proj is gone"
+    ):
         modelpatch.save_pretrained(model, out)
     assert _snapshot(out) == before
 

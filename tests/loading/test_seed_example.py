@@ -39,7 +39,9 @@ def test_seed_example_runs_matches_stock_and_saves_back_bitwise(stock_checkpoint
         fused = layer.self_attn.qkv_proj.get_parameter(suffix)
         parts = [source[f"model.layers.0.self_attn.{p}_proj.{suffix}"] for p in "qkv"]
         assert torch.equal(bits(fused), bits(torch.cat(parts)))
-    assert torch.equal(bits(layer.mlp.experts[3].up_proj.weight), bits(source["model.layers.0.mlp.experts.3.up_proj.weight"]))
+    assert torch.equal(
+        bits(layer.mlp.experts[3].up_proj.weight), bits(source["model.layers.0.mlp.experts.3.up_proj.weight"])
+    )
 
     stock = AutoModelForCausalLM.from_pretrained(ckpt.path)
     inputs = ckpt.inputs()
@@ -58,7 +60,8 @@ def test_seed_example_registration_replaced_the_builtin_mapping(stock_checkpoint
 
 
 def test_seed_example_on_grouped_query_checkpoint_fails_loudly(stock_checkpoint):
-    """The seed's 3*heads*head_dim sizing is wrong for GQA: one LoadPlanError naming every qkv key, no random weights."""
+    """The seed's 3*heads*head_dim sizing is wrong for GQA: one LoadPlanError naming every qkv key, no random
+    weights."""
     ckpt = stock_checkpoint("qwen2_moe")
     with pytest.raises(LoadPlanError) as info:
         _run_seed_example(ckpt.path)
@@ -82,8 +85,15 @@ def _gqa_attention_class(namespace: dict):
             self.kv_size = config.num_key_value_heads * self.head_dim
             self.qkv_proj = torch.nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=True)
 
-        def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
-                    cache_position=None, **kwargs):
+        def forward(
+            self,
+            hidden_states,
+            position_embeddings=None,
+            attention_mask=None,
+            past_key_values=None,
+            cache_position=None,
+            **kwargs,
+        ):
             input_shape = hidden_states.shape[:-1]
             hidden_shape = (*input_shape, -1, self.head_dim)
             q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -92,8 +102,9 @@ def _gqa_attention_class(namespace: dict):
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
             if past_key_values is not None:
                 k, v = past_key_values.update(k, v, self.layer_idx, {"sin": sin, "cos": cos})
-            out, weights = sdpa_attention_forward(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling,
-                                                  **kwargs)
+            out, weights = sdpa_attention_forward(
+                self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
+            )
             return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 
     return GroupedQKVAttention
@@ -146,7 +157,10 @@ def test_grouped_query_variant_through_a_patcher(stock_checkpoint, tmp_path):
         WeightConverter(["q_proj.bias", "k_proj.bias", "v_proj.bias"], ["qkv_proj.bias"], [Concatenate(dim=0)]),
     ]
     patcher = modelpatch.Patcher(
-        class_mapping={"Qwen2MoeExperts": namespace["ModuleListExperts"], "Qwen2MoeAttention": _gqa_attention_class(namespace)},
+        class_mapping={
+            "Qwen2MoeExperts": namespace["ModuleListExperts"],
+            "Qwen2MoeAttention": _gqa_attention_class(namespace),
+        },
         filtered_weight_conversion_patterns=[".gate_up_proj", ".down_proj"],
         extra_weight_conversions=extra,
     )
@@ -188,7 +202,10 @@ def test_from_config_with_the_seed_patches_saves_in_checkpoint_layout(stock_chec
     equal = WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"], [Concatenate(dim=0, equal_parts=True)])
     modelpatch.clear_patch_mapping()
     patcher = modelpatch.Patcher(
-        class_mapping={"Qwen2MoeExperts": namespace["ModuleListExperts"], "Qwen2MoeAttention": namespace["FusedQKVAttention"]},
+        class_mapping={
+            "Qwen2MoeExperts": namespace["ModuleListExperts"],
+            "Qwen2MoeAttention": namespace["FusedQKVAttention"],
+        },
         extra_weight_conversions=[equal],
     )
     modelpatch.register_checkpoint_conversion_mapping(model_type="qwen2_moe", mapping=[], overwrite=True)
@@ -204,7 +221,9 @@ def test_from_config_with_the_seed_patches_saves_in_checkpoint_layout(stock_chec
 def test_documented_patcher_example_runs_with_only_its_import_changed(stock_checkpoint, tmp_path):
     """The Patcher quick example (grouped-query attention, sequential experts) through modelpatch's Auto class."""
     ckpt = stock_checkpoint("qwen2_moe")  # 4 heads, 2 key/value heads
-    namespace = runpy.run_path(str(SEED_EXAMPLE.with_name("seed_patcher_example.py")), init_globals={"CHECKPOINT": str(ckpt.path)})
+    namespace = runpy.run_path(
+        str(SEED_EXAMPLE.with_name("seed_patcher_example.py")), init_globals={"CHECKPOINT": str(ckpt.path)}
+    )
     model = namespace["model"]
     layer = model.model.layers[0]
     assert type(layer.self_attn) is namespace["FusedQKVAttention"]
@@ -222,7 +241,9 @@ def test_documented_patcher_example_runs_with_only_its_import_changed(stock_chec
     for out in ("saved", "stock_method"):
         assert (tmp_path / out / "model.safetensors").read_bytes() == (ckpt.path / "model.safetensors").read_bytes()
     # Only the import line differs from the documented code: nothing global changed in transformers.
-    assert type(AutoModelForCausalLM.from_pretrained(ckpt.path).model.layers[0].self_attn).__name__ == "Qwen2MoeAttention"
+    assert (
+        type(AutoModelForCausalLM.from_pretrained(ckpt.path).model.layers[0].self_attn).__name__ == "Qwen2MoeAttention"
+    )
 
 
 def test_modelpatch_auto_classes_stand_for_transformers(stock_checkpoint):
@@ -245,7 +266,9 @@ def test_modelpatch_auto_classes_stand_for_transformers(stock_checkpoint):
 def test_the_documented_patcher_applied_to_a_model_in_memory(stock_checkpoint, tmp_path):
     """modelpatch.patch_model: the Patcher example on a model stock transformers loaded, as a load would apply it."""
     ckpt = stock_checkpoint("qwen2_moe")
-    namespace = runpy.run_path(str(SEED_EXAMPLE.with_name("seed_patcher_example.py")), init_globals={"CHECKPOINT": str(ckpt.path)})
+    namespace = runpy.run_path(
+        str(SEED_EXAMPLE.with_name("seed_patcher_example.py")), init_globals={"CHECKPOINT": str(ckpt.path)}
+    )
     live = AutoModelForCausalLM.from_pretrained(ckpt.path)
     assert modelpatch.patch_model(live, namespace["patcher"]) is live
     loaded = namespace["model"]

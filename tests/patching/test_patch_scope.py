@@ -443,7 +443,9 @@ def test_non_subclass_replacement_receives_the_original_constructor_args():
         model = LlamaModel(config)
     assert ArgsRecordingAttention.init_calls == 3
     assert len(ArgsRecordingAttention.received) == 3
-    for layer_idx, ((args, kwargs), layer) in enumerate(zip(ArgsRecordingAttention.received, model.layers, strict=True)):
+    for layer_idx, ((args, kwargs), layer) in enumerate(
+        zip(ArgsRecordingAttention.received, model.layers, strict=True)
+    ):
         # LlamaDecoderLayer calls LlamaAttention(config=config, layer_idx=layer_idx).
         bound = dict(zip(("config", "layer_idx"), args, strict=False)) | kwargs
         assert bound.keys() == {"config", "layer_idx"}

@@ -55,7 +55,9 @@ LOADS = {
     "config with a negative size": with_config(intermediate_size=-2),
     "config with an unknown rope type": with_config(rope_parameters={"rope_type": "nonsense", "rope_theta": 1.0}),
     "config with an absurd count": with_config(num_hidden_layers=10**9),
-    "config with a 30-digit integer": with_file("config.json", '{"model_type": "llama", "vocab_size": ' + "9" * 30 + "}"),
+    "config with a 30-digit integer": with_file(
+        "config.json", '{"model_type": "llama", "vocab_size": ' + "9" * 30 + "}"
+    ),
     "generation config nested too deeply": with_file("generation_config.json", "[" * 5000 + "]" * 5000),
     "generation config of the wrong type": with_file("generation_config.json", '{"max_new_tokens": "many"}'),
     "no weights": without_weights,
@@ -104,7 +106,9 @@ def test_bad_mappings_conversions_fusions_and_tensors_raise_modelpatch_errors(tm
         lambda: modelpatch.WeightRenaming("(unclosed", "x"),
         lambda: modelpatch.register_fusion("not an identifier", modelpatch.ModuleFusionSpec()),
         lambda: modelpatch.from_config(
-            AutoModelForCausalLM, AutoConfig.for_model("llama", **llama_kwargs()), fusion_config={"no_such_fusion": True}
+            AutoModelForCausalLM,
+            AutoConfig.for_model("llama", **llama_kwargs()),
+            fusion_config={"no_such_fusion": True},
         ),
         lambda: Checkpoint.open(tmp_path),
         lambda: write_checkpoint(tmp_path / "w", {"a": (w := torch.ones(4)), "b": w}),

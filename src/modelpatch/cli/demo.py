@@ -66,7 +66,9 @@ def run(args: argparse.Namespace) -> int:
             model_class(config).save_pretrained(source)
             reference = from_pretrained(model_class, source, fusion_config={})
             fused = from_pretrained(model_class, source, fusion_config=fusions)
-            replaced = sorted({type(m).__name__ for m in fused.modules()} - {type(m).__name__ for m in reference.modules()})
+            replaced = sorted(
+                {type(m).__name__ for m in fused.modules()} - {type(m).__name__ for m in reference.modules()}
+            )
             report = verify(reference, fused)
             save_pretrained(fused, saved)
             identical = _same_files(source, saved)

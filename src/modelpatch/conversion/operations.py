@@ -51,7 +51,9 @@ def common_dtype(dtypes: list[DtypeSlot], owner: str) -> torch.dtype:
 
 def _require_tensor_slots(shapes: list[ShapeSlot], op: ConversionOperation) -> list[Shape]:
     if any(isinstance(s, list) for s in shapes):
-        raise ConversionError(f"{op!r} needs one tensor per slot; apply MergeModulelist to indexed ('*') patterns first.")
+        raise ConversionError(
+            f"{op!r} needs one tensor per slot; apply MergeModulelist to indexed ('*') patterns first."
+        )
     if any(s is None for s in shapes):
         raise ConversionError(f"{op!r} cannot take absent (optional) slots.")
     return list(shapes)  # type: ignore[arg-type]
@@ -107,7 +109,9 @@ class _PerSlotOperation(ConversionOperation):
     def bind(self, shapes, num_targets):
         if any(slot is None for slot in shapes):
             raise ConversionError(f"{self!r} cannot take absent (optional) slots.")
-        return self, [[self._shape(s) for s in slot] if isinstance(slot, list) else self._shape(slot) for slot in shapes]
+        return self, [
+            [self._shape(s) for s in slot] if isinstance(slot, list) else self._shape(slot) for slot in shapes
+        ]
 
     def apply(self, slots):
         return [[self._tensor(t) for t in slot] if isinstance(slot, list) else self._tensor(slot) for slot in slots]
@@ -161,7 +165,9 @@ class Concatenate(_PartsFromConfig, ConversionOperation):
         rank = len(parts[0])
         dim = _norm_dim(self.dim, rank, self)
         for shape in parts:
-            if len(shape) != rank or any(a != b for i, (a, b) in enumerate(zip(shape, parts[0], strict=True)) if i != dim):
+            if len(shape) != rank or any(
+                a != b for i, (a, b) in enumerate(zip(shape, parts[0], strict=True)) if i != dim
+            ):
                 raise ConversionError(f"{self!r}: cannot concatenate shapes {parts} along dim {self.dim}.")
         sizes = tuple(s[dim] for s in parts)
         if self.sizes is not None and self.sizes != sizes:
@@ -218,7 +224,9 @@ class Chunk(_PartsFromConfig, ConversionOperation):
             if count is None:
                 raise ConversionError(f"{self!r} splits into an indexed slot but is given no number of parts.")
             if count < 1 or shape[dim] % count:
-                raise ConversionError(f"{self!r}: dim {self.dim} of size {shape[dim]} does not split into {count} equal parts.")
+                raise ConversionError(
+                    f"{self!r}: dim {self.dim} of size {shape[dim]} does not split into {count} equal parts."
+                )
             sizes = (shape[dim] // count,) * count
         if sum(sizes) != shape[dim]:
             raise ConversionError(f"{self!r}: part sizes {sizes} do not add up to {shape[dim]} (shape {shape}).")
@@ -257,7 +265,10 @@ class Split(Chunk):
 
     def bind(self, shapes, num_targets):
         if self.sizes is None:
-            raise ConversionError(f"{self!r} splits into the sizes of the model's target parameters, and the model has none of some target.")
+            raise ConversionError(
+                f"{self!r} splits into the sizes of the model's target parameters, "
+                "and the model has none of some target."
+            )
         return super().bind(shapes, num_targets)
 
 
@@ -304,7 +315,9 @@ class SplitModulelist(ConversionOperation):
         for shape in _require_tensor_slots(shapes, self):
             dim = _norm_dim(self.dim, len(shape), self)
             if self.count is not None and shape[dim] != self.count:
-                raise ConversionError(f"{self!r}: expected {self.count} entries along dim {self.dim}, shape is {shape}.")
+                raise ConversionError(
+                    f"{self!r}: expected {self.count} entries along dim {self.dim}, shape is {shape}."
+                )
             out.append([shape[:dim] + shape[dim + 1 :]] * shape[dim])
         return replace(self, count=len(out[0]) if out else 0), out
 
@@ -424,7 +437,9 @@ class PermuteForRope(ConversionOperation):
             if isinstance(shape, list):
                 raise ConversionError(f"{self!r} permutes single tensors, slot {position} is indexed.")
             if len(shape) in (1, 2) and shape[0] % (2 * self.num_heads):
-                raise ConversionError(f"{self!r}: {shape[0]} rows do not split into {self.num_heads} heads of row pairs.")
+                raise ConversionError(
+                    f"{self!r}: {shape[0]} rows do not split into {self.num_heads} heads of row pairs."
+                )
         return self, list(shapes)
 
     def apply(self, slots):
@@ -472,7 +487,9 @@ class FuseExpertGroups(ConversionOperation):
         size = math.ceil(experts / max(num_targets, 1))
         groups = tuple(len(range(experts)[i * size : (i + 1) * size]) for i in range(num_targets))
         if not groups or 0 in groups or (self.group_sizes is not None and groups != self.group_sizes):
-            raise ConversionError(f"{self!r}: {experts} experts do not split into {num_targets} groups {self.group_sizes or ''}.")
+            raise ConversionError(
+                f"{self!r}: {experts} experts do not split into {num_targets} groups {self.group_sizes or ''}."
+            )
         rank = len(shapes[0][0]) + 1
         stack, concat = _norm_dim(self.stack_dim, rank, self), _norm_dim(self.concat_dim, rank, self)
         if stack == concat:
@@ -528,7 +545,9 @@ class SplitExpertGroups(ConversionOperation):
         part_sizes = self.part_sizes
         if part_sizes is None:
             if num_targets < 1 or shapes[0][concat] % num_targets:
-                raise ConversionError(f"{self!r}: dim {self.concat_dim} of {shapes[0]} does not split into {num_targets} equal parts.")
+                raise ConversionError(
+                    f"{self!r}: dim {self.concat_dim} of {shapes[0]} does not split into {num_targets} equal parts."
+                )
             part_sizes = (shapes[0][concat] // num_targets,) * num_targets
         groups = tuple(s[stack] for s in shapes)
         if self.group_sizes is not None and groups != self.group_sizes:
@@ -537,7 +556,9 @@ class SplitExpertGroups(ConversionOperation):
         for size in part_sizes:
             entries = []
             for shape in shapes:
-                if shape[concat] != sum(part_sizes) or any(a != b for i, (a, b) in enumerate(zip(shape, shapes[0], strict=True)) if i != stack):
+                if shape[concat] != sum(part_sizes) or any(
+                    a != b for i, (a, b) in enumerate(zip(shape, shapes[0], strict=True)) if i != stack
+                ):
                     raise ConversionError(f"{self!r}: cannot split shapes {shapes} into parts {part_sizes}.")
                 entry = list(shape)
                 entry[concat] = size
@@ -594,7 +615,9 @@ class LinearToConv3d(_PerSlotOperation):
     def bind(self, shapes, num_targets):
         for shape in _require_tensor_slots(shapes, self):
             if len(shape) != 2 or len(self.kernel_shape) != 4 or shape[1] != math.prod(self.kernel_shape):
-                raise ConversionError(f"{self!r}: cannot reshape a weight of shape {shape} into kernel {self.kernel_shape}.")
+                raise ConversionError(
+                    f"{self!r}: cannot reshape a weight of shape {shape} into kernel {self.kernel_shape}."
+                )
         return self, [self._shape(s) for s in shapes]
 
     def _shape(self, shape):
@@ -605,6 +628,7 @@ class LinearToConv3d(_PerSlotOperation):
 
     def reverse(self):
         return Conv3dToLinear(kernel_shape=self.kernel_shape)
+
 
 _FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz)
 
@@ -788,7 +812,9 @@ class TorchAoTensor(ConversionOperation):
         from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
 
         module, _, param = self.tensor_name.rpartition(".")  # type: ignore[union-attr]
-        data = {f"{module}._{param}_{name}": t for name, t in zip(self.data_names, slots, strict=True) if name is not None}
+        data = {
+            f"{module}._{param}_{name}": t for name, t in zip(self.data_names, slots, strict=True) if name is not None
+        }
         metadata = {self.tensor_name: self.metadata[self.tensor_name], "tensor_names": json.dumps([self.tensor_name])}
         tensors, leftover = unflatten_tensor_state_dict(data, metadata)
         if leftover or self.tensor_name not in tensors:
@@ -860,11 +886,15 @@ def _merge_and_concatenate(
     for slot, shape in zip(slots, stacked_shapes, strict=True):
         region = out.narrow(cat_dim, offset, shape[cat_dim])
         if list(region.shape) != shape:
-            raise ConversionError(f"{concatenate!r}: cannot concatenate stacked shapes {stacked_shapes} along dim {concatenate.dim}.")
+            raise ConversionError(
+                f"{concatenate!r}: cannot concatenate stacked shapes {stacked_shapes} along dim {concatenate.dim}."
+            )
         for index, tensor in enumerate(slot):
             target = region.select(merge_dim, index)
             if target.shape != tensor.shape or tensor.dtype != out.dtype:
-                raise ConversionError(f"{merge!r}: cannot stack {tensor.dtype} {tuple(tensor.shape)} into {tuple(target.shape)}.")
+                raise ConversionError(
+                    f"{merge!r}: cannot stack {tensor.dtype} {tuple(tensor.shape)} into {tuple(target.shape)}."
+                )
             target.copy_(tensor)
         offset += shape[cat_dim]
     return [out]

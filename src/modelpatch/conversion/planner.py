@@ -248,7 +248,9 @@ def _group_and_bind(
                 elif None not in found:
                     indices = sorted(i for i in found if i is not None)
                     if indices != list(range(len(indices))):
-                        raise ConversionError(f"indices {indices} of pattern {inputs[position]!r} are not 0..{len(indices) - 1}")
+                        raise ConversionError(
+                            f"indices {indices} of pattern {inputs[position]!r} are not 0..{len(indices) - 1}"
+                        )
                     key_slots.append(tuple(found[i].key for i in indices))
                     shape_slots.append([keys[found[i].key].shape for i in indices])
                 else:
@@ -322,7 +324,13 @@ def _unbuilt(converter: WeightConverter, outputs: Sequence[str], found: KeyMatch
 
 
 def _output_key(
-    converter: WeightConverter, found: KeyMatch, reverse: bool, change: str, prefix: str, position: int, index: int | None
+    converter: WeightConverter,
+    found: KeyMatch,
+    reverse: bool,
+    change: str,
+    prefix: str,
+    position: int,
+    index: int | None,
 ) -> str:
     """Output ``position`` (entry ``index`` of an indexed one) of the group ``found`` belongs to, prefix changed."""
     return _change_prefix(_render(converter, position, found, index, reverse), change, prefix)
@@ -335,7 +343,9 @@ def _render(converter: WeightConverter, position: int, found: KeyMatch, index: i
     return found.render(converter.template(position), index)
 
 
-def _match_converters(keys: Iterable[str], converters: Sequence[WeightConverter], *, reverse: bool) -> dict[str, tuple[int, KeyMatch]]:
+def _match_converters(
+    keys: Iterable[str], converters: Sequence[WeightConverter], *, reverse: bool
+) -> dict[str, tuple[int, KeyMatch]]:
     """The first converter matching each key (its sources, or its targets when ``reverse``)."""
     matched = {}
     for key in keys:
@@ -347,7 +357,9 @@ def _match_converters(keys: Iterable[str], converters: Sequence[WeightConverter]
     return matched
 
 
-def apply_renamings(keys: Iterable[str], renamings: Sequence[WeightRenaming], used: set[int] | None = None) -> dict[str, str]:
+def apply_renamings(
+    keys: Iterable[str], renamings: Sequence[WeightRenaming], used: set[int] | None = None
+) -> dict[str, str]:
     """Each key renamed by every renaming in turn (the ids of those that renamed something are added to ``used``).
     A :class:`GroupWeightRename` applies only when some key (as renamed so far) matches its guard pattern."""
     renamed = {key: key for key in keys}
@@ -409,7 +421,11 @@ def plan_load(
         found = matched.get(new)
         first = new if found is None else found[1].render(converters[found[0]].template(0), 0)
         change = _prefix_change(first, expected, base_model_prefix)
-        if expected is not None and _change_prefix(first, change, base_model_prefix) not in expected and key in expected:
+        if (
+            expected is not None
+            and _change_prefix(first, change, base_model_prefix) not in expected
+            and key in expected
+        ):
             found, new, change = None, key, ""
         if found is None:
             new = _change_prefix(new, change, base_model_prefix)
@@ -422,7 +438,14 @@ def plan_load(
             plan.used.add(id(converters[found[0]]))
     renamed_meta = {new: checkpoint[old] for new, old in renamed.items()}
     consumed = _group_and_bind(
-        renamed_meta, entries, converters, plan, reverse=False, names=renamed, expected=expected, prefix=base_model_prefix
+        renamed_meta,
+        entries,
+        converters,
+        plan,
+        reverse=False,
+        names=renamed,
+        expected=expected,
+        prefix=base_model_prefix,
     )
     # Groups were built on renamed keys; record the checkpoint's own names as their sources.
     plan.groups = [_rename_sources(group, renamed) for group in plan.groups]
@@ -465,7 +488,13 @@ def plan_save(
 
     plan.groups = [
         ConversionGroup(
-            g.converter, g.sources, tuple(map(unrename, g.targets)), g.operations, g.source_shapes, g.target_shapes, g.dtype
+            g.converter,
+            g.sources,
+            tuple(map(unrename, g.targets)),
+            g.operations,
+            g.source_shapes,
+            g.target_shapes,
+            g.dtype,
         )
         for g in plan.groups
     ]

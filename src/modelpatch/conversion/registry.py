@@ -105,7 +105,9 @@ def model_conversions(model: nn.Module) -> list[WeightTransform]:
         if not isinstance(module, PreTrainedModel):
             continue
         class_name, model_type = type(module).__name__, module.config.model_type
-        if module.is_custom_code() and not (_user_registered(class_name) or (model_type and _user_registered(model_type))):
+        if module.is_custom_code() and not (
+            _user_registered(class_name) or (model_type and _user_registered(model_type))
+        ):
             continue
         if claimed_above(class_name, name):
             continue

@@ -127,7 +127,10 @@ def _translate_operations(
         if kind is hf.PermuteForRope:
             translated.append(_permute_for_rope(operation, names))
         elif kind is hf.VisionFuseAndPermuteForRope:
-            translated += [_permute_for_rope(operation.permute_op, names), ops.Concatenate(operation.dim, equal_parts=True)]
+            translated += [
+                _permute_for_rope(operation.permute_op, names),
+                ops.Concatenate(operation.dim, equal_parts=True),
+            ]
         elif kind is hf.VisionUnfuseAndPermuteForRope:
             translated += [ops.Chunk(operation.dim), _permute_for_rope(operation.permute_op, list(targets))]
         elif kind in _OPERATIONS:

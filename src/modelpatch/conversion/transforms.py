@@ -171,9 +171,13 @@ class WeightTransform(metaclass=ABCMeta):  # noqa: B024
         for position, pattern in enumerate(self.source_patterns):
             if "\\1" in pattern:
                 if not groups:
-                    raise ConversionError(f"Source pattern {pattern!r} has \\1, but no target pattern captures a group.")
+                    raise ConversionError(
+                        f"Source pattern {pattern!r} has \\1, but no target pattern captures a group."
+                    )
                 pattern = pattern.replace("\\1", next(iter(groups)), 1)
-            if len(self.source_patterns) == len(self.target_patterns) and self.target_patterns[position].startswith("^"):
+            if len(self.source_patterns) == len(self.target_patterns) and self.target_patterns[position].startswith(
+                "^"
+            ):
                 pattern = pattern if pattern.startswith("^") else "^" + pattern
             sources.append(pattern)
         self._compiled = tuple(compile_key_pattern(p, indexed=self.indexed) for p in sources)
@@ -327,8 +331,14 @@ class IndexOffsetRenaming(WeightRenaming):
     """A renaming whose ``\\1`` (an integer) is shifted by ``offset``: ``attn_queries.0`` belongs to ``layers.1``
     (transformers' ``Inkling2IndexOffsetWeightRename``)."""
 
-    def __init__(self, source_patterns: str | Sequence[str], target_patterns: str | Sequence[str], offset: int, *,
-                 alternative: bool = False):
+    def __init__(
+        self,
+        source_patterns: str | Sequence[str],
+        target_patterns: str | Sequence[str],
+        offset: int,
+        *,
+        alternative: bool = False,
+    ):
         super().__init__(source_patterns, target_patterns, alternative=alternative)
         self.offset = offset
 
@@ -353,10 +363,16 @@ class PrefixChange(WeightRenaming):
     """Add ``prefix_to_add`` (unless present) or remove ``prefix_to_remove`` right after ``model_prefix``
     (transformers' ``PrefixChange``). It describes another layout of the same keys, so it is ``alternative``."""
 
-    def __init__(self, prefix_to_add: str | None = None, prefix_to_remove: str | None = None, model_prefix: str | None = None):
+    def __init__(
+        self, prefix_to_add: str | None = None, prefix_to_remove: str | None = None, model_prefix: str | None = None
+    ):
         if (prefix_to_add is None) == (prefix_to_remove is None):
             raise ConversionError("PrefixChange takes exactly one of prefix_to_add and prefix_to_remove.")
-        self.prefix_to_add, self.prefix_to_remove, self.model_prefix = prefix_to_add, prefix_to_remove, model_prefix or ""
+        self.prefix_to_add, self.prefix_to_remove, self.model_prefix = (
+            prefix_to_add,
+            prefix_to_remove,
+            model_prefix or "",
+        )
         prefix = rf"{self.model_prefix}\." if self.model_prefix else ""
         if prefix_to_add is not None:
             source, target = rf"^{prefix}(?:(?!{prefix_to_add}\.))(.+)", rf"{prefix}{prefix_to_add}\.\1"
@@ -413,7 +429,9 @@ class WeightConverter(WeightTransform):
                 raise TypeError(f"WeightConverter operations must be ConversionOperation instances, got {op!r}.")
         self.operations: tuple[ConversionOperation, ...] = operations
         self._compiled_targets = tuple(compile_key_pattern(p, indexed=True) for p in self.target_patterns)
-        self._target_order = tuple(sorted(range(len(self.target_patterns)), key=lambda i: -len(self.target_patterns[i])))
+        self._target_order = tuple(
+            sorted(range(len(self.target_patterns)), key=lambda i: -len(self.target_patterns[i]))
+        )
 
     def template(self, position: int) -> str:
         """Target ``position`` as a key template."""

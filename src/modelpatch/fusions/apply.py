@@ -98,7 +98,8 @@ def _stored_fusions(config: PretrainedConfig) -> Any:
         raise FusionError(
             f"The checkpoint is stored in the runtime layout of fusion(s) {', '.join(map(repr, unknown))}, which this "
             "process does not have. Import the code that defines them and register them with "
-            f"modelpatch.register_fusion(name, spec) before loading; available fusions: {', '.join(available_fusions())}."
+            "modelpatch.register_fusion(name, spec) before loading; "
+            f"available fusions: {', '.join(available_fusions())}."
         )
     logger.warning(
         "The checkpoint was saved with fusion(s) %s, which this process does not have; its tensors are in the original "
@@ -228,7 +229,8 @@ def prepare_fusions(
     normalized = normalize_fusion_config(fusion_config if fusion_config is not None else stored)
     if is_runtime_layout(config) and _enabled(normalized) != _enabled(normalize_fusion_config(stored)):
         raise FusionError(
-            f"The checkpoint is stored in the runtime layout of fusions {sorted(_enabled(normalize_fusion_config(stored)))}"
+            "The checkpoint is stored in the runtime layout of fusions "
+            f"{sorted(_enabled(normalize_fusion_config(stored)))}"
             f"; it cannot be loaded with fusions {sorted(_enabled(normalized))}. Leave fusion_config unset to load it "
             "as stored, or write it back in the original layout first: `modelpatch convert SRC DST --fusion none`."
         )

@@ -5,4 +5,15 @@ from .report import LoadReport, get_load_report
 from .restructure import fuse, patch_model, unfuse
 from .save import save_pretrained
 
-__all__ = ["fuse", "patch_model", "unfuse", "LoadReport", "PlannedLoad", "plan_pretrained", "from_config", "from_pretrained", "get_load_report", "save_pretrained"]
+__all__ = [
+    "fuse",
+    "patch_model",
+    "unfuse",
+    "LoadReport",
+    "PlannedLoad",
+    "plan_pretrained",
+    "from_config",
+    "from_pretrained",
+    "get_load_report",
+    "save_pretrained",
+]

@@ -125,7 +125,10 @@ def build_empty_model_patched(
 
 
 def build_initialized_model(
-    model_class: type[PreTrainedModel], config: PretrainedConfig, dtype: torch.dtype | None, layers: Sequence[PatchMapping]
+    model_class: type[PreTrainedModel],
+    config: PretrainedConfig,
+    dtype: torch.dtype | None,
+    layers: Sequence[PatchMapping],
 ) -> tuple[PreTrainedModel, PatchScope]:
     """Instantiate and initialise ``model_class`` from ``config`` like stock ``from_config``, under the patches;
     return it with the :class:`PatchScope` of the build."""

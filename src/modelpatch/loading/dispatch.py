@@ -53,11 +53,15 @@ def resolve_device_map(
             max_memory = get_balanced_memory(
                 model, max_memory=max_memory, no_split_module_classes=no_split, low_zero=device_map == "balanced_low_0"
             )
-        return infer_auto_device_map(model, max_memory=dict(max_memory) if max_memory else None, no_split_module_classes=no_split)
+        return infer_auto_device_map(
+            model, max_memory=dict(max_memory) if max_memory else None, no_split_module_classes=no_split
+        )
     modules = dict(model.named_modules())
     unknown = sorted(name for name in device_map if name not in modules)
     if unknown:
-        raise ValueError(f"device_map names modules that {type(model).__name__} does not have: {', '.join(map(repr, unknown))}.")
+        raise ValueError(
+            f"device_map names modules that {type(model).__name__} does not have: {', '.join(map(repr, unknown))}."
+        )
     return dict(device_map)
 
 

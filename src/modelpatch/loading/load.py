@@ -87,7 +87,10 @@ def _check_patcher(patcher: Patcher | None) -> None:
 
 
 def _load_setup(
-    model_class: type[PreTrainedModel], config: PretrainedConfig, patcher: Patcher | None, fusion_config: FusionConfig | None
+    model_class: type[PreTrainedModel],
+    config: PretrainedConfig,
+    patcher: Patcher | None,
+    fusion_config: FusionConfig | None,
 ):
     """Patch layers (highest priority first) and the fusion transforms of one load."""
     base_layers = [patcher.mapping] if patcher is not None else []
@@ -232,7 +235,9 @@ def _replacements(
         if original is None or type(module) is original or any(name.startswith(r.path + ".") for r in found):
             continue
         # The first layer that maps the class is the one the dispatcher used; none: a scope around the load.
-        layer = next((layer for layer in layers if (layer.match(original.__name__) or (None, None))[1] is type(module)), None)
+        layer = next(
+            (layer for layer in layers if (layer.match(original.__name__) or (None, None))[1] is type(module)), None
+        )
         patch_key = fusion = None
         if layer is fusions.mapping:
             fusion = next((f for f, paths in fusions.fused.items() if name in paths), ", ".join(fusions.fused))
@@ -279,8 +284,16 @@ def plan_pretrained(
     opened = Checkpoint.open(directory, allow_pickle=allow_pickle, allow_external_symlinks=allow_external_symlinks)
     with opened as checkpoint:
         return _plan(
-            model_class, path, config, checkpoint, patcher, fusion_config, dtype, new_parameters=new_parameters,
-            unexpected_keys="ignore", quantization_config=quantization_config,
+            model_class,
+            path,
+            config,
+            checkpoint,
+            patcher,
+            fusion_config,
+            dtype,
+            new_parameters=new_parameters,
+            unexpected_keys="ignore",
+            quantization_config=quantization_config,
         )
 
 
@@ -562,7 +575,9 @@ def from_config(
     concrete = resolve_model_class(model_class, config)
     config = copy.deepcopy(config)
     layers, fusions = _load_setup(concrete, config, patcher, fusion_config)
-    model, scope = build_initialized_model(concrete, config, None if dtype is None else resolve_dtype(dtype, config), layers)
+    model, scope = build_initialized_model(
+        concrete, config, None if dtype is None else resolve_dtype(dtype, config), layers
+    )
     _check_patches(concrete, scope, patcher, layers[-1])
     fusions.record(model)
     # What save_pretrained runs backwards to write this never-loaded model in the checkpoint layout: the model

@@ -86,7 +86,10 @@ def plan_model_load(
     transforms = [t.configured(model.config) for t in translate(transforms, type(model).__name__)]
     legacy = legacy_conversions()
     conversion = plan_load(
-        checkpoint, [*transforms, *legacy], expected=expected, base_model_prefix=getattr(model, "base_model_prefix", "") or ""
+        checkpoint,
+        [*transforms, *legacy],
+        expected=expected,
+        base_model_prefix=getattr(model, "base_model_prefix", "") or "",
     )
     # Every load also reads transformers' legacy key names; the report keeps those some key had.
     used = [*transforms, *(t for t in legacy if id(t) in conversion.used)]
@@ -142,7 +145,10 @@ def plan_model_load(
         raise _plan_error(model, conversion, problems, plan.unexpected, unexpected_keys, quantized_by, replacements)
     if plan.unexpected and unexpected_keys == "warn":
         logger.warning(
-            "%d checkpoint keys are not used by %s: %s", len(plan.unexpected), type(model).__name__, ", ".join(plan.unexpected)
+            "%d checkpoint keys are not used by %s: %s",
+            len(plan.unexpected),
+            type(model).__name__,
+            ", ".join(plan.unexpected),
         )
     return plan
 

@@ -115,9 +115,12 @@ def _swap(
             module_plans.append(plan)
             metas = plan.outputs
         new = target.get_submodule(name)
-        expected = {f"{name}.{key}": TensorMeta(tuple(t.shape), t.dtype) for key, t in new.state_dict(keep_vars=True).items()}
+        expected = {
+            f"{name}.{key}": TensorMeta(tuple(t.shape), t.dtype) for key, t in new.state_dict(keep_vars=True).items()
+        }
         wrong = sorted(
-            key for key in metas.keys() | expected.keys()
+            key
+            for key in metas.keys() | expected.keys()
             if key not in metas or key not in expected or metas[key].shape != expected[key].shape
         )
         if problems or wrong:
@@ -138,13 +141,17 @@ def _swap(
                 tensors, grads = _run_plan(plan, tensors, grads)
             local = len(name) + 1
             for key, tensor in tensors.items():
-                _assign(new, key[local:], tensor if isinstance(tensor, nn.Parameter) else tensor.contiguous(), grads[key])
+                _assign(
+                    new, key[local:], tensor if isinstance(tensor, nn.Parameter) else tensor.contiguous(), grads[key]
+                )
             # Buffers outside the state dict (non-persistent ones) come from the live module, by name.
             live_buffers = dict(live.named_buffers())
             for buffer_name, buffer in list(new.named_buffers()):
                 if buffer.device.type == "meta":
                     if buffer_name not in live_buffers:
-                        raise FusionError(f"{name}.{buffer_name}: the restructured module has a buffer the live one lacks.")
+                        raise FusionError(
+                            f"{name}.{buffer_name}: the restructured module has a buffer the live one lacks."
+                        )
                     _assign(new, buffer_name, live_buffers[buffer_name], False)
             new.train(live.training)
             parent_name, _, child = name.rpartition(".")
@@ -215,7 +222,8 @@ def fuse(model: PreTrainedModel, fusion_config: Mapping[str, Any]) -> PreTrained
     normalized = normalize_fusion_config(fusion_config)
     if fused := _fused_modules(model):
         raise FusionError(
-            f"{type(model).__name__} is already fused ({stored_fusion_config(model.config)}; e.g. {next(iter(fused))}). "
+            f"{type(model).__name__} is already fused ({stored_fusion_config(model.config)}; "
+            f"e.g. {next(iter(fused))}). "
             "Call modelpatch.unfuse(model) first, then fuse it with the new fusion config."
         )
     base_layers = [registry.snapshot()]
@@ -267,7 +275,9 @@ def unfuse(model: PreTrainedModel) -> PreTrainedModel:
     transforms: list[WeightTransform] = []
     for spec, modules in by_spec.values():
         transforms.extend(spec_transforms(spec, model.config, modules))
-    _swap(model, target, sorted(fused), [functools.partial(plan_save, transforms=transforms, alternatives=True)], "unfuse")
+    _swap(
+        model, target, sorted(fused), [functools.partial(plan_save, transforms=transforms, alternatives=True)], "unfuse"
+    )
     _record(model, {}, _base_transforms(model))
     logger.info("Unfused %d modules of %s", len(fused), type(model).__name__)
     return model
@@ -309,4 +319,3 @@ def patch_model(model: PreTrainedModel, patcher: Patcher) -> PreTrainedModel:
     _record(model, stored_fusion_config(model.config) or {}, patched)
     logger.info("Patched %d modules of %s", len(names), type(model).__name__)
     return model
-

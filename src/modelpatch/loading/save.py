@@ -192,11 +192,14 @@ def _reject_wrapped(model: Any) -> None:
         )
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}.")
-    injected = sorted(name for name, module in model.named_modules() if hasattr(module, "base_layer") and hasattr(module, "merge"))
+    injected = sorted(
+        name for name, module in model.named_modules() if hasattr(module, "base_layer") and hasattr(module, "merge")
+    )
     if injected:
         raise SaveError(
             f"{type(model).__name__} carries PEFT adapter layers ({', '.join(injected[:3])}"
-            f"{', ...' if len(injected) > 3 else ''}). Merge them first (merge_and_unload()) to save a full checkpoint, "
+            f"{', ...' if len(injected) > 3 else ''}). "
+            "Merge them first (merge_and_unload()) to save a full checkpoint, "
             "or save only the adapter with the PEFT model's save_pretrained."
         )
 

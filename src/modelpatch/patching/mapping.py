@@ -91,5 +91,7 @@ def as_patch_mapping(mapping: Mapping[str, object] | PatchMapping | None) -> Pat
     if isinstance(mapping, PatchMapping):
         return mapping
     if not isinstance(mapping, Mapping):
-        raise TypeError(f"A patch mapping must be a dict of class name or pattern -> nn.Module subclass, got {mapping!r}.")
+        raise TypeError(
+            f"A patch mapping must be a dict of class name or pattern -> nn.Module subclass, got {mapping!r}."
+        )
     return PatchMapping.from_items(mapping.items())

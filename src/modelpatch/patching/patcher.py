@@ -73,7 +73,9 @@ class Patcher:
             try:
                 compiled.append(re.compile(pattern))
             except re.error as exc:
-                raise PatchRegistryError(f"Invalid filtered_weight_conversion_patterns entry {pattern!r}: {exc}.") from None
+                raise PatchRegistryError(
+                    f"Invalid filtered_weight_conversion_patterns entry {pattern!r}: {exc}."
+                ) from None
         self._filters: tuple[re.Pattern[str], ...] = tuple(compiled)
         extra = _as_list(extra_weight_conversions)
         for transform in extra:

@@ -74,7 +74,9 @@ class _Resolution:
 
     __slots__ = ("scope", "key", "replacement", "imported", "matching", "recorded")
 
-    def __init__(self, scope: PatchScope, key: str, replacement: type, imported: bool, matching: tuple[PatchScope, ...]):
+    def __init__(
+        self, scope: PatchScope, key: str, replacement: type, imported: bool, matching: tuple[PatchScope, ...]
+    ):
         self.scope = scope
         self.key = key
         self.replacement = replacement
