@@ -194,6 +194,11 @@ def verify(
         min_run_time: Seconds each round runs at least.
     """
     if inputs is None:
+        if not isinstance(reference, PreTrainedModel):
+            raise TypeError(
+                f"verify needs inputs=... for a {type(reference).__name__}: default inputs are made from a "
+                "transformers model's config."
+            )
         inputs = default_inputs(reference)
     was_training = reference.training, candidate.training
     reference.eval()

@@ -180,7 +180,7 @@ class Checkpoint(ClosesOnExit):
             return cls._open_index(directory, handle, SAFE_INDEX, _load_safetensors)
         if handle.is_file(SAFE_SINGLE):
             _check_symlinks(directory, handle, SAFE_SINGLE)
-            source = _load_safetensors(handle, SAFE_SINGLE)
+            source: _Source = _load_safetensors(handle, SAFE_SINGLE)
             return cls(directory, dict(source.tensors), {source.path: source}, is_sharded=False)
 
         pickle_name = next((name for name in (PICKLE_INDEX, PICKLE_SINGLE) if handle.is_file(name)), None)

@@ -7,6 +7,7 @@ commands) may import more than the standard library; what a command needs is imp
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 BUILTIN_FUSIONS = ("gate_up", "linear_experts", "patch_embeddings", "qkv")
 """The fusions modelpatch registers itself (``modelpatch.available_fusions()`` before any user registration).
@@ -29,7 +30,7 @@ def add_common_options(parser: argparse.ArgumentParser, *, per_command: bool) ->
     per-command flags have no default (they set the attribute only when given) and the per-command imports go to
     ``command_imports``; :func:`modelpatch.cli.main.main` imports both lists.
     """
-    unset = {"default": argparse.SUPPRESS} if per_command else {}
+    unset: dict[str, Any] = {"default": argparse.SUPPRESS} if per_command else {}
     parser.add_argument("-v", "--verbose", action="store_true", help="log what modelpatch does", **unset)
     parser.add_argument(
         "-q",

@@ -77,7 +77,9 @@ def run(args: argparse.Namespace) -> int:
             raise
         raise UsageError(f"{exc}\n{_keep_every_tensor(args, config)}") from None
     # Keys the class declares ignorable would be left out of DST too (recomputed buffers are not lost).
-    ignored = get_load_report(model).ignored
+    report = get_load_report(model)
+    assert report is not None  # every model from_pretrained returns carries its report
+    ignored = report.ignored
     if ignored:
         raise UsageError(
             f"{type(model).__name__} ignores {len(ignored)} tensors of {args.src}: "

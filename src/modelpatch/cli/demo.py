@@ -10,7 +10,7 @@ import argparse
 import filecmp
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -20,7 +20,7 @@ def demo_models() -> list[tuple[str, type[PreTrainedModel], PretrainedConfig, di
     """(title, model class, config, fusions) of each demo checkpoint."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-    sizes = dict(
+    sizes: dict[str, Any] = dict(
         vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
         num_key_value_heads=2,
     )
@@ -75,7 +75,9 @@ def run(args: argparse.Namespace) -> int:
             ok &= report.passed and identical
             print(f"== {title}: fusions {', '.join(fusions)}")
             print(f"replaced modules: {', '.join(replaced)}")
-            print(get_load_report(fused).summary())
+            load_report = get_load_report(fused)
+            assert load_report is not None  # every model from_pretrained returns carries its report
+            print(load_report.summary())
             print(report)
             print(f"saved back to the original layout, byte-identical to the source: {'yes' if identical else 'NO'}\n")
         print("demo PASSED" if ok else "demo FAILED")

@@ -20,8 +20,8 @@ import json
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import Field, dataclass, field, replace
+from typing import Any, ClassVar
 
 import torch
 
@@ -127,6 +127,11 @@ class _PartsFromConfig:
     """``configured`` of :class:`Concatenate` and :class:`Chunk`: the number of parts of an indexed slot read from the
     text config's ``parts_attribute`` (transformers' ``num_shards_attribute``)."""
 
+    # Mixed into frozen dataclasses that declare these fields (so ``replace`` applies to ``self``).
+    __dataclass_fields__: ClassVar[dict[str, Field[Any]]]
+    parts_attribute: str | None
+    parts: int | None
+
     def configured(self, config):
         if self.parts_attribute is None or self.parts is not None:
             return self
@@ -179,7 +184,7 @@ class Concatenate(_PartsFromConfig, ConversionOperation):
         return replace(self, sizes=sizes, indexed=indexed), [tuple(out)]
 
     def apply(self, slots):
-        return [torch.cat(slots[0] if self.indexed else slots, dim=self.dim)]  # type: ignore[arg-type]
+        return [torch.cat(slots[0] if self.indexed else slots, dim=self.dim)]
 
     def reverse(self):
         if self.sizes is None and not self.equal_parts:
@@ -297,7 +302,7 @@ class MergeModulelist(ConversionOperation):
         return replace(self, count=counts.pop() if counts else 0), out
 
     def apply(self, slots):
-        return [torch.stack(slot, dim=self.dim) for slot in slots]  # type: ignore[arg-type]
+        return [torch.stack(slot, dim=self.dim) for slot in slots]
 
     def reverse(self):
         return SplitModulelist(dim=self.dim, count=self.count)
@@ -322,7 +327,7 @@ class SplitModulelist(ConversionOperation):
         return replace(self, count=len(out[0]) if out else 0), out
 
     def apply(self, slots):
-        return [list(torch.unbind(slot, dim=self.dim)) for slot in slots]  # type: ignore[arg-type]
+        return [list(torch.unbind(slot, dim=self.dim)) for slot in slots]
 
     def reverse(self):
         return MergeModulelist(dim=self.dim, count=self.count)
@@ -445,7 +450,7 @@ class PermuteForRope(ConversionOperation):
     def apply(self, slots):
         out = list(slots)
         for position in self._selected(len(slots)):
-            out[position] = self._permute(slots[position])  # type: ignore[arg-type]
+            out[position] = self._permute(slots[position])
         return out
 
     def _permute(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -514,7 +519,7 @@ class FuseExpertGroups(ConversionOperation):
     def apply(self, slots):
         outputs, start = [], 0
         for group in self.group_sizes:  # type: ignore[union-attr]
-            stacked = [torch.stack(slot[start : start + group], dim=self.stack_dim) for slot in slots]  # type: ignore[index]
+            stacked = [torch.stack(slot[start : start + group], dim=self.stack_dim) for slot in slots]
             outputs.append(torch.cat(stacked, dim=self.concat_dim))
             start += group
         return outputs
@@ -572,7 +577,7 @@ class SplitExpertGroups(ConversionOperation):
         for tensor in slots:
             for position, part in enumerate(torch.split(tensor, list(self.part_sizes), dim=self.concat_dim)):  # type: ignore[arg-type]
                 outputs[position].extend(torch.unbind(part, dim=self.stack_dim))
-        return outputs  # type: ignore[return-value]
+        return outputs
 
     def reverse(self):
         return FuseExpertGroups(self.stack_dim, self.concat_dim, self.group_sizes, self.part_sizes)
@@ -710,9 +715,9 @@ class Fp8BlockDequantize(ConversionOperation):
             if scale is None:
                 out.append([self._cast(t) for t in weight] if isinstance(weight, list) else self._cast(weight))
             elif isinstance(weight, list):
-                out.append([self._dequantize(w, s) for w, s in zip(weight, scale, strict=True)])  # type: ignore[arg-type]
+                out.append([self._dequantize(w, s) for w, s in zip(weight, scale, strict=True)])
             else:
-                out.append(self._dequantize(weight, scale))  # type: ignore[arg-type]
+                out.append(self._dequantize(weight, scale))
         return out
 
     def _cast(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -772,10 +777,13 @@ class TorchAoTensor(ConversionOperation):
             data_names.append(None if key is None else key[len(prefix) :])
         return replace(self, tensor_name=tensor_name, data_names=tuple(data_names), dtypes=tuple(dtypes))
 
-    def _entry(self) -> dict:
+    def _specialised_name(self) -> str:
         if self.tensor_name is None:
             raise ConversionError(f"{self!r} is used before it is specialised to a group (for_sources).")
-        entry = json.loads(self.metadata[self.tensor_name])
+        return self.tensor_name
+
+    def _entry(self) -> dict:
+        entry = json.loads(self.metadata[self._specialised_name()])
         wanted = set(entry.get("_tensor_data_names") or ())
         present = {name for name in self.data_names if name is not None}
         if not wanted <= present:
@@ -811,15 +819,16 @@ class TorchAoTensor(ConversionOperation):
     def apply(self, slots):
         from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
 
-        module, _, param = self.tensor_name.rpartition(".")  # type: ignore[union-attr]
+        tensor_name = self._specialised_name()
+        module, _, param = tensor_name.rpartition(".")
         data = {
             f"{module}._{param}_{name}": t for name, t in zip(self.data_names, slots, strict=True) if name is not None
         }
-        metadata = {self.tensor_name: self.metadata[self.tensor_name], "tensor_names": json.dumps([self.tensor_name])}
+        metadata = {tensor_name: self.metadata[tensor_name], "tensor_names": json.dumps([tensor_name])}
         tensors, leftover = unflatten_tensor_state_dict(data, metadata)
-        if leftover or self.tensor_name not in tensors:
-            raise ConversionError(f"{self!r}: torchao did not rebuild {self.tensor_name!r} (left {sorted(leftover)}).")
-        return [tensors[self.tensor_name]]
+        if leftover or tensor_name not in tensors:
+            raise ConversionError(f"{self!r}: torchao did not rebuild {tensor_name!r} (left {sorted(leftover)}).")
+        return [tensors[tensor_name]]
 
     def reverse(self):
         raise ConversionError(

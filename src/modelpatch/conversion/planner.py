@@ -15,6 +15,7 @@ import functools
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -80,7 +81,7 @@ class ConversionGroup:
         return {
             key: TensorMeta(tuple(shape), self.dtype)
             for keys, shapes in zip(self.targets, self.target_shapes, strict=True)
-            for key, shape in (zip(keys, shapes, strict=True) if isinstance(keys, tuple) else [(keys, shapes)])
+            for key, shape in _per_key(keys, shapes)
         }
 
     def reversed(self) -> ConversionGroup:
@@ -104,10 +105,7 @@ class ConversionGroup:
         outputs = run_operations(list(self.operations), slots)
         result: dict[str, torch.Tensor] = {}
         for keys, value in zip(self.targets, outputs, strict=True):
-            if isinstance(keys, tuple):
-                result.update(zip(keys, value, strict=True))  # type: ignore[arg-type]
-            else:
-                result[keys] = value  # type: ignore[assignment]
+            result.update(_per_key(keys, value))
         return result
 
 
@@ -138,6 +136,13 @@ def _format_problems(problems: Mapping[str, list[str]]) -> str:
             lines.append(f"{kind} ({len(items)}):")
             lines.extend(f"  - {item}" for item in items)
     return "\n".join(lines)
+
+
+def _per_key(keys: KeySlot, values: Any) -> list[tuple[str, Any]]:
+    """(key, value) of each tensor of a slot: an indexed slot holds one value per key; an absent slot none."""
+    if keys is None:
+        return []
+    return list(zip(keys, values, strict=True)) if isinstance(keys, tuple) else [(keys, values)]
 
 
 def _flatten(slots: Sequence[KeySlot]) -> list[str]:
@@ -484,6 +489,8 @@ def plan_save(
     unrenamed = apply_renamings(produced, inverses)
 
     def unrename(keys: KeySlot) -> KeySlot:
+        if keys is None:
+            return None
         return tuple(unrenamed[k] for k in keys) if isinstance(keys, tuple) else unrenamed[keys]
 
     plan.groups = [

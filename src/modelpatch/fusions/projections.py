@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -72,7 +73,8 @@ class ProjectionSlice(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        return self.fused.weight[self.rows()]
+        # nn.Module annotates attributes as Tensor | Module; whatever computes the fused projection has a weight.
+        return cast(torch.Tensor, self.fused.weight)[self.rows()]
 
     @property
     def bias(self) -> torch.Tensor | None:
@@ -96,7 +98,7 @@ class ProjectionSlice(nn.Module):
             pending[self.fused_name] = entry
         else:
             pending.pop(self.fused_name, None)
-        return result  # type: ignore[return-value]
+        return result
 
     def extra_repr(self) -> str:
         return f"part {self.index} of {self.fused_name}, out_features={self.out_features}"
@@ -124,8 +126,8 @@ def fuse_linears(module: nn.Module, names: Sequence[str], fused_name: str) -> Fu
 
 
 def _compatible_linears(module: nn.Module, names: Sequence[str]) -> bool:
-    linears = [getattr(module, name, None) for name in names]
-    if not all(type(lin) is nn.Linear for lin in linears):
+    linears = [lin for name in names if type(lin := getattr(module, name, None)) is nn.Linear]
+    if len(linears) != len(names):
         return False
     first = linears[0]
     return all(

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 import torch
 from safetensors import safe_open
@@ -33,12 +33,20 @@ from ..fusions.linear_experts.modules import LinearExperts
 from ..fusions.projections import ProjectionSlice
 
 if TYPE_CHECKING:
-    from peft import PeftConfig, PeftMixedModel, PeftModel
+    from peft import LoraConfig, PeftConfig, PeftMixedModel, PeftModel
 
 logger = logging.getLogger(__name__)
 
 # Prefix of the module names in the keys of a saved adapter (``base_model.model.<module>.lora_A.weight``).
 _SAVED_KEY_PREFIX = "base_model.model."
+
+
+@runtime_checkable
+class _TargetsModules(Protocol):
+    """A PEFT config whose tuner adapts modules by name (LoraConfig, IA3Config, ...): ``PeftConfig`` itself, the base
+    of prompt-learning configs too, declares no ``target_modules``."""
+
+    target_modules: Any
 
 
 def _import_peft() -> ModuleType:
@@ -63,8 +71,10 @@ def _slice_lora_class() -> type[nn.Module]:
         run PEFT's own code on a plain ``nn.Linear`` holding a copy of the slice's rows, then write the rows back.
         """
 
-        def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
-            return module.in_features, module.out_features
+        def _get_in_out_features(self, module: nn.Module) -> tuple[int, int] | tuple[None, None]:
+            if isinstance(module, ProjectionSlice):
+                return module.in_features, module.out_features
+            return super()._get_in_out_features(module)
 
         def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
             with self._rows_as_linear():
@@ -76,7 +86,8 @@ def _slice_lora_class() -> type[nn.Module]:
 
         @contextmanager
         def _rows_as_linear(self) -> Iterator[None]:
-            part: ProjectionSlice = self.base_layer
+            # PEFT builds this layer over a ProjectionSlice only (the custom module mapping in _config_for).
+            part = cast(ProjectionSlice, self.base_layer)
             weight, bias = _fused_parameters(part)
             rows = part.rows()
             rows_linear = nn.Linear(part.in_features, part.out_features, bias=bias is not None, device="meta")
@@ -146,18 +157,23 @@ def _is_all_linear(target_modules: object) -> bool:
     return isinstance(target_modules, str) and target_modules.lower() == INCLUDE_LINEAR_LAYERS_SHORTHAND
 
 
-def _default_targets(config: PeftConfig, model: nn.Module) -> object:
-    """The ``target_modules`` PEFT fills in when a config has none, or ``None`` (PEFT then asks for them itself)."""
-    from peft import PEFT_TYPE_TO_TUNER_MAPPING
+def _model_type(model: nn.Module) -> str | None:
+    return getattr(getattr(model, "config", None), "model_type", None)
 
-    tuner = PEFT_TYPE_TO_TUNER_MAPPING.get(config.peft_type)
+
+def _default_targets(config: PeftConfig, model: nn.Module) -> str | Iterable[str] | None:
+    """The ``target_modules`` PEFT fills in when a config has none, or ``None`` (PEFT then asks for them itself)."""
+    from peft import PEFT_TYPE_TO_TUNER_MAPPING, PeftType
+
+    tuner = PEFT_TYPE_TO_TUNER_MAPPING.get(PeftType(config.peft_type)) if config.peft_type is not None else None
     if tuner is None:  # prompt learning: no target modules
         return None
-    model_config = {"model_type": getattr(getattr(model, "config", None), "model_type", None)}
+    model_config = {"model_type": _model_type(model)}
     # Most tuners read their per-model-type table; a few (IA3) fill the config in a static method of their own.
-    if isinstance(inspect.getattr_static(tuner, "_prepare_adapter_config"), staticmethod):
+    prepare = inspect.getattr_static(tuner, "_prepare_adapter_config")
+    if isinstance(prepare, staticmethod):
         try:
-            return tuner._prepare_adapter_config(copy.deepcopy(config), model_config).target_modules
+            return prepare.__func__(copy.deepcopy(config), model_config).target_modules
         except ValueError:
             return None
     return getattr(tuner, "target_module_mapping", {}).get(model_config["model_type"])
@@ -167,16 +183,16 @@ def _targeted_modules(config: PeftConfig, model: nn.Module, names: Iterable[str]
     """Which of ``names`` PEFT would adapt with ``config``."""
     from peft.tuners.tuners_utils import check_target_module_exists
 
-    if getattr(config, "target_modules", None) is None:
+    if not isinstance(config, _TargetsModules) or config.target_modules is None:
         defaults = _default_targets(config, model)
-        if defaults is None:
+        if defaults is None or not isinstance(config, _TargetsModules):
             return []
         config = copy.copy(config)
         config.target_modules = defaults if isinstance(defaults, str) else set(defaults)
     return [name for name in names if check_target_module_exists(config, name)]
 
 
-def _convert_for_transformers_v5(config: PeftConfig, model: nn.Module) -> None:
+def _convert_for_transformers_v5(config: LoraConfig, model: nn.Module) -> None:
     """Apply PEFT's rewrite of LoRA targets for transformers v5 MoE layouts now, in place.
 
     PEFT does it first thing when it injects an adapter (a no-op when repeated): for model types whose experts
@@ -196,7 +212,7 @@ def _convert_for_transformers_v5(config: PeftConfig, model: nn.Module) -> None:
     lost = sorted(t for t in added if not any(p == t or p.endswith(f".{t}") for p in parameters))
     if lost:
         raise PeftIntegrationError(
-            f"PEFT turns the expert targets of {model.config.model_type} models into targets of transformers' fused "
+            f"PEFT turns the expert targets of {_model_type(model)} models into targets of transformers' fused "
             f"3-D expert parameters {lost}, which this model does not have (linear_experts made them per-expert "
             "Linears): they would get no LoRA. Load the model without linear_experts to adapt its experts, or leave "
             "the expert projections out of target_modules."
@@ -212,6 +228,8 @@ def _resolve_all_linear(config: PeftConfig, model: nn.Module, slices: dict[str, 
     """
     from peft.tuners.tuners_utils import _maybe_include_all_linear_layers
 
+    if not isinstance(config, _TargetsModules):  # a prompt-learning config targets no module
+        return
     if _is_all_linear(config.target_modules):
         _maybe_include_all_linear_layers(config, model)
     targets = set(config.target_modules)
@@ -238,8 +256,10 @@ def _config_for(config: PeftConfig, model: nn.Module) -> PeftConfig:
     slices = _projection_slices(model)
     if not slices and not _expert_linears(model):
         return config
-    peft = _import_peft()
-    if not isinstance(config, peft.LoraConfig):
+    _import_peft()  # its error names the missing package
+    from peft import LoraConfig
+
+    if not isinstance(config, LoraConfig):
         targeted = _targeted_modules(config, model, slices)
         if targeted:
             fused = sorted({_fused_layer_name(name, slices[name]) for name in targeted})
@@ -324,7 +344,7 @@ def load_adapter(
 
 def _skip_unsaved(config: PeftConfig, model: nn.Module, unsaved: set[str]) -> None:
     """Pin ``config.target_modules`` to the modules it matches in ``model``, minus the ``unsaved`` ones it matches."""
-    if getattr(config, "target_modules", None) is None:
+    if not isinstance(config, _TargetsModules) or config.target_modules is None:
         return
     if _is_all_linear(config.target_modules):  # as PEFT would resolve it: the expert Linears are in it
         _resolve_all_linear(config, model, _projection_slices(model))
@@ -346,12 +366,12 @@ def _load_as_saved(peft_model: PeftModel, directory: Path, adapter_name: str, mo
 
     Saved keys are mapped to parameters by PEFT's own mapping (the reverse of how it saves them).
     """
-    from peft import PEFT_TYPE_TO_TUNER_MAPPING
+    from peft import PEFT_TYPE_TO_TUNER_MAPPING, PeftType
 
     config = peft_model.peft_config[adapter_name]
     prefix = _parameter_prefix(config)
     remap = functools.partial(
-        PEFT_TYPE_TO_TUNER_MAPPING[config.peft_type]._remap_adapter_state_dict_for_load,
+        PEFT_TYPE_TO_TUNER_MAPPING[PeftType(config.peft_type)]._remap_adapter_state_dict_for_load,
         model=peft_model,
         config=config,
         adapter_name=adapter_name,
@@ -366,9 +386,11 @@ def _load_as_saved(peft_model: PeftModel, directory: Path, adapter_name: str, mo
         raise PeftIntegrationError(f"Adapter weights {result.unexpected_keys[:3]} in {directory} fit no LoRA layer.")
     if assign:
         for module in peft_model.modules():
-            if hasattr(module, "_move_adapter_to_device_of_base_layer"):
-                module._move_adapter_to_device_of_base_layer(adapter_name)
-    provided = remap(state_dict=dict.fromkeys(keys))
+            move = getattr(module, "_move_adapter_to_device_of_base_layer", None)
+            if move is not None:
+                move(adapter_name)
+    # Only the names are remapped here: PEFT reads the keys, not the values (annotated as tensors).
+    provided = remap(state_dict=dict.fromkeys(keys))  # type: ignore[arg-type]
     missing = [k for k in peft_model.state_dict() if prefix in k and adapter_name in k and k not in provided]
     if missing:
         # stacklevel 3: the warning points at the caller of load_adapter.
@@ -377,9 +399,10 @@ def _load_as_saved(peft_model: PeftModel, directory: Path, adapter_name: str, mo
 
 def _parameter_prefix(config: PeftConfig) -> str:
     """The prefix of the adapter's parameter names (``lora_``)."""
+    from peft import PeftType
     from peft.mapping import PEFT_TYPE_TO_PREFIX_MAPPING
 
-    return PEFT_TYPE_TO_PREFIX_MAPPING[config.peft_type]
+    return PEFT_TYPE_TO_PREFIX_MAPPING[PeftType(config.peft_type)]
 
 
 def _module_of(saved_key: str, prefix: str) -> str:

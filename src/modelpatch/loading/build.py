@@ -74,7 +74,7 @@ def _isolate_from_transformers_patches() -> None:
         def get_patch_mapping():
             return {} if _inside_build.get() else original()
 
-        get_patch_mapping._modelpatch_isolating = True
+        get_patch_mapping.__dict__["_modelpatch_isolating"] = True
         monkey_patching.get_patch_mapping = get_patch_mapping
 
 

@@ -97,7 +97,7 @@ def resolve_model_class(model_class: type, config: PretrainedConfig) -> type[Pre
     model_class = getattr(model_class, "transformers_class", model_class)
     if isinstance(model_class, type) and issubclass(model_class, _BaseAutoModelClass):
         mapping = model_class._model_mapping
-        if type(config) not in mapping:
+        if mapping is None or type(config) not in mapping:
             raise CheckpointError(
                 f"{model_class.__name__} has no model for config {type(config).__name__} (model_type "
                 f"{config.model_type!r})."

@@ -84,5 +84,6 @@ def dispatch(
     if "disk" in resolved.values() and offload_folder is None:
         raise ValueError("device_map offloads modules to 'disk'; pass offload_folder=... for the offloaded weights.")
     model = dispatch_model(model, device_map=resolved, offload_dir=offload_folder, offload_buffers=offload_buffers)
-    model.hf_device_map = resolved
+    # torch annotates Module.__setattr__ for tensors and modules; other values are stored as plain attributes.
+    model.hf_device_map = resolved  # type: ignore[assignment]
     return model

@@ -24,7 +24,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
@@ -297,6 +297,23 @@ def plan_pretrained(
         )
 
 
+# The return type follows output_loading_info, as in transformers; the other keywords are the implementation's.
+@overload
+def from_pretrained(
+    model_class: type,
+    path: str | os.PathLike[str],
+    *,
+    output_loading_info: Literal[False] = False,
+    **kwargs: Any,
+) -> PreTrainedModel: ...
+@overload
+def from_pretrained(
+    model_class: type,
+    path: str | os.PathLike[str],
+    *,
+    output_loading_info: Literal[True],
+    **kwargs: Any,
+) -> tuple[PreTrainedModel, dict[str, Any]]: ...
 def from_pretrained(
     model_class: type,
     path: str | os.PathLike[str],
@@ -474,6 +491,8 @@ def from_pretrained(
     _record_build(model, plan.expected, _conversions(model, patcher, PreparedFusions()))
     logger.info("%s", report.summary())
     if device_map is not None:
+        # single_device took every one-device form above: a dispatch map or one of accelerate's strategies is left.
+        assert isinstance(device_map, (str, Mapping))
         model = dispatch(
             model, device_map, max_memory=max_memory, offload_folder=offload_folder, offload_buffers=offload_buffers
         )
@@ -550,8 +569,10 @@ def _finalize(model: PreTrainedModel, missing: set[str], device: torch.device) -
     """
     with model_state_lock:
         for key in getattr(model, "all_tied_weights_keys", {}) or {}:
-            model.get_parameter(key)._is_hf_initialized = True
-        model._move_missing_keys_from_meta_to_device(missing, {"": device}, None, None)
+            # transformers' marker attribute on tensors, unknown to torch's stubs.
+            model.get_parameter(key)._is_hf_initialized = True  # type: ignore[attr-defined]
+        # transformers annotates a list but subtracts a dict's keys from it: it needs a set.
+        model._move_missing_keys_from_meta_to_device(missing, {"": device}, None, None)  # type: ignore[arg-type]
         model._initialize_missing_keys(is_quantized=False)
         model.tie_weights(missing_keys=missing, recompute_mapping=False)
         model.eval()

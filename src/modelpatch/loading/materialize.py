@@ -30,10 +30,11 @@ def set_tensor(model: nn.Module, key: str, value: torch.Tensor) -> None:
     if name in module._parameters:
         old = module._parameters[name]
         param = nn.Parameter(value, requires_grad=old.requires_grad if old is not None else value.is_floating_point())
-        param._is_hf_initialized = True
+        # transformers' marker attribute (stock's loader sets it on every loaded tensor), unknown to torch's stubs.
+        param._is_hf_initialized = True  # type: ignore[attr-defined]
         module._parameters[name] = param
     elif name in module._buffers:
-        value._is_hf_initialized = True
+        value._is_hf_initialized = True  # type: ignore[attr-defined]
         module._buffers[name] = value
     else:
         raise KeyError(f"{key} is neither a parameter nor a buffer of the model.")

@@ -277,7 +277,8 @@ class Quantization:
 
     def finish(self, model: PreTrainedModel) -> None:
         """What stock does last: the quantizer on the model, then its post-processing (config, dequantized state)."""
-        model.hf_quantizer = self.quantizer
+        # torch annotates Module.__setattr__ for tensors and modules; other values are stored as plain attributes.
+        model.hf_quantizer = self.quantizer  # type: ignore[assignment]
         self.quantizer.postprocess_model(model)
         object.__setattr__(model, QUANTIZATION_ATTRIBUTE, QuantizedLoad(self.method, self.dequantizes))
 

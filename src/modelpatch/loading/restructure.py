@@ -108,7 +108,8 @@ def _swap(
     plans = []
     for name in names:
         metas = {key: TensorMeta(tuple(t.shape), t.dtype) for key, t in _module_state(model, name).items()}
-        module_plans, problems = [], []
+        module_plans = []
+        problems: list[str] = []
         for step in steps:
             plan = step(metas)
             problems.extend(item for items in plan.problems.values() for item in items)

@@ -33,6 +33,7 @@ def _covers(existing: object, candidate: object) -> bool:
         return isinstance(existing, type) and issubclass(candidate, existing)
     return (
         isinstance(existing, OutputRecorder)
+        and isinstance(candidate, OutputRecorder)
         and isinstance(existing.target_class, type)
         and issubclass(candidate.target_class, existing.target_class)
         and dataclasses.replace(existing, target_class=candidate.target_class) == candidate

@@ -234,7 +234,8 @@ def _install_dispatcher() -> None:
         return
     with _hook_lock:
         if nn.Module.__new__ is not _dispatching_new:
-            nn.Module.__new__ = staticmethod(_dispatching_new)
+            # Replacing a method on purpose: the dispatcher is the one class-level hook modelpatch installs.
+            nn.Module.__new__ = staticmethod(_dispatching_new)  # type: ignore[method-assign]
 
 
 def _end(scope: PatchScope) -> None:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import cast
 
 import torch
 from torch import nn
@@ -82,7 +83,8 @@ class LinearExpertsFusionSpec(ModuleFusionSpec):
         gate, up, down = expert_child_names(config.get_text_config().model_type)
         counts: dict[str, set[int]] = defaultdict(set)
         for name, module in (modules or {}).items():
-            counts[name.rpartition(".")[2]].add(module.gate_up_proj.shape[0])
+            # nn.Module annotates attributes as Tensor | Module: the stock experts' gate_up_proj is a 3-D parameter.
+            counts[name.rpartition(".")[2]].add(cast(torch.Tensor, module.gate_up_proj).shape[0])
         transforms: list[WeightTransform] = []
         for anchor, found in sorted(counts.items()):
             # The number of experts is declared (always one per model in transformers), so a 3-D tensor holding more
@@ -106,16 +108,17 @@ class LinearExpertsFusionSpec(ModuleFusionSpec):
             reference = object.__new__(original_cls)
             with torch.device("meta"):
                 original_cls.__init__(reference, config, *args, **kwargs)
-            experts, double_intermediate, hidden = reference.gate_up_proj.shape
+            gate_up_proj = cast(torch.Tensor, reference.gate_up_proj)  # a 3-D parameter (see make_transforms)
+            experts, double_intermediate, hidden = gate_up_proj.shape
             LinearExperts.__init__(
                 self,
                 experts,
                 hidden,
                 double_intermediate // 2,
-                reference.act_fn,
+                cast(Callable[[torch.Tensor], torch.Tensor], reference.act_fn),
                 expert_child_names(getattr(config, "model_type", None)),
                 device=None,
-                dtype=reference.gate_up_proj.dtype,
+                dtype=gate_up_proj.dtype,
             )
 
         return make_class("Linear", original_cls, {"__init__": __init__}, base=LinearExperts, spec=self)

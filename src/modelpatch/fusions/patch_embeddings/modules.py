@@ -42,7 +42,7 @@ class Conv3dAsLinear(nn.Linear):
         if conv.weight.device.type != "meta":
             with torch.no_grad():
                 self.weight.copy_(conv.weight.reshape(conv.out_channels, -1))
-                if self.bias is not None:
+                if self.bias is not None and conv.bias is not None:
                     self.bias.copy_(conv.bias)
 
     def is_patch_input(self, x: torch.Tensor) -> bool:

@@ -52,7 +52,12 @@ class PatchEmbeddingsFusionSpec(ModuleFusionSpec):
             # lookups such as get_submodule) the module itself is returned.
             module = nn.Module.__getattr__(self, name)
             shape = self.__dict__.get("_modelpatch_patch_linears", {}).get(name)
-            if shape is None or isinstance(module, Conv3dAsLinear) or _in_forward.get() is not self:
+            if (
+                shape is None
+                or not isinstance(module, nn.Module)
+                or isinstance(module, Conv3dAsLinear)
+                or _in_forward.get() is not self
+            ):
                 return module
             return FlattenedPatches(module, *shape)
 
