@@ -104,3 +104,21 @@ def test_wheel_contains_py_typed_and_license(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "modelpatch/py.typed" in names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+
+
+def test_lint_tools_declared_as_ranges_and_pinned_for_ci():
+    """The ``dev`` extra (scripts/lint.sh's ruff and mypy) is ranges; each constraints file pins a version inside."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    dev = {Requirement(line).name: Requirement(line) for line in pyproject["dev"]}
+    assert {"ruff", "mypy"} <= dev.keys()
+    for name in ("constraints.txt", "constraints-lowest.txt"):
+        pins = {
+            Requirement(line).name.lower(): Requirement(line)
+            for line in (ROOT / ".ci" / name).read_text().splitlines()
+            if line.strip() and not line.startswith("#")
+        }
+        for requirement in dev.values():
+            assert not {spec.operator for spec in requirement.specifier} & {"==", "==="}, requirement
+            (pin,) = pins[requirement.name].specifier
+            assert pin.operator == "==", f"{name}: {pins[requirement.name]} is not a pin"
+            assert requirement.specifier.contains(pin.version), f"{name} pins {pin} outside {requirement}"
