@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
@@ -81,3 +82,12 @@ def test_timings_come_from_alternating_benchmark_rounds():
     assert "speed ratio" in str(report) and "±" in str(report)
     untimed = modelpatch.verify(model, model, rounds=0)
     assert untimed.passed and untimed.reference_timing.runs == 0
+
+
+def test_default_inputs_need_a_transformers_model():
+    """Inputs are made from a transformers config: any other module needs inputs=, said before anything runs."""
+    reference, candidate = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    with pytest.raises(TypeError, match=r"verify needs inputs=\.\.\. for a Linear"):
+        modelpatch.verify(reference, candidate)
+    report = modelpatch.verify(reference, reference, {"input": torch.randn(2, 4)}, rounds=0)
+    assert report.passed

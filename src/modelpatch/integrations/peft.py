@@ -183,9 +183,11 @@ def _targeted_modules(config: PeftConfig, model: nn.Module, names: Iterable[str]
     """Which of ``names`` PEFT would adapt with ``config``."""
     from peft.tuners.tuners_utils import check_target_module_exists
 
-    if not isinstance(config, _TargetsModules) or config.target_modules is None:
+    if not isinstance(config, _TargetsModules):  # prompt learning: no target modules
+        return []
+    if config.target_modules is None:
         defaults = _default_targets(config, model)
-        if defaults is None or not isinstance(config, _TargetsModules):
+        if defaults is None:
             return []
         config = copy.copy(config)
         config.target_modules = defaults if isinstance(defaults, str) else set(defaults)
