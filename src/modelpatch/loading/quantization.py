@@ -49,7 +49,7 @@ from ..conversion.operations import ConversionOperation, Fp8BlockDequantize, Tor
 from ..conversion.planner import ConversionPlan, TensorMeta, plan_load
 from ..conversion.transforms import WeightConverter, WeightRenaming, WeightTransform
 from ..errors import LoadPlanError, SaveError
-from ..state import FUSION_CONFIG_KEY, QUANTIZATION_ATTRIBUTE
+from ..state import QUANTIZATION_ATTRIBUTE, stored_fusion_config
 from .diagnose import collapse_lines
 from .materialize import release_pages, set_tensor
 from .report import LoadReport
@@ -360,7 +360,7 @@ def quantized_checkpoint(
     if original_format:
         converted = [] if report is None else [group.sources_summary() for group in report.groups]
         renamed = [] if report is None else [f"{v} -> {k}" for k, v in report.direct.items() if k != v]
-        fused = getattr(model.config, FUSION_CONFIG_KEY, None)
+        fused = stored_fusion_config(model.config)
         if report is None or report.runtime_layout or converted or renamed or fused:
             raise SaveError(
                 f"Cannot save {type(model).__name__} in its checkpoint's layout: it holds {record.method} tensors "

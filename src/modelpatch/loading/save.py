@@ -10,7 +10,8 @@ Data flow of a save:
    through its exact reverse (operations bound to the source's shapes at load time); keys the load never saw (a
    model built with ``from_config``, a new task head) are mapped back by running the model type's transforms
    backwards. Runtime format: the state dict as is, and config.json records that it needs no conversion;
-4. config.json (with the fusion config, under ``modelpatch_fusion_config``) and generation_config.json are written
+4. config.json (with modelpatch's versioned record: the fusion config, the layout; see ``state.py``) and
+   generation_config.json are written
    with the tensors into a temporary sibling directory that replaces the target only when complete.
 
 The models modelpatch builds also get an instance-level ``save_pretrained`` (see :func:`install_original_format_save`)
@@ -34,7 +35,7 @@ from ..checkpoint import write_checkpoint
 from ..conversion.planner import TensorMeta, plan_save
 from ..conversion.registry import model_conversions
 from ..errors import ConversionError, SaveError
-from ..state import EXPECTED_STATE_ATTRIBUTE, RUNTIME_LAYOUT_KEY, TRANSFORMS_ATTRIBUTE
+from ..state import EXPECTED_STATE_ATTRIBUTE, TRANSFORMS_ATTRIBUTE, record_file_layout
 from .quantization import quantized_checkpoint
 from .report import LoadReport, get_load_report
 
@@ -264,10 +265,7 @@ def save_pretrained(
     tensors, metadata = _checkpoint_contents(model, None, original_format=save_original_format)
     config = copy.deepcopy(model.config)
     config.architectures = [type(model).__name__]
-    if save_original_format:
-        config.__dict__.pop(RUNTIME_LAYOUT_KEY, None)
-    else:
-        setattr(config, RUNTIME_LAYOUT_KEY, True)
+    record_file_layout(config, runtime_layout=not save_original_format)
     if _untied_pairs(model, model.state_dict()) and getattr(config, "tie_word_embeddings", False):
         # The head was untied since the model was built: the reload must not tie it back over the saved tensor.
         config.tie_word_embeddings = False
