@@ -113,10 +113,11 @@ def test_read_record_versions():
     assert read_record(tiny_config()) == ConfigRecord(version=0)  # nothing recorded
     old = read_record(tiny_config(modelpatch_fusion_config={"qkv": True}, modelpatch_runtime_layout=True))
     assert old == ConfigRecord({"qkv": True}, True, version=0)
-    current = read_record(tiny_config(modelpatch={"version": 1, "fusion_config": {"qkv": True}, "runtime_layout": True}))
-    assert current == ConfigRecord({"qkv": True}, True, version=1)
+    current = {"version": 1, "fusion_config": {"qkv": True}, "runtime_layout": True}
+    assert read_record(tiny_config(modelpatch=current)) == ConfigRecord({"qkv": True}, True, version=1)
     # transformers' own key is read when modelpatch recorded no fusions (a checkpoint stock 5.23 fused).
-    assert read_record(tiny_config(fusion_config={"patch_embeddings": True})).fusion_config == {"patch_embeddings": True}
+    stock_fused = tiny_config(fusion_config={"patch_embeddings": True})
+    assert read_record(stock_fused).fusion_config == {"patch_embeddings": True}
 
 
 def test_write_record_migrates_and_writes_nothing_for_an_empty_record():

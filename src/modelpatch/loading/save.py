@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from .._transformers import has_transformers_adapter, tied_weight_keys
 from ..checkpoint import write_checkpoint
 from ..conversion.planner import TensorMeta, plan_save
 from ..conversion.registry import model_conversions
@@ -108,7 +109,7 @@ def _untied_pairs(model: PreTrainedModel, state: Mapping[str, torch.Tensor]) -> 
     """Tied parameters (per the model's tying rules) that no longer share storage with their source."""
     return [
         tied
-        for tied, source in (getattr(model, "all_tied_weights_keys", {}) or {}).items()
+        for tied, source in tied_weight_keys(model).items()
         if tied in state and source in state and not _shares_storage(state[tied], state[source])
     ]
 
@@ -123,7 +124,7 @@ def _state_to_save(
     state = dict(state)
     stored = set(report.checkpoint_keys) | set(report.direct) if report else set()
     untied = set(_untied_pairs(model, state))
-    for tied in getattr(model, "all_tied_weights_keys", {}) or {}:
+    for tied in tied_weight_keys(model):
         if tied not in stored and tied not in untied:
             state.pop(tied, None)
     return state
@@ -295,7 +296,7 @@ class OriginalFormatSave:
     def __call__(self, save_directory: str | Path, *args: Any, **kwargs: Any) -> Any:
         model = self.model
         stock_save = type(model).save_pretrained
-        if not kwargs.get("save_original_format", True) or getattr(model, "_hf_peft_config_loaded", False):
+        if not kwargs.get("save_original_format", True) or has_transformers_adapter(model):
             return stock_save(model, save_directory, *args, **kwargs)
         kwargs["state_dict"] = checkpoint_tensors(model, kwargs.get("state_dict"))
         kwargs["save_original_format"] = False  # already in the original layout: stock must not convert again
