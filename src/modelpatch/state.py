@@ -30,7 +30,7 @@ configs of the models it builds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from transformers import PretrainedConfig
@@ -52,8 +52,6 @@ TRANSFORMS_ATTRIBUTE = "_modelpatch_transforms"  # the transforms a save runs ba
 BASE_TRANSFORMS_ATTRIBUTE = "_modelpatch_base_transforms"  # the same without fusions: what unfuse goes back to
 EXPECTED_STATE_ATTRIBUTE = "_modelpatch_expected_state"  # runtime key -> (shape, dtype) as built: what a save checks
 QUANTIZATION_ATTRIBUTE = "_modelpatch_quantization"  # how a quantized load left the model: what a save must respect
-
-_FIELDS = ("fusion_config", "runtime_layout")
 
 
 @dataclass(frozen=True)
@@ -128,7 +126,7 @@ def _parse(raw: Any) -> ConfigRecord:
             f"{where} is in format version {version}, written by a newer modelpatch; this one reads versions up to "
             f"{RECORD_VERSION}. Upgrade modelpatch to load this checkpoint."
         )
-    unknown = sorted(set(raw) - {"version", *_FIELDS})
+    unknown = sorted(set(raw) - {field.name for field in fields(ConfigRecord)})
     if unknown:
         raise CheckpointError(f"{where} has unknown field(s) {', '.join(map(repr, unknown))} for version {version}.")
     runtime_layout = raw.get("runtime_layout", False)
