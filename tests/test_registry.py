@@ -50,6 +50,9 @@ def test_unregister_is_all_or_nothing_and_names_the_unknown_keys():
     assert dict(registry.snapshot()) == {"a": 1, "b": 2, "c": 3}
     registry.unregister(["a", "c"])
     assert dict(registry.snapshot()) == {"b": 2}
+    with pytest.raises(TypeError, match=r"pass \['b'\]"):
+        registry.unregister("b")  # type: ignore[arg-type]
+    assert dict(registry.snapshot()) == {"b": 2}
 
 
 def test_get_unknown_key_lists_what_is_registered():

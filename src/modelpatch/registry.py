@@ -94,7 +94,10 @@ class Registry(Generic[K, V]):
 
         Raises:
             RegistryError: A key is not registered (every such key is named; nothing is removed).
+            TypeError: ``keys`` is a string (it would be taken letter by letter): pass ``[key]``.
         """
+        if isinstance(keys, str):
+            raise TypeError(f"keys must be an iterable of keys, got the string {keys!r}; pass [{keys!r}] for one key.")
         keys = list(keys)
         with self._lock:
             unknown = [key for key in keys if key not in self._entries]
