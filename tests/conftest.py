@@ -1,7 +1,7 @@
 """Shared test fixtures: every test starts and ends with the process-wide registries as they were.
 
-The patch registry is emptied; the conversion and fusion registries (which tests extend or overwrite, built-ins
-included) are restored to their contents before the test. No test may reach the network: the hub is offline.
+The patch registry is emptied; every registry (which tests extend or overwrite, built-in fusions included) is
+restored to its contents before the test (``modelpatch.testing.scoped_registries``). No test may reach the network: the hub is offline.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import pytest
 import transformers
 
 import modelpatch
-from modelpatch.conversion import registry as conversion_registry
-from modelpatch.fusions import registry as fusion_registry
+from modelpatch.testing import scoped_registries
 
 transformers.logging.set_verbosity_error()
 
@@ -39,15 +38,5 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> CheckpointFactory:
 @pytest.fixture(autouse=True)
 def _restore_registries():
     modelpatch.clear_patch_mapping()
-    with conversion_registry._lock:
-        conversions = dict(conversion_registry._mappings)
-    with fusion_registry._lock:
-        fusions = dict(fusion_registry._fusions)
-    yield
-    modelpatch.clear_patch_mapping()
-    with conversion_registry._lock:
-        conversion_registry._mappings.clear()
-        conversion_registry._mappings.update(conversions)
-    with fusion_registry._lock:
-        fusion_registry._fusions.clear()
-        fusion_registry._fusions.update(fusions)
+    with scoped_registries():
+        yield

@@ -28,6 +28,7 @@ from .errors import (
     LoadPlanError,
     ModelPatchError,
     PatchRegistryError,
+    RegistryError,
     SaveError,
 )
 
@@ -104,6 +105,7 @@ __all__ = [
     "LoadPlanError",
     "ModelPatchError",
     "PatchRegistryError",
+    "RegistryError",
     "SaveError",
     *sorted(_LAZY),
 ]

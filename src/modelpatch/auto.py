@@ -15,7 +15,8 @@ import threading
 from typing import Any, ClassVar
 
 from transformers import PretrainedConfig, PreTrainedModel
-from transformers.models.auto.auto_factory import _BaseAutoModelClass
+
+from ._transformers import is_auto_class
 
 _lock = threading.Lock()
 _made: dict[str, type[ModelPatchAutoClass]] = {}
@@ -24,7 +25,7 @@ _made: dict[str, type[ModelPatchAutoClass]] = {}
 class ModelPatchAutoClass:
     """Base of modelpatch's Auto classes; ``transformers_class`` is the transformers Auto class it stands for."""
 
-    transformers_class: ClassVar[type[_BaseAutoModelClass]]
+    transformers_class: ClassVar[type]  # one of transformers' Auto model classes
 
     def __init__(self, *args: Any, **kwargs: Any):
         raise OSError(
@@ -71,7 +72,7 @@ def auto_class(name: str) -> type[ModelPatchAutoClass]:
             original = getattr(transformers, name)
         except (AttributeError, ImportError):
             original = None
-        if not (isinstance(original, type) and issubclass(original, _BaseAutoModelClass)):
+        if not is_auto_class(original):
             raise AttributeError(f"transformers has no Auto model class {name!r}.")
         cls = type(
             name,

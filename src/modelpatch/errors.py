@@ -17,7 +17,15 @@ class ModelPatchError(Exception):
     """Base class of every error raised by modelpatch."""
 
 
-class PatchRegistryError(ModelPatchError, ValueError):
+class RegistryError(ModelPatchError, ValueError):
+    """A registry refused a change or a lookup: a key already registered (without ``overwrite``), an unknown key.
+
+    Every registry of modelpatch (patches, patchable namespaces, conversions, fusions) raises it, or the subclass of
+    its domain below, which is one too: ``except RegistryError`` catches the refusals of all of them.
+    """
+
+
+class PatchRegistryError(RegistryError):
     """A patch mapping was rejected: bad pattern, duplicate key, unknown key."""
 
 
@@ -49,6 +57,14 @@ class LoadPlanError(ModelPatchError, ValueError):
 
 class FusionError(ModelPatchError, ValueError):
     """An unknown fusion name, invalid fusion options, or a fusion spec that cannot be registered."""
+
+
+class FusionRegistryError(RegistryError, FusionError):
+    """The fusion registry refused a name: already registered, or not registered."""
+
+
+class ConversionRegistryError(RegistryError, ConversionError):
+    """The conversion registry refused a key: already registered (built-in ones included), or not registered."""
 
 
 class SaveError(ModelPatchError, ValueError):

@@ -1,14 +1,27 @@
-"""What modelpatch persists: the keys it writes into ``config.json`` and the attributes it sets on models.
+"""What modelpatch persists: its versioned record in ``config.json`` and the attributes it sets on models.
 
-Kept in one module so that every path that writes them (``from_pretrained``, ``from_config``, the savers) and every
-path that reads them agree, and so that a change of format is made in one place.
+Kept in one module so that every path that writes them (``from_pretrained``, ``from_config``, ``fuse`` / ``unfuse`` /
+``patch_model``, the savers) and every path that reads them (loads, ``save_pretrained``, the command line) agree, and
+so that a change of format is made, and migrated, in one place.
 
-config.json keys (all prefixed ``modelpatch_``: transformers ignores them, so a checkpoint modelpatch writes loads in
-stock transformers exactly as its tensors say):
+The config.json record is one key, ``"modelpatch"``, holding an object with a format ``version`` (like PEFT's
+``peft_version`` or torchao's config ``version``)::
 
-* ``modelpatch_fusion_config``: the fusions the model was saved with; a later modelpatch load applies them again.
-* ``modelpatch_runtime_layout``: the tensors are in the runtime (fused, converted) layout and load without conversion.
-  It describes the *files*, so it never stays on an in-memory config.
+    "modelpatch": {"version": 1, "fusion_config": {"qkv": true}, "runtime_layout": true}
+
+* ``fusion_config``: the fusions the model was saved with; a later modelpatch load applies them again.
+* ``runtime_layout``: the tensors are in the runtime (fused, converted) layout and load without conversion. It
+  describes the *files*, so it never stays on an in-memory config.
+
+The key is written only when there is something to record, and stock transformers ignores it: a checkpoint
+modelpatch writes in the original layout loads in stock transformers exactly as its tensors say.
+
+Migration. Format version 0 (modelpatch before the record was versioned) used two flat keys,
+``modelpatch_fusion_config`` and ``modelpatch_runtime_layout``; a config that has them and no record reads as version 0
+with the same meaning. Every write produces the current version and removes the old keys, so loading an old
+checkpoint and saving it again (or ``modelpatch convert``) migrates it. A record of a newer version than this module
+knows, or one that is malformed, is a :class:`~modelpatch.errors.CheckpointError` naming the key: reading it as
+something else would load the wrong tensors.
 
 transformers 5.23 acts on a plain ``fusion_config`` key itself (applying its own patch-embedding fusion, rejecting
 names it does not know), so modelpatch reads that key for compatibility but never writes it, and removes it from the
@@ -17,12 +30,20 @@ configs of the models it builds.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from typing import Any
 
 from transformers import PretrainedConfig
 
-FUSION_CONFIG_KEY = "modelpatch_fusion_config"
-RUNTIME_LAYOUT_KEY = "modelpatch_runtime_layout"
+from .errors import CheckpointError
+
+RECORD_KEY = "modelpatch"
+RECORD_VERSION = 1
+"""The format version :func:`write_record` writes; :func:`read_record` reads it and every older one."""
+
+# Format version 0: flat keys, read (and removed on the next write) by the migration below.
+V0_FUSION_CONFIG_KEY = "modelpatch_fusion_config"
+V0_RUNTIME_LAYOUT_KEY = "modelpatch_runtime_layout"
 TRANSFORMERS_FUSION_CONFIG_KEY = "fusion_config"
 
 # Attributes set on the models modelpatch builds.
@@ -33,24 +54,118 @@ EXPECTED_STATE_ATTRIBUTE = "_modelpatch_expected_state"  # runtime key -> (shape
 QUANTIZATION_ATTRIBUTE = "_modelpatch_quantization"  # how a quantized load left the model: what a save must respect
 
 
+@dataclass(frozen=True)
+class ConfigRecord:
+    """modelpatch's record in one config, as read (whatever its format version) or to be written.
+
+    Attributes:
+        fusion_config: The stored fusion config, as stored (``fusions/apply.py`` validates it), or None.
+        runtime_layout: Whether the checkpoint's tensors are in the runtime layout.
+        version: The format version it was read from (0: the flat keys before the record was versioned); records
+            are always written in :data:`RECORD_VERSION`.
+    """
+
+    fusion_config: Any = None
+    runtime_layout: bool = False
+    version: int = RECORD_VERSION
+
+    def to_json(self) -> dict[str, Any] | None:
+        """The value of the ``"modelpatch"`` key in the current format; None when there is nothing to record."""
+        fields = {"fusion_config": self.fusion_config, "runtime_layout": self.runtime_layout}
+        present = {name: value for name, value in fields.items() if value not in (None, False)}
+        return {"version": RECORD_VERSION, **present} if present else None
+
+
+def read_record(config: PretrainedConfig) -> ConfigRecord:
+    """modelpatch's record in ``config``: the versioned ``"modelpatch"`` key, else the version-0 flat keys.
+
+    Without either, an empty record; its fusion config is transformers' own ``fusion_config`` key when there is one.
+
+    Raises:
+        CheckpointError: The record is malformed, of a version newer than :data:`RECORD_VERSION`, or stored in both
+            formats at once (each named).
+    """
+    record = _read_own(config)
+    if record.fusion_config is None and getattr(config, TRANSFORMERS_FUSION_CONFIG_KEY, None) is not None:
+        return ConfigRecord(getattr(config, TRANSFORMERS_FUSION_CONFIG_KEY), record.runtime_layout, record.version)
+    return record
+
+
+def _read_own(config: PretrainedConfig) -> ConfigRecord:
+    """The record modelpatch wrote, in whichever format version, without transformers' ``fusion_config`` key."""
+    raw = getattr(config, RECORD_KEY, None)
+    old_keys = [key for key in (V0_FUSION_CONFIG_KEY, V0_RUNTIME_LAYOUT_KEY) if getattr(config, key, None) is not None]
+    if raw is None:
+        return _migrate_v0(config)
+    if old_keys:
+        raise CheckpointError(
+            f"config.json holds modelpatch's record both as {RECORD_KEY!r} and as {', '.join(map(repr, old_keys))} "
+            f"(its format before version 1); they may disagree. Remove {', '.join(map(repr, old_keys))}."
+        )
+    return _parse(raw)
+
+
+def _migrate_v0(config: PretrainedConfig) -> ConfigRecord:
+    """Version 0: ``modelpatch_fusion_config`` and ``modelpatch_runtime_layout``, with the meanings they have now."""
+    return ConfigRecord(
+        fusion_config=getattr(config, V0_FUSION_CONFIG_KEY, None),
+        runtime_layout=bool(getattr(config, V0_RUNTIME_LAYOUT_KEY, False)),
+        version=0,
+    )
+
+
+def _parse(raw: Any) -> ConfigRecord:
+    where = f"config.json key {RECORD_KEY!r}"
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{where} must be an object with a 'version', got {raw!r}.")
+    version = raw.get("version")
+    if type(version) is not int or version < 1:
+        raise CheckpointError(f"{where} must have an integer 'version' of at least 1, got {version!r}.")
+    if version > RECORD_VERSION:
+        raise CheckpointError(
+            f"{where} is in format version {version}, written by a newer modelpatch; this one reads versions up to "
+            f"{RECORD_VERSION}. Upgrade modelpatch to load this checkpoint."
+        )
+    unknown = sorted(set(raw) - {field.name for field in fields(ConfigRecord)})
+    if unknown:
+        raise CheckpointError(f"{where} has unknown field(s) {', '.join(map(repr, unknown))} for version {version}.")
+    runtime_layout = raw.get("runtime_layout", False)
+    if not isinstance(runtime_layout, bool):
+        raise CheckpointError(f"{where}: 'runtime_layout' must be true or false, got {runtime_layout!r}.")
+    return ConfigRecord(raw.get("fusion_config"), runtime_layout, version)
+
+
+def write_record(config: PretrainedConfig, record: ConfigRecord) -> None:
+    """Store ``record`` in ``config`` in the current format version, replacing modelpatch's record in any format."""
+    for key in (RECORD_KEY, V0_FUSION_CONFIG_KEY, V0_RUNTIME_LAYOUT_KEY):
+        config.__dict__.pop(key, None)
+    value = record.to_json()
+    if value is not None:
+        setattr(config, RECORD_KEY, value)
+
+
 def stored_fusion_config(config: PretrainedConfig) -> Any:
-    """The fusion config a checkpoint's config carries: modelpatch's key, else transformers' own."""
-    stored = getattr(config, FUSION_CONFIG_KEY, None)
-    return stored if stored is not None else getattr(config, TRANSFORMERS_FUSION_CONFIG_KEY, None)
+    """The fusion config a checkpoint's config carries: modelpatch's record, else transformers' own key."""
+    return read_record(config).fusion_config
 
 
 def is_runtime_layout(config: PretrainedConfig) -> bool:
     """Whether the checkpoint ``config`` was read from stores its tensors in the runtime layout."""
-    return bool(getattr(config, RUNTIME_LAYOUT_KEY, False))
+    return read_record(config).runtime_layout
 
 
 def record_fusion_config(config: PretrainedConfig, fusion_config: dict[str, Any]) -> None:
-    """Leave on an in-memory ``config`` only what describes the model: its fusions, under modelpatch's key.
+    """Leave on an in-memory ``config`` only what describes the model: its fusions, in modelpatch's record.
 
     The file-layout flag and transformers' own ``fusion_config`` key are removed, so that stock transformers'
     ``model.save_pretrained`` (and Trainer) write a config.json that stock transformers loads correctly.
     """
-    for key in (FUSION_CONFIG_KEY, TRANSFORMERS_FUSION_CONFIG_KEY, RUNTIME_LAYOUT_KEY):
-        config.__dict__.pop(key, None)
-    if any(value is not False for value in fusion_config.values()):
-        setattr(config, FUSION_CONFIG_KEY, dict(fusion_config))
+    config.__dict__.pop(TRANSFORMERS_FUSION_CONFIG_KEY, None)
+    enabled = any(value is not False for value in fusion_config.values())
+    write_record(config, ConfigRecord(dict(fusion_config) if enabled else None))
+
+
+def record_file_layout(config: PretrainedConfig, runtime_layout: bool) -> None:
+    """Mark the copy of a model's config that a save writes with the layout of the tensors written beside it (an
+    older record is migrated to the current version on the way)."""
+    write_record(config, ConfigRecord(_read_own(config).fusion_config, runtime_layout))

@@ -237,7 +237,7 @@ def check_fused_roundtrip(ckpt: TinyCheckpoint, fusion_config: dict[str, Any], t
     original = tmp_path / "original_format"
     modelpatch.save_pretrained(fused, original)
     assert_same_files(original, ckpt.path)
-    assert modelpatch.from_pretrained(ckpt.model_class, original).config.modelpatch_fusion_config == fusion_config
+    assert modelpatch.from_pretrained(ckpt.model_class, original).config.modelpatch["fusion_config"] == fusion_config
 
     runtime = tmp_path / "runtime_format"
     modelpatch.save_pretrained(fused, runtime, save_original_format=False)

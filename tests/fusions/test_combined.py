@@ -50,7 +50,7 @@ def test_every_family_is_applied_in_one_load(tiny):
     assert isinstance(layer.self_attn.qkv_proj, FusedLinear)
     assert isinstance(layer.mlp.shared_expert.gate_up_proj, FusedLinear)
     assert isinstance(layer.mlp.experts, LinearExperts)
-    assert sorted(model.config.modelpatch_fusion_config) == ["gate_up", "linear_experts", "qkv"]
+    assert sorted(model.config.modelpatch["fusion_config"]) == ["gate_up", "linear_experts", "qkv"]
 
     vlm = tiny("qwen2_5_vl").load({"patch_embeddings": True, "qkv": True, "gate_up": True})
     assert isinstance(vlm.model.visual.patch_embed.proj, Conv3dAsLinear)
@@ -74,10 +74,8 @@ def test_from_config_builds_fused_classes(tiny, tmp_path):
     assert isinstance(layer.self_attn.qkv_proj, FusedLinear) and layer.self_attn.qkv_proj.part_sizes == (32, 16, 16)
     assert isinstance(layer.mlp.shared_expert.gate_up_proj, FusedLinear)
     assert isinstance(layer.mlp.experts, LinearExperts) and len(layer.mlp.experts) == 4
-    assert model.config.modelpatch_fusion_config == ALL_TEXT
-    assert not hasattr(
-        tiny("qwen2_moe").stock().config, "modelpatch_fusion_config"
-    )  # the caller's config is not modified
+    assert model.config.modelpatch["fusion_config"] == ALL_TEXT
+    assert not hasattr(tiny("qwen2_moe").stock().config, "modelpatch")  # the caller's config is not modified
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     with torch.no_grad():
         logits = model(ids).logits

@@ -39,7 +39,7 @@ def test_fuse_a_stock_loaded_model_save_and_unfuse(tiny, tmp_path, name):
     assert modelpatch.fuse(model, CASES[name]) is model
     assert module_types(model) == module_types(ckpt.load(CASES[name]))  # what a fused load builds
     assert_outputs_close(ckpt.outputs(model), ckpt.stock_outputs())
-    assert model.config.modelpatch_fusion_config == CASES[name]
+    assert model.config.modelpatch["fusion_config"] == CASES[name]
 
     modelpatch.save_pretrained(model, tmp_path / "modelpatch")
     assert_same_files(tmp_path / "modelpatch", ckpt.path)
@@ -49,7 +49,7 @@ def test_fuse_a_stock_loaded_model_save_and_unfuse(tiny, tmp_path, name):
     assert modelpatch.unfuse(model) is model
     assert module_types(model) == stock_types
     assert_same_state(model, stock_state)
-    assert not hasattr(model.config, "modelpatch_fusion_config")
+    assert not hasattr(model.config, "modelpatch")
     modelpatch.save_pretrained(model, tmp_path / "unfused")
     assert_same_files(tmp_path / "unfused", ckpt.path)
 

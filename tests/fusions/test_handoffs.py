@@ -191,7 +191,7 @@ def test_stock_save_pretrained_writes_what_stock_loads(tiny, tmp_path, name, fus
     assert not hasattr(model.config, "fusion_config")  # a key stock transformers would act on
     model.save_pretrained(tmp_path / "saved")
     config = json.loads((tmp_path / "saved" / "config.json").read_text())
-    assert "fusion_config" not in config and "modelpatch_runtime_layout" not in config
+    assert "fusion_config" not in config and "runtime_layout" not in config["modelpatch"]
     assert_same_files(tmp_path / "saved", ckpt.path)
 
     reloaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", output_loading_info=True)

@@ -96,7 +96,7 @@ def test_unknown_fusion_in_a_runtime_layout_checkpoint(tiny, tmp_path):
     ckpt = tiny("llama")
     modelpatch.save_pretrained(ckpt.load({"qkv": True}), tmp_path / "runtime", save_original_format=False)
     config = config_json(tmp_path / "runtime")
-    config["modelpatch_fusion_config"] = {"qkv": True, "flash_qkv": True}
+    config["modelpatch"]["fusion_config"] = {"qkv": True, "flash_qkv": True}
     (tmp_path / "runtime" / "config.json").write_text(json.dumps(config))
     with pytest.raises(FusionError, match=r"runtime layout of fusion\(s\) 'flash_qkv'.*modelpatch.register_fusion"):
         ckpt.load(path=tmp_path / "runtime")
@@ -134,7 +134,7 @@ def test_empty_options_enable_and_false_disables(tiny):
     enabled = ckpt.load({"qkv": {}, "gate_up": False})
     assert isinstance(enabled.model.layers[0].self_attn.qkv_proj, torch.nn.Linear)
     assert type(enabled.model.layers[0].mlp) is LlamaMLP
-    assert enabled.config.modelpatch_fusion_config == {"qkv": {}, "gate_up": False}
+    assert enabled.config.modelpatch["fusion_config"] == {"qkv": {}, "gate_up": False}
     assert generated_modules(ckpt.load({"qkv": False, "gate_up": False})) == []
 
 
@@ -144,11 +144,11 @@ def test_empty_options_enable_and_false_disables(tiny):
 def test_persisted_reused_and_overridden(tiny, tmp_path):
     ckpt = tiny("llama")
     fused = ckpt.load({"qkv": True})
-    assert fused.config.modelpatch_fusion_config == {"qkv": True}
-    assert not hasattr(ckpt.stock().config, "modelpatch_fusion_config")  # the checkpoint's config object is not touched
+    assert fused.config.modelpatch["fusion_config"] == {"qkv": True}
+    assert not hasattr(ckpt.stock().config, "modelpatch")  # the checkpoint's config object is not touched
     modelpatch.save_pretrained(fused, tmp_path / "saved")
     saved = config_json(tmp_path / "saved")
-    assert saved["modelpatch_fusion_config"] == {"qkv": True}
+    assert saved["modelpatch"] == {"version": 1, "fusion_config": {"qkv": True}}
     assert "fusion_config" not in saved  # stock transformers 5.23 would apply its own fusion from that key
 
     # Omitted: the stored config is reused.
@@ -160,7 +160,7 @@ def test_persisted_reused_and_overridden(tiny, tmp_path):
     overridden = ckpt.load({"gate_up": True}, path=tmp_path / "saved")
     assert type(overridden.model.layers[0].self_attn) is LlamaAttention
     assert type(overridden.model.layers[0].mlp).__name__ == "GateUpFusedLlamaMLP"
-    assert overridden.config.modelpatch_fusion_config == {"gate_up": True}
+    assert overridden.config.modelpatch["fusion_config"] == {"gate_up": True}
 
     disabled = ckpt.load({"qkv": False}, path=tmp_path / "saved")
     assert generated_modules(disabled) == []
@@ -168,10 +168,10 @@ def test_persisted_reused_and_overridden(tiny, tmp_path):
 
     # An explicit empty config drops the stored one, and so does the next save.
     plain = ckpt.load({}, path=tmp_path / "saved")
-    assert generated_modules(plain) == [] and not hasattr(plain.config, "modelpatch_fusion_config")
+    assert generated_modules(plain) == [] and not hasattr(plain.config, "modelpatch")
     modelpatch.save_pretrained(plain, tmp_path / "plain")
     assert "fusion_config" not in config_json(tmp_path / "plain")
-    assert "modelpatch_fusion_config" not in config_json(tmp_path / "plain")
+    assert "modelpatch" not in config_json(tmp_path / "plain")
 
 
 # --- Scoping ------------------------------------------------------------------------------------------------------

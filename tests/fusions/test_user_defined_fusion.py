@@ -137,7 +137,7 @@ def test_from_config_with_a_user_fusion(swiglu, tiny, tmp_path):
     ckpt = tiny("llama")
     model = modelpatch.from_config(ckpt.model_class, ckpt.stock().config, fusion_config={"swiglu": True})
     assert type(model.model.layers[0].mlp) is SwiGLU
-    assert model.config.modelpatch_fusion_config == {"swiglu": True}
+    assert model.config.modelpatch["fusion_config"] == {"swiglu": True}
     # Concatenate(equal_parts=True) lets a model that was never loaded be split back into gate_proj / up_proj.
     modelpatch.save_pretrained(model, tmp_path / "saved")
     assert checkpoint_shapes(tmp_path / "saved") == checkpoint_shapes(ckpt.path)

@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, BertForSequenceClassi
 import modelpatch
 from modelpatch import CheckpointError
 from modelpatch.checkpoint import writer
-from modelpatch.state import RUNTIME_LAYOUT_KEY as RUNTIME_LAYOUT_ATTRIBUTE
+from modelpatch.state import RECORD_KEY
 
 
 def _snapshot(directory):
@@ -143,7 +143,7 @@ def test_runtime_layout_save_and_reload(stock_checkpoint, tmp_path, name):
     runtime_dir = tmp_path / "runtime"
     modelpatch.save_pretrained(model, runtime_dir, save_original_format=False)
 
-    assert config_json(runtime_dir)[RUNTIME_LAYOUT_ATTRIBUTE] is True
+    assert config_json(runtime_dir)[RECORD_KEY] == {"version": 1, "runtime_layout": True}
     assert_tensors_identical(read_tensors(runtime_dir), model.state_dict())
 
     reloaded = modelpatch.from_pretrained(ckpt.model_class, runtime_dir)
@@ -157,9 +157,9 @@ def test_runtime_layout_save_and_reload(stock_checkpoint, tmp_path, name):
     original_dir = tmp_path / "original"
     modelpatch.save_pretrained(reloaded, original_dir)
     assert_tensors_identical(read_tensors(original_dir), ckpt.tensors())
-    assert RUNTIME_LAYOUT_ATTRIBUTE not in config_json(original_dir)
+    assert RECORD_KEY not in config_json(original_dir)
     runtime_config = config_json(runtime_dir)
-    del runtime_config[RUNTIME_LAYOUT_ATTRIBUTE]
+    del runtime_config[RECORD_KEY]
     assert config_json(original_dir) == runtime_config
 
 

@@ -139,7 +139,7 @@ def check_load(name: str, model: PreTrainedModel, references) -> bool:
     assert counts == expected_counts, f"{name}: {dict(counts)} != {dict(expected_counts)}"
     assert must <= set(counts) and not (must_not & set(counts)), f"{name}: {dict(counts)}"
     assert modelpatch.get_load_report(model) is not None
-    fusion_config = getattr(model.config, "modelpatch_fusion_config", None)
+    fusion_config = getattr(model.config, "modelpatch", {}).get("fusion_config")
     assert fusion_config == LOADS[name][1]().get("fusion_config"), f"{name}: fusion_config {fusion_config}"
     assert all(p.device.type == "cpu" for p in model.parameters()), f"{name}: parameters left on meta"
     with torch.no_grad():

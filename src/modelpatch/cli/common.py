@@ -16,9 +16,8 @@ from pathlib import Path
 import transformers
 from torch import nn
 from transformers import AutoModel, PretrainedConfig, PreTrainedModel
-from transformers.models.auto import modeling_auto
-from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
+from .._transformers import is_auto_class, model_class_names_for
 from ..errors import FusionError
 from ..fusions import available_fusions
 from ..loading import materialize
@@ -30,7 +29,7 @@ from .arguments import UsageError
 
 def _named_class(name: str) -> type | None:
     cls = getattr(transformers, name, None)
-    if isinstance(cls, type) and issubclass(cls, (PreTrainedModel, _BaseAutoModelClass)):
+    if is_auto_class(cls) or (isinstance(cls, type) and issubclass(cls, PreTrainedModel)):
         return cls
     return None
 
@@ -67,12 +66,7 @@ def architectures_note(config: PretrainedConfig) -> str:
 
 def model_classes(model_type: str) -> list[str]:
     """Every model class transformers maps ``model_type`` to (base model and task heads), sorted."""
-    found: set[str] = set()
-    for attribute in dir(modeling_auto):
-        if attribute.startswith("MODEL") and attribute.endswith("MAPPING_NAMES"):
-            value = getattr(modeling_auto, attribute).get(model_type)
-            found.update([value] if isinstance(value, str) else value or ())
-    return sorted(found)
+    return model_class_names_for(model_type)
 
 
 def open_checkpoint(args: argparse.Namespace, path: str) -> tuple[Path, PretrainedConfig]:

@@ -10,20 +10,22 @@ then by model type; a sub-model's transforms are scoped to its prefix; ``"legacy
 from __future__ import annotations
 
 import copy
-import threading
 from collections import defaultdict
 from collections.abc import Iterable
 
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..errors import ConversionError
+from ..errors import ConversionError, ConversionRegistryError
+from ..registry import Registry
 from . import transformers_mapping
 from .transforms import WeightTransform
 
-_lock = threading.Lock()
-# What was registered through modelpatch (translated); it overrides transformers' entry of the same key.
-_mappings: dict[str, tuple[WeightTransform, ...]] = {}
+conversion_registry: Registry[str, tuple[WeightTransform, ...]] = Registry(
+    "conversion mapping", ConversionRegistryError
+)
+"""What was registered through modelpatch (translated); it overrides transformers' entry of the same key.
+``conversion_registry.scoped()`` restores it on exit."""
 
 
 def register_checkpoint_conversion_mapping(
@@ -40,24 +42,26 @@ def register_checkpoint_conversion_mapping(
 
     Raises:
         TypeError: An item is not a weight transform.
-        ConversionError: ``model_type`` already has a mapping and ``overwrite`` is False; or a transformers transform
-            or operation that modelpatch cannot translate (named).
+        ConversionError: ``model_type`` already has a mapping and ``overwrite`` is False (a
+            :class:`~modelpatch.errors.RegistryError` too); or a transformers transform or operation that modelpatch
+            cannot translate (named).
     """
     if not isinstance(model_type, str) or not model_type:
         raise ConversionError(f"model_type must be a non-empty string, got {model_type!r}.")
     transforms = tuple(transformers_mapping.translate(mapping, model_type))
-    with _lock:
-        if not overwrite and (model_type in _mappings or model_type in transformers_mapping.builtin_keys()):
-            raise ConversionError(
-                f"A conversion mapping for model type {model_type!r} already exists; pass overwrite=True to replace it."
-            )
-        _mappings[model_type] = transforms
+    # transformers' keys (built in, or registered through transformers) are checked here; modelpatch's own keys by
+    # the registry, atomically with the change.
+    if not overwrite and model_type in transformers_mapping.builtin_keys():
+        raise ConversionRegistryError(
+            f"A conversion mapping for model type {model_type!r} is built into transformers; pass overwrite=True to "
+            "replace it."
+        )
+    conversion_registry.register({model_type: transforms}, overwrite=overwrite)
 
 
 def get_checkpoint_conversion_mapping(model_type: str) -> list[WeightTransform] | None:
     """A copy of the transforms registered for ``model_type`` (a model type or class name), or None."""
-    with _lock:
-        transforms = _mappings.get(model_type)
+    transforms = conversion_registry.get(model_type, None)
     if transforms is not None:
         return copy.deepcopy(list(transforms))
     return transformers_mapping.builtin_mapping(model_type)
@@ -65,14 +69,11 @@ def get_checkpoint_conversion_mapping(model_type: str) -> list[WeightTransform] 
 
 def registered_model_types() -> list[str]:
     """Every key with a mapping: registered here or built into transformers (model types, class names, legacy)."""
-    with _lock:
-        own = set(_mappings)
-    return sorted(own | transformers_mapping.builtin_keys())
+    return sorted(set(conversion_registry.snapshot()) | transformers_mapping.builtin_keys())
 
 
 def _user_registered(key: str) -> bool:
-    with _lock:
-        return key in _mappings or transformers_mapping.user_registered_in_transformers(key)
+    return key in conversion_registry.snapshot() or transformers_mapping.user_registered_in_transformers(key)
 
 
 def legacy_conversions() -> list[WeightTransform]:

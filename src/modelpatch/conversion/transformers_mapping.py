@@ -1,8 +1,9 @@
 """transformers' own conversion mapping, translated into modelpatch's transforms and operations.
 
-This is the one module that touches transformers' conversion internals (``transformers.conversion_mapping`` and
-``transformers.core_model_loading``: their registry, the private ``_original_*_patterns`` of its transforms, its
-classes of operations). Moving to another transformers release means auditing this file.
+This is the one module that works with transformers' conversion machinery (``transformers.conversion_mapping`` and
+``transformers.core_model_loading``: their registry, its transforms, its classes of operations); the private names
+it reads (the registry's cache, the ``_original_*_patterns`` of its transforms) come through
+:mod:`modelpatch._transformers`. Moving to another transformers release means auditing this file and that one.
 
 The registry of transformers is read live, at lookup time: its ~250 built-in entries (model types, class names and
 ``"legacy"``) and whatever was registered there since. Every transform and operation is translated one to one; one
@@ -15,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from transformers import conversion_mapping as hf_mapping
-from transformers import core_model_loading as hf
-
+from .._transformers import conversion_mapping as hf_mapping
+from .._transformers import conversion_mapping_cache, original_patterns
+from .._transformers import core_model_loading as hf
 from ..errors import ConversionError
 from . import operations as ops
 from .transforms import (
@@ -46,15 +47,9 @@ def _hf(name: str) -> type:
     return getattr(hf, name, _Absent)
 
 
-def _registry() -> dict[str, list[Any]]:
-    hf_mapping.get_checkpoint_conversion_mapping(LEGACY)  # builds transformers' cache on first use
-    cache: dict[str, list[Any]] = hf_mapping._checkpoint_conversion_mapping_cache  # type: ignore[assignment]
-    return cache
-
-
 def builtin_keys() -> set[str]:
     """Model types and class names transformers registers a mapping for (``"legacy"`` included)."""
-    return set(_registry())
+    return set(conversion_mapping_cache())
 
 
 def builtin_mapping(key: str) -> list[WeightTransform] | None:
@@ -86,15 +81,9 @@ def translate(items: Iterable[Any], owner: str) -> list[WeightTransform]:
     return translated
 
 
-def _patterns(transform: Any) -> tuple[list[str], list[str]]:
-    # transformers rewrites source_patterns/target_patterns in place when it builds a transform (anchors, capture
-    # groups); the originals are what its constructor took, and what ours takes.
-    return list(transform._original_source_patterns), list(transform._original_target_patterns)
-
-
 def _translate_transform(transform: Any, owner: str) -> WeightTransform:
     kind = type(transform)
-    sources, targets = _patterns(transform)
+    sources, targets = original_patterns(transform)  # what its constructor took, and what ours takes
     result: WeightTransform
     if kind is hf.PrefixChange:
         result = PrefixChange(transform.prefix_to_add, transform.prefix_to_remove, transform.model_prefix)

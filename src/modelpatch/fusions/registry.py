@@ -2,41 +2,38 @@
 
 from __future__ import annotations
 
-import threading
-
-from ..errors import FusionError
+from ..errors import FusionError, FusionRegistryError
+from ..registry import Registry
 from .spec import ModuleFusionSpec
 
-_lock = threading.Lock()
-_fusions: dict[str, ModuleFusionSpec] = {}
+fusion_registry: Registry[str, ModuleFusionSpec] = Registry("fusion", FusionRegistryError)
+"""The fusions ``fusion_config`` may name (``fusion_registry.scoped()`` restores it on exit)."""
 
 
 def register_fusion(name: str, spec: ModuleFusionSpec, overwrite: bool = False) -> None:
-    """Make ``spec`` available as ``fusion_config={name: True}``."""
+    """Make ``spec`` available as ``fusion_config={name: True}``.
+
+    Raises:
+        FusionError: ``name`` is not an identifier, or is already registered and ``overwrite`` is False.
+        TypeError: ``spec`` is not a :class:`ModuleFusionSpec`.
+    """
     if not isinstance(name, str) or not name.isidentifier():
         raise FusionError(f"A fusion name must be an identifier, got {name!r}.")
     if not isinstance(spec, ModuleFusionSpec):
         raise TypeError(f"spec must be a ModuleFusionSpec instance, got {spec!r}.")
-    with _lock:
-        if name in _fusions and not overwrite:
-            raise FusionError(f"A fusion named {name!r} is already registered; pass overwrite=True to replace it.")
-        _fusions[name] = spec
+    fusion_registry.register({name: spec}, overwrite=overwrite)
 
 
 def unregister_fusion(name: str) -> None:
-    with _lock:
-        if name not in _fusions:
-            raise FusionError(f"No fusion named {name!r}; available: {', '.join(available_fusions())}.")
-        del _fusions[name]
+    """Remove the fusion registered as ``name``; an unknown name is a :class:`FusionError` listing the known ones."""
+    fusion_registry.unregister([name])
 
 
 def available_fusions() -> list[str]:
     """Names accepted in ``fusion_config``."""
-    return sorted(_fusions)
+    return sorted(fusion_registry.snapshot())
 
 
 def get_fusion(name: str) -> ModuleFusionSpec:
-    try:
-        return _fusions[name]
-    except KeyError:
-        raise FusionError(f"Unknown fusion {name!r}; available: {', '.join(available_fusions()) or 'none'}.") from None
+    """The spec registered as ``name``; an unknown name is a :class:`FusionError` listing the known ones."""
+    return fusion_registry.get(name)

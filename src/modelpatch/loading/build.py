@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
+from .._transformers import fp32_module_patterns, init_contexts, initialized_from_config, patch_registry_module
 from ..errors import CheckpointError, ModelPatchError
 from ..patching.mapping import PatchMapping
 from ..patching.scope import PatchScope, patch_scope
@@ -50,7 +51,7 @@ def _isolate_from_transformers_patches() -> None:
         RuntimeError: One of those two no longer reads the registry through ``get_patch_mapping``: transformers'
             structure changed, and modelpatch cannot keep its registry out of builds with this version.
     """
-    from transformers import monkey_patching
+    monkey_patching = patch_registry_module()
 
     if getattr(monkey_patching.get_patch_mapping, "_modelpatch_isolating", False):
         return
@@ -115,7 +116,7 @@ def build_empty_model_patched(
 ) -> tuple[PreTrainedModel, PatchScope]:
     """:func:`build_empty_model`, and the :class:`PatchScope` of the build (what it matched and replaced)."""
     with _isolated_build(), ExitStack() as stack:
-        for context in model_class.get_init_context(dtype, prepare is not None, False, None):
+        for context in init_contexts(model_class, dtype, prepare is not None):
             stack.enter_context(context)
         with patch_scope(*layers) as scope:
             model = model_class(config)
@@ -133,7 +134,7 @@ def build_initialized_model(
     """Instantiate and initialise ``model_class`` from ``config`` like stock ``from_config``, under the patches;
     return it with the :class:`PatchScope` of the build."""
     with _isolated_build(), patch_scope(*layers) as scope:
-        return model_class._from_config(config, **({"dtype": dtype} if dtype is not None else {})), scope
+        return initialized_from_config(model_class, config, dtype), scope
 
 
 def keep_in_fp32(model: PreTrainedModel, dtype: torch.dtype) -> None:
@@ -143,7 +144,7 @@ def keep_in_fp32(model: PreTrainedModel, dtype: torch.dtype) -> None:
     The load casts every tensor to its meta parameter's dtype, so this is all it takes for the loaded state to have
     stock's dtypes, and for those tensors to be saved back in float32.
     """
-    plan = model._get_dtype_plan(dtype)
+    plan = fp32_module_patterns(model, dtype)
     if not plan:
         return
     # transformers matches these names as globs searched anywhere in the key.

@@ -7,10 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
-from transformers.models.auto.auto_factory import _BaseAutoModelClass, _get_model_class
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig, PreTrainedModel
 
+from .._transformers import auto_model_class, is_auto_class
 from ..checkpoint.json_file import MAX_CONFIG_BYTES, read_json
 from ..errors import CheckpointError
 
@@ -95,14 +94,14 @@ def resolve_model_class(model_class: type, config: PretrainedConfig) -> type[Pre
     modelpatch's own Auto classes stand for transformers' (their ``transformers_class``).
     """
     model_class = getattr(model_class, "transformers_class", model_class)
-    if isinstance(model_class, type) and issubclass(model_class, _BaseAutoModelClass):
-        mapping = model_class._model_mapping
-        if mapping is None or type(config) not in mapping:
+    if is_auto_class(model_class):
+        concrete = auto_model_class(model_class, config)
+        if concrete is None:
             raise CheckpointError(
                 f"{model_class.__name__} has no model for config {type(config).__name__} (model_type "
                 f"{config.model_type!r})."
             )
-        return _get_model_class(config, mapping)
+        return concrete
     if isinstance(model_class, type) and issubclass(model_class, PreTrainedModel):
         return model_class
     raise TypeError(f"model_class must be a transformers Auto class or PreTrainedModel subclass, got {model_class!r}.")

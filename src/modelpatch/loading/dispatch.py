@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from .._transformers import no_split_modules
+
 _AUTO = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
@@ -48,7 +50,7 @@ def resolve_device_map(
     from accelerate.utils import get_balanced_memory
 
     if isinstance(device_map, str):
-        no_split = sorted(getattr(model, "_no_split_modules", None) or [])
+        no_split = no_split_modules(model)
         if device_map != "sequential":
             max_memory = get_balanced_memory(
                 model, max_memory=max_memory, no_split_module_classes=no_split, low_zero=device_map == "balanced_low_0"

@@ -29,6 +29,7 @@ from typing import Any, Literal, overload
 import torch
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 
+from .._transformers import initialize_missing, set_attention_implementation, set_experts_implementation
 from ..checkpoint import Checkpoint
 from ..checkpoint.json_file import MAX_CONFIG_BYTES, read_json
 from ..conversion.planner import TensorMeta
@@ -187,8 +188,8 @@ def _plan(
             # The config's fault if the stock model cannot be built either, with transformers' default attention
             # and experts implementations; otherwise a replacement's or a keyword's error, raised as is.
             stock_config = copy.deepcopy(config)
-            stock_config._attn_implementation = None
-            stock_config._experts_implementation = None
+            set_attention_implementation(stock_config, None)
+            set_experts_implementation(stock_config, None)
             with config_build_errors(directory / "config.json", concrete):
                 build_empty_model(concrete, stock_config, resolved_dtype, [])
         raise
@@ -434,9 +435,9 @@ def from_pretrained(
     _check_remote_code(config, trust_remote_code)
     # Stock sets both on the config before building (its setters reach the sub-configs of composite models).
     if attn_implementation is not None:
-        config._attn_implementation = attn_implementation
+        set_attention_implementation(config, attn_implementation)
     if experts_implementation is not None:
-        config._experts_implementation = experts_implementation
+        set_experts_implementation(config, experts_implementation)
     if generation_config is None:
         generation_config = _load_generation_config(directory)
     opened = Checkpoint.open(directory, allow_pickle=allow_pickle, allow_external_symlinks=allow_external_symlinks)
@@ -568,13 +569,7 @@ def _finalize(model: PreTrainedModel, missing: set[str], device: torch.device) -
     ``missing`` holds every parameter the checkpoint did not fill: new parameters and tied ones.
     """
     with model_state_lock:
-        for key in getattr(model, "all_tied_weights_keys", {}) or {}:
-            # transformers' marker attribute on tensors, unknown to torch's stubs.
-            model.get_parameter(key)._is_hf_initialized = True  # type: ignore[attr-defined]
-        # transformers annotates a list but subtracts a dict's keys from it: it needs a set.
-        model._move_missing_keys_from_meta_to_device(missing, {"": device}, None, None)  # type: ignore[arg-type]
-        model._initialize_missing_keys(is_quantized=False)
-        model.tie_weights(missing_keys=missing, recompute_mapping=False)
+        initialize_missing(model, missing, device)
         model.eval()
 
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .._transformers import mark_initialized
 from .plan import LoadPlan
 
 # Below this many bytes a load is quick enough that a progress bar is noise.
@@ -30,11 +31,10 @@ def set_tensor(model: nn.Module, key: str, value: torch.Tensor) -> None:
     if name in module._parameters:
         old = module._parameters[name]
         param = nn.Parameter(value, requires_grad=old.requires_grad if old is not None else value.is_floating_point())
-        # transformers' marker attribute (stock's loader sets it on every loaded tensor), unknown to torch's stubs.
-        param._is_hf_initialized = True  # type: ignore[attr-defined]
+        mark_initialized(param)
         module._parameters[name] = param
     elif name in module._buffers:
-        value._is_hf_initialized = True  # type: ignore[attr-defined]
+        mark_initialized(value)
         module._buffers[name] = value
     else:
         raise KeyError(f"{key} is neither a parameter nor a buffer of the model.")

@@ -12,6 +12,7 @@ from typing import Literal
 import torch
 from transformers import PreTrainedModel
 
+from .._transformers import keys_to_ignore_on_load, tied_weight_keys
 from ..conversion.planner import ConversionPlan, TensorMeta, plan_load
 from ..conversion.registry import legacy_conversions
 from ..conversion.transformers_mapping import translate
@@ -80,7 +81,7 @@ def plan_model_load(
     the error.
     """
     expected = model_expectations(model)
-    tied = dict(getattr(model, "all_tied_weights_keys", {}) or {})
+    tied = tied_weight_keys(model)
 
     # transformers' own transforms (a Patcher's extras, say) become modelpatch's, configured like the model's own.
     transforms = [t.configured(model.config) for t in translate(transforms, type(model).__name__)]
@@ -112,7 +113,7 @@ def plan_model_load(
                 f"{key}: checkpoint {sources[key]} is {meta.dtype}, model expects {want.dtype}"
             )
 
-    allowed_new = _compile_any([*new_parameters, *(getattr(model, "_keys_to_ignore_on_load_missing", None) or [])])
+    allowed_new = _compile_any([*new_parameters, *keys_to_ignore_on_load(model, "missing")])
     plan = LoadPlan(conversion=conversion, transforms=used, expected=expected, tied=tied)
     # A tied pair needs one of its two keys; transformers ties the missing one to the present one.
     provided = conversion.outputs.keys() & expected.keys()
@@ -127,7 +128,7 @@ def plan_model_load(
 
     buffers = [re.escape(name) + "$" for name, _ in model.named_buffers() if name not in expected]
     recomputed = _compile_any([*buffers, r"rotary_emb\.inv_freq$"])
-    ignorable = _compile_any(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
+    ignorable = _compile_any(keys_to_ignore_on_load(model, "unexpected"))
     for key in sorted(conversion.outputs.keys() - expected.keys()):
         if recomputed is not None and recomputed.search(key):
             plan.dropped.append(key)

@@ -1,8 +1,8 @@
 """Quantized checkpoints, and quantization at load, done by transformers' own quantizers.
 
 This is the one module of modelpatch that uses transformers' quantizer API (``transformers.quantizers`` and the ops
-its quantizers declare): a transformers upgrade means auditing this file. What it uses, where stock
-``from_pretrained`` uses it:
+its quantizers declare), imported through :mod:`modelpatch._transformers`: a transformers upgrade means auditing this
+file and that one. What it uses, where stock ``from_pretrained`` uses it:
 
 * ``get_hf_quantizer``: the quantizer stock would use, with its environment checks (on a machine without a GPU the fp8
   quantizer switches itself to dequantizing, with a warning);
@@ -38,18 +38,21 @@ from typing import Any
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
-from transformers.core_model_loading import WeightConverter as HfWeightConverter
-from transformers.core_model_loading import WeightRenaming as HfWeightRenaming
-from transformers.integrations.finegrained_fp8 import Fp8Dequantize
-from transformers.integrations.torchao import TorchAoDeserialize
-from transformers.quantizers import HfQuantizer
-from transformers.quantizers.auto import get_hf_quantizer
 
+from .._transformers import (
+    Fp8Dequantize,
+    HfQuantizer,
+    TorchAoDeserialize,
+    original_patterns,
+    quantizer_for,
+    weight_conversions_of,
+)
+from .._transformers import core_model_loading as hf
 from ..conversion.operations import ConversionOperation, Fp8BlockDequantize, TorchAoTensor
 from ..conversion.planner import ConversionPlan, TensorMeta, plan_load
 from ..conversion.transforms import WeightConverter, WeightRenaming, WeightTransform
 from ..errors import LoadPlanError, SaveError
-from ..state import FUSION_CONFIG_KEY, QUANTIZATION_ATTRIBUTE
+from ..state import QUANTIZATION_ATTRIBUTE, stored_fusion_config
 from .diagnose import collapse_lines
 from .materialize import release_pages, set_tensor
 from .report import LoadReport
@@ -162,13 +165,13 @@ class Quantization:
     def _transforms(self, model: PreTrainedModel, dtype: torch.dtype) -> list[WeightTransform]:
         """The quantizer's own conversions (what it adds to a model with none), in modelpatch's vocabulary."""
         transforms: list[WeightTransform] = []
-        for transform in self.quantizer.update_weight_conversions([], model):
-            sources, targets = transform._original_source_patterns, transform._original_target_patterns
+        for transform in weight_conversions_of(self.quantizer, model):
+            sources, targets = original_patterns(transform)
             if any("*" in pattern for pattern in [*sources, *targets]):
                 raise self._untranslatable(f"{type(transform).__name__} {sources} -> {targets}")
-            if isinstance(transform, HfWeightConverter):
+            if isinstance(transform, hf.WeightConverter):
                 transforms.append(self._converter(sources, targets, transform.operations, dtype))
-            elif isinstance(transform, HfWeightRenaming) and len(sources) == len(targets) == 1:
+            elif isinstance(transform, hf.WeightRenaming) and len(sources) == len(targets) == 1:
                 # transformers' patterns end at a name boundary (`scale` does not match `scale_inv`).
                 boundary = r"(?!\w)" if re.search(r"[A-Za-z0-9]$", sources[0]) else ""
                 transforms.append(WeightRenaming(sources[0] + boundary, targets[0]))
@@ -318,7 +321,7 @@ def load_quantization(
             method,
         )
     try:
-        quantizer, _, _ = get_hf_quantizer(config, quantization_config, device_map, True, {})
+        quantizer = quantizer_for(config, quantization_config, device_map)
     except (ValueError, TypeError, RuntimeError, ImportError) as exc:  # its checks raise these, each with a reason
         raise _refusal(f"transformers' {method} quantizer refuses this load: {exc}", method) from None
     quantization = Quantization(quantizer, method)
@@ -361,7 +364,7 @@ def quantized_checkpoint(
     if original_format:
         converted = [] if report is None else [group.sources_summary() for group in report.groups]
         renamed = [] if report is None else [f"{v} -> {k}" for k, v in report.direct.items() if k != v]
-        fused = getattr(model.config, FUSION_CONFIG_KEY, None)
+        fused = stored_fusion_config(model.config)
         if report is None or report.runtime_layout or converted or renamed or fused:
             raise SaveError(
                 f"Cannot save {type(model).__name__} in its checkpoint's layout: it holds {record.method} tensors "

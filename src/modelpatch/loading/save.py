@@ -10,7 +10,8 @@ Data flow of a save:
    through its exact reverse (operations bound to the source's shapes at load time); keys the load never saw (a
    model built with ``from_config``, a new task head) are mapped back by running the model type's transforms
    backwards. Runtime format: the state dict as is, and config.json records that it needs no conversion;
-4. config.json (with the fusion config, under ``modelpatch_fusion_config``) and generation_config.json are written
+4. config.json (with modelpatch's versioned record: the fusion config, the layout; see ``state.py``) and
+   generation_config.json are written
    with the tensors into a temporary sibling directory that replaces the target only when complete.
 
 The models modelpatch builds also get an instance-level ``save_pretrained`` (see :func:`install_original_format_save`)
@@ -30,11 +31,12 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from .._transformers import has_transformers_adapter, tied_weight_keys
 from ..checkpoint import write_checkpoint
 from ..conversion.planner import TensorMeta, plan_save
 from ..conversion.registry import model_conversions
 from ..errors import ConversionError, SaveError
-from ..state import EXPECTED_STATE_ATTRIBUTE, RUNTIME_LAYOUT_KEY, TRANSFORMS_ATTRIBUTE
+from ..state import EXPECTED_STATE_ATTRIBUTE, TRANSFORMS_ATTRIBUTE, record_file_layout
 from .quantization import quantized_checkpoint
 from .report import LoadReport, get_load_report
 
@@ -107,7 +109,7 @@ def _untied_pairs(model: PreTrainedModel, state: Mapping[str, torch.Tensor]) -> 
     """Tied parameters (per the model's tying rules) that no longer share storage with their source."""
     return [
         tied
-        for tied, source in (getattr(model, "all_tied_weights_keys", {}) or {}).items()
+        for tied, source in tied_weight_keys(model).items()
         if tied in state and source in state and not _shares_storage(state[tied], state[source])
     ]
 
@@ -122,7 +124,7 @@ def _state_to_save(
     state = dict(state)
     stored = set(report.checkpoint_keys) | set(report.direct) if report else set()
     untied = set(_untied_pairs(model, state))
-    for tied in getattr(model, "all_tied_weights_keys", {}) or {}:
+    for tied in tied_weight_keys(model):
         if tied not in stored and tied not in untied:
             state.pop(tied, None)
     return state
@@ -267,10 +269,7 @@ def save_pretrained(
     tensors, metadata = _checkpoint_contents(model, None, original_format=save_original_format)
     config = copy.deepcopy(model.config)
     config.architectures = [type(model).__name__]
-    if save_original_format:
-        config.__dict__.pop(RUNTIME_LAYOUT_KEY, None)
-    else:
-        setattr(config, RUNTIME_LAYOUT_KEY, True)
+    record_file_layout(config, runtime_layout=not save_original_format)
     if _untied_pairs(model, model.state_dict()) and getattr(config, "tie_word_embeddings", False):
         # The head was untied since the model was built: the reload must not tie it back over the saved tensor.
         config.tie_word_embeddings = False
@@ -300,7 +299,7 @@ class OriginalFormatSave:
     def __call__(self, save_directory: str | Path, *args: Any, **kwargs: Any) -> Any:
         model = self.model
         stock_save = type(model).save_pretrained
-        if not kwargs.get("save_original_format", True) or getattr(model, "_hf_peft_config_loaded", False):
+        if not kwargs.get("save_original_format", True) or has_transformers_adapter(model):
             return stock_save(model, save_directory, *args, **kwargs)
         kwargs["state_dict"] = checkpoint_tensors(model, kwargs.get("state_dict"))
         kwargs["save_original_format"] = False  # already in the original layout: stock must not convert again

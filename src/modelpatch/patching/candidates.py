@@ -11,44 +11,42 @@ would replace it. Output dataclasses, configs, functions and ``AttentionInterfac
 
 from __future__ import annotations
 
-import threading
+from ..registry import Registry
 
-_lock = threading.Lock()
-_namespaces: frozenset[str] = frozenset()
+namespace_registry: Registry[str, bool] = Registry("patchable namespace")
+"""The user namespaces made patchable (keys; the values carry nothing). ``namespace_registry.scoped()`` restores it."""
 
 
 def register_patchable_namespace(namespace: str) -> None:
     """Also make ``nn.Module`` classes of modules named ``namespace`` or ``namespace.*`` patchable.
 
     Example: ``register_patchable_namespace("my_project.models")`` lets ``{"MyAttention": Fast}`` replace
-    ``my_project.models.blocks.MyAttention``.
+    ``my_project.models.blocks.MyAttention``. Registering a namespace twice is harmless.
     """
-    global _namespaces
     if not isinstance(namespace, str) or not namespace or namespace.startswith(".") or namespace.endswith("."):
         raise ValueError(f"A patchable namespace must be a dotted module name, got {namespace!r}.")
-    with _lock:
-        _namespaces = _namespaces | {namespace}
+    namespace_registry.register({namespace: True}, overwrite=True)
 
 
 def unregister_patchable_namespace(namespace: str) -> None:
-    """Undo :func:`register_patchable_namespace`; unknown namespaces are an error naming them."""
-    global _namespaces
-    with _lock:
-        if namespace not in _namespaces:
-            raise ValueError(f"{namespace!r} is not a registered patchable namespace.")
-        _namespaces = _namespaces - {namespace}
+    """Undo :func:`register_patchable_namespace`.
+
+    Raises:
+        RegistryError: ``namespace`` is not registered (named; also a ``ValueError``).
+    """
+    namespace_registry.unregister([namespace])
 
 
 def get_patchable_namespaces() -> frozenset[str]:
     """The user namespaces registered with :func:`register_patchable_namespace`."""
-    return _namespaces
+    return frozenset(namespace_registry.snapshot())
 
 
 def is_patchable_module(module: str) -> bool:
     """Whether the module named ``module`` is a transformers modeling module or in a registered namespace."""
     if module.startswith("transformers.models.") and module.rpartition(".")[2].startswith("modeling_"):
         return True
-    return any(module == ns or module.startswith(ns + ".") for ns in _namespaces)
+    return any(module == ns or module.startswith(ns + ".") for ns in namespace_registry.snapshot())
 
 
 def is_patch_candidate(cls: type) -> bool:

@@ -27,7 +27,9 @@ _done: set[tuple[type, type]] = set()
 def _covers(existing: object, candidate: object) -> bool:
     """Whether spec item ``existing`` already records every module ``candidate`` would: adding ``candidate`` would
     record each of them twice (``candidate`` targets a subclass of an earlier replacement, say)."""
-    from transformers.utils.output_capturing import OutputRecorder
+    from .._transformers import output_recorder_class  # here: importing modelpatch.patching imports no transformers
+
+    OutputRecorder = output_recorder_class()
 
     if isinstance(candidate, type):
         return isinstance(existing, type) and issubclass(candidate, existing)
@@ -42,7 +44,9 @@ def _covers(existing: object, candidate: object) -> bool:
 
 def _with_replacement(spec: object, original: type, replacement: type) -> object:
     """``spec`` extended so that it also targets ``replacement`` wherever it targets ``original``."""
-    from transformers.utils.output_capturing import OutputRecorder
+    from .._transformers import output_recorder_class  # here: importing modelpatch.patching imports no transformers
+
+    OutputRecorder = output_recorder_class()
 
     specs = spec if isinstance(spec, list) else [spec]
     added: list[object] = []
@@ -71,6 +75,8 @@ def register_replacement_for_recorders(
         return
     from transformers import PreTrainedModel
 
+    from .._transformers import recorded_outputs
+
     with _lock:
         if (original, replacement) in _done:
             return
@@ -79,7 +85,7 @@ def register_replacement_for_recorders(
         for value in list(vars(module).values()) if module is not None else ():
             if not (isinstance(value, type) and issubclass(value, PreTrainedModel)):
                 continue
-            specs = getattr(value, "_can_record_outputs", None)
+            specs = recorded_outputs(value)
             if not isinstance(specs, dict) or id(specs) in seen:
                 continue
             seen.add(id(specs))

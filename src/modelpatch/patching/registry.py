@@ -1,31 +1,41 @@
 """The process-wide patch registry (seed vocabulary: ``register_patch_mapping`` and friends).
 
 The registry only records what should be replaced; nothing is replaced until a scope is entered
-(:func:`modelpatch.apply_patches`, a :class:`modelpatch.Patcher`, or a modelpatch load). Every change is validated
-first and then published as a new immutable :class:`PatchMapping`, so a failing call leaves the registry exactly as it
-was and a scope that already took a snapshot never sees a half-applied change.
+(:func:`modelpatch.apply_patches`, a :class:`modelpatch.Patcher`, or a modelpatch load). It is a
+:class:`~modelpatch.registry.Registry`: every change is validated first and then published as a new immutable table,
+so a failing call leaves the registry exactly as it was and a scope that already took a snapshot (a
+:class:`PatchMapping`) never sees a half-applied change.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Iterable, Mapping
 
 from torch import nn
 
 from ..errors import PatchRegistryError
+from ..registry import Registry
 from .mapping import PatchMapping
 
 logger = logging.getLogger(__name__)
 
-_lock = threading.Lock()
-_current = PatchMapping()
+patch_registry: Registry[str, type[nn.Module]] = Registry("patch", PatchRegistryError)
+"""The registered ``{class name or pattern: replacement}`` (``patch_registry.scoped()`` restores it on exit)."""
+
+# The PatchMapping of the registry's last snapshot: every load and scope reads it, the patterns compiled once.
+_compiled: tuple[Mapping[str, type[nn.Module]], PatchMapping] = (patch_registry.snapshot(), PatchMapping())
 
 
 def snapshot() -> PatchMapping:
-    """The registry's current contents as an immutable mapping."""
-    return _current
+    """The registry's current contents as an immutable, compiled mapping."""
+    global _compiled
+    entries, mapping = _compiled
+    current = patch_registry.snapshot()
+    if current is not entries:
+        mapping = PatchMapping.from_items(current.items())  # valid: every entry was validated when registered
+        _compiled = (current, mapping)
+    return mapping
 
 
 def register_patch_mapping(mapping: Mapping[str, type[nn.Module]], overwrite: bool = False) -> None:
@@ -43,19 +53,10 @@ def register_patch_mapping(mapping: Mapping[str, type[nn.Module]], overwrite: bo
             ``overwrite`` is False.
             The registry is unchanged when anything is raised.
     """
-    global _current
     if not isinstance(mapping, Mapping):
         raise TypeError(f"mapping must be a dict of class name or pattern -> nn.Module subclass, got {mapping!r}.")
     additions = PatchMapping.from_items(mapping.items())
-    with _lock:
-        existing = dict(_current.entries)
-        clashes = sorted(key for key in additions.entries if key in existing)
-        if clashes and not overwrite:
-            raise PatchRegistryError(
-                f"Patch mapping already has {', '.join(map(repr, clashes))}; pass overwrite=True to replace."
-            )
-        existing.update(additions.entries)
-        _current = PatchMapping.from_items(existing.items())
+    patch_registry.register(additions.entries, overwrite=overwrite)
     logger.debug("Registered patches for %s", ", ".join(additions.entries))
 
 
@@ -65,22 +66,14 @@ def unregister_patch_mapping(keys: Iterable[str] | str) -> None:
     Raises:
         PatchRegistryError: A key is not registered (the registry is left unchanged).
     """
-    global _current
-    keys = [keys] if isinstance(keys, str) else list(keys)
-    with _lock:
-        unknown = sorted(key for key in keys if key not in _current.entries)
-        if unknown:
-            raise PatchRegistryError(f"Cannot unregister {', '.join(map(repr, unknown))}: not in the patch mapping.")
-        _current = PatchMapping.from_items((k, v) for k, v in _current.entries.items() if k not in set(keys))
+    patch_registry.unregister([keys] if isinstance(keys, str) else keys)
 
 
 def clear_patch_mapping() -> None:
     """Remove every registered patch."""
-    global _current
-    with _lock:
-        _current = PatchMapping()
+    patch_registry.clear()
 
 
 def get_patch_mapping() -> dict[str, type[nn.Module]]:
     """A copy of the registered ``{class name or pattern: replacement}`` in registration order."""
-    return dict(_current.entries)
+    return dict(patch_registry.snapshot())

@@ -1,0 +1,271 @@
+"""The one door to transformers' private API: every private name modelpatch uses, one small function each.
+
+modelpatch builds, finalises, converts and quantizes models exactly as stock transformers does, which takes some of
+transformers' internals: underscore methods and attributes (``_from_config``, ``_initialize_missing_keys``,
+``_can_record_outputs``, ...), positional signatures of internal helpers (``get_init_context``, ``get_hf_quantizer``)
+and names that only live in submodules (the Auto-class factory, the conversion registry, the quantizers). They are
+all reached through this module, so moving to another transformers release means auditing this one file: each
+function says which release it was checked against, and what it relies on.
+
+The supported range is ``transformers>=5.22,<5.24`` (pyproject.toml); "checked against 5.23.0" below means read in
+that release's source and exercised by the test suite.
+
+Only the names that import cheaply are imported here at module level (transformers' modeling utilities, its
+Auto-class factory and conversion registry, which any load imports anyway). The quantizer stack is imported on first
+use of its names (module ``__getattr__``), so that modules needing only the Auto classes stay quick to import.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from types import ModuleType
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers import conversion_mapping as conversion_mapping  # the registry module (not exported at top level)
+from transformers import core_model_loading as core_model_loading  # its transforms and operations
+from transformers.models.auto import modeling_auto
+from transformers.models.auto.auto_factory import _BaseAutoModelClass, _get_model_class
+
+# Names imported on first use: {name: (module, attribute)}. Checked against 5.23.0.
+_LAZY = {
+    "HfQuantizer": ("transformers.quantizers", "HfQuantizer"),
+    "get_hf_quantizer": ("transformers.quantizers.auto", "get_hf_quantizer"),
+    "Fp8Dequantize": ("transformers.integrations.finegrained_fp8", "Fp8Dequantize"),
+    "TorchAoDeserialize": ("transformers.integrations.torchao", "TorchAoDeserialize"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attribute = _LAZY[name]
+    value = getattr(importlib.import_module(module), attribute)
+    globals()[name] = value
+    return value
+
+
+# --- Building a model ---------------------------------------------------------------------------------------------
+
+
+def init_contexts(
+    model_class: type[PreTrainedModel], dtype: torch.dtype, quantized: bool
+) -> list[AbstractContextManager]:
+    """The context managers stock ``from_pretrained`` builds a model under (meta device, default dtype, no init).
+
+    Checked against 5.23.0: ``get_init_context(dtype, is_quantized, _is_ds_init_called, device_map)``, positional.
+    """
+    return model_class.get_init_context(dtype, quantized, False, None)
+
+
+def initialized_from_config(
+    model_class: type[PreTrainedModel], config: PretrainedConfig, dtype: torch.dtype | None
+) -> PreTrainedModel:
+    """A model built and initialised from ``config`` as stock ``AutoModel.from_config`` builds it.
+
+    Checked against 5.23.0: ``PreTrainedModel._from_config(config, dtype=...)``.
+    """
+    return model_class._from_config(config, **({"dtype": dtype} if dtype is not None else {}))
+
+
+def fp32_module_patterns(model: PreTrainedModel, dtype: torch.dtype) -> list[str]:
+    """The glob patterns of the tensors stock keeps in float32 when loading in ``dtype``.
+
+    Checked against 5.23.0: ``PreTrainedModel._get_dtype_plan(dtype)`` (``_keep_in_fp32_modules`` and
+    ``_keep_in_fp32_modules_strict``).
+    """
+    return list(model._get_dtype_plan(dtype) or [])
+
+
+def set_attention_implementation(config: PretrainedConfig, implementation: str | None) -> None:
+    """Set the attention implementation as stock's ``attn_implementation=`` does; None resets it to the default.
+
+    Checked against 5.23.0: the ``_attn_implementation`` setter of ``PretrainedConfig``, which reaches the
+    sub-configs of composite models.
+    """
+    config._attn_implementation = implementation
+
+
+def set_experts_implementation(config: PretrainedConfig, implementation: str | None) -> None:
+    """Set the experts implementation as stock's ``experts_implementation=`` does; None resets it to the default.
+
+    Checked against 5.23.0: the ``_experts_implementation`` setter of ``PretrainedConfig``.
+    """
+    config._experts_implementation = implementation
+
+
+def patch_registry_module() -> ModuleType:
+    """``transformers.monkey_patching``: transformers' own patch registry and ``apply_patches``.
+
+    Checked against 5.23.0: ``apply_patches`` and ``patch_output_recorders`` read the registry through the module
+    global ``get_patch_mapping`` at call time (``loading/build.py`` checks this and refuses otherwise).
+    """
+    from transformers import monkey_patching
+
+    return monkey_patching
+
+
+# --- Finalising a loaded model ------------------------------------------------------------------------------------
+
+
+def tied_weight_keys(model: PreTrainedModel) -> dict[str, str]:
+    """``{tied parameter: its source}`` by the model's tying rules (empty for a model that ties nothing).
+
+    Checked against 5.23.0: ``PreTrainedModel.all_tied_weights_keys``, set when the model is built.
+    """
+    return dict(getattr(model, "all_tied_weights_keys", None) or {})
+
+
+def mark_initialized(tensor: torch.Tensor) -> None:
+    """Tell transformers' initialisation to leave ``tensor`` alone (it holds loaded data).
+
+    Checked against 5.23.0: the ``_is_hf_initialized`` flag ``_initialize_missing_keys`` honours.
+    """
+    tensor._is_hf_initialized = True
+
+
+def initialize_missing(model: PreTrainedModel, missing: set[str], device: torch.device) -> None:
+    """Stock's finalisation of a loaded model: what the checkpoint did not fill (non-persistent buffers, new
+    parameters) is moved off the meta device onto ``device`` and initialised, then weights are tied.
+
+    Checked against 5.23.0: ``_move_missing_keys_from_meta_to_device(missing, device_map, device_mesh, hf_quantizer)``,
+    ``_initialize_missing_keys(is_quantized=...)``, ``tie_weights(missing_keys=..., recompute_mapping=...)``.
+    """
+    for key in tied_weight_keys(model):
+        mark_initialized(model.get_parameter(key))
+    model._move_missing_keys_from_meta_to_device(missing, {"": device}, None, None)
+    model._initialize_missing_keys(is_quantized=False)
+    model.tie_weights(missing_keys=missing, recompute_mapping=False)
+
+
+def keys_to_ignore_on_load(model: PreTrainedModel, kind: str) -> list[str]:
+    """The patterns of keys stock loads without a warning: ``kind`` "missing" or "unexpected".
+
+    Checked against 5.23.0: ``_keys_to_ignore_on_load_missing`` / ``_keys_to_ignore_on_load_unexpected``.
+    """
+    return list(getattr(model, f"_keys_to_ignore_on_load_{kind}", None) or [])
+
+
+def no_split_modules(model: PreTrainedModel) -> list[str]:
+    """The class names a device map must keep whole on one device, sorted.
+
+    Checked against 5.23.0: ``PreTrainedModel._no_split_modules`` (the class attribute; sub-models' are merged by
+    transformers into the top model's).
+    """
+    return sorted(getattr(model, "_no_split_modules", None) or [])
+
+
+def has_transformers_adapter(model: PreTrainedModel) -> bool:
+    """Whether an adapter was loaded through transformers' own PEFT integration (``model.load_adapter``).
+
+    Checked against 5.23.0: ``_hf_peft_config_loaded``.
+    """
+    return bool(getattr(model, "_hf_peft_config_loaded", False))
+
+
+# --- Output recorders ---------------------------------------------------------------------------------------------
+
+
+def output_recorder_class() -> type:
+    """transformers' ``OutputRecorder`` (the dataclass naming a recorded class and the output index it reads).
+
+    Checked against 5.23.0: ``transformers.utils.output_capturing.OutputRecorder``.
+    """
+    from transformers.utils.output_capturing import OutputRecorder
+
+    return OutputRecorder
+
+
+def recorded_outputs(model_class: type) -> dict[str, Any] | None:
+    """The model class's ``{output name: class or OutputRecorder (or a list)}``, the dict itself (None if it has none).
+
+    Checked against 5.23.0: the ``_can_record_outputs`` class attribute; hooks are attached by class at the first
+    forward that asks for those outputs.
+    """
+    specs = getattr(model_class, "_can_record_outputs", None)
+    return specs if isinstance(specs, dict) else None
+
+
+# --- Auto classes -------------------------------------------------------------------------------------------------
+
+
+def is_auto_class(value: object) -> bool:
+    """Whether ``value`` is one of transformers' Auto model classes (``AutoModelForCausalLM``, ...).
+
+    Checked against 5.23.0: they subclass ``transformers.models.auto.auto_factory._BaseAutoModelClass``.
+    """
+    return isinstance(value, type) and issubclass(value, _BaseAutoModelClass)
+
+
+def auto_model_class(auto_class: type, config: PretrainedConfig) -> type[PreTrainedModel] | None:
+    """The concrete class ``auto_class`` builds for ``config``, as its ``from_config`` picks it; None when it maps no
+    class to that config's type.
+
+    Checked against 5.23.0: ``auto_class._model_mapping`` (keyed by config class) and ``auto_factory._get_model_class``
+    (which chooses among several architectures by ``config.architectures``).
+    """
+    mapping = auto_class._model_mapping
+    if type(config) not in mapping:
+        return None
+    return _get_model_class(config, mapping)
+
+
+def model_class_names_for(model_type: str) -> list[str]:
+    """Every model class name transformers' Auto mappings give ``model_type`` (base model and task heads), sorted.
+
+    Checked against 5.23.0: the ``MODEL*_MAPPING_NAMES`` dicts of ``transformers.models.auto.modeling_auto``
+    (values: a class name, or a tuple of them).
+    """
+    found: set[str] = set()
+    for attribute in dir(modeling_auto):
+        if attribute.startswith("MODEL") and attribute.endswith("MAPPING_NAMES"):
+            value = getattr(modeling_auto, attribute).get(model_type)
+            found.update([value] if isinstance(value, str) else value or ())
+    return sorted(found)
+
+
+# --- Conversions --------------------------------------------------------------------------------------------------
+
+
+def conversion_mapping_cache() -> dict[str, list[Any]]:
+    """transformers' conversion registry, every key (model types, class names, ``"legacy"``), built if need be.
+
+    Checked against 5.23.0: ``conversion_mapping._checkpoint_conversion_mapping_cache``, filled on the first
+    ``get_checkpoint_conversion_mapping`` call and by ``register_checkpoint_conversion_mapping``.
+    """
+    conversion_mapping.get_checkpoint_conversion_mapping("legacy")
+    return conversion_mapping._checkpoint_conversion_mapping_cache  # type: ignore[return-value]
+
+
+def original_patterns(transform: Any) -> tuple[list[str], list[str]]:
+    """The source and target patterns a transformers transform was constructed with.
+
+    Checked against 5.23.0: ``WeightTransform._original_source_patterns`` / ``_original_target_patterns``; its
+    public ``source_patterns`` / ``target_patterns`` are rewritten in place (anchors, capture groups).
+    """
+    return list(transform._original_source_patterns), list(transform._original_target_patterns)
+
+
+# --- Quantizers ---------------------------------------------------------------------------------------------------
+
+
+def quantizer_for(config: PretrainedConfig, quantization_config: Any, device_map: Any) -> Any:
+    """The ``HfQuantizer`` stock ``from_pretrained`` would use, after its environment checks.
+
+    Checked against 5.23.0: ``get_hf_quantizer(config, quantization_config, device_map, weights_only, user_agent)``
+    returns ``(quantizer, config, device_map)``.
+    """
+    quantizer, _, _ = __getattr__("get_hf_quantizer")(config, quantization_config, device_map, True, {})
+    return quantizer
+
+
+def weight_conversions_of(quantizer: Any, model: PreTrainedModel) -> Sequence[Any]:
+    """The weight conversions the quantizer adds to a model that has none of its own.
+
+    Checked against 5.23.0: ``HfQuantizer.update_weight_conversions(conversions, model)``.
+    """
+    return quantizer.update_weight_conversions([], model)
+
