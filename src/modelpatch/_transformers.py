@@ -21,7 +21,7 @@ import importlib
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
@@ -29,6 +29,9 @@ from transformers import conversion_mapping as conversion_mapping  # the registr
 from transformers import core_model_loading as core_model_loading  # its transforms and operations
 from transformers.models.auto import modeling_auto
 from transformers.models.auto.auto_factory import _BaseAutoModelClass, _get_model_class
+
+if TYPE_CHECKING:
+    from transformers.utils.output_capturing import OutputRecorder
 
 # Names imported on first use: {name: (module, attribute)}. Checked against 5.23.0.
 _LAZY = {
@@ -124,7 +127,8 @@ def mark_initialized(tensor: torch.Tensor) -> None:
 
     Checked against 5.23.0: the ``_is_hf_initialized`` flag ``_initialize_missing_keys`` honours.
     """
-    tensor._is_hf_initialized = True
+    # transformers' marker attribute on tensors, unknown to torch's stubs.
+    tensor._is_hf_initialized = True  # type: ignore[attr-defined]
 
 
 def initialize_missing(model: PreTrainedModel, missing: set[str], device: torch.device) -> None:
@@ -136,7 +140,8 @@ def initialize_missing(model: PreTrainedModel, missing: set[str], device: torch.
     """
     for key in tied_weight_keys(model):
         mark_initialized(model.get_parameter(key))
-    model._move_missing_keys_from_meta_to_device(missing, {"": device}, None, None)
+    # transformers annotates a list but subtracts a dict's keys from it: it needs a set.
+    model._move_missing_keys_from_meta_to_device(missing, {"": device}, None, None)  # type: ignore[arg-type]
     model._initialize_missing_keys(is_quantized=False)
     model.tie_weights(missing_keys=missing, recompute_mapping=False)
 
@@ -169,7 +174,7 @@ def has_transformers_adapter(model: PreTrainedModel) -> bool:
 # --- Output recorders ---------------------------------------------------------------------------------------------
 
 
-def output_recorder_class() -> type:
+def output_recorder_class() -> type[OutputRecorder]:
     """transformers' ``OutputRecorder`` (the dataclass naming a recorded class and the output index it reads).
 
     Checked against 5.23.0: ``transformers.utils.output_capturing.OutputRecorder``.
@@ -192,7 +197,7 @@ def recorded_outputs(model_class: type) -> dict[str, Any] | None:
 # --- Auto classes -------------------------------------------------------------------------------------------------
 
 
-def is_auto_class(value: object) -> bool:
+def is_auto_class(value: object) -> TypeGuard[type[_BaseAutoModelClass]]:
     """Whether ``value`` is one of transformers' Auto model classes (``AutoModelForCausalLM``, ...).
 
     Checked against 5.23.0: they subclass ``transformers.models.auto.auto_factory._BaseAutoModelClass``.
@@ -200,7 +205,7 @@ def is_auto_class(value: object) -> bool:
     return isinstance(value, type) and issubclass(value, _BaseAutoModelClass)
 
 
-def auto_model_class(auto_class: type, config: PretrainedConfig) -> type[PreTrainedModel] | None:
+def auto_model_class(auto_class: type[_BaseAutoModelClass], config: PretrainedConfig) -> type[PreTrainedModel] | None:
     """The concrete class ``auto_class`` builds for ``config``, as its ``from_config`` picks it; None when it maps no
     class to that config's type.
 
@@ -208,7 +213,7 @@ def auto_model_class(auto_class: type, config: PretrainedConfig) -> type[PreTrai
     (which chooses among several architectures by ``config.architectures``).
     """
     mapping = auto_class._model_mapping
-    if type(config) not in mapping:
+    if mapping is None or type(config) not in mapping:
         return None
     return _get_model_class(config, mapping)
 

@@ -20,6 +20,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,7 +52,8 @@ def _isolate_from_transformers_patches() -> None:
         RuntimeError: One of those two no longer reads the registry through ``get_patch_mapping``: transformers'
             structure changed, and modelpatch cannot keep its registry out of builds with this version.
     """
-    monkey_patching = patch_registry_module()
+    # Any: the module's functions are read and one is replaced, which a ModuleType annotation does not allow.
+    monkey_patching: Any = patch_registry_module()
 
     if getattr(monkey_patching.get_patch_mapping, "_modelpatch_isolating", False):
         return

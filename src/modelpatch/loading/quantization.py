@@ -280,8 +280,7 @@ class Quantization:
 
     def finish(self, model: PreTrainedModel) -> None:
         """What stock does last: the quantizer on the model, then its post-processing (config, dequantized state)."""
-        # torch annotates Module.__setattr__ for tensors and modules; other values are stored as plain attributes.
-        model.hf_quantizer = self.quantizer  # type: ignore[assignment]
+        model.hf_quantizer = self.quantizer
         self.quantizer.postprocess_model(model)
         object.__setattr__(model, QUANTIZATION_ATTRIBUTE, QuantizedLoad(self.method, self.dequantizes))
 
