@@ -13,7 +13,7 @@ import copy
 import pickle
 
 import torch
-from patching_support import input_ids, module_types
+from support.patching import input_ids, module_classes
 from torch import nn
 from torch.nn import functional as F
 from transformers import (
@@ -72,7 +72,7 @@ def test_a_class_modeling_code_constructs_without_arguments_is_replaced():
         unpickled = pickle.loads(pickle.dumps(reference))
         direct = BloomGelu()  # not modeling code: as with transformers' apply_patches, the class itself
     assert {type(block.mlp.gelu_impl) for block in patched.transformer.h} == {TanhGelu}
-    assert BloomGelu not in module_types(patched)
+    assert BloomGelu not in module_classes(patched)
     for clone in (copied, unpickled):
         assert {type(block.mlp.gelu_impl) for block in clone.transformer.h} == {BloomGelu}
     assert type(direct) is BloomGelu
@@ -97,9 +97,9 @@ def test_a_torch_class_a_modeling_module_imports_by_name_is_replaced_there_only(
     assert {type(block.norm1) for block in visual.blocks} == {MarkedLayerNorm}
     assert {type(block.norm2) for block in visual.blocks} == {MarkedLayerNorm}
     assert type(visual.merger.ln_q) is MarkedLayerNorm
-    assert nn.LayerNorm not in module_types(patched)
+    assert nn.LayerNorm not in module_classes(patched)
     assert type(bert.embeddings.LayerNorm) is nn.LayerNorm and type(direct) is nn.LayerNorm
-    assert MarkedLayerNorm not in module_types(_build(Qwen2VLForConditionalGeneration, config))
+    assert MarkedLayerNorm not in module_classes(_build(Qwen2VLForConditionalGeneration, config))
 
     patched.load_state_dict(reference.state_dict())
     generator = torch.Generator().manual_seed(0)

@@ -8,17 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from patching_support import (
+from support.patching import (
+    bert_config,
+    input_ids,
+    llama_config,
     MarkedBertSelfAttention,
     MarkedLlamaAttention,
     MarkedLlamaMLP,
     MarkedQwen2MoeAttention,
+    module_classes,
     OtherLlamaAttention,
     PlainModule,
-    bert_config,
-    input_ids,
-    llama_config,
-    module_types,
     qwen2_moe_config,
 )
 from transformers import (
@@ -56,7 +56,7 @@ def test_exact_name_replaces_only_that_class():
     modelpatch.register_patch_mapping({"LlamaAttention": MarkedLlamaAttention})
     with modelpatch.apply_patches():
         model = _build(LlamaModel, llama_config())
-    types = module_types(model)
+    types = module_classes(model)
     assert MarkedLlamaAttention in types and LlamaAttention not in types
     assert LlamaMLP in types and LlamaDecoderLayer in types and LlamaRMSNorm in types
     assert all(type(layer.self_attn) is MarkedLlamaAttention for layer in model.layers)
@@ -146,7 +146,7 @@ def test_qwen2_moe_exact_and_pattern():
         assert type(layer.mlp.experts) is PlainModule
         # The non-subclass replacement got the original's constructor arguments.
         assert layer.mlp.experts.received_args == (model.config,)
-    assert Qwen2MoeExperts not in module_types(model)
+    assert Qwen2MoeExperts not in module_classes(model)
 
 
 def test_qwen2_moe_subclass_replacement_keeps_outputs():
@@ -156,7 +156,7 @@ def test_qwen2_moe_subclass_replacement_keeps_outputs():
     with modelpatch.apply_patches():
         patched = _build(Qwen2MoeForCausalLM, config, seed=1)
     patched.load_state_dict(reference.state_dict())
-    assert Qwen2MoeAttention not in module_types(patched)
+    assert Qwen2MoeAttention not in module_classes(patched)
     ids = input_ids()
     with torch.no_grad():
         torch.testing.assert_close(patched(ids).logits, reference(ids).logits, rtol=0, atol=0)
@@ -225,7 +225,7 @@ def test_broad_attention_pattern_replaces_llama_attention_only():
     modelpatch.register_patch_mapping({".*Attention": MarkedLlamaAttention})
     with modelpatch.apply_patches():
         model = _build(LlamaForCausalLM, llama_config())
-    types = module_types(model)
+    types = module_classes(model)
     assert MarkedLlamaAttention in types and LlamaAttention not in types
     assert {LlamaMLP, LlamaDecoderLayer, LlamaRMSNorm} <= types
     reference = _build(LlamaForCausalLM, llama_config())
@@ -251,10 +251,10 @@ def test_non_modeling_classes_are_replaced_only_where_modeling_code_imports_them
         llama = _build(LlamaModel, llama_config(num_hidden_layers=1))
         gpt2 = _build(GPT2Model, config, seed=1)
     assert type(conv) is Conv1D and type(linear) is torch.nn.Linear
-    assert PlainModule not in module_types(llama)
+    assert PlainModule not in module_classes(llama)
     attention = gpt2.h[0].attn
     assert type(attention.c_attn) is MarkedConv1D and type(attention.c_proj) is MarkedConv1D
-    assert Conv1D not in module_types(gpt2)
+    assert Conv1D not in module_classes(gpt2)
     reference = _build(GPT2Model, config)
     gpt2.load_state_dict(reference.state_dict())
     with torch.no_grad():
@@ -285,7 +285,7 @@ def test_bert_narrow_self_attention_pattern_keeps_the_model_working():
         assert type(layer.attention) is BertAttention  # the container is untouched ...
         assert type(layer.attention.self) is MarkedBertSelfAttention  # ... only the inner attention is swapped
         assert type(layer.attention.output) is BertSelfOutput
-    assert BertSelfAttention not in module_types(patched)
+    assert BertSelfAttention not in module_classes(patched)
     assert patched.state_dict().keys() == reference.state_dict().keys()
 
     patched.load_state_dict(reference.state_dict())
@@ -313,7 +313,7 @@ def test_bert_broad_attention_pattern_swaps_the_container():
         # ... so its "self" and "output" submodules are gone (no dense/LayerNorm/residual after attention).
         assert "self" not in children and "output" not in children
         assert not hasattr(layer.attention, "output")
-    types = module_types(broken)
+    types = module_classes(broken)
     assert BertAttention not in types and BertSelfOutput not in types and BertSelfAttention not in types
 
     missing = reference.state_dict().keys() - broken.state_dict().keys()

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from patching_support import (
+from support.patching import (
+    _copy_llama_attention_state,
+    input_ids,
+    llama_config,
     MarkedLlamaAttention,
     MarkedQwen2MoeAttention,
+    qwen2_moe_config,
     ReimplementedLlamaAttention,
     ReimplementedQwen2MoeRouter,
     WrappedLlamaAttention,
-    _copy_llama_attention_state,
     WrappedQwen2MoeAttention,
-    input_ids,
-    llama_config,
-    qwen2_moe_config,
 )
 from transformers import LlamaForCausalLM, LlamaModel, Qwen2MoeForCausalLM
 from transformers.models.llama.modeling_llama import LlamaPreTrainedModel

@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-from reliability_support import perturb
+from support.checkpoints import perturb
 from transformers import (
     AutoModelForCausalLM,
     Qwen2VLConfig,
