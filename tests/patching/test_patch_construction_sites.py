@@ -13,22 +13,20 @@ import copy
 import pickle
 
 import torch
+from support.models import VOCAB, tiny_config
 from support.patching import input_ids, module_classes
 from torch import nn
 from torch.nn import functional as F
 from transformers import (
-    BertConfig,
     BertModel,
     BloomConfig,
     BloomForCausalLM,
-    Qwen2VLConfig,
+    PretrainedConfig,
     Qwen2VLForConditionalGeneration,
 )
 from transformers.models.bloom.modeling_bloom import BloomGelu
 
 import modelpatch
-
-VOCAB = 64
 
 
 class TanhGelu(nn.Module):
@@ -46,14 +44,8 @@ def _bloom_config() -> BloomConfig:
     return BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4)
 
 
-def _qwen2_vl_config() -> Qwen2VLConfig:
-    return Qwen2VLConfig(
-        text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2,
-                         rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}),
-        vision_config=dict(depth=2, embed_dim=32, hidden_size=32, num_heads=2, in_channels=3, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2),
-    )
+def _qwen2_vl_config() -> PretrainedConfig:
+    return tiny_config("qwen2_vl", text={"num_hidden_layers": 1}, vision={"depth": 2})
 
 
 def _build(model_cls, config, seed=0):
@@ -90,8 +82,7 @@ def test_a_torch_class_a_modeling_module_imports_by_name_is_replaced_there_only(
     with modelpatch.apply_patches():
         patched = _build(Qwen2VLForConditionalGeneration, config, seed=1)
         # BERT's modeling module calls nn.LayerNorm(...) (no name imported): untouched, like a direct construction.
-        bert = BertModel(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                                    intermediate_size=64))
+        bert = BertModel(tiny_config("bert", num_hidden_layers=1))
         direct = nn.LayerNorm(8)
     visual = patched.model.visual
     assert {type(block.norm1) for block in visual.blocks} == {MarkedLayerNorm}

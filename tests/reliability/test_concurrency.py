@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from support.compare import bitwise_equal
+from support.compare import assert_bitwise_equal, bitwise_equal
 from support.files import siblings
 from transformers import LlamaConfig, LlamaModel, PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
@@ -335,7 +335,6 @@ def test_a_checkpoint_opened_before_a_save_reads_only_its_own_files(tmp_path):
     first = opened[0].tensor("w0").clone()  # one file mapped before the swap, the others after
     write_checkpoint(target, {f"w{i}": torch.full((3, 7), -1.0, dtype=torch.float64) for i in range(6)})
     for checkpoint in opened:
-        for key, expected in old.items():
-            assert torch.equal(checkpoint.tensor(key), expected), key
+        assert_bitwise_equal({key: checkpoint.tensor(key) for key in old}, old)
     assert torch.equal(first, old["w0"])
     assert Checkpoint.open(target).tensor("w5").dtype == torch.float64
