@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.patching import input_ids, llama_config, MarkedLlamaAttention, MarkedLlamaMLP, WrappedLlamaAttention
+from support.patching import MarkedLlamaAttention, MarkedLlamaMLP, WrappedLlamaAttention, input_ids, llama_config
 
 import modelpatch
 

@@ -14,7 +14,7 @@ import pickle
 
 import torch
 from support.models import VOCAB, tiny_config
-from support.patching import input_ids, module_classes
+from support.patching import build, input_ids, module_classes
 from torch import nn
 from torch.nn import functional as F
 from transformers import (
@@ -48,17 +48,13 @@ def _qwen2_vl_config() -> PretrainedConfig:
     return tiny_config("qwen2_vl", text={"num_hidden_layers": 1}, vision={"depth": 2})
 
 
-def _build(model_cls, config, seed=0):
-    torch.manual_seed(seed)
-    return model_cls(config).eval()
-
 
 def test_a_class_modeling_code_constructs_without_arguments_is_replaced():
     config = _bloom_config()
-    reference = _build(BloomForCausalLM, config)
+    reference = build(BloomForCausalLM, config)
     modelpatch.register_patch_mapping({"BloomGelu": TanhGelu})
     with modelpatch.apply_patches():
-        patched = _build(BloomForCausalLM, config, seed=1)
+        patched = build(BloomForCausalLM, config, seed=1)
         # Copies made inside the scope call __new__ without arguments too, from copy's own code: untouched.
         copied = copy.deepcopy(reference)
         unpickled = pickle.loads(pickle.dumps(reference))
@@ -68,7 +64,7 @@ def test_a_class_modeling_code_constructs_without_arguments_is_replaced():
     for clone in (copied, unpickled):
         assert {type(block.mlp.gelu_impl) for block in clone.transformer.h} == {BloomGelu}
     assert type(direct) is BloomGelu
-    assert {type(block.mlp.gelu_impl) for block in _build(BloomForCausalLM, config).transformer.h} == {BloomGelu}
+    assert {type(block.mlp.gelu_impl) for block in build(BloomForCausalLM, config).transformer.h} == {BloomGelu}
 
     patched.load_state_dict(reference.state_dict())
     with torch.no_grad():
@@ -77,10 +73,10 @@ def test_a_class_modeling_code_constructs_without_arguments_is_replaced():
 
 def test_a_torch_class_a_modeling_module_imports_by_name_is_replaced_there_only():
     config = _qwen2_vl_config()
-    reference = _build(Qwen2VLForConditionalGeneration, config)
+    reference = build(Qwen2VLForConditionalGeneration, config)
     modelpatch.register_patch_mapping({"^LayerNorm$": MarkedLayerNorm})
     with modelpatch.apply_patches():
-        patched = _build(Qwen2VLForConditionalGeneration, config, seed=1)
+        patched = build(Qwen2VLForConditionalGeneration, config, seed=1)
         # BERT's modeling module calls nn.LayerNorm(...) (no name imported): untouched, like a direct construction.
         bert = BertModel(tiny_config("bert", num_hidden_layers=1))
         direct = nn.LayerNorm(8)
@@ -90,7 +86,7 @@ def test_a_torch_class_a_modeling_module_imports_by_name_is_replaced_there_only(
     assert type(visual.merger.ln_q) is MarkedLayerNorm
     assert nn.LayerNorm not in module_classes(patched)
     assert type(bert.embeddings.LayerNorm) is nn.LayerNorm and type(direct) is nn.LayerNorm
-    assert MarkedLayerNorm not in module_classes(_build(Qwen2VLForConditionalGeneration, config))
+    assert MarkedLayerNorm not in module_classes(build(Qwen2VLForConditionalGeneration, config))
 
     patched.load_state_dict(reference.state_dict())
     generator = torch.Generator().manual_seed(0)

@@ -11,19 +11,19 @@ import pytest
 import torch
 from support.patching import (
     ArgsRecordingAttention,
-    bert_config,
     CountingLlamaAttention,
-    input_ids,
-    llama_config,
     MarkedBertSelfAttention,
     MarkedLlamaAttention,
     MarkedLlamaMLP,
     MarkedQwen2MoeAttention,
     MarkedQwen2MoeExperts,
-    module_classes,
     OtherLlamaAttention,
-    qwen2_moe_config,
     WrappedLlamaAttention,
+    bert_config,
+    input_ids,
+    llama_config,
+    module_classes,
+    qwen2_moe_config,
 )
 from transformers import BertModel, LlamaForCausalLM, LlamaModel, Qwen2MoeForCausalLM, Qwen2MoeModel
 from transformers.models.bert.modeling_bert import BertSelfAttention

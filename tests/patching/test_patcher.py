@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from support.patching import llama_config, MarkedLlamaAttention, MarkedLlamaMLP, PlainModule
+from support.patching import MarkedLlamaAttention, MarkedLlamaMLP, PlainModule, llama_config
 from torch import nn
 from transformers import LlamaModel
 from transformers.models.llama.modeling_llama import LlamaAttention

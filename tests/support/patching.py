@@ -35,6 +35,12 @@ def qwen2_moe_config(num_hidden_layers: int = 2, **overrides) -> PretrainedConfi
     return eager_config("qwen2_moe", num_hidden_layers, **{"shared_expert_intermediate_size": 32, **overrides})
 
 
+def build(model_class: type[nn.Module], config: PretrainedConfig, seed: int = 0) -> nn.Module:
+    """``model_class(config)`` in eval mode, its random initialisation seeded by ``seed``."""
+    torch.manual_seed(seed)
+    return model_class(config).eval()
+
+
 def input_ids(vocab_size: int = VOCAB, seq_len: int = SEQ_LEN) -> torch.Tensor:
     generator = torch.Generator().manual_seed(1234)
     return torch.randint(0, vocab_size, (1, seq_len), generator=generator)
@@ -117,26 +123,29 @@ class ArgsRecordingAttention(nn.Module):
         return self.inner(*args, **kwargs)
 
 
-class WrappedLlamaAttention(nn.Module):
-    """Not a LlamaAttention: it wraps an inner (original) LlamaAttention and returns its outputs unchanged."""
+class _WrappedAttention(nn.Module):
+    """Not an attention class of transformers: it wraps an original ``wrapped`` and returns its outputs unchanged."""
+
+    wrapped: type[nn.Module]
 
     def __init__(self, config, layer_idx):
         super().__init__()
-        self.inner = LlamaAttention(config, layer_idx)
+        self.inner = self.wrapped(config, layer_idx)
 
     def forward(self, *args, **kwargs):
         return self.inner(*args, **kwargs)
 
 
-class WrappedQwen2MoeAttention(nn.Module):
-    """Not a Qwen2MoeAttention: it wraps an original one and returns its outputs unchanged."""
+class WrappedLlamaAttention(_WrappedAttention):
+    """Not a LlamaAttention: it wraps an inner (original) LlamaAttention."""
 
-    def __init__(self, config, layer_idx):
-        super().__init__()
-        self.inner = Qwen2MoeAttention(config, layer_idx)
+    wrapped = LlamaAttention
 
-    def forward(self, *args, **kwargs):
-        return self.inner(*args, **kwargs)
+
+class WrappedQwen2MoeAttention(_WrappedAttention):
+    """Not a Qwen2MoeAttention: it wraps an original one."""
+
+    wrapped = Qwen2MoeAttention
 
 
 def _copy_llama_attention_state(target: nn.Module, config, layer_idx: int) -> None:
