@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.compare import assert_bitwise_equal, bits
+from support.compare import assert_bitwise_equal
 from transformers import AutoModelForCausalLM
 
 import modelpatch
@@ -164,8 +164,7 @@ def test_cuda_device(stock_checkpoint):
     model = modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path, device="cuda")
     assert {p.device.type for p in model.parameters()} | {b.device.type for b in model.buffers()} == {"cuda"}
     stock = AutoModelForCausalLM.from_pretrained(ckpt.path)
-    for (name, a), b in zip(model.state_dict().items(), stock.state_dict().values()):
-        assert torch.equal(bits(a.cpu()), bits(b)), name
+    assert_bitwise_equal(model.state_dict(), stock.state_dict())
 
 
 # -------------------------------------------------------------------------------------------------- progress bar
