@@ -262,7 +262,7 @@ class CheckpointFactory:
         seed = sum(map(ord, name))
         torch.manual_seed(seed)
         config = spec.config()
-        if isinstance(spec.model_class, type) and issubclass(spec.model_class, PreTrainedModel):
+        if issubclass(spec.model_class, PreTrainedModel):
             model = spec.model_class(config)
         else:  # an Auto class cannot be instantiated; it picks the concrete class from the config
             model = spec.model_class.from_config(config, **({"dtype": spec.dtype} if spec.dtype else {}))

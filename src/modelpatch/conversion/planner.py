@@ -140,7 +140,7 @@ class ConversionPlan:
 
     def sources_of(self) -> dict[str, tuple[str, ...]]:
         """Output key -> the input keys it is built from: the one read unchanged, or its group's sources."""
-        result = {output: (source,) for output, source in self.direct.items()}
+        result: dict[str, tuple[str, ...]] = {output: (source,) for output, source in self.direct.items()}
         for group in self.groups:
             result.update(dict.fromkeys(group.target_keys(), tuple(group.source_keys())))
         return result
