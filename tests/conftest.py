@@ -7,12 +7,11 @@ restored to its contents before the test (``modelpatch.testing.scoped_registries
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import huggingface_hub.constants
 import pytest
 import transformers
+from support.checkpoints import STOCK_CHECKPOINTS, CheckpointFactory
 
 import modelpatch
 from modelpatch.testing import scoped_registries
@@ -23,16 +22,20 @@ transformers.logging.set_verbosity_error()
 os.environ["HF_HUB_OFFLINE"] = "1"
 huggingface_hub.constants.HF_HUB_OFFLINE = True
 
-# The tiny stock-saved checkpoints of tests/fusions/fusion_models.py serve the fusion, integration and docs tests.
-sys.path.insert(0, str(Path(__file__).parent / "fusions"))
-
-from fusion_models import CheckpointFactory  # noqa: E402
-
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> CheckpointFactory:
     """``tiny("llama")`` -> a :class:`TinyCheckpoint` written by stock ``save_pretrained`` (built once per session)."""
     return CheckpointFactory(tmp_path_factory.mktemp("tiny_checkpoints"))
+
+
+@pytest.fixture(scope="session")
+def stock_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> CheckpointFactory:
+    """``stock_checkpoint("llama")`` -> a wider :class:`TinyCheckpoint` of ``STOCK_CHECKPOINTS`` (once per session).
+
+    Shared by the loader and the reliability tests: tests that damage a checkpoint copy it first.
+    """
+    return CheckpointFactory(tmp_path_factory.mktemp("stock"), STOCK_CHECKPOINTS)
 
 
 @pytest.fixture(autouse=True)

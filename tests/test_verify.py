@@ -4,39 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+from support.models import tiny_config
+from transformers import LlamaForCausalLM, Qwen2VLForConditionalGeneration
 
 import modelpatch
 from modelpatch.verify import default_inputs
 
-TEXT = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
-
-
 def _qwen2_vl_checkpoint(path):
-    config = Qwen2VLConfig(
-        text_config=dict(**TEXT, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}),
-        vision_config=dict(
-            depth=1,
-            embed_dim=32,
-            hidden_size=32,
-            num_heads=2,
-            in_channels=3,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-        ),
-        image_token_id=60,
-        video_token_id=61,
-        vision_start_token_id=62,
-        vision_end_token_id=63,
-    )
+    config = tiny_config("qwen2_vl", image_token_id=60, video_token_id=61, vision_start_token_id=62,
+                         vision_end_token_id=63)
     torch.manual_seed(0)
     Qwen2VLForConditionalGeneration(config).save_pretrained(path)
     return path
@@ -62,7 +38,7 @@ def test_vision_language_inputs_carry_an_image_and_verify_a_fused_patch_embeddin
 
 def test_a_different_model_fails_and_the_report_says_which_output(tmp_path):
     torch.manual_seed(0)
-    config = LlamaConfig(**TEXT)
+    config = tiny_config("llama")
     reference, other = LlamaForCausalLM(config), LlamaForCausalLM(config)
     report = modelpatch.verify(reference, other)
     assert not report.passed
@@ -74,7 +50,7 @@ def test_a_different_model_fails_and_the_report_says_which_output(tmp_path):
 
 def test_timings_come_from_alternating_benchmark_rounds():
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**TEXT))
+    model = LlamaForCausalLM(tiny_config("llama"))
     report = modelpatch.verify(model, model, rounds=2, min_run_time=0.01)
     for timing in (report.reference_timing, report.candidate_timing):
         assert timing.runs >= 2 and 0 < timing.low <= timing.high

@@ -23,20 +23,6 @@ def write_raw() -> Callable[[Path, object, bytes], Path]:
     return _write
 
 
-@pytest.fixture
-def assert_same() -> Callable[[torch.Tensor, torch.Tensor], None]:
-    """Bitwise tensor equality that also works for dtypes without comparison kernels (float8, uint64)."""
-
-    def _check(actual: torch.Tensor, expected: torch.Tensor) -> None:
-        assert actual.dtype == expected.dtype
-        assert actual.shape == expected.shape
-        a = actual.contiguous().reshape(-1).view(torch.uint8)
-        b = expected.contiguous().reshape(-1).view(torch.uint8)
-        assert torch.equal(a, b)
-
-    return _check
-
-
 def _dtype_samples() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     samples = {

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from support.compare import assert_tensor_bitwise_equal
 
 from modelpatch.checkpoint import Checkpoint
 from modelpatch.errors import CheckpointError
@@ -32,7 +33,7 @@ def sharded_dir(tmp_path: Path) -> Path:
     return directory
 
 
-def test_single_file(tmp_path: Path, dtype_samples, assert_same) -> None:
+def test_single_file(tmp_path: Path, dtype_samples) -> None:
     path = tmp_path / "model.safetensors"
     save_file(dtype_samples, str(path), metadata={"format": "pt"})
     with Checkpoint.open(tmp_path) as ckpt:
@@ -43,7 +44,7 @@ def test_single_file(tmp_path: Path, dtype_samples, assert_same) -> None:
         assert ckpt.total_bytes == sum(t.numel() * t.element_size() for t in dtype_samples.values())
         for key, ref in dtype_samples.items():
             assert ckpt.info(key).path == path
-            assert_same(ckpt.tensor(key), ref)
+            assert_tensor_bitwise_equal(ckpt.tensor(key), ref, key)
 
 
 def test_single_file_tensor_is_zero_copy(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from support.compare import assert_tensor_bitwise_equal
 
 from modelpatch.checkpoint import Checkpoint, write_checkpoint
 from modelpatch.checkpoint.writer import parse_size
@@ -35,7 +36,7 @@ def tensors() -> dict[str, torch.Tensor]:
     }
 
 
-def test_single_file(tmp_path: Path, tensors, assert_same) -> None:
+def test_single_file(tmp_path: Path, tensors) -> None:
     out = tmp_path / "ckpt"
     written = write_checkpoint(out, tensors, extra_files={"config.json": b'{"a": 1}'}, metadata={"origin": "test"})
     assert written == [out / "model.safetensors", out / "config.json"]
@@ -44,13 +45,13 @@ def test_single_file(tmp_path: Path, tensors, assert_same) -> None:
     loaded = load_file(str(out / "model.safetensors"))
     assert loaded.keys() == tensors.keys()
     for key, ref in tensors.items():
-        assert_same(loaded[key], ref)
+        assert_tensor_bitwise_equal(loaded[key], ref, key)
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert f.metadata() == {"format": "pt", "origin": "test"}
     assert _siblings(out) == []
 
 
-def test_sharded(tmp_path: Path, tensors, assert_same) -> None:
+def test_sharded(tmp_path: Path, tensors) -> None:
     out = tmp_path / "ckpt"
     written = write_checkpoint(out, tensors, max_shard_size="1KB")
     # Sorted keys, greedy: [empty, layer.0.bias] | [layer.0.weight (1024 > 1000, alone)] | [layer.1.weight, scale]
@@ -71,7 +72,7 @@ def test_sharded(tmp_path: Path, tensors, assert_same) -> None:
     with Checkpoint.open(out) as ckpt:
         assert ckpt.is_sharded and ckpt.keys() == sorted(tensors)
         for key, ref in tensors.items():
-            assert_same(ckpt.tensor(key), ref)
+            assert_tensor_bitwise_equal(ckpt.tensor(key), ref, key)
 
 
 def test_total_equal_to_limit_is_single_file(tmp_path: Path) -> None:
@@ -206,7 +207,7 @@ def test_shared_storage_rejected(tmp_path: Path) -> None:
     assert not (tmp_path / "ckpt").exists()
 
 
-def test_disjoint_views_of_one_storage_allowed(tmp_path: Path, assert_same) -> None:
+def test_disjoint_views_of_one_storage_allowed(tmp_path: Path) -> None:
     qkv = torch.randn(6, 4)
     q, k, v = qkv.chunk(3)
     other = torch.randn(4, 6)
@@ -214,7 +215,7 @@ def test_disjoint_views_of_one_storage_allowed(tmp_path: Path, assert_same) -> N
     write_checkpoint(tmp_path / "ckpt", parts)
     with Checkpoint.open(tmp_path / "ckpt") as ckpt:
         for key, ref in parts.items():
-            assert_same(ckpt.tensor(key), ref)
+            assert_tensor_bitwise_equal(ckpt.tensor(key), ref, key)
 
 
 def test_target_must_not_be_a_file_or_symlink(tmp_path: Path) -> None:

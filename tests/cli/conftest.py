@@ -8,18 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+from support.models import tiny_config
+from transformers import LlamaForCausalLM, Qwen2MoeForCausalLM
 
 from modelpatch.cli import main
-
-SIZES = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
 
 CliRun = Callable[..., tuple[int, str, str]]
 
@@ -28,7 +20,7 @@ CliRun = Callable[..., tuple[int, str, str]]
 def llama_checkpoint(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("cli") / "llama"
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**SIZES)).save_pretrained(path)
+    LlamaForCausalLM(tiny_config("llama")).save_pretrained(path)
     return path
 
 
@@ -36,10 +28,7 @@ def llama_checkpoint(tmp_path_factory) -> Path:
 def moe_checkpoint(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("cli") / "qwen2_moe"
     torch.manual_seed(1)
-    config = Qwen2MoeConfig(
-        **SIZES, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16
-    )
-    Qwen2MoeForCausalLM(config).save_pretrained(path)
+    Qwen2MoeForCausalLM(tiny_config("qwen2_moe", shared_expert_intermediate_size=16)).save_pretrained(path)
     return path
 
 

@@ -3,7 +3,6 @@ silently incomplete result. Exit code 1 is kept for a failed verification."""
 
 from __future__ import annotations
 
-import filecmp
 import json
 import os
 import shutil
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.compare import assert_same_files
 from safetensors.torch import load_file
 
 
@@ -48,7 +48,7 @@ def test_convert_keeps_every_tensor_or_fails_naming_the_dropped_ones(cli, source
 
     code, _, err = cli("convert", source, destination, "--model-class", "LlamaForCausalLM")
     assert code == 0, err
-    assert filecmp.cmp(source / "model.safetensors", destination / "model.safetensors", shallow=False)
+    assert_same_files(destination, source)
 
 
 def test_model_class_must_be_a_transformers_model_class(cli, source, tmp_path):

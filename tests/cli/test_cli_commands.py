@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import filecmp
 import json
 import os
 import subprocess
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.compare import assert_same_files
 from transformers import LlamaForCausalLM
 
 import modelpatch
@@ -83,7 +83,7 @@ def test_convert_round_trip_and_refusals(cli, llama_checkpoint, tmp_path):
     assert cli("convert", runtime, back)[0] == 0
     assert cli("convert", llama_checkpoint, back)[0] == 2  # exists, no --force
     assert cli("convert", llama_checkpoint, back, "--fusion", "none", "--force")[0] == 0
-    assert filecmp.cmp(llama_checkpoint / "model.safetensors", back / "model.safetensors", shallow=False)
+    assert_same_files(back, llama_checkpoint)
 
     reloaded = modelpatch.from_pretrained(LlamaForCausalLM, runtime)
     stock = LlamaForCausalLM.from_pretrained(llama_checkpoint)
@@ -102,7 +102,7 @@ def test_runtime_layout_back_to_the_original_and_inspect_says_which(cli, llama_c
     # --fusion none names the target layout; the source is loaded with the fusions it was saved in.
     back = tmp_path / "back"
     assert cli("convert", runtime, back, "--fusion", "none")[0] == 0
-    assert filecmp.cmp(llama_checkpoint / "model.safetensors", back / "model.safetensors", shallow=False)
+    assert_same_files(back, llama_checkpoint)
     code, _, err = cli("convert", runtime, tmp_path / "other", "--fusion", "qkv", "--runtime-format")
     assert code == 2 and "convert it to the original layout first" in err
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.compare import same_bits
 
 from modelpatch import (
     Chunk,
@@ -56,15 +57,11 @@ def random_tensor(shape, dtype, seed: int) -> torch.Tensor:
     return raw.view(dtype).reshape(shape)
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """Raw bytes (a fresh, standard-strided copy: views of size-1 dims may have any stride)."""
-    return torch.empty(t.shape, dtype=t.dtype).copy_(t).reshape(-1).view(torch.uint8)
-
-
 def same(a, b) -> bool:
+    """Bitwise equality of two tensors, or of two lists of them (a slot of the operations)."""
     if isinstance(a, list) or isinstance(b, list):
         return isinstance(a, list) and isinstance(b, list) and len(a) == len(b) and all(map(same, a, b))
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+    return same_bits(a, b)
 
 
 def shape_of(slot):

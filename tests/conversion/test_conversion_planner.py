@@ -12,12 +12,12 @@ unrelated or look-alike keys) and check, for the built-in mappings plus the seed
 from __future__ import annotations
 
 import re
-from collections import Counter
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.compare import assert_tensor_bitwise_equal
 
 from modelpatch import (
     Chunk,
@@ -64,24 +64,13 @@ def moe_checkpoint(layers: int, experts: int, style: str = "qwen", bias: bool = 
     return keys
 
 
-def planned_sources(plan) -> Counter:
-    counts = Counter(plan.direct.values())
-    for group in plan.groups:
-        counts.update(group.source_keys())
-    return counts
-
-
-def problem_lines(plan) -> list[str]:
-    return [line for lines in plan.problems.values() for line in lines]
-
-
 def check_no_key_twice_none_dropped(checkpoint, plan) -> None:
-    counts = planned_sources(plan)
+    counts = plan.reads()
     assert set(counts) <= set(checkpoint)
     assert all(n == 1 for n in counts.values()), f"matched twice: {[k for k, n in counts.items() if n > 1]}"
-    outputs = list(plan.direct) + [k for g in plan.groups for k in g.target_keys()]
+    outputs = plan.produced_keys()
     assert len(outputs) == len(set(outputs)) == len(plan.outputs)
-    lines = problem_lines(plan)
+    lines = plan.problem_lines()
     for key in set(checkpoint) - set(counts):
         layer = re.match(r"model\.layers\.\d+\.", key)
         named = key if layer is None else layer.group(0)
@@ -103,9 +92,9 @@ styles = st.sampled_from(["qwen", "mixtral"])
 def test_complete_key_sets_plan_cleanly(layers, experts, style, fused_qkv, bias):
     checkpoint = moe_checkpoint(layers, experts, style, bias)
     plan = plan_load(checkpoint, transforms_for(style, fused_qkv))
-    assert not problem_lines(plan)
+    assert not plan.problem_lines()
     check_no_key_twice_none_dropped(checkpoint, plan)
-    assert set(planned_sources(plan)) == set(checkpoint)  # every key feeds exactly one output
+    assert set(plan.reads()) == set(checkpoint)  # every key feeds exactly one output
     for i in range(layers):
         assert plan.outputs[f"model.layers.{i}.mlp.experts.gate_up_proj"].shape == (experts, 2 * I, H)
         assert plan.outputs[f"model.layers.{i}.mlp.experts.down_proj"].shape == (experts, H, I)
@@ -121,7 +110,7 @@ def test_plan_save_inverts_plan_load(layers, experts, style):
     transforms = transforms_for(style, fused_qkv=False)
     loaded = plan_load(checkpoint, transforms)
     saved = plan_save(loaded.outputs, transforms)
-    assert not problem_lines(saved)
+    assert not saved.problem_lines()
     assert saved.outputs == checkpoint
 
 
@@ -142,14 +131,6 @@ junk_keys = st.lists(
 )
 
 
-def sources_of(plan) -> dict[str, tuple[str, ...]]:
-    """Output key -> the checkpoint keys it is built from."""
-    result = {out: (src,) for out, src in plan.direct.items()}
-    for group in plan.groups:
-        result.update(dict.fromkeys(group.target_keys(), tuple(group.source_keys())))
-    return result
-
-
 @given(st.integers(1, 3), st.integers(1, 4), styles, st.booleans(), st.data(), junk_keys)
 @PROPERTY
 def test_random_damage_never_matches_twice_or_drops_silently(layers, experts, style, fused_qkv, data, junk):
@@ -167,7 +148,7 @@ def test_random_damage_never_matches_twice_or_drops_silently(layers, experts, st
     # undamaged one (same key, same shape) is built from exactly the same checkpoint keys. So deleting, say, the
     # last expert everywhere changes the fused shapes (a shape mismatch for the loader), never fills them silently.
     full = plan_load(complete, transforms)
-    full_sources, sources = sources_of(full), sources_of(plan)
+    full_sources, sources = full.sources_of(), plan.sources_of()
     for key, value in plan.outputs.items():
         if full.outputs.get(key) == value:
             assert sources[key] == full_sources[key], key
@@ -186,7 +167,7 @@ def test_groups_reverse_bit_for_bit():
     }
     checkpoint = {k: meta(*m.shape, dtype=torch.bfloat16) for k, m in checkpoint.items()}
     plan = plan_load(checkpoint, transforms_for("mixtral", fused_qkv=True))
-    assert not problem_lines(plan)
+    assert not plan.problem_lines()
     for group in plan.groups:
         outputs = group.run(tensors.__getitem__)
         assert {k: tuple(v.shape) for k, v in outputs.items()} == {k: m.shape for k, m in group.target_metas().items()}
@@ -194,13 +175,15 @@ def test_groups_reverse_bit_for_bit():
         assert sorted(restored) == sorted(group.source_keys())
         for key, value in restored.items():
             assert value.dtype == torch.bfloat16
-            assert torch.equal(value.contiguous().view(torch.uint8), tensors[key].view(torch.uint8)), key
+            assert_tensor_bitwise_equal(value, tensors[key], key)
 
 
 def test_grouped_query_sizes_are_bound_from_headers():
     checkpoint = moe_checkpoint(1, 1)
     plan = plan_load(checkpoint, SEED_QKV)
-    (weight_group,) = [g for g in plan.groups if g.target_keys() == ["model.layers.0.self_attn.qkv_proj.weight"]]
+    weight_group = plan.group_producing("model.layers.0.self_attn.qkv_proj.weight")
+    assert weight_group.target_keys() == ["model.layers.0.self_attn.qkv_proj.weight"]
+    assert plan.produced_keys().count("model.layers.0.self_attn.qkv_proj.weight") == 1
     assert weight_group.operations == (Concatenate(dim=0, sizes=(H, KV, KV)),)
     assert weight_group.sources == tuple(f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv")
     assert weight_group.reversed().target_shapes == ((H, H), (KV, H), (KV, H))
@@ -284,7 +267,7 @@ def test_qwen2_vl_either_layout_maps_to_runtime_keys_and_back(keys, runtime):
     }
     checkpoint = {to_runtime[k]: m for k, m in legacy.items()} if runtime else legacy
     plan = plan_load(checkpoint, transforms)
-    assert not problem_lines(plan)
+    assert not plan.problem_lines()
     assert set(plan.outputs) == set(to_runtime.values())
     assert plan_save(plan.outputs, transforms).outputs == legacy
 
@@ -304,7 +287,7 @@ def test_plan_save_cannot_derive_keys_from_regex_sources():
         [r"experts\.*.w1", "experts.*.w3"], "experts.gate_up", [MergeModulelist(0), Concatenate(1)]
     )
     plan = plan_save({"m.experts.gate_up": meta(2, 8, 4)}, [converter])
-    assert problem_lines(plan)
+    assert plan.problem_lines()
 
 
 def test_planning_reads_no_data():
@@ -313,10 +296,32 @@ def test_planning_reads_no_data():
     assert all(isinstance(m, TensorMeta) for m in plan.outputs.values())
 
 
+def test_plan_queries_answer_from_the_plan_itself():
+    """The queries tests ask of a plan: where each output comes from, how often each input is read, and its run."""
+    checkpoint = {"a.q_proj.weight": meta(4, 2), "a.k_proj.weight": meta(2, 2), "a.v_proj.weight": meta(2, 2),
+                  "a.norm.weight": meta(2), "b.k_proj.weight": meta(2, 2)}  # b's q and v are missing
+    plan = plan_load(checkpoint, SEED_QKV)
+    fused = ("a.q_proj.weight", "a.k_proj.weight", "a.v_proj.weight")
+    assert plan.sources_of() == {"a.norm.weight": ("a.norm.weight",), "a.qkv_proj.weight": fused}
+    assert plan.reads() == dict.fromkeys([*fused, "a.norm.weight"], 1)  # b.k_proj is unread: a problem says so
+    assert plan.produced_keys() == ["a.norm.weight", "a.qkv_proj.weight"]
+    assert len(plan.problem_lines()) == 1 and "b." in plan.problem_lines()[0]
+    assert plan.group_producing("a.qkv_proj.weight").source_keys() == list(fused)
+    with pytest.raises(KeyError, match="a.norm.weight"):
+        plan.group_producing("a.norm.weight")  # read unchanged: no group produces it
+    generator = torch.Generator().manual_seed(0)
+    tensors = {key: torch.randn(m.shape, generator=generator) for key, m in checkpoint.items()}
+    outputs = plan.run(tensors.__getitem__)
+    assert outputs.keys() == {"a.norm.weight", "a.qkv_proj.weight"}
+    assert outputs["a.norm.weight"] is tensors["a.norm.weight"]
+    assert_tensor_bitwise_equal(outputs["a.qkv_proj.weight"], torch.cat([tensors[key] for key in fused]))
+
+
 def test_renaming_then_converter_records_checkpoint_names():
     checkpoint = moe_checkpoint(1, 2, "mixtral")
     plan = plan_load(checkpoint, get_checkpoint_conversion_mapping("mixtral"))
-    group = next(g for g in plan.groups if g.target_keys() == ["model.layers.0.mlp.experts.gate_up_proj"])
+    group = plan.group_producing("model.layers.0.mlp.experts.gate_up_proj")
+    assert group.target_keys() == ["model.layers.0.mlp.experts.gate_up_proj"]
     assert group.sources == (
         tuple(f"model.layers.0.block_sparse_moe.experts.{e}.w1.weight" for e in range(2)),
         tuple(f"model.layers.0.block_sparse_moe.experts.{e}.w3.weight" for e in range(2)),
@@ -326,7 +331,7 @@ def test_renaming_then_converter_records_checkpoint_names():
 
 def test_empty_checkpoint_plans_nothing():
     plan = plan_load({}, get_checkpoint_conversion_mapping("qwen2_moe") + [WeightRenaming("^a", "b")])
-    assert not plan.direct and not plan.groups and not problem_lines(plan)
+    assert not plan.direct and not plan.groups and not plan.problem_lines()
 
 
 def test_alternative_converter_loads_its_layout_but_plan_save_keeps_the_targets():
@@ -346,7 +351,7 @@ def test_alternative_converter_loads_its_layout_but_plan_save_keeps_the_targets(
     fused = {"m.experts.gate_up_proj": meta(3, 2 * I, H), "m.experts.down_proj": meta(3, H, I)}
     per_expert = moe_checkpoint(1, 3)
     plan = plan_load(fused, split)
-    assert not problem_lines(plan)
+    assert not plan.problem_lines()
     assert plan.outputs == {
         **{f"m.experts.{e}.{p}_proj.weight": meta(I, H) for e in range(3) for p in ("gate", "up")},
         **{f"m.experts.{e}.down_proj.weight": meta(H, I) for e in range(3)},
@@ -377,13 +382,10 @@ def test_optional_sources_are_absent_slots_and_the_first_operation_sets_the_dtyp
         "norm.weight": meta(256, dtype=torch.bfloat16),
     }
     plan = plan_load(checkpoint, [converter])
-    assert not any(plan.problems.values())
-    groups = {group.target_keys()[0]: group for group in plan.groups}
-    assert groups["a.weight"].dtype == torch.bfloat16 and groups["a.weight"].source_keys() == [
-        "a.weight",
-        "a.weight_scale_inv",
-    ]
-    assert groups["norm.weight"].sources == ("norm.weight", None) and groups["norm.weight"].dtype == torch.bfloat16
+    assert not plan.problem_lines()
+    weight, norm = plan.group_producing("a.weight"), plan.group_producing("norm.weight")
+    assert weight.dtype == torch.bfloat16 and weight.source_keys() == ["a.weight", "a.weight_scale_inv"]
+    assert norm.sources == ("norm.weight", None) and norm.dtype == torch.bfloat16
 
     # A scale without its weight is an incomplete group; a weight that does not divide into its grid is named.
     broken = plan_load(

@@ -7,6 +7,7 @@ import logging
 import pytest
 import torch
 from fusion_models import assert_outputs_close, assert_same_files, module_types
+from support.compare import assert_bitwise_equal
 
 import modelpatch
 from modelpatch import FusionError
@@ -21,13 +22,6 @@ CASES = {
 
 def state_copy(model):
     return {key: tensor.detach().clone() for key, tensor in model.state_dict().items()}
-
-
-def assert_same_state(model, expected):
-    state = model.state_dict()
-    assert state.keys() == expected.keys(), sorted(state.keys() ^ expected.keys())
-    for key, tensor in expected.items():
-        assert torch.equal(state[key], tensor) and state[key].dtype == tensor.dtype, key
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -48,7 +42,7 @@ def test_fuse_a_stock_loaded_model_save_and_unfuse(tiny, tmp_path, name):
 
     assert modelpatch.unfuse(model) is model
     assert module_types(model) == stock_types
-    assert_same_state(model, stock_state)
+    assert_bitwise_equal(model.state_dict(), stock_state)
     assert not hasattr(model.config, "modelpatch")
     modelpatch.save_pretrained(model, tmp_path / "unfused")
     assert_same_files(tmp_path / "unfused", ckpt.path)
@@ -59,7 +53,7 @@ def test_unfuse_a_model_fused_at_load(tiny, tmp_path):
     model = ckpt.load(CASES["qwen2_moe"])
     modelpatch.unfuse(model)
     assert module_types(model) == module_types(ckpt.stock())
-    assert_same_state(model, state_copy(ckpt.stock()))
+    assert_bitwise_equal(model.state_dict(), state_copy(ckpt.stock()))
     modelpatch.save_pretrained(model, tmp_path / "saved")
     assert_same_files(tmp_path / "saved", ckpt.path)
     # ... and fusing it again, as the live model it now is, gives the fused load's outputs.

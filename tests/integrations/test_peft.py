@@ -14,7 +14,8 @@ import warnings
 import peft
 import pytest
 import torch
-from fusion_models import ATOL, VOCAB
+from support.compare import ATOL
+from support.models import VOCAB
 from peft import IA3Config, LoraConfig
 
 import modelpatch

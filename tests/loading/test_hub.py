@@ -16,7 +16,7 @@ from pathlib import Path
 import huggingface_hub.constants
 import pytest
 import torch
-from stock_checkpoints import assert_tensors_identical
+from support.compare import assert_bitwise_equal
 from transformers import AutoModelForCausalLM
 
 import modelpatch
@@ -69,7 +69,7 @@ def two_revisions(offline_cache, stock_checkpoint) -> Path:
 
 
 def assert_same_as_stock(model, stock) -> None:
-    assert_tensors_identical(model.state_dict(), stock.state_dict())
+    assert_bitwise_equal(model.state_dict(), stock.state_dict())
     assert model.config.name_or_path == stock.config.name_or_path
     assert model.generation_config.to_dict() == stock.generation_config.to_dict()
 
@@ -125,7 +125,7 @@ def test_local_directory_with_subfolder(stock_checkpoint, tmp_path):
     shutil.copytree(stock_checkpoint("llama").path, tmp_path / "sub")
     model = modelpatch.from_pretrained(AutoModelForCausalLM, tmp_path, subfolder="sub")
     stock = AutoModelForCausalLM.from_pretrained(tmp_path, subfolder="sub")
-    assert_tensors_identical(model.state_dict(), stock.state_dict())
+    assert_bitwise_equal(model.state_dict(), stock.state_dict())
 
 
 def test_missing_repo_is_a_clear_error(offline_cache):
@@ -188,7 +188,7 @@ def test_pickle_repo_with_allow_pickle(offline_cache, stock_checkpoint, tmp_path
     with pytest.raises(CheckpointError, match="allow_pickle=True"):
         modelpatch.from_pretrained(AutoModelForCausalLM, REPO)
     model = modelpatch.from_pretrained(AutoModelForCausalLM, REPO, allow_pickle=True)
-    assert_tensors_identical(model.state_dict(), reference.state_dict())
+    assert_bitwise_equal(model.state_dict(), reference.state_dict())
 
 
 # ------------------------------------------------------------------------------------------------------- symlinks
@@ -229,7 +229,7 @@ def test_local_symlink_outside_the_directory_is_refused(stock_checkpoint, tmp_pa
         modelpatch.from_pretrained(AutoModelForCausalLM, directory)
     model = modelpatch.from_pretrained(AutoModelForCausalLM, directory, allow_external_symlinks=True)
     stock = AutoModelForCausalLM.from_pretrained(stock_checkpoint("llama").path)
-    assert_tensors_identical(model.state_dict(), stock.state_dict())
+    assert_bitwise_equal(model.state_dict(), stock.state_dict())
 
 
 # ------------------------------------------------------------------------------------------------------------ CLI

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from stock_checkpoints import assert_tensors_identical
+from support.compare import assert_bitwise_equal
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -111,7 +111,7 @@ def test_torch_dtype_is_a_deprecated_alias_of_dtype(stock_checkpoint, caplog):
     assert "`torch_dtype` is deprecated! Use `dtype` instead!" in caplog.text
     stock = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.bfloat16)
     assert model.dtype == stock.dtype == torch.bfloat16
-    assert_tensors_identical(model.state_dict(), stock.state_dict())
+    assert_bitwise_equal(model.state_dict(), stock.state_dict())
     # dtype wins when both are given, as in stock.
     both = modelpatch.from_pretrained(AutoModelForCausalLM, path, dtype=torch.float16, torch_dtype=torch.bfloat16)
     assert both.dtype == AutoModelForCausalLM.from_pretrained(path, dtype=torch.float16, torch_dtype="bfloat16").dtype
@@ -125,7 +125,7 @@ def test_single_device_map(stock_checkpoint, device_map):
     stock = AutoModelForCausalLM.from_pretrained(checkpoint.path, device_map=device_map)
     assert {p.device for p in model.parameters()} == {torch.device("cpu")}
     assert hasattr(model, "hf_device_map") == hasattr(stock, "hf_device_map")
-    assert_tensors_identical(model.state_dict(), stock.state_dict())
+    assert_bitwise_equal(model.state_dict(), stock.state_dict())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -135,7 +135,7 @@ def test_single_gpu_device_map(stock_checkpoint, device_map):
     model = modelpatch.from_pretrained(AutoModelForCausalLM, checkpoint.path, device_map=device_map)
     stock = AutoModelForCausalLM.from_pretrained(checkpoint.path, device_map=device_map)
     assert {p.device for p in model.parameters()} == {torch.device("cuda:0")}
-    assert_tensors_identical(model.state_dict(), stock.state_dict())
+    assert_bitwise_equal(model.state_dict(), stock.state_dict())
 
 
 def test_bad_device_map(stock_checkpoint):
@@ -160,7 +160,7 @@ def test_low_cpu_mem_usage_is_accepted_and_changes_nothing(stock_checkpoint):
     path = stock_checkpoint("llama").path
     for value in (True, False):
         model = modelpatch.from_pretrained(AutoModelForCausalLM, path, low_cpu_mem_usage=value)
-        assert_tensors_identical(model.state_dict(), AutoModelForCausalLM.from_pretrained(path).state_dict())
+        assert_bitwise_equal(model.state_dict(), AutoModelForCausalLM.from_pretrained(path).state_dict())
 
 
 def test_config_object(stock_checkpoint):
@@ -171,7 +171,7 @@ def test_config_object(stock_checkpoint):
     stock = AutoModelForCausalLM.from_pretrained(path, config=config, attn_implementation="eager")
     assert model.config.output_hidden_states and stock.config.output_hidden_states
     assert config._attn_implementation is None and model.config is not config  # the caller's config is not changed
-    assert_tensors_identical(model.state_dict(), stock.state_dict())
+    assert_bitwise_equal(model.state_dict(), stock.state_dict())
     with pytest.raises(TypeError, match=r"'output_attentions'.*set them on that config"):
         modelpatch.from_pretrained(AutoModelForCausalLM, path, config=config, output_attentions=True)
 
@@ -227,7 +227,7 @@ def test_generation_config(stock_checkpoint):
 def test_use_safetensors(stock_checkpoint, tmp_path):
     path = stock_checkpoint("llama").path
     model = modelpatch.from_pretrained(AutoModelForCausalLM, path, use_safetensors=True)
-    assert_tensors_identical(model.state_dict(), AutoModelForCausalLM.from_pretrained(path).state_dict())
+    assert_bitwise_equal(model.state_dict(), AutoModelForCausalLM.from_pretrained(path).state_dict())
     pickled = tmp_path / "pickled"
     pickled.mkdir()
     shutil.copy(path / "config.json", pickled)
@@ -243,7 +243,7 @@ def test_download_options_mean_nothing_for_local_directories(stock_checkpoint):
     model = modelpatch.from_pretrained(
         AutoModelForCausalLM, path, revision="v9", token="secret", local_files_only=True, cache_dir="/nonexistent"
     )
-    assert_tensors_identical(model.state_dict(), AutoModelForCausalLM.from_pretrained(path).state_dict())
+    assert_bitwise_equal(model.state_dict(), AutoModelForCausalLM.from_pretrained(path).state_dict())
 
 
 def test_offload_buffers_reaches_accelerate(stock_checkpoint, tmp_path):
@@ -276,7 +276,7 @@ def test_trust_remote_code(stock_checkpoint, tmp_path):
     path = stock_checkpoint("llama").path
     # No code ships with the checkpoint: nothing to trust, transformers' own class loads (as in stock).
     model = modelpatch.from_pretrained(AutoModelForCausalLM, path, trust_remote_code=True)
-    assert_tensors_identical(model.state_dict(), AutoModelForCausalLM.from_pretrained(path).state_dict())
+    assert_bitwise_equal(model.state_dict(), AutoModelForCausalLM.from_pretrained(path).state_dict())
 
     custom = tmp_path / "custom"
     shutil.copytree(path, custom)
@@ -335,4 +335,4 @@ def test_refused_keywords_accept_the_values_modelpatch_honours(stock_checkpoint)
     path = stock_checkpoint("llama").path
     accepted = {name: refusal.accepted[-1] for name, refusal in keywords.REFUSED.items()}
     model = modelpatch.from_pretrained(AutoModelForCausalLM, path, **accepted)
-    assert_tensors_identical(model.state_dict(), AutoModelForCausalLM.from_pretrained(path).state_dict())
+    assert_bitwise_equal(model.state_dict(), AutoModelForCausalLM.from_pretrained(path).state_dict())

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from stock_checkpoints import assert_tensors_identical, rewrite_checkpoint
+from support.compare import assert_bitwise_equal
+from support.files import rewrite_checkpoint
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -245,7 +246,7 @@ def test_unexpected_keys_warn_by_default(llama_with_extra_keys, stock_checkpoint
     assert "model.layers.0.self_attn.extra_scale" in warnings[0] and "something.else" in warnings[0]
     assert modelpatch.get_load_report(model).unexpected == ("model.layers.0.self_attn.extra_scale", "something.else")
     reference = modelpatch.from_pretrained(AutoModelForCausalLM, stock_checkpoint("llama").path)
-    assert_tensors_identical(model.state_dict(), reference.state_dict())
+    assert_bitwise_equal(model.state_dict(), reference.state_dict())
 
 
 def test_unexpected_keys_error(llama_with_extra_keys, no_tensor_data_read):
@@ -276,7 +277,7 @@ def test_bert_position_ids_in_checkpoint_are_dropped_quietly(stock_checkpoint, t
     report = modelpatch.get_load_report(model)
     assert report.dropped == ("embeddings.position_ids",) and report.unexpected == ()
     stock = BertModel.from_pretrained(directory)
-    assert_tensors_identical(model.state_dict(), stock.state_dict())
+    assert_bitwise_equal(model.state_dict(), stock.state_dict())
     assert torch.equal(model.embeddings.position_ids, stock.embeddings.position_ids)
 
 
@@ -296,7 +297,7 @@ def test_task_head_with_new_parameters_is_initialised_like_stock(stock_checkpoin
     torch.manual_seed(1234)
     model = modelpatch.from_pretrained(BertForSequenceClassification, path, new_parameters=[r"^classifier\."])
     # Same RNG stream, same initialisation: the fresh head is bitwise stock's.
-    assert_tensors_identical(model.state_dict(), stock.state_dict())
+    assert_bitwise_equal(model.state_dict(), stock.state_dict())
     assert torch.count_nonzero(model.classifier.bias) == 0
     assert 0.01 < float(model.classifier.weight.detach().std()) < 0.04  # normal(0, initializer_range=0.02)
     report = modelpatch.get_load_report(model)
@@ -322,7 +323,7 @@ def test_base_model_from_task_checkpoint(stock_checkpoint, caplog):
     torch.manual_seed(5)
     with caplog.at_level(logging.WARNING, logger=PLAN_LOGGER):
         model = modelpatch.from_pretrained(BertModel, path, new_parameters=["^pooler"])
-    assert_tensors_identical(model.state_dict(), stock.state_dict())
+    assert_bitwise_equal(model.state_dict(), stock.state_dict())
     report = modelpatch.get_load_report(model)
     assert report.unexpected and all(k.startswith("cls.") for k in report.unexpected)
     assert any("cls.predictions" in r.getMessage() for r in caplog.records if r.name == PLAN_LOGGER)
@@ -404,7 +405,7 @@ def test_pickle_checkpoint_refused_without_allow_pickle(pickle_checkpoint):
 def test_pickle_checkpoint_with_allow_pickle(pickle_checkpoint, stock_checkpoint):
     model = modelpatch.from_pretrained(AutoModelForCausalLM, pickle_checkpoint, allow_pickle=True)
     reference = AutoModelForCausalLM.from_pretrained(stock_checkpoint("llama").path)
-    assert_tensors_identical(model.state_dict(), reference.state_dict())
+    assert_bitwise_equal(model.state_dict(), reference.state_dict())
 
 
 class _Payload:

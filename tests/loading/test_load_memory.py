@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from stock_checkpoints import assert_tensors_identical, bits
+from support.compare import assert_bitwise_equal
 from transformers import AutoModelForCausalLM
 
 import modelpatch
@@ -104,8 +104,8 @@ def test_explicit_dtype_casts_like_stock(stock_checkpoint, dtype):
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     stock = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=torch_dtype)
     assert model.dtype == torch_dtype
-    assert_tensors_identical(model.state_dict(), stock.state_dict())
-    assert_tensors_identical(dict(model.named_buffers()), dict(stock.named_buffers()))
+    assert_bitwise_equal(model.state_dict(), stock.state_dict())
+    assert_bitwise_equal(dict(model.named_buffers()), dict(stock.named_buffers()))
     assert model.config.dtype == torch_dtype
     with torch.no_grad():
         assert torch.equal(model(**ckpt.inputs()).logits, stock(**ckpt.inputs()).logits)
@@ -121,7 +121,7 @@ def test_auto_dtype_keeps_the_checkpoint_dtype_zero_copy(stock_checkpoint, dtype
     model = modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path, dtype=dtype)
     stock = AutoModelForCausalLM.from_pretrained(ckpt.path, **({} if dtype is None else {"dtype": dtype}))
     assert model.dtype == stock.dtype == torch.bfloat16
-    assert_tensors_identical(model.state_dict(), stock.state_dict())
+    assert_bitwise_equal(model.state_dict(), stock.state_dict())
     ranges = file_mappings(ckpt.path / "model.safetensors")
     assert all(mapped_in(p, ranges) for p in model.parameters())
 
@@ -145,7 +145,7 @@ def test_upcast_bf16_checkpoint_to_float32(stock_checkpoint):
     model = modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path, dtype=torch.float32)
     stock = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=torch.float32)
     assert model.dtype == torch.float32
-    assert_tensors_identical(model.state_dict(), stock.state_dict())
+    assert_bitwise_equal(model.state_dict(), stock.state_dict())
     assert model.config.dtype == stock.config.dtype == torch.float32
 
 
@@ -164,8 +164,7 @@ def test_cuda_device(stock_checkpoint):
     model = modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path, device="cuda")
     assert {p.device.type for p in model.parameters()} | {b.device.type for b in model.buffers()} == {"cuda"}
     stock = AutoModelForCausalLM.from_pretrained(ckpt.path)
-    for (name, a), b in zip(model.state_dict().items(), stock.state_dict().values(), strict=True):
-        assert torch.equal(bits(a.cpu()), bits(b)), name
+    assert_bitwise_equal(model.state_dict(), stock.state_dict())
 
 
 # -------------------------------------------------------------------------------------------------- progress bar
@@ -211,7 +210,7 @@ def test_pages_of_converted_sources_are_released(stock_checkpoint, monkeypatch, 
     kept = modelpatch.from_pretrained(AutoModelForCausalLM, kept_dir)
     assert mapping_rss(kept_dir / "model.safetensors") >= 0.9 * expert_bytes
     assert mapping_rss(released_dir / "model.safetensors") <= 0.2 * expert_bytes
-    assert_tensors_identical(released.state_dict(), kept.state_dict())
+    assert_bitwise_equal(released.state_dict(), kept.state_dict())
 
 
 def test_released_pages_are_read_again_when_a_parameter_views_them(stock_checkpoint):
@@ -230,4 +229,4 @@ def test_released_pages_are_read_again_when_a_parameter_views_them(stock_checkpo
     )
     assert len(modelpatch.get_load_report(model).groups) == 3
     assert mapped_in(model.model.norm.weight, file_mappings(ckpt.path / "model.safetensors"))
-    assert_tensors_identical(model.state_dict(), AutoModelForCausalLM.from_pretrained(ckpt.path).state_dict())
+    assert_bitwise_equal(model.state_dict(), AutoModelForCausalLM.from_pretrained(ckpt.path).state_dict())

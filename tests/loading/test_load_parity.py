@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from stock_checkpoints import assert_tensors_identical, bits, read_tensors, tied_groups
+from support.compare import assert_bitwise_equal, bits, tied_groups
+from support.files import read_tensors, rewrite_checkpoint
 
 import modelpatch
 
@@ -64,9 +65,9 @@ def _outputs(model, inputs):
 def test_state_dict_buffers_and_ties_match_stock(stock_checkpoint, name):
     _, stock, mine = _pair(stock_checkpoint, name)
     assert type(mine) is type(stock)
-    assert_tensors_identical(mine.state_dict(), stock.state_dict())
+    assert_bitwise_equal(mine.state_dict(), stock.state_dict())
     # Non-persistent buffers (rotary inv_freq, BERT position_ids) end exactly as stock builds them.
-    assert_tensors_identical(dict(mine.named_buffers()), dict(stock.named_buffers()))
+    assert_bitwise_equal(dict(mine.named_buffers()), dict(stock.named_buffers()))
     assert tied_groups(mine) == tied_groups(stock)
     assert mine.training is stock.training is False
     assert mine.dtype == stock.dtype
@@ -87,12 +88,12 @@ def test_unpatched_save_is_bitwise_the_source(stock_checkpoint, name, tmp_path):
     out = tmp_path / "saved"
     modelpatch.save_pretrained(mine, out, **({"max_shard_size": ckpt.save_kwargs["max_shard_size"]}
                                              if "max_shard_size" in ckpt.save_kwargs else {}))
-    assert_tensors_identical(read_tensors(out), ckpt.tensors())
+    assert_bitwise_equal(read_tensors(out), ckpt.tensors())
     if ckpt.single_file:
         assert (out / "model.safetensors").read_bytes() == (ckpt.path / "model.safetensors").read_bytes()
     # And stock transformers reads what we wrote into the same model.
     again = ckpt.model_class.from_pretrained(out)
-    assert_tensors_identical(again.state_dict(), mine.state_dict())
+    assert_bitwise_equal(again.state_dict(), mine.state_dict())
 
 
 @pytest.mark.parametrize("name", ["qwen2_moe", "mixtral", "qwen3_moe", "olmoe"])
@@ -150,13 +151,13 @@ def test_auto_and_concrete_classes_load_the_same(stock_checkpoint):
     ckpt, _, mine = _pair(stock_checkpoint, "llama")
     concrete = modelpatch.from_pretrained(LlamaForCausalLM, ckpt.path)
     assert type(concrete) is LlamaForCausalLM
-    assert_tensors_identical(concrete.state_dict(), mine.state_dict())
+    assert_bitwise_equal(concrete.state_dict(), mine.state_dict())
 
 
 def test_path_may_be_str(stock_checkpoint):
     ckpt, _, mine = _pair(stock_checkpoint, "qwen2")
     model = modelpatch.from_pretrained(ckpt.model_class, str(ckpt.path))
-    assert_tensors_identical(model.state_dict(), mine.state_dict())
+    assert_bitwise_equal(model.state_dict(), mine.state_dict())
     assert isinstance(modelpatch.get_load_report(model).source, Path)
 
 
@@ -173,16 +174,13 @@ def test_keep_in_fp32_modules_as_stock(tmp_path, dtype):
     stock = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "t5", dtype=dtype)
     ours = modelpatch.from_pretrained(AutoModelForSeq2SeqLM, tmp_path / "t5", dtype=dtype)
     assert {k: v.dtype for k, v in ours.state_dict().items()} == {k: v.dtype for k, v in stock.state_dict().items()}
-    for key, tensor in stock.state_dict().items():
-        assert torch.equal(ours.state_dict()[key], tensor), key
+    assert_bitwise_equal(ours.state_dict(), stock.state_dict())
 
 
 def test_bert_legacy_gamma_beta_keys_load_like_stock(stock_checkpoint, tmp_path):
     """transformers' "legacy" renamings: a BERT checkpoint with TF-era ``LayerNorm.gamma``/``beta`` names loads into
     ``LayerNorm.weight``/``bias`` exactly as stock loads it, and saves back under the names it came with (as stock's
     save of that model does)."""
-    from stock_checkpoints import rewrite_checkpoint
-
     ckpt = stock_checkpoint("bert")
 
     def to_legacy(tensors):
@@ -195,10 +193,10 @@ def test_bert_legacy_gamma_beta_keys_load_like_stock(stock_checkpoint, tmp_path)
     assert any(k.endswith("LayerNorm.gamma") for k in read_tensors(legacy))
     stock = ckpt.model_class.from_pretrained(legacy)
     mine = modelpatch.from_pretrained(ckpt.model_class, legacy, unexpected_keys="error")
-    assert_tensors_identical(mine.state_dict(), stock.state_dict())
-    assert_tensors_identical(mine.state_dict(), ckpt.model_class.from_pretrained(ckpt.path).state_dict())
+    assert_bitwise_equal(mine.state_dict(), stock.state_dict())
+    assert_bitwise_equal(mine.state_dict(), ckpt.model_class.from_pretrained(ckpt.path).state_dict())
 
     stock.save_pretrained(tmp_path / "stock")
     modelpatch.save_pretrained(mine, tmp_path / "mine")
-    assert_tensors_identical(read_tensors(tmp_path / "mine"), read_tensors(tmp_path / "stock"))
-    assert_tensors_identical(read_tensors(tmp_path / "mine"), read_tensors(legacy))
+    assert_bitwise_equal(read_tensors(tmp_path / "mine"), read_tensors(tmp_path / "stock"))
+    assert_bitwise_equal(read_tensors(tmp_path / "mine"), read_tensors(legacy))

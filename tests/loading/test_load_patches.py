@@ -6,7 +6,8 @@ from __future__ import annotations
 import logging
 
 import torch
-from stock_checkpoints import assert_tensors_identical
+from support.compare import assert_bitwise_equal
+from support.files import rewrite_checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
 
@@ -81,7 +82,7 @@ def test_conversion_list_is_extras_then_unfiltered_builtins(stock_checkpoint, tm
     assert list(report.transforms) == [extra, gate_up]
     assert {g.converter for g in report.groups} == {extra, gate_up}
     reference = modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path)
-    assert_tensors_identical(model.state_dict(), reference.state_dict())
+    assert_bitwise_equal(model.state_dict(), reference.state_dict())
     modelpatch.save_pretrained(model, tmp_path / "out")
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == (ckpt.path / "model.safetensors").read_bytes()
 
@@ -98,17 +99,13 @@ def test_transformers_own_converter_through_a_patcher(stock_checkpoint, tmp_path
     assert WeightConverter("mlp.experts.*.down_proj.weight", "mlp.experts.down_proj", [MergeModulelist(dim=0)]) in {
         g.converter for g in report.groups
     }
-    assert_tensors_identical(
-        model.state_dict(), modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path).state_dict()
-    )
+    assert_bitwise_equal(model.state_dict(), modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path).state_dict())
     modelpatch.save_pretrained(model, tmp_path / "out")
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == (ckpt.path / "model.safetensors").read_bytes()
 
 
 def test_extra_renaming_through_a_patcher(stock_checkpoint, tmp_path):
     """A checkpoint with renamed keys loads with an extra WeightRenaming and saves back under its own names."""
-    from stock_checkpoints import rewrite_checkpoint
-
     def edit(tensors):
         for key in list(tensors):
             if ".mlp." in key:
@@ -118,7 +115,7 @@ def test_extra_renaming_through_a_patcher(stock_checkpoint, tmp_path):
     patcher = Patcher(extra_weight_conversions=[WeightRenaming(r"\.feed_forward\.", ".mlp.")])
     model = modelpatch.from_pretrained(AutoModelForCausalLM, directory, patcher=patcher)
     reference = modelpatch.from_pretrained(AutoModelForCausalLM, stock_checkpoint("llama").path)
-    assert_tensors_identical(model.state_dict(), reference.state_dict())
+    assert_bitwise_equal(model.state_dict(), reference.state_dict())
     modelpatch.save_pretrained(model, tmp_path / "out")
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == (directory / "model.safetensors").read_bytes()
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from stock_checkpoints import assert_tensors_identical, rewrite_checkpoint
+from support.compare import assert_bitwise_equal
+from support.files import rewrite_checkpoint
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, BertForSequenceClassification
 
@@ -93,7 +94,7 @@ def test_a_runtime_layout_checkpoint_loaded_without_its_fusions(stock_checkpoint
     assert NEW_PARAMETERS_HINT not in str(error)
     # The hint is right: with it, the checkpoint loads to the fused model's exact weights.
     model = modelpatch.from_pretrained(AutoModelForCausalLM, runtime, fusion_config=fusions)
-    assert_tensors_identical(model.state_dict(), fused.state_dict())
+    assert_bitwise_equal(model.state_dict(), fused.state_dict())
 
 
 def test_a_fusion_the_checkpoint_cannot_feed_is_named(stock_checkpoint, tmp_path):

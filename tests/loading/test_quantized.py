@@ -19,7 +19,8 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from stock_checkpoints import assert_tensors_identical, bits, read_tensors
+from support.compare import assert_bitwise_equal, bits
+from support.files import read_tensors
 from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
 
 import modelpatch
@@ -162,7 +163,7 @@ def logits(model) -> torch.Tensor:
 
 def assert_same_as_stock(model, stock) -> None:
     assert module_types(model) == module_types(stock)
-    assert_tensors_identical(flat_state(model), flat_state(stock))
+    assert_bitwise_equal(flat_state(model), flat_state(stock))
     assert torch.equal(bits(logits(model)), bits(logits(stock)))
 
 
@@ -215,7 +216,7 @@ def test_fp8_save_refuses_the_checkpoint_layout_and_writes_the_dequantized_runti
     modelpatch.save_pretrained(model, tmp_path / "runtime", save_original_format=False)
     assert "quantization_config" not in json.loads((tmp_path / "runtime" / "config.json").read_text())
     reloaded = modelpatch.from_pretrained(AutoModelForCausalLM, tmp_path / "runtime")
-    assert_tensors_identical(reloaded.state_dict(), model.state_dict())
+    assert_bitwise_equal(reloaded.state_dict(), model.state_dict())
 
 
 def test_fp8_scale_without_its_weight_is_named(fp8_checkpoint, tmp_path, no_tensor_reads):
@@ -251,13 +252,13 @@ def test_torchao_checkpoint_saves_what_stock_writes(torchao_checkpoint, tmp_path
     stock = AutoModelForCausalLM.from_pretrained(torchao_checkpoint)
     stock.save_pretrained(tmp_path / "stock", save_original_format=False)
     for directory in (tmp_path / "modelpatch", tmp_path / "stock_path", torchao_checkpoint):
-        assert_tensors_identical(read_tensors(directory), read_tensors(tmp_path / "stock"))
+        assert_bitwise_equal(read_tensors(directory), read_tensors(tmp_path / "stock"))
         assert metadata(directory) == metadata(tmp_path / "stock")
         saved = json.loads((directory / "config.json").read_text())
         stock_config = json.loads((tmp_path / "stock" / "config.json").read_text())
         assert saved["quantization_config"] == stock_config["quantization_config"]
     reloaded = modelpatch.from_pretrained(AutoModelForCausalLM, tmp_path / "modelpatch")
-    assert_tensors_identical(flat_state(reloaded), flat_state(model))
+    assert_bitwise_equal(flat_state(reloaded), flat_state(model))
 
 
 def metadata(directory: Path) -> dict[str, str]:
@@ -299,7 +300,7 @@ def test_torchao_quantization_at_load_quantizes_the_fused_projection(plain_llama
     modelpatch.save_pretrained(model, tmp_path / "runtime", save_original_format=False)
     reloaded = modelpatch.from_pretrained(AutoModelForCausalLM, tmp_path / "runtime")
     assert type(reloaded.model.layers[0].self_attn.qkv_proj.weight).__name__ == "Int8Tensor"
-    assert_tensors_identical(flat_state(reloaded), flat_state(model))
+    assert_bitwise_equal(flat_state(reloaded), flat_state(model))
 
 
 # --- refused ------------------------------------------------------------------------------------------------------
@@ -390,7 +391,7 @@ def test_compressed_tensors_checkpoint_loads_like_stock(compressed_tensors_check
     assert_same_as_stock(model, stock)
     # The first forward decompresses in place, in both.
     assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
-    assert_tensors_identical(model.state_dict(), stock.state_dict())
+    assert_bitwise_equal(model.state_dict(), stock.state_dict())
     assert model.config.quantization_config.to_dict() == stock.config.quantization_config.to_dict()
 
 

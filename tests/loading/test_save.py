@@ -8,7 +8,9 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file
-from stock_checkpoints import CONFIGS, assert_tensors_identical, bits, config_json, read_tensors
+from support.checkpoints import STOCK_CHECKPOINTS
+from support.compare import assert_bitwise_equal, bits
+from support.files import config_json, read_tensors
 from transformers import AutoConfig, AutoModelForCausalLM, BertForSequenceClassification
 
 import modelpatch
@@ -63,9 +65,9 @@ def test_save_over_the_checkpoint_it_was_loaded_from(stock_checkpoint, tmp_path)
         model.lm_head.weight.mul_(2)
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     modelpatch.save_pretrained(model, directory)
-    assert_tensors_identical(model.state_dict(), expected)  # the old mapping stays valid
+    assert_bitwise_equal(model.state_dict(), expected)  # the old mapping stays valid
     again = modelpatch.from_pretrained(AutoModelForCausalLM, directory)
-    assert_tensors_identical(again.state_dict(), expected)
+    assert_bitwise_equal(again.state_dict(), expected)
 
 
 def test_sharded_save_roundtrip(stock_checkpoint, tmp_path):
@@ -73,9 +75,9 @@ def test_sharded_save_roundtrip(stock_checkpoint, tmp_path):
     model = modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path)
     files = modelpatch.save_pretrained(model, tmp_path / "out", max_shard_size="20KB")
     assert len([f for f in files if f.suffix == ".safetensors"]) > 3
-    assert_tensors_identical(read_tensors(tmp_path / "out"), ckpt.tensors())
+    assert_bitwise_equal(read_tensors(tmp_path / "out"), ckpt.tensors())
     stock = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
-    assert_tensors_identical(stock.state_dict(), model.state_dict())
+    assert_bitwise_equal(stock.state_dict(), model.state_dict())
 
 
 # -------------------------------------------------------------------------------------------------- atomicity
@@ -144,19 +146,19 @@ def test_runtime_layout_save_and_reload(stock_checkpoint, tmp_path, name):
     modelpatch.save_pretrained(model, runtime_dir, save_original_format=False)
 
     assert config_json(runtime_dir)[RECORD_KEY] == {"version": 1, "runtime_layout": True}
-    assert_tensors_identical(read_tensors(runtime_dir), model.state_dict())
+    assert_bitwise_equal(read_tensors(runtime_dir), model.state_dict())
 
     reloaded = modelpatch.from_pretrained(ckpt.model_class, runtime_dir)
     report = modelpatch.get_load_report(reloaded)
     assert report.runtime_layout and not report.groups
-    assert_tensors_identical(reloaded.state_dict(), model.state_dict())
+    assert_bitwise_equal(reloaded.state_dict(), model.state_dict())
     with torch.no_grad():
         assert torch.equal(reloaded(**ckpt.inputs()).logits, model(**ckpt.inputs()).logits)
 
     # Back to the original layout: bitwise the stock checkpoint, and the marker is gone from config.json.
     original_dir = tmp_path / "original"
     modelpatch.save_pretrained(reloaded, original_dir)
-    assert_tensors_identical(read_tensors(original_dir), ckpt.tensors())
+    assert_bitwise_equal(read_tensors(original_dir), ckpt.tensors())
     assert RECORD_KEY not in config_json(original_dir)
     runtime_config = config_json(runtime_dir)
     del runtime_config[RECORD_KEY]
@@ -176,8 +178,7 @@ def test_runtime_layout_of_moe_holds_fused_experts(stock_checkpoint, tmp_path):
 
 
 def _moe_config(name):
-    model_type, _, kwargs = CONFIGS[name]
-    return AutoConfig.for_model(model_type, **kwargs)
+    return STOCK_CHECKPOINTS[name].config()
 
 
 @pytest.mark.parametrize("name", ["qwen2_moe", "mixtral", "qwen3_moe", "olmoe", "qwen2_vl", "llama_tied"])
@@ -194,9 +195,9 @@ def test_from_config_saves_in_checkpoint_layout(stock_checkpoint, tmp_path, name
     assert {k: (v.shape, v.dtype) for k, v in saved.items()} == {k: (v.shape, v.dtype) for k, v in reference.items()}
 
     stock = ckpt.model_class.from_pretrained(tmp_path / "out")
-    assert_tensors_identical(stock.state_dict(), model.state_dict())
+    assert_bitwise_equal(stock.state_dict(), model.state_dict())
     mine = modelpatch.from_pretrained(ckpt.model_class, tmp_path / "out")
-    assert_tensors_identical(mine.state_dict(), model.state_dict())
+    assert_bitwise_equal(mine.state_dict(), model.state_dict())
     # Stock's own save of the same model writes the same bytes.
     stock_dir = tmp_path / "stock"
     model.save_pretrained(stock_dir)
@@ -227,9 +228,9 @@ def test_task_head_model_saves_a_loadable_checkpoint(stock_checkpoint, tmp_path)
     model = modelpatch.from_pretrained(BertForSequenceClassification, path, new_parameters=["^classifier"])
     modelpatch.save_pretrained(model, tmp_path / "out")
     stock = BertForSequenceClassification.from_pretrained(tmp_path / "out")
-    assert_tensors_identical(stock.state_dict(), model.state_dict())
+    assert_bitwise_equal(stock.state_dict(), model.state_dict())
     again = modelpatch.from_pretrained(BertForSequenceClassification, tmp_path / "out")
-    assert_tensors_identical(again.state_dict(), model.state_dict())
+    assert_bitwise_equal(again.state_dict(), model.state_dict())
 
 
 def test_an_untied_head_is_saved_and_reloads_untied(stock_checkpoint, tmp_path):

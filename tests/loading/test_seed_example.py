@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from stock_checkpoints import assert_tensors_identical, bits, read_tensors
+from support.compare import assert_bitwise_equal, bits
+from support.files import read_tensors
 from transformers import AutoModelForCausalLM
 
 import modelpatch
@@ -49,7 +50,7 @@ def test_seed_example_runs_matches_stock_and_saves_back_bitwise(stock_checkpoint
 
     out = tmp_path / "saved"
     modelpatch.save_pretrained(model, out)
-    assert_tensors_identical(read_tensors(out), source)
+    assert_bitwise_equal(read_tensors(out), source)
     assert (out / "model.safetensors").read_bytes() == (ckpt.path / "model.safetensors").read_bytes()
 
 
@@ -136,11 +137,11 @@ def test_grouped_query_variant_loads_matches_stock_and_saves_back_exactly(stock_
     modelpatch.save_pretrained(model, out)
     saved = read_tensors(out)
     assert saved["model.layers.1.self_attn.k_proj.weight"].shape == (32, 64)  # not an equal 43/43/42 chunk
-    assert_tensors_identical(saved, source)
+    assert_bitwise_equal(saved, source)
     assert (out / "model.safetensors").read_bytes() == (ckpt.path / "model.safetensors").read_bytes()
     # The saved checkpoint is a valid stock checkpoint again.
     again = AutoModelForCausalLM.from_pretrained(out)
-    assert_tensors_identical(again.state_dict(), stock.state_dict())
+    assert_bitwise_equal(again.state_dict(), stock.state_dict())
 
 
 def test_grouped_query_variant_through_a_patcher(stock_checkpoint, tmp_path):
@@ -230,7 +231,7 @@ def test_documented_patcher_example_runs_with_only_its_import_changed(stock_chec
     assert type(layer.mlp.experts) is namespace["SequentialExperts"]
     # The same model modelpatch.from_pretrained builds with transformers' Auto class.
     again = modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path, patcher=namespace["patcher"])
-    assert_tensors_identical(again.state_dict(), model.state_dict())
+    assert_bitwise_equal(again.state_dict(), model.state_dict())
 
     stock = AutoModelForCausalLM.from_pretrained(ckpt.path)
     inputs = ckpt.inputs()
@@ -273,6 +274,6 @@ def test_the_documented_patcher_applied_to_a_model_in_memory(stock_checkpoint, t
     assert modelpatch.patch_model(live, namespace["patcher"]) is live
     loaded = namespace["model"]
     assert {n: type(m) for n, m in live.named_modules()} == {n: type(m) for n, m in loaded.named_modules()}
-    assert_tensors_identical(live.state_dict(), loaded.state_dict())
+    assert_bitwise_equal(live.state_dict(), loaded.state_dict())
     modelpatch.save_pretrained(live, tmp_path / "saved")
     assert (tmp_path / "saved" / "model.safetensors").read_bytes() == (ckpt.path / "model.safetensors").read_bytes()

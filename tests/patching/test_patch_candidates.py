@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from patching_support import PlainModule, llama_config
+from support.patching import PlainModule, llama_config
 from patching_user_models import FastUserAttention, UserAttention, UserBlock, UserModel
 from transformers import LlamaModel
 from transformers.models.llama.modeling_llama import LlamaAttention

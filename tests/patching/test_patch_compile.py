@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from patching_support import MarkedLlamaAttention, MarkedLlamaMLP, WrappedLlamaAttention, input_ids, llama_config
+from support.patching import MarkedLlamaAttention, MarkedLlamaMLP, WrappedLlamaAttention, input_ids, llama_config
 
 import modelpatch
 

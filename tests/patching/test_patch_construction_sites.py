@@ -13,22 +13,20 @@ import copy
 import pickle
 
 import torch
-from patching_support import input_ids, module_types
+from support.models import VOCAB, tiny_config
+from support.patching import build, input_ids, module_classes
 from torch import nn
 from torch.nn import functional as F
 from transformers import (
-    BertConfig,
     BertModel,
     BloomConfig,
     BloomForCausalLM,
-    Qwen2VLConfig,
+    PretrainedConfig,
     Qwen2VLForConditionalGeneration,
 )
 from transformers.models.bloom.modeling_bloom import BloomGelu
 
 import modelpatch
-
-VOCAB = 64
 
 
 class TanhGelu(nn.Module):
@@ -46,37 +44,27 @@ def _bloom_config() -> BloomConfig:
     return BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4)
 
 
-def _qwen2_vl_config() -> Qwen2VLConfig:
-    return Qwen2VLConfig(
-        text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2,
-                         rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}),
-        vision_config=dict(depth=2, embed_dim=32, hidden_size=32, num_heads=2, in_channels=3, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2),
-    )
+def _qwen2_vl_config() -> PretrainedConfig:
+    return tiny_config("qwen2_vl", text={"num_hidden_layers": 1}, vision={"depth": 2})
 
-
-def _build(model_cls, config, seed=0):
-    torch.manual_seed(seed)
-    return model_cls(config).eval()
 
 
 def test_a_class_modeling_code_constructs_without_arguments_is_replaced():
     config = _bloom_config()
-    reference = _build(BloomForCausalLM, config)
+    reference = build(BloomForCausalLM, config)
     modelpatch.register_patch_mapping({"BloomGelu": TanhGelu})
     with modelpatch.apply_patches():
-        patched = _build(BloomForCausalLM, config, seed=1)
+        patched = build(BloomForCausalLM, config, seed=1)
         # Copies made inside the scope call __new__ without arguments too, from copy's own code: untouched.
         copied = copy.deepcopy(reference)
         unpickled = pickle.loads(pickle.dumps(reference))
         direct = BloomGelu()  # not modeling code: as with transformers' apply_patches, the class itself
     assert {type(block.mlp.gelu_impl) for block in patched.transformer.h} == {TanhGelu}
-    assert BloomGelu not in module_types(patched)
+    assert BloomGelu not in module_classes(patched)
     for clone in (copied, unpickled):
         assert {type(block.mlp.gelu_impl) for block in clone.transformer.h} == {BloomGelu}
     assert type(direct) is BloomGelu
-    assert {type(block.mlp.gelu_impl) for block in _build(BloomForCausalLM, config).transformer.h} == {BloomGelu}
+    assert {type(block.mlp.gelu_impl) for block in build(BloomForCausalLM, config).transformer.h} == {BloomGelu}
 
     patched.load_state_dict(reference.state_dict())
     with torch.no_grad():
@@ -85,21 +73,20 @@ def test_a_class_modeling_code_constructs_without_arguments_is_replaced():
 
 def test_a_torch_class_a_modeling_module_imports_by_name_is_replaced_there_only():
     config = _qwen2_vl_config()
-    reference = _build(Qwen2VLForConditionalGeneration, config)
+    reference = build(Qwen2VLForConditionalGeneration, config)
     modelpatch.register_patch_mapping({"^LayerNorm$": MarkedLayerNorm})
     with modelpatch.apply_patches():
-        patched = _build(Qwen2VLForConditionalGeneration, config, seed=1)
+        patched = build(Qwen2VLForConditionalGeneration, config, seed=1)
         # BERT's modeling module calls nn.LayerNorm(...) (no name imported): untouched, like a direct construction.
-        bert = BertModel(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                                    intermediate_size=64))
+        bert = BertModel(tiny_config("bert", num_hidden_layers=1))
         direct = nn.LayerNorm(8)
     visual = patched.model.visual
     assert {type(block.norm1) for block in visual.blocks} == {MarkedLayerNorm}
     assert {type(block.norm2) for block in visual.blocks} == {MarkedLayerNorm}
     assert type(visual.merger.ln_q) is MarkedLayerNorm
-    assert nn.LayerNorm not in module_types(patched)
+    assert nn.LayerNorm not in module_classes(patched)
     assert type(bert.embeddings.LayerNorm) is nn.LayerNorm and type(direct) is nn.LayerNorm
-    assert MarkedLayerNorm not in module_types(_build(Qwen2VLForConditionalGeneration, config))
+    assert MarkedLayerNorm not in module_classes(build(Qwen2VLForConditionalGeneration, config))
 
     patched.load_state_dict(reference.state_dict())
     generator = torch.Generator().manual_seed(0)

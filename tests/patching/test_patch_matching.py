@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from patching_support import (
+from support.patching import (
     MarkedBertSelfAttention,
     MarkedLlamaAttention,
     MarkedLlamaMLP,
@@ -16,9 +16,10 @@ from patching_support import (
     OtherLlamaAttention,
     PlainModule,
     bert_config,
+    build,
     input_ids,
     llama_config,
-    module_types,
+    module_classes,
     qwen2_moe_config,
 )
 from transformers import (
@@ -44,10 +45,6 @@ from transformers.pytorch_utils import Conv1D
 import modelpatch
 
 
-def _build(model_cls, config, seed: int = 0):
-    torch.manual_seed(seed)
-    return model_cls(config).eval()
-
 
 # --- exact names and patterns ------------------------------------------------------------------------------------
 
@@ -55,8 +52,8 @@ def _build(model_cls, config, seed: int = 0):
 def test_exact_name_replaces_only_that_class():
     modelpatch.register_patch_mapping({"LlamaAttention": MarkedLlamaAttention})
     with modelpatch.apply_patches():
-        model = _build(LlamaModel, llama_config())
-    types = module_types(model)
+        model = build(LlamaModel, llama_config())
+    types = module_classes(model)
     assert MarkedLlamaAttention in types and LlamaAttention not in types
     assert LlamaMLP in types and LlamaDecoderLayer in types and LlamaRMSNorm in types
     assert all(type(layer.self_attn) is MarkedLlamaAttention for layer in model.layers)
@@ -66,7 +63,7 @@ def test_exact_beats_pattern_whatever_the_registration_order():
     modelpatch.register_patch_mapping({".*Attention": OtherLlamaAttention})
     modelpatch.register_patch_mapping({"LlamaAttention": MarkedLlamaAttention})
     with modelpatch.apply_patches():
-        model = _build(LlamaModel, llama_config())
+        model = build(LlamaModel, llama_config())
     assert all(type(layer.self_attn) is MarkedLlamaAttention for layer in model.layers)
 
 
@@ -74,14 +71,14 @@ def test_patterns_are_tried_in_registration_order():
     modelpatch.register_patch_mapping({"^Llama.*Attention": MarkedLlamaAttention})
     modelpatch.register_patch_mapping({".*Attention$": OtherLlamaAttention})
     with modelpatch.apply_patches():
-        first = _build(LlamaModel, llama_config(num_hidden_layers=1))
+        first = build(LlamaModel, llama_config(num_hidden_layers=1))
     assert type(first.layers[0].self_attn) is MarkedLlamaAttention
 
     modelpatch.clear_patch_mapping()
     modelpatch.register_patch_mapping({".*Attention$": OtherLlamaAttention})
     modelpatch.register_patch_mapping({"^Llama.*Attention": MarkedLlamaAttention})
     with modelpatch.apply_patches():
-        second = _build(LlamaModel, llama_config(num_hidden_layers=1))
+        second = build(LlamaModel, llama_config(num_hidden_layers=1))
     assert type(second.layers[0].self_attn) is OtherLlamaAttention
 
 
@@ -100,7 +97,7 @@ def test_patterns_are_tried_in_registration_order():
 def test_patterns_use_re_search(pattern, replaced):
     modelpatch.register_patch_mapping({pattern: MarkedLlamaAttention})
     with modelpatch.apply_patches():
-        model = _build(LlamaModel, llama_config(num_hidden_layers=1))
+        model = build(LlamaModel, llama_config(num_hidden_layers=1))
     assert (type(model.layers[0].self_attn) is MarkedLlamaAttention) is replaced
     assert type(model.layers[0].mlp) is LlamaMLP
 
@@ -112,7 +109,7 @@ def test_a_plain_word_key_is_a_pattern_too():
     """
     modelpatch.register_patch_mapping({"Attention": MarkedLlamaAttention, "MLP": MarkedLlamaMLP})
     with modelpatch.apply_patches():
-        model = _build(LlamaModel, llama_config(num_hidden_layers=2))
+        model = build(LlamaModel, llama_config(num_hidden_layers=2))
     assert {type(layer.self_attn) for layer in model.layers} == {MarkedLlamaAttention}
     assert {type(layer.mlp) for layer in model.layers} == {MarkedLlamaMLP}
     assert type(model.layers[0]) is LlamaDecoderLayer and type(model.norm) is LlamaRMSNorm
@@ -122,7 +119,7 @@ def test_an_exact_name_key_beats_an_earlier_key_matching_as_a_pattern():
     # "LlamaAttention" names the class exactly; "Attention" (registered first) only matches it as a pattern.
     modelpatch.register_patch_mapping({"Attention": OtherLlamaAttention, "LlamaAttention": MarkedLlamaAttention})
     with modelpatch.apply_patches():
-        model = _build(LlamaModel, llama_config(num_hidden_layers=1))
+        model = build(LlamaModel, llama_config(num_hidden_layers=1))
     assert type(model.layers[0].self_attn) is MarkedLlamaAttention
 
 
@@ -131,7 +128,7 @@ def test_an_exact_name_key_also_matches_longer_names_as_a_pattern():
     # pattern for BertSelfAttention.
     modelpatch.register_patch_mapping({"SelfAttention": MarkedBertSelfAttention})
     with modelpatch.apply_patches():
-        model = _build(BertModel, bert_config(num_hidden_layers=1))
+        model = build(BertModel, bert_config(num_hidden_layers=1))
     assert type(model.encoder.layer[0].attention) is BertAttention
     assert type(model.encoder.layer[0].attention.self) is MarkedBertSelfAttention
 
@@ -139,24 +136,24 @@ def test_an_exact_name_key_also_matches_longer_names_as_a_pattern():
 def test_qwen2_moe_exact_and_pattern():
     modelpatch.register_patch_mapping({"Qwen2MoeAttention": MarkedQwen2MoeAttention, ".*MoeExperts$": PlainModule})
     with modelpatch.apply_patches():
-        model = _build(Qwen2MoeForCausalLM, qwen2_moe_config())
+        model = build(Qwen2MoeForCausalLM, qwen2_moe_config())
     for layer in model.model.layers:
         assert type(layer.self_attn) is MarkedQwen2MoeAttention
         assert type(layer.mlp) is Qwen2MoeSparseMoeBlock
         assert type(layer.mlp.experts) is PlainModule
         # The non-subclass replacement got the original's constructor arguments.
         assert layer.mlp.experts.received_args == (model.config,)
-    assert Qwen2MoeExperts not in module_types(model)
+    assert Qwen2MoeExperts not in module_classes(model)
 
 
 def test_qwen2_moe_subclass_replacement_keeps_outputs():
     config = qwen2_moe_config()
-    reference = _build(Qwen2MoeForCausalLM, config)
+    reference = build(Qwen2MoeForCausalLM, config)
     modelpatch.register_patch_mapping({"Qwen2MoeAttention": MarkedQwen2MoeAttention})
     with modelpatch.apply_patches():
-        patched = _build(Qwen2MoeForCausalLM, config, seed=1)
+        patched = build(Qwen2MoeForCausalLM, config, seed=1)
     patched.load_state_dict(reference.state_dict())
-    assert Qwen2MoeAttention not in module_types(patched)
+    assert Qwen2MoeAttention not in module_classes(patched)
     ids = input_ids()
     with torch.no_grad():
         torch.testing.assert_close(patched(ids).logits, reference(ids).logits, rtol=0, atol=0)
@@ -205,7 +202,7 @@ def test_broad_pattern_leaves_outputs_configs_functions_and_attention_interface_
         assert interface["sdpa"] is sdpa_before
         output = BaseModelOutputWithPast(last_hidden_state=torch.zeros(1))
         assert type(output) is BaseModelOutputWithPast
-        model = _build(LlamaForCausalLM, llama_config())
+        model = build(LlamaForCausalLM, llama_config())
         ids = input_ids()
         with torch.no_grad():
             outputs = model(ids)
@@ -224,11 +221,11 @@ def test_broad_pattern_leaves_outputs_configs_functions_and_attention_interface_
 def test_broad_attention_pattern_replaces_llama_attention_only():
     modelpatch.register_patch_mapping({".*Attention": MarkedLlamaAttention})
     with modelpatch.apply_patches():
-        model = _build(LlamaForCausalLM, llama_config())
-    types = module_types(model)
+        model = build(LlamaForCausalLM, llama_config())
+    types = module_classes(model)
     assert MarkedLlamaAttention in types and LlamaAttention not in types
     assert {LlamaMLP, LlamaDecoderLayer, LlamaRMSNorm} <= types
-    reference = _build(LlamaForCausalLM, llama_config())
+    reference = build(LlamaForCausalLM, llama_config())
     model.load_state_dict(reference.state_dict())
     ids = input_ids()
     with torch.no_grad():
@@ -248,14 +245,14 @@ def test_non_modeling_classes_are_replaced_only_where_modeling_code_imports_them
     with modelpatch.apply_patches():
         conv = Conv1D(4, 3)
         linear = torch.nn.Linear(3, 4)
-        llama = _build(LlamaModel, llama_config(num_hidden_layers=1))
-        gpt2 = _build(GPT2Model, config, seed=1)
+        llama = build(LlamaModel, llama_config(num_hidden_layers=1))
+        gpt2 = build(GPT2Model, config, seed=1)
     assert type(conv) is Conv1D and type(linear) is torch.nn.Linear
-    assert PlainModule not in module_types(llama)
+    assert PlainModule not in module_classes(llama)
     attention = gpt2.h[0].attn
     assert type(attention.c_attn) is MarkedConv1D and type(attention.c_proj) is MarkedConv1D
-    assert Conv1D not in module_types(gpt2)
-    reference = _build(GPT2Model, config)
+    assert Conv1D not in module_classes(gpt2)
+    reference = build(GPT2Model, config)
     gpt2.load_state_dict(reference.state_dict())
     with torch.no_grad():
         torch.testing.assert_close(gpt2(input_ids()).last_hidden_state, reference(input_ids()).last_hidden_state)
@@ -265,7 +262,7 @@ def test_replacement_is_not_replaced_again_by_a_matching_pattern():
     # MarkedLlamaMLP's own name matches ".*MLP"; it must be built as itself, not recursively replaced.
     modelpatch.register_patch_mapping({".*MLP": MarkedLlamaMLP, ".*Attention": MarkedLlamaAttention})
     with modelpatch.apply_patches():
-        model = _build(LlamaModel, llama_config())
+        model = build(LlamaModel, llama_config())
         direct = MarkedLlamaMLP(model.config)
     assert type(direct) is MarkedLlamaMLP
     assert all(type(layer.mlp) is MarkedLlamaMLP for layer in model.layers)
@@ -276,16 +273,16 @@ def test_replacement_is_not_replaced_again_by_a_matching_pattern():
 
 def test_bert_narrow_self_attention_pattern_keeps_the_model_working():
     config = bert_config()
-    reference = _build(BertModel, config)
+    reference = build(BertModel, config)
     modelpatch.register_patch_mapping({".*SelfAttention$": MarkedBertSelfAttention})
     with modelpatch.apply_patches():
-        patched = _build(BertModel, config, seed=1)
+        patched = build(BertModel, config, seed=1)
 
     for layer in patched.encoder.layer:
         assert type(layer.attention) is BertAttention  # the container is untouched ...
         assert type(layer.attention.self) is MarkedBertSelfAttention  # ... only the inner attention is swapped
         assert type(layer.attention.output) is BertSelfOutput
-    assert BertSelfAttention not in module_types(patched)
+    assert BertSelfAttention not in module_classes(patched)
     assert patched.state_dict().keys() == reference.state_dict().keys()
 
     patched.load_state_dict(reference.state_dict())
@@ -301,10 +298,10 @@ def test_bert_narrow_self_attention_pattern_keeps_the_model_working():
 def test_bert_broad_attention_pattern_swaps_the_container():
     """The documented pitfall: ``.*Attention`` also matches ``BertAttention``, the container of self/output."""
     config = bert_config()
-    reference = _build(BertModel, config)
+    reference = build(BertModel, config)
     modelpatch.register_patch_mapping({".*Attention": MarkedBertSelfAttention})
     with modelpatch.apply_patches():
-        broken = _build(BertModel, config, seed=1)
+        broken = build(BertModel, config, seed=1)
 
     for layer in broken.encoder.layer:
         # BertAttention's construction was replaced: the container *is* a self-attention now ...
@@ -313,7 +310,7 @@ def test_bert_broad_attention_pattern_swaps_the_container():
         # ... so its "self" and "output" submodules are gone (no dense/LayerNorm/residual after attention).
         assert "self" not in children and "output" not in children
         assert not hasattr(layer.attention, "output")
-    types = module_types(broken)
+    types = module_classes(broken)
     assert BertAttention not in types and BertSelfOutput not in types and BertSelfAttention not in types
 
     missing = reference.state_dict().keys() - broken.state_dict().keys()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from patching_support import (
+from support.patching import (
     MarkedLlamaAttention,
     MarkedQwen2MoeAttention,
     ReimplementedLlamaAttention,
@@ -17,6 +17,7 @@ from patching_support import (
     WrappedLlamaAttention,
     WrappedQwen2MoeAttention,
     _copy_llama_attention_state,
+    build,
     input_ids,
     llama_config,
     qwen2_moe_config,
@@ -31,10 +32,6 @@ LAYERS = 3
 HEADS = 4
 SEQ = input_ids().shape[1]
 
-
-def _build(model_cls, config, seed=0):
-    torch.manual_seed(seed)
-    return model_cls(config).eval()
 
 
 def _run(model, **kwargs):
@@ -76,11 +73,11 @@ def test_output_attentions_on_patched_and_unpatched_models(case):
     model_cls, config_fn, name, replacement, remap_state = CASES[case]
     config = config_fn(num_hidden_layers=LAYERS)
 
-    before = _build(model_cls, config)  # built (and never run) before the patch exists
+    before = build(model_cls, config)  # built (and never run) before the patch exists
     modelpatch.register_patch_mapping({name: replacement})
     with modelpatch.apply_patches():
-        patched = _build(model_cls, config, seed=1)
-    after = _build(model_cls, config, seed=2)
+        patched = build(model_cls, config, seed=1)
+    after = build(model_cls, config, seed=2)
 
     assert {type(layer.self_attn) for layer in patched.model.layers} == {replacement}
     state = before.state_dict()
@@ -101,11 +98,11 @@ def test_output_attentions_on_patched_and_unpatched_models(case):
 
 def test_model_run_before_the_patch_keeps_recording():
     config = llama_config(num_hidden_layers=LAYERS)
-    early = _build(LlamaModel, config)
+    early = build(LlamaModel, config)
     _assert_attentions(_run(early, output_attentions=True))  # hooks installed before any patch
     modelpatch.register_patch_mapping({"LlamaAttention": ReimplementedLlamaAttention})
     with modelpatch.apply_patches():
-        patched = _build(LlamaModel, config)
+        patched = build(LlamaModel, config)
     _assert_attentions(_run(patched, output_attentions=True))
     _assert_attentions(_run(early, output_attentions=True))
 
@@ -114,7 +111,7 @@ def test_recorder_extension_is_additive():
     config = llama_config(num_hidden_layers=1)
     modelpatch.register_patch_mapping({"LlamaAttention": ReimplementedLlamaAttention})
     with modelpatch.apply_patches():
-        _build(LlamaModel, config)
+        build(LlamaModel, config)
     spec = LlamaPreTrainedModel._can_record_outputs["attentions"]
     specs = spec if isinstance(spec, list) else [spec]
     from transformers.models.llama.modeling_llama import LlamaAttention
@@ -124,7 +121,7 @@ def test_recorder_extension_is_additive():
     assert specs.count(ReimplementedLlamaAttention) == 1
     # Building again does not add it twice.
     with modelpatch.apply_patches():
-        _build(LlamaModel, config)
+        build(LlamaModel, config)
     spec = LlamaPreTrainedModel._can_record_outputs["attentions"]
     assert (spec if isinstance(spec, list) else [spec]).count(ReimplementedLlamaAttention) == 1
 
@@ -134,9 +131,9 @@ def test_subclass_and_wrapper_replacements_leave_recorders_unchanged():
     spec_before = LlamaPreTrainedModel._can_record_outputs["attentions"]
     modelpatch.register_patch_mapping({"LlamaAttention": MarkedLlamaAttention})
     with modelpatch.apply_patches():
-        _build(LlamaModel, config)
+        build(LlamaModel, config)
     with modelpatch.Patcher({"LlamaAttention": WrappedLlamaAttention}):
-        _build(LlamaModel, config)
+        build(LlamaModel, config)
     spec_after = LlamaPreTrainedModel._can_record_outputs["attentions"]
     specs_after = spec_after if isinstance(spec_after, list) else [spec_after]
     assert MarkedLlamaAttention not in specs_after
@@ -146,11 +143,11 @@ def test_subclass_and_wrapper_replacements_leave_recorders_unchanged():
 
 def test_router_logits_recorded_from_a_non_subclass_router():
     config = qwen2_moe_config(num_hidden_layers=LAYERS)
-    before = _build(Qwen2MoeForCausalLM, config)
+    before = build(Qwen2MoeForCausalLM, config)
     modelpatch.register_patch_mapping({"Qwen2MoeTopKRouter": ReimplementedQwen2MoeRouter})
     with modelpatch.apply_patches():
-        patched = _build(Qwen2MoeForCausalLM, config, seed=1)
-    after = _build(Qwen2MoeForCausalLM, config, seed=2)
+        patched = build(Qwen2MoeForCausalLM, config, seed=1)
+    after = build(Qwen2MoeForCausalLM, config, seed=2)
     assert {type(layer.mlp.gate) for layer in patched.model.layers} == {ReimplementedQwen2MoeRouter}
     assert {type(layer.mlp.gate) for layer in after.model.layers} == {Qwen2MoeTopKRouter}
     patched.load_state_dict(before.state_dict())
@@ -171,7 +168,7 @@ def test_hidden_states_unaffected_by_attention_patches():
     config = llama_config(num_hidden_layers=LAYERS)
     modelpatch.register_patch_mapping({"LlamaAttention": ReimplementedLlamaAttention})
     with modelpatch.apply_patches():
-        patched = _build(LlamaModel, config)
+        patched = build(LlamaModel, config)
     outputs = _run(patched, output_hidden_states=True, output_attentions=True)
     assert len(outputs.hidden_states) == LAYERS + 1
     assert len(outputs.attentions) == LAYERS
@@ -195,12 +192,12 @@ def test_recorder_extension_is_permanent_in_place_and_inert_for_stock_models():
     entries_before = dict(specs)
     mistral_before = dict(MistralPreTrainedModel._can_record_outputs)
     config = llama_config(num_hidden_layers=LAYERS)
-    stock_before = _build(LlamaModel, config)
+    stock_before = build(LlamaModel, config)
     expected = _run(stock_before, output_attentions=True)
 
     with modelpatch.Patcher({"LlamaAttention": FreshAttention}):
-        patched = _build(LlamaModel, config)
-    after = _build(LlamaModel, config)
+        patched = build(LlamaModel, config)
+    after = build(LlamaModel, config)
 
     assert LlamaPreTrainedModel._can_record_outputs is specs  # the same dict, changed in place ...
     assert list(specs) == list(entries_before)  # ... with the same keys
@@ -230,5 +227,5 @@ def test_a_subclass_of_an_earlier_replacement_is_recorded_once():
     config = llama_config(num_hidden_layers=LAYERS)
     for replacement in (FirstAttention, SecondAttention):
         with modelpatch.Patcher({"LlamaAttention": replacement}):
-            model = _build(LlamaModel, config)
+            model = build(LlamaModel, config)
         _assert_attentions(_run(model, output_attentions=True))

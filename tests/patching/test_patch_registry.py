@@ -8,7 +8,7 @@ import threading
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from patching_support import MarkedLlamaAttention, MarkedLlamaMLP, OtherLlamaAttention
+from support.patching import MarkedLlamaAttention, MarkedLlamaMLP, OtherLlamaAttention
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaAttention
 

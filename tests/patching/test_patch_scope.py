@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from patching_support import (
+from support.patching import (
     ArgsRecordingAttention,
     CountingLlamaAttention,
     MarkedBertSelfAttention,
@@ -22,7 +22,7 @@ from patching_support import (
     bert_config,
     input_ids,
     llama_config,
-    module_types,
+    module_classes,
     qwen2_moe_config,
 )
 from transformers import BertModel, LlamaForCausalLM, LlamaModel, Qwen2MoeForCausalLM, Qwen2MoeModel
@@ -119,13 +119,13 @@ def test_patch_active_only_inside_the_scope(name):
     model_cls, config_fn, mapping, originals, replacements = MODELS[name]
     config = config_fn()
     modelpatch.register_patch_mapping(mapping)
-    outside_before = module_types(model_cls(config))
+    outside_before = module_classes(model_cls(config))
     with modelpatch.apply_patches():
-        inside = module_types(model_cls(config))
-    outside_after = module_types(model_cls(config))
+        inside = module_classes(model_cls(config))
+    outside_after = module_classes(model_cls(config))
     with Patcher(mapping):
         modelpatch.clear_patch_mapping()
-        inside_patcher = module_types(model_cls(config))
+        inside_patcher = module_classes(model_cls(config))
     for outside in (outside_before, outside_after):
         assert originals <= outside and not replacements & outside
     for types in (inside, inside_patcher):
@@ -147,7 +147,7 @@ def test_other_thread_builds_originals_while_a_scope_builds_concurrently(name):
             with modelpatch.apply_patches():
                 for _ in range(iterations):
                     barrier.wait(timeout=30)
-                    seen["patched"] |= module_types(model_cls(config))
+                    seen["patched"] |= module_classes(model_cls(config))
         except BaseException as exc:  # noqa: BLE001
             errors.append(repr(exc))
             barrier.abort()
@@ -156,7 +156,7 @@ def test_other_thread_builds_originals_while_a_scope_builds_concurrently(name):
         try:
             for _ in range(iterations):
                 barrier.wait(timeout=30)
-                seen["plain"] |= module_types(model_cls(config))
+                seen["plain"] |= module_classes(model_cls(config))
         except BaseException as exc:  # noqa: BLE001
             errors.append(repr(exc))
             barrier.abort()
@@ -390,7 +390,7 @@ def test_copies_made_inside_a_scope_keep_original_classes(model_cls, config_fn):
     )
     with modelpatch.apply_patches():
         replacements = {MarkedLlamaAttention, MarkedQwen2MoeAttention, MarkedBertSelfAttention}
-        assert module_types(model_cls(config_fn())) & replacements  # the scope is active for constructions ...
+        assert module_classes(model_cls(config_fn())) & replacements  # the scope is active for constructions ...
         deep = copy.deepcopy(model)  # ... but copies keep their classes
         unpickled = pickle.loads(pickle.dumps(model))
         shallow = copy.copy(model)

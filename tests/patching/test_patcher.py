@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from patching_support import MarkedLlamaAttention, MarkedLlamaMLP, PlainModule, llama_config
+from support.patching import MarkedLlamaAttention, MarkedLlamaMLP, PlainModule, llama_config
 from torch import nn
 from transformers import LlamaModel
 from transformers.models.llama.modeling_llama import LlamaAttention

@@ -4,25 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reliability_support import Stock, build_stock
+from support.checkpoints import CheckpointFactory
 from transformers import PreTrainedModel
 
 
-class StockFactory:
-    def __init__(self, root):
-        self.root = root
-        self._built: dict[str, Stock] = {}
-
-    def __call__(self, name: str) -> Stock:
-        if name not in self._built:
-            self._built[name] = build_stock(self.root, name)
-        return self._built[name]
-
-
 @pytest.fixture(scope="session")
-def stock(tmp_path_factory: pytest.TempPathFactory) -> StockFactory:
-    """``stock("llama")`` -> a :class:`Stock` checkpoint written by stock ``save_pretrained`` (built once)."""
-    return StockFactory(tmp_path_factory.mktemp("reliability_stock"))
+def stock(stock_checkpoint: CheckpointFactory) -> CheckpointFactory:
+    """``stock("llama")``: the root ``stock_checkpoint`` fixture under the name the reliability tests use."""
+    return stock_checkpoint
 
 
 @pytest.fixture(autouse=True)

@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from support.compare import assert_bitwise_equal, bitwise_equal
+from support.files import siblings
 from transformers import LlamaConfig, LlamaModel, PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
 
@@ -277,17 +279,13 @@ def _two_versions(stock, tmp_path):
 
 
 def _which(state, states) -> int:
-    from reliability_support import tensors_identical
-
-    found = [i for i, s in enumerate(states) if tensors_identical(state, s)]
+    found = [i for i, s in enumerate(states) if bitwise_equal(state, s)]
     assert len(found) == 1, "a loaded model is neither version: files of two saves were mixed"
     return found[0]
 
 
 def test_concurrent_saves_to_one_directory_all_succeed_one_after_another(stock, tmp_path):
     """Saves racing for one directory are serialised: none fails, the result is one complete version, no leftovers."""
-    from reliability_support import siblings
-
     checkpoint, models, states = _two_versions(stock, tmp_path)
     target = tmp_path / "shared"
 
@@ -337,7 +335,6 @@ def test_a_checkpoint_opened_before_a_save_reads_only_its_own_files(tmp_path):
     first = opened[0].tensor("w0").clone()  # one file mapped before the swap, the others after
     write_checkpoint(target, {f"w{i}": torch.full((3, 7), -1.0, dtype=torch.float64) for i in range(6)})
     for checkpoint in opened:
-        for key, expected in old.items():
-            assert torch.equal(checkpoint.tensor(key), expected), key
+        assert_bitwise_equal({key: checkpoint.tensor(key) for key in old}, old)
     assert torch.equal(first, old["w0"])
     assert Checkpoint.open(target).tensor("w5").dtype == torch.float64

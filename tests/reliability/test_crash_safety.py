@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from reliability_support import assert_tensors_identical, perturb, read_tensors, siblings, snapshot, tensors_identical
+from support.checkpoints import perturb
+from support.compare import assert_bitwise_equal, bitwise_equal
+from support.files import read_tensors, siblings, snapshot
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import modelpatch
@@ -112,7 +114,7 @@ def save_seconds(worker, previous, tmp_path_factory, versions) -> float:
     saved = [e for e in events if e["event"] == "saved"]
     assert saved and events[-1]["code"] == 0, events
     loaded = modelpatch.from_pretrained(AutoModelForCausalLM, directory)
-    assert_tensors_identical(loaded.state_dict(), versions["new"])
+    assert_bitwise_equal(loaded.state_dict(), versions["new"])
     assert siblings(directory) == []
     return saved[0]["seconds"]
 
@@ -127,7 +129,7 @@ def assert_one_complete_version(directory: Path, versions) -> str:
     """The directory loads, with modelpatch, to exactly one of the two versions; returns which."""
     model = modelpatch.from_pretrained(AutoModelForCausalLM, directory)
     state = model.state_dict()
-    found = [name for name, tensors in versions.items() if tensors_identical(state, tensors)]
+    found = [name for name, tensors in versions.items() if bitwise_equal(state, tensors)]
     assert len(found) == 1, "the checkpoint is neither the previous nor the new one: a mix, or corrupt"
     assert (directory / "tokenizer.json").read_text() == '{"user": "file"}'
     assert (directory / "config.json").is_file() and (directory / "generation_config.json").is_file()
@@ -141,7 +143,7 @@ def assert_next_save_recovers(directory: Path, expected: dict[str, torch.Tensor]
     assert siblings(directory) == [], "a killed save's temporary files were left behind"
     assert not list(directory.glob(".*")), "temporary files inside the checkpoint"
     reloaded = modelpatch.from_pretrained(AutoModelForCausalLM, directory)
-    assert_tensors_identical(reloaded.state_dict(), expected)
+    assert_bitwise_equal(reloaded.state_dict(), expected)
     assert (directory / "tokenizer.json").read_text() == '{"user": "file"}'
 
 
@@ -191,7 +193,7 @@ def test_sigkill_between_the_two_renames_without_atomic_exchange(worker, previou
     assert not directory.exists()
     (old,) = [directory.parent / s for s in siblings(directory) if ".modelpatch-old-" in s]
     model = modelpatch.from_pretrained(AutoModelForCausalLM, old)  # complete, just under the sibling's name
-    assert_tensors_identical(model.state_dict(), versions["previous"])
+    assert_bitwise_equal(model.state_dict(), versions["previous"])
     modelpatch.save_pretrained(model, directory, max_shard_size=SHARD)
     assert siblings(directory) == []
     assert assert_one_complete_version(directory, versions) == "previous"

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from reliability_support import llama_kwargs
+from support.models import tiny_config, wide
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 import modelpatch
 from modelpatch import ModelPatchError
@@ -106,9 +106,7 @@ def test_bad_mappings_conversions_fusions_and_tensors_raise_modelpatch_errors(tm
         lambda: modelpatch.WeightRenaming("(unclosed", "x"),
         lambda: modelpatch.register_fusion("not an identifier", modelpatch.ModuleFusionSpec()),
         lambda: modelpatch.from_config(
-            AutoModelForCausalLM,
-            AutoConfig.for_model("llama", **llama_kwargs()),
-            fusion_config={"no_such_fusion": True},
+            AutoModelForCausalLM, tiny_config("llama", **wide()), fusion_config={"no_such_fusion": True}
         ),
         lambda: Checkpoint.open(tmp_path),
         lambda: write_checkpoint(tmp_path / "w", {"a": (w := torch.ones(4)), "b": w}),

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from reliability_support import snapshot
+from support.files import snapshot
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 import modelpatch
@@ -504,11 +504,10 @@ def test_plan_errors_name_the_checkpoints_own_keys(tmp_path):
     """A Mixtral checkpoint (renamed block_sparse_moe -> mlp at load) missing one expert weight."""
     from reliability_support import llama_kwargs
     from safetensors.torch import load_file, save_file
-    from transformers import AutoConfig
+    from support.models import tiny_config, wide
 
     directory = tmp_path / "mixtral"
-    config = AutoConfig.for_model("mixtral", **llama_kwargs(intermediate_size=32, num_local_experts=4,
-                                                            num_experts_per_tok=2))
+    config = tiny_config("mixtral", **wide(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2))
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     tensors = load_file(str(directory / "model.safetensors"))
     del tensors["model.layers.0.block_sparse_moe.experts.0.w3.weight"]

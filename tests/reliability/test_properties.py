@@ -18,13 +18,13 @@ tests/conversion checks each operation's ``reverse(forward(x)) == x`` over rando
 from __future__ import annotations
 
 import re
-from collections import Counter
 from dataclasses import dataclass
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.compare import same_bits
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from modelpatch import Concatenate, MergeModulelist, WeightConverter, WeightRenaming
@@ -164,48 +164,20 @@ def random_tensor(meta: TensorMeta, generator: torch.Generator) -> torch.Tensor:
     return raw.view(meta.dtype).reshape(shape)
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    a, b = a.contiguous().reshape(-1), b.contiguous().reshape(-1)
-    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-
-
-def sources_of(plan) -> dict[str, tuple[str, ...]]:
-    """Output key -> the input keys it is built from."""
-    result = {out: (src,) for out, src in plan.direct.items()}
-    for group in plan.groups:
-        result.update(dict.fromkeys(group.target_keys(), tuple(group.source_keys())))
-    return result
-
-
-def consumed(plan) -> Counter:
-    counts = Counter(plan.direct.values())
-    for group in plan.groups:
-        counts.update(group.source_keys())
-    return counts
-
-
-def problem_lines(plan) -> list[str]:
-    return [line for lines in plan.problems.values() for line in lines]
-
-
 @given(architectures(), st.integers(0, 2**31 - 1))
 @PROPERTY
 def test_complete_key_sets_match_the_oracle_and_round_trip_bit_for_bit(arch, seed):
     checkpoint, transforms = arch.checkpoint(), arch.transforms()
     plan = plan_load(checkpoint, transforms)
-    assert not problem_lines(plan)
-    counts = consumed(plan)
+    assert not plan.problem_lines()
+    counts = plan.reads()
     assert set(counts) == set(checkpoint) and set(counts.values()) == {1}, "a key unused or used twice"
     assert plan.outputs == arch.runtime()
 
     # Forward on real tensors gives the oracle's values; the recorded groups run backwards give the checkpoint back.
     generator = torch.Generator().manual_seed(seed)
     tensors = {key: random_tensor(meta, generator) for key, meta in checkpoint.items()}
-    runtime = {out: tensors[src] for out, src in plan.direct.items()}
-    for group in plan.groups:
-        runtime.update(group.run(tensors.__getitem__))
+    runtime = plan.run(tensors.__getitem__)
     oracle = arch.forward_oracle(tensors)
     assert runtime.keys() == oracle.keys()
     assert all(same_bits(runtime[k], oracle[k]) for k in oracle), "forward differs from plain torch"
@@ -218,11 +190,11 @@ def test_complete_key_sets_match_the_oracle_and_round_trip_bit_for_bit(arch, see
     # Without a recorded load (a from_config model), plan_save maps the runtime keys back by the transforms alone.
     saved = plan_save(plan.outputs, transforms)
     if all(f.equal for f in arch.families):
-        assert not problem_lines(saved)
+        assert not saved.problem_lines()
         assert saved.outputs == checkpoint
     else:
         # Unequal parts cannot be split without the sizes recorded at load: reported, never guessed.
-        assert problem_lines(saved)
+        assert saved.problem_lines()
 
 
 JUNK = [
@@ -262,12 +234,12 @@ def test_damaged_key_sets_never_match_twice_or_drop_silently(arch, data):
         transforms.insert(data.draw(st.integers(0, len(transforms))), converter)
 
     plan = plan_load(checkpoint, transforms)
-    counts = consumed(plan)
+    counts = plan.reads()
     assert set(counts) <= set(checkpoint)
     assert all(n == 1 for n in counts.values()), f"matched twice: {[k for k, n in counts.items() if n > 1]}"
-    outputs = list(plan.direct) + [k for g in plan.groups for k in g.target_keys()]
+    outputs = plan.produced_keys()
     assert len(outputs) == len(set(outputs)) == len(plan.outputs), "two inputs produce one output"
-    lines = problem_lines(plan)
+    lines = plan.problem_lines()
     for key in set(checkpoint) - set(counts):
         group = group_of(key, arch)
         siblings = {k for k in checkpoint if group is not None and group_of(k, arch) == group} | {key}
@@ -278,7 +250,7 @@ def test_damaged_key_sets_never_match_twice_or_drop_silently(arch, data):
 
     # An output that looks undamaged (same key, same meta) is built from exactly the undamaged sources.
     full = plan_load(complete, arch.transforms())
-    full_sources, damaged_sources = sources_of(full), sources_of(plan)
+    full_sources, damaged_sources = full.sources_of(), plan.sources_of()
     for key, meta in plan.outputs.items():
         if full.outputs.get(key) == meta:
             assert damaged_sources[key] == full_sources[key], key
@@ -321,10 +293,10 @@ def test_fusion_converters_map_random_llama_shapes_exactly_and_back(case):
     assert fused != stock
     transforms = fusions.adjust_conversions([])
     plan = plan_load(stock, transforms)
-    assert not problem_lines(plan)
-    counts = consumed(plan)
+    assert not plan.problem_lines()
+    counts = plan.reads()
     assert set(counts) == set(stock) and set(counts.values()) == {1}
     assert plan.outputs == fused
     saved = plan_save(fused, transforms)
-    assert not problem_lines(saved)
+    assert not saved.problem_lines()
     assert saved.outputs == stock

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from reliability_support import read_tensors, siblings, snapshot
+from support.files import read_tensors, siblings, snapshot
 from transformers import AutoModelForCausalLM
 
 import modelpatch

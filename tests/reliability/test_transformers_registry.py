@@ -13,10 +13,10 @@ import copy
 
 import pytest
 import torch
-from reliability_support import perturb
+from support.checkpoints import perturb
+from support.models import tiny_config
 from transformers import (
     AutoModelForCausalLM,
-    Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
     conversion_mapping,
     fusion_mapping,
@@ -90,13 +90,7 @@ def test_a_patch_registered_with_transformers_is_not_applied_by_modelpatch_loads
 
 
 def test_a_stock_fused_load_does_not_break_later_modelpatch_loads(tmp_path, transformers_registries):
-    config = Qwen2VLConfig(
-        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-                         rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}),
-        vision_config=dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, in_channels=3, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2),
-    )
+    config = tiny_config("qwen2_vl", text={"num_hidden_layers": 1})
     torch.manual_seed(0)
     source = Qwen2VLForConditionalGeneration(config)
     perturb(source, seed=3)

@@ -128,6 +128,42 @@ class ConversionPlan:
         if any(self.problems.values()):
             raise ConversionError(_format_problems(self.problems))
 
+    def problem_lines(self) -> list[str]:
+        """Every problem reported, across kinds, in the order found."""
+        return [line for lines in self.problems.values() for line in lines]
+
+    def produced_keys(self) -> list[str]:
+        """Every output key as planned: the direct ones, then each group's targets (a key planned twice shows twice)."""
+        return [*self.direct, *(key for group in self.groups for key in group.target_keys())]
+
+    def sources_of(self) -> dict[str, tuple[str, ...]]:
+        """Output key -> the input keys it is built from: the one read unchanged, or its group's sources."""
+        result: dict[str, tuple[str, ...]] = {output: (source,) for output, source in self.direct.items()}
+        for group in self.groups:
+            result.update(dict.fromkeys(group.target_keys(), tuple(group.source_keys())))
+        return result
+
+    def reads(self) -> dict[str, int]:
+        """Input key -> how many times the plan reads it (more than once: two outputs claim it); unread keys absent."""
+        counts: dict[str, int] = defaultdict(int)
+        for key in [*self.direct.values(), *(key for group in self.groups for key in group.source_keys())]:
+            counts[key] += 1
+        return dict(counts)
+
+    def group_producing(self, output: str) -> ConversionGroup:
+        """The converted group whose targets include ``output``."""
+        for group in self.groups:
+            if output in group.target_keys():
+                return group
+        raise KeyError(f"no converted group of this plan produces {output!r}")
+
+    def run(self, fetch: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every output of the plan, from the input tensors ``fetch`` returns by key (direct keys as fetched)."""
+        outputs = {output: fetch(source) for output, source in self.direct.items()}
+        for group in self.groups:
+            outputs.update(group.run(fetch))
+        return outputs
+
 
 def _format_problems(problems: Mapping[str, list[str]]) -> str:
     lines = []

@@ -1,77 +1,53 @@
 """Tiny real models and replacement classes shared by the class-patching tests.
 
-Everything here is importable by name (``patching_support``), so models built with these replacements can be pickled.
+Everything here is importable by name (``support.patching``), so models built with these replacements can be pickled.
 No mocks: every replacement is a real ``nn.Module`` that runs inside a real transformers model.
 """
 
 from __future__ import annotations
 
 import threading
+from functools import partial
 
 import torch
 from torch import nn
-from transformers import BertConfig, LlamaConfig, Qwen2MoeConfig
+from transformers import PretrainedConfig
 from transformers.models.bert.modeling_bert import BertSelfAttention
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeAttention, Qwen2MoeExperts, Qwen2MoeTopKRouter
 
+from support.models import VOCAB, tiny_config
+
 SEQ_LEN = 5
 
 
-def llama_config(num_hidden_layers: int = 2, **overrides) -> LlamaConfig:
-    kwargs = dict(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attn_implementation="eager",
-    )
-    kwargs.update(overrides)
-    return LlamaConfig(**kwargs)
+def eager_config(model_type: str, num_hidden_layers: int = 2, **overrides) -> PretrainedConfig:
+    """A tiny config of ``model_type`` with eager attention (its weights are what the recorders capture)."""
+    return tiny_config(model_type, **{"num_hidden_layers": num_hidden_layers, "max_position_embeddings": 64,
+                                      "attn_implementation": "eager", **overrides})
 
 
-def qwen2_moe_config(num_hidden_layers: int = 2, **overrides) -> Qwen2MoeConfig:
-    kwargs = dict(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=32,
-        num_experts=4,
-        num_experts_per_tok=2,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attn_implementation="eager",
-    )
-    kwargs.update(overrides)
-    return Qwen2MoeConfig(**kwargs)
+llama_config = partial(eager_config, "llama")
+bert_config = partial(eager_config, "bert")
 
 
-def bert_config(num_hidden_layers: int = 2, **overrides) -> BertConfig:
-    kwargs = dict(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=4,
-        max_position_embeddings=64,
-        attn_implementation="eager",
-    )
-    kwargs.update(overrides)
-    return BertConfig(**kwargs)
+def qwen2_moe_config(num_hidden_layers: int = 2, **overrides) -> PretrainedConfig:
+    return eager_config("qwen2_moe", num_hidden_layers, **{"shared_expert_intermediate_size": 32, **overrides})
 
 
-def input_ids(vocab_size: int = 64, seq_len: int = SEQ_LEN) -> torch.Tensor:
+def build(model_class: type[nn.Module], config: PretrainedConfig, seed: int = 0) -> nn.Module:
+    """``model_class(config)`` in eval mode, its random initialisation seeded by ``seed``."""
+    torch.manual_seed(seed)
+    return model_class(config).eval()
+
+
+def input_ids(vocab_size: int = VOCAB, seq_len: int = SEQ_LEN) -> torch.Tensor:
     generator = torch.Generator().manual_seed(1234)
     return torch.randint(0, vocab_size, (1, seq_len), generator=generator)
 
 
-def module_types(model: nn.Module) -> set[type]:
+def module_classes(model: nn.Module) -> set[type]:
+    """The classes a model is built of."""
     return {type(m) for m in model.modules()}
 
 
@@ -147,26 +123,29 @@ class ArgsRecordingAttention(nn.Module):
         return self.inner(*args, **kwargs)
 
 
-class WrappedLlamaAttention(nn.Module):
-    """Not a LlamaAttention: it wraps an inner (original) LlamaAttention and returns its outputs unchanged."""
+class _WrappedAttention(nn.Module):
+    """Not an attention class of transformers: it wraps an original ``wrapped`` and returns its outputs unchanged."""
+
+    wrapped: type[nn.Module]
 
     def __init__(self, config, layer_idx):
         super().__init__()
-        self.inner = LlamaAttention(config, layer_idx)
+        self.inner = self.wrapped(config, layer_idx)
 
     def forward(self, *args, **kwargs):
         return self.inner(*args, **kwargs)
 
 
-class WrappedQwen2MoeAttention(nn.Module):
-    """Not a Qwen2MoeAttention: it wraps an original one and returns its outputs unchanged."""
+class WrappedLlamaAttention(_WrappedAttention):
+    """Not a LlamaAttention: it wraps an inner (original) LlamaAttention."""
 
-    def __init__(self, config, layer_idx):
-        super().__init__()
-        self.inner = Qwen2MoeAttention(config, layer_idx)
+    wrapped = LlamaAttention
 
-    def forward(self, *args, **kwargs):
-        return self.inner(*args, **kwargs)
+
+class WrappedQwen2MoeAttention(_WrappedAttention):
+    """Not a Qwen2MoeAttention: it wraps an original one."""
+
+    wrapped = Qwen2MoeAttention
 
 
 def _copy_llama_attention_state(target: nn.Module, config, layer_idx: int) -> None:

@@ -1,0 +1,10 @@
+"""What the tests share, in one place (``tests/`` is on ``sys.path`` through pytest's ``pythonpath`` option).
+
+* :mod:`support.models`: the tiny-model table, model type -> tiny config builder;
+* :mod:`support.checkpoints`: the checkpoint factory: tiny checkpoints written by stock ``save_pretrained``, once per
+  session, with the inputs and the stock reference outputs to compare against;
+* :mod:`support.compare`: bitwise comparisons (state dicts, tensors, checkpoint files) and output comparisons;
+* :mod:`support.files`: reading, rewriting and snapshotting checkpoint directories;
+* :mod:`support.fusions`: what every fusion family must show (fused outputs, exact saves, runtime round trip);
+* :mod:`support.patching`: tiny patching configs and the replacement classes of the class-patching tests.
+"""
