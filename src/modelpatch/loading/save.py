@@ -35,6 +35,7 @@ from ..conversion.planner import TensorMeta, plan_save
 from ..conversion.registry import model_conversions
 from ..errors import ConversionError, SaveError
 from ..state import EXPECTED_STATE_ATTRIBUTE, RUNTIME_LAYOUT_KEY, TRANSFORMS_ATTRIBUTE
+from .parallel import barrier, gather_state, writes_files
 from .quantization import quantized_checkpoint
 from .report import LoadReport, get_load_report
 
@@ -221,7 +222,8 @@ def _checkpoint_contents(
     is then not used, as in stock), or refused by name (quantization.py).
     """
     _reject_wrapped(model)
-    state = dict(state_dict) if state_dict is not None else model.state_dict()
+    # A tensor-parallel model's shards are gathered into full tensors first, on every rank (collectives).
+    state = gather_state(model, state_dict if state_dict is not None else model.state_dict())
     report = get_load_report(model)
     quantized = quantized_checkpoint(model, report, original_format=original_format)
     _check_saveable(model, state, quantized=quantized is not None)
@@ -262,6 +264,23 @@ def save_pretrained(
             subclass, PEFT layers) and its state cannot be written so that it loads back the same; nothing is written.
     """
     tensors, metadata = _checkpoint_contents(model, None, original_format=save_original_format)
+    if not writes_files(model):  # another rank of a tensor-parallel model: rank 0 writes
+        barrier(model)
+        return []
+    try:
+        return _write(model, path, tensors, metadata, save_original_format, max_shard_size)
+    finally:
+        barrier(model)
+
+
+def _write(
+    model: PreTrainedModel,
+    path: str | Path,
+    tensors: dict[str, torch.Tensor],
+    metadata: dict[str, str] | None,
+    save_original_format: bool,
+    max_shard_size: int | str,
+) -> list[Path]:
     config = copy.deepcopy(model.config)
     config.architectures = [type(model).__name__]
     if save_original_format:
