@@ -225,10 +225,12 @@ def _localize_fused(model: nn.Module, tp_plan: Mapping[str, str], tp_size: int) 
     Returns ``{parameter name: global part sizes}`` for those layers' parameters (what loads and saves slice by).
     """
     parts: dict[str, tuple[int, ...]] = {}
+    modules = dict(model.named_modules())
     for name, style in tp_plan.items():
-        if style != COLWISE_PARTS:
+        # The resolved plan names each parameter (sharded) and its module (hooked): the modules are what counts here.
+        if style != COLWISE_PARTS or name not in modules:
             continue
-        fused = model.get_submodule(name)
+        fused = modules[name]
         owner_name, _, fused_name = name.rpartition(".")
         local = tuple(size // tp_size for size in fused.part_sizes)
         for _, part in _slices_of(model.get_submodule(owner_name), fused_name):
