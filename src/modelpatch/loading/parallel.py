@@ -12,7 +12,8 @@ What modelpatch adds is what its restructured modules need:
   local part sizes. Per-expert ``nn.Linear`` experts (``linear_experts``) are sharded as the model's plan shards its
   fused experts: gate and up colwise, down rowwise, every rank's partial sum all-reduced by the experts module;
 * each rank reads only its slices: a checkpoint tensor is a view of the memory-mapped file, sliced before anything
-  is copied, and the parts of a fused projection are sliced before they are concatenated;
+  is copied, and the parts of a fused projection (the experts of a stacked MoE parameter) are sliced before they
+  are concatenated (stacked);
 * a save gathers the full tensors on every rank (collectives), and rank 0 alone writes them.
 """
 
@@ -32,8 +33,10 @@ from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES, replace
 from transformers.distributed.sharding_utils import DtensorShardOperation
 from transformers.distributed.tensor_parallel import PackedColwiseParallel, apply_tensor_parallelism
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
-from ..conversion.operations import Concatenate
+from ..conversion.operations import Concatenate, MergeModulelist
+from ..conversion.planner import ConversionGroup
 from ..errors import ModelPatchError
 from ..fusions.linear_experts.modules import LinearExperts
 from ..fusions.projections import FusedLinear, ProjectionSlice
@@ -241,6 +244,32 @@ def _localize_fused(model: nn.Module, tp_plan: Mapping[str, str], tp_size: int) 
     return parts
 
 
+def _stacks_experts(group: ConversionGroup, placeholders: Mapping[str, DTensor]) -> bool:
+    """Whether ``group`` stacks per-expert tensors into one sharded parameter in a way that commutes with slicing
+    each expert's tensor first (what transformers does when it reads experts): experts stacked on dim 0, which is
+    not sharded, then concatenated along dims sharded only as the concatenation's parts (strided by their count)."""
+    targets = group.target_keys()
+    if len(targets) != 1 or targets[0] not in placeholders or not all(isinstance(s, tuple) for s in group.sources):
+        return False
+    first, *rest = group.operations
+    if not (isinstance(first, MergeModulelist) and first.dim == 0):
+        return False
+    if not all(isinstance(op, Concatenate) and op.dim > 0 and not op.indexed for op in rest):
+        return False
+    concatenated = {op.dim for op in rest}
+    placeholder = placeholders[targets[0]]
+    for placement in placeholder.placements:
+        if not hasattr(placement, "dim"):
+            continue
+        dim = placement.dim % placeholder.ndim
+        strided = isinstance(placement, _StridedShard)
+        if dim == 0 or (dim in concatenated) != strided:
+            return False
+        if strided and placement.split_factor != len(group.sources):
+            return False
+    return True
+
+
 def _part_rows(sizes: tuple[int, ...], rank: int, tp_size: int) -> list[slice]:
     """This rank's rows of each part of a dim-0 concatenation of parts ``sizes``."""
     rows, start = [], 0
@@ -264,11 +293,17 @@ class ShardedLoad:
         self._direct = {checkpoint: runtime for runtime, checkpoint in plan.conversion.direct.items()}
         # Sources of a fused projection's concatenation: each is sliced to this rank's rows before the concatenation.
         self._part_sources: set[str] = set()
+        # Per-expert sources stacked into a sharded 3-D parameter: source key -> (parameter, expert index).
+        self._expert_sources: dict[str, tuple[str, int]] = {}
         for group in plan.conversion.groups:
             if all(key in self.parts for key in group.target_keys()) and all(
                 isinstance(op, Concatenate) and op.dim == 0 and not op.indexed for op in group.operations
             ):
                 self._part_sources.update(group.source_keys())
+            elif _stacks_experts(group, self.placeholders):
+                target = group.target_keys()[0]
+                for slot in group.sources:
+                    self._expert_sources.update((key, (target, index)) for index, key in enumerate(slot))
 
     def fetch(self, fetch: Callable[[str], torch.Tensor]) -> Callable[[str], torch.Tensor]:
         """``fetch`` returning this rank's slice of every tensor it can slice before reading (views: no data read)."""
@@ -277,6 +312,9 @@ class ShardedLoad:
             tensor = fetch(key)
             if key in self._part_sources:
                 return tensor[self._rows(tensor.shape[0])]
+            if key in self._expert_sources:
+                target, index = self._expert_sources[key]
+                return DtensorShardOperation(self.placeholders[target]).shard_tensor(tensor, tensor_idx=index)
             runtime = self._direct.get(key)
             return tensor if runtime is None else self._local(runtime, tensor)
 
