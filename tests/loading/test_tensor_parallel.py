@@ -20,19 +20,22 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, DistributedConfig
+from transformers import AutoModelForCausalLM, DistributedConfig, LlamaConfig, LlamaForCausalLM
 
 import modelpatch
 from modelpatch.loading.parallel import TensorParallelError
+
+from fusion_models import TEXT, TinyCheckpoint, perturb  # tests/fusions (conftest puts it on the path)
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
 WORKER = Path(__file__).with_name("tensor_parallel_worker.py")
 RANKS = 2
-# id: (tiny checkpoint, fusion_config, compare with stock transformers' TP layout)
+# id: (checkpoint, fusion_config, compare with stock transformers' TP layout)
 CASES = {
     "llama": ("llama", None, True),
     "llama_fused": ("llama", {"qkv": True, "gate_up": True}, False),
+    "llama_tied": ("llama_tied", None, True),  # embeddings and head share one sharded weight
     "qwen2_moe_linear_experts": ("qwen2_moe", {"linear_experts": True}, False),
     "qwen2_moe": ("qwen2_moe", None, True),
 }
@@ -45,12 +48,24 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def tp_run(tiny, tmp_path_factory):
+def checkpoints(tiny, tmp_path_factory) -> dict[str, TinyCheckpoint]:
+    """The checkpoints of the cases: the shared tiny ones, and a Llama with tied embeddings saved by stock."""
+    torch.manual_seed(0)
+    tied = LlamaForCausalLM(LlamaConfig(**dict(TEXT, tie_word_embeddings=True)))
+    perturb(tied, 0)
+    path = tmp_path_factory.mktemp("llama_tied")
+    tied.save_pretrained(path)
+    return {"llama": tiny("llama"), "qwen2_moe": tiny("qwen2_moe"),
+            "llama_tied": TinyCheckpoint("llama_tied", path, LlamaForCausalLM)}
+
+
+@pytest.fixture(scope="module")
+def tp_run(checkpoints, tmp_path_factory):
     """Runs every case on two ranks once; returns the output directory."""
     out = tmp_path_factory.mktemp("tp")
     cases = []
     for case_id, (name, fusion_config, compare_stock) in CASES.items():
-        checkpoint = tiny(name)
+        checkpoint = checkpoints[name]
         cases.append(dict(id=case_id, name=name, path=str(checkpoint.path), fusion_config=fusion_config,
                           compare_stock=compare_stock, **{"class": checkpoint.model_class.__name__}))
     job = out / "job.json"
@@ -69,16 +84,16 @@ def _records(out: Path, case_id: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("case_id", sorted(CASES))
-def test_logits_equal_single_process_stock(tp_run, tiny, case_id):
-    expected = tiny(CASES[case_id][0]).stock_outputs()["logits"]
+def test_logits_equal_single_process_stock(tp_run, checkpoints, case_id):
+    expected = checkpoints[CASES[case_id][0]].stock_outputs()["logits"]
     for record in _records(tp_run, case_id):
         torch.testing.assert_close(record["logits"], expected, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("case_id", sorted(CASES))
-def test_saves_equal_single_process_saves(tp_run, tiny, tmp_path, case_id):
+def test_saves_equal_single_process_saves(tp_run, checkpoints, tmp_path, case_id):
     name, fusion_config, _ = CASES[case_id]
-    single = tiny(name).load(fusion_config)
+    single = checkpoints[name].load(fusion_config)
     single.save_pretrained(tmp_path / "stock_save")
     modelpatch.save_pretrained(single, tmp_path / "modelpatch_save")
     for kind in ("stock_save", "modelpatch_save"):
@@ -86,14 +101,15 @@ def test_saves_equal_single_process_saves(tp_run, tiny, tmp_path, case_id):
         for file in ("model.safetensors", "config.json"):
             assert filecmp.cmp(written / file, tmp_path / kind / file, shallow=False), f"{kind}/{file} differs"
     # The original layout: the tensors of the checkpoint the model was loaded from, bitwise.
-    assert filecmp.cmp(tp_run / f"{case_id}_stock_save" / "model.safetensors", tiny(name).path / "model.safetensors",
-                       shallow=False)
+    assert filecmp.cmp(tp_run / f"{case_id}_stock_save" / "model.safetensors",
+                       checkpoints[name].path / "model.safetensors", shallow=False)
 
 
 @pytest.mark.parametrize("case_id", sorted(CASES))
-def test_each_rank_reads_only_its_shards(tp_run, tiny, case_id):
-    checkpoint_bytes = (tiny(CASES[case_id][0]).path / "model.safetensors").stat().st_size
+def test_each_rank_reads_only_its_shards(tp_run, checkpoints, case_id):
+    checkpoint_bytes = (checkpoints[CASES[case_id][0]].path / "model.safetensors").stat().st_size
     for record in _records(tp_run, case_id):
+        # The bytes of every parameter's local shard (a tied head is the embedding's: listed and read once).
         local = sum(math.prod(shape) * 4 for _, _, shape in record["layout"]["params"].values())
         assert record["read"] == local < 0.75 * checkpoint_bytes
 

@@ -383,9 +383,15 @@ def gather_state(model: nn.Module, state: Mapping[str, Any]) -> dict[str, Any]:
     group = model._device_mesh["tp"].get_group()
     size = dist.get_world_size(group)
     gathered: dict[str, Any] = {}
+    # Tied parameters (one shard under two keys) are gathered once, so that the save still sees them tied.
+    full: dict[tuple, torch.Tensor] = {}
     for key, tensor in state.items():
         if isinstance(tensor, DTensor):
-            tensor = tensor.full_tensor()
+            local = tensor.to_local()
+            identity = (local.data_ptr(), local.dtype, tuple(local.shape), tuple(local.stride()))
+            if identity not in full:
+                full[identity] = tensor.full_tensor()
+            tensor = full[identity]
         elif key in parts:
             local = tensor.detach().contiguous()
             shards = [torch.empty_like(local) for _ in range(size)]
@@ -395,6 +401,11 @@ def gather_state(model: nn.Module, state: Mapping[str, Any]) -> dict[str, Any]:
             tensor = torch.cat([piece[index] for index in range(len(parts[key])) for piece in pieces])
         gathered[key] = tensor
     return gathered
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a ``DTensor`` (what holds its storage); any other tensor as is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def writes_files(model: nn.Module) -> bool:

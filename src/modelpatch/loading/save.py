@@ -35,7 +35,7 @@ from ..conversion.planner import TensorMeta, plan_save
 from ..conversion.registry import model_conversions
 from ..errors import ConversionError, SaveError
 from ..state import EXPECTED_STATE_ATTRIBUTE, RUNTIME_LAYOUT_KEY, TRANSFORMS_ATTRIBUTE
-from .parallel import barrier, gather_state, writes_files
+from .parallel import barrier, gather_state, local_tensor, writes_files
 from .quantization import quantized_checkpoint
 from .report import LoadReport, get_load_report
 
@@ -101,6 +101,7 @@ def _check_saveable(model: PreTrainedModel, state: Mapping[str, Any], quantized:
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = local_tensor(a), local_tensor(b)  # a tensor-parallel shard's storage is its local tensor's
     return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
