@@ -18,10 +18,10 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "fusions"))
 
-from fusion_models import TinyCheckpoint  # noqa: E402
+from fusion_models import TinyCheckpoint
 
-import modelpatch  # noqa: E402
-from modelpatch.loading import parallel  # noqa: E402
+import modelpatch
+from modelpatch.loading import parallel
 
 transformers.logging.set_verbosity_error()
 

@@ -20,12 +20,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, DistributedConfig, LlamaConfig, LlamaForCausalLM
+from fusion_models import TEXT, TinyCheckpoint, perturb
+from transformers import (
+    AutoModelForCausalLM,
+    DistributedConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
 import modelpatch
 from modelpatch.loading.parallel import TensorParallelError
-
-from fusion_models import TEXT, TinyCheckpoint, perturb  # tests/fusions (conftest puts it on the path)
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
@@ -74,7 +78,7 @@ def tp_run(checkpoints, tmp_path_factory):
         [str(Path(modelpatch.__file__).parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])]))
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={RANKS}", "--master-addr=127.0.0.1",
                f"--master-port={_free_port()}", str(WORKER), str(job)]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return out
 

@@ -27,13 +27,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers import PreTrainedModel
-from transformers.distributed import DistributedConfig
-from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES, replace_layer_number_by_wildcard
-from transformers.distributed.sharding_utils import DtensorShardOperation
-from transformers.distributed.tensor_parallel import PackedColwiseParallel, apply_tensor_parallelism
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
+from transformers import PreTrainedModel
+from transformers.distributed import DistributedConfig
+from transformers.distributed.parallel_utils import (
+    ALL_PARALLEL_STYLES,
+    replace_layer_number_by_wildcard,
+)
+from transformers.distributed.sharding_utils import DtensorShardOperation
+from transformers.distributed.tensor_parallel import (
+    PackedColwiseParallel,
+    apply_tensor_parallelism,
+)
 
 from ..conversion.operations import Concatenate, MergeModulelist
 from ..conversion.planner import ConversionGroup
