@@ -52,6 +52,8 @@ TRANSFORMS_ATTRIBUTE = "_modelpatch_transforms"  # the transforms a save runs ba
 BASE_TRANSFORMS_ATTRIBUTE = "_modelpatch_base_transforms"  # the same without fusions: what unfuse goes back to
 EXPECTED_STATE_ATTRIBUTE = "_modelpatch_expected_state"  # runtime key -> (shape, dtype) as built: what a save checks
 QUANTIZATION_ATTRIBUTE = "_modelpatch_quantization"  # how a quantized load left the model: what a save must respect
+# A tensor-parallel load: {parameter: global part sizes} of the fused projections sharded part by part (a save gathers)
+TENSOR_PARALLEL_PARTS_ATTRIBUTE = "_modelpatch_tensor_parallel_parts"
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,6 @@ class Refusal:
     accepted: tuple[object, ...] = (None,)
 
 
-_TENSOR_PARALLEL = Refusal("tensor-parallel and FSDP loading are not supported by modelpatch")
 _KERNELS = "hub kernels are not supported by modelpatch (they replace modules that modelpatch may have restructured)"
 _ADAPTERS = (
     "adapters are not loaded by modelpatch.from_pretrained: load the base model, then the adapter with "
@@ -67,10 +66,10 @@ REFUSED: Mapping[str, Refusal] = {
     "mirror": Refusal("download mirrors are gone from transformers and huggingface_hub: set HF_ENDPOINT"),
     "from_tf": Refusal("TensorFlow checkpoints are not read (transformers 5 dropped them)", (None, False)),
     "from_flax": Refusal("Flax checkpoints are not read (transformers 5 dropped them)", (None, False)),
-    "distributed_config": _TENSOR_PARALLEL,
-    "device_mesh": _TENSOR_PARALLEL,
-    "tp_plan": _TENSOR_PARALLEL,
-    "tp_size": _TENSOR_PARALLEL,
+    "device_mesh": Refusal(
+        "modelpatch makes the tensor-parallel mesh as transformers does: pass tp_plan='auto' (and tp_size) or "
+        "distributed_config under torchrun"
+    ),
     "use_kernels": Refusal(_KERNELS, (None, False)),
     "kernel_config": Refusal(_KERNELS),
     "allow_all_kernels": Refusal(_KERNELS, (None, False)),

@@ -62,6 +62,8 @@ from .dispatch import dispatch, single_device
 from .hub import HubOptions, resolve_checkpoint
 from .keywords import config_overrides
 from .materialize import load_into_model
+from .parallel import distributed_config_of
+from .parallel import prepare as prepare_tensor_parallel
 from .plan import LoadPlan, UnexpectedKeys, model_expectations, plan_model_load
 from .quantization import Quantization, load_quantization
 from .report import LoadReport
@@ -346,6 +348,9 @@ def from_pretrained(
     torch_dtype: torch.dtype | str | None = None,
     output_loading_info: bool = False,
     quantization_config: Any = None,
+    tp_plan: str | dict[str, str] | None = None,
+    tp_size: int | None = None,
+    distributed_config: Any = None,
     **kwargs: Any,
 ) -> PreTrainedModel | tuple[PreTrainedModel, dict[str, Any]]:
     """Load a checkpoint into ``model_class`` with patches, fusions and weight conversions applied.
@@ -401,6 +406,12 @@ def from_pretrained(
         quantization_config: Quantize at load like stock (a transformers ``TorchAoConfig``), or loading options of a
             quantized checkpoint. Quantized checkpoints (``quantization_config`` in config.json) need nothing: fp8,
             torchao and compressed-tensors load as stock loads them; other methods are refused by name.
+        tp_plan: ``"auto"`` (the model's own TP plan; a dict overrides some of its rules) loads tensor-parallel over
+            the ``torchrun`` processes, as transformers does: each rank reads only its shards
+            (docs/loading_and_saving.md, "Tensor parallelism").
+        tp_size: The number of ranks to shard over (default: the world size).
+        distributed_config: A transformers ``DistributedConfig`` (or dict) instead of ``tp_plan`` / ``tp_size``;
+            tensor parallelism only.
 
     Raises:
         CheckpointError: ``path`` is neither a checkpoint directory nor a hub repository that can be resolved, or a
@@ -416,12 +427,18 @@ def from_pretrained(
         )
     if device is not None and device_map is not None:
         raise ValueError("Pass either device or device_map, not both.")
+    distributed = distributed_config_of(tp_plan, tp_size, distributed_config)
+    if distributed is not None and (device is not None or device_map is not None):
+        raise ValueError("Tensor parallelism places each rank's shards on its own device: pass no device or device_map.")
     if device_map is not None and (one_device := single_device(device_map)) is not None:
         device, device_map = one_device, None
     try:
         target_device = torch.device(device) if device is not None else torch.device("cpu")
     except RuntimeError as exc:  # torch's error for an unknown device string
         raise ValueError(f"device {device!r} is not a torch device: {exc}") from None
+    tensor_parallel = prepare_tensor_parallel(distributed)
+    if tensor_parallel is not None:
+        target_device = tensor_parallel.device
     hub = HubOptions(
         revision=revision,
         subfolder=subfolder,
@@ -461,7 +478,14 @@ def from_pretrained(
         fetch, file_mapped = checkpoint.tensor, lambda key: checkpoint.info(key).start >= 0
         if planned.quantization is not None:
             fetch, file_mapped = planned.quantization.fetch(fetch, file_mapped)
+        if tensor_parallel is not None and planned.quantization is not None:
+            raise ValueError("Tensor-parallel loading of quantized models is not supported by modelpatch.")
+        sharded = tensor_parallel.shard(model, plan) if tensor_parallel is not None else None
+        if sharded is not None:
+            fetch = sharded.fetch(fetch)
         load_into_model(model, plan, fetch, target_device, checkpoint.total_bytes, file_mapped=file_mapped)
+        if sharded is not None:
+            sharded.finish(model)
         # A file rewritten in place while its tensors were being read may have given data of two versions.
         checkpoint.check_unchanged()
 

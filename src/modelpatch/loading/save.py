@@ -37,6 +37,7 @@ from ..conversion.planner import TensorMeta, plan_save
 from ..conversion.registry import model_conversions
 from ..errors import ConversionError, SaveError
 from ..state import EXPECTED_STATE_ATTRIBUTE, TRANSFORMS_ATTRIBUTE, record_file_layout
+from .parallel import barrier, gather_state, local_tensor, writes_files
 from .quantization import quantized_checkpoint
 from .report import LoadReport, get_load_report
 
@@ -102,6 +103,7 @@ def _check_saveable(model: PreTrainedModel, state: Mapping[str, Any], quantized:
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = local_tensor(a), local_tensor(b)  # a tensor-parallel shard's storage is its local tensor's
     return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
@@ -226,7 +228,8 @@ def _checkpoint_contents(
     is then not used, as in stock), or refused by name (quantization.py).
     """
     _reject_wrapped(model)
-    state = dict(state_dict) if state_dict is not None else model.state_dict()
+    # A tensor-parallel model's shards are gathered into full tensors first, on every rank (collectives).
+    state = gather_state(model, state_dict if state_dict is not None else model.state_dict())
     report = get_load_report(model)
     quantized = quantized_checkpoint(model, report, original_format=original_format)
     _check_saveable(model, state, quantized=quantized is not None)
@@ -267,6 +270,23 @@ def save_pretrained(
             subclass, PEFT layers) and its state cannot be written so that it loads back the same; nothing is written.
     """
     tensors, metadata = _checkpoint_contents(model, None, original_format=save_original_format)
+    if not writes_files(model):  # another rank of a tensor-parallel model: rank 0 writes
+        barrier(model)
+        return []
+    try:
+        return _write(model, path, tensors, metadata, save_original_format, max_shard_size)
+    finally:
+        barrier(model)
+
+
+def _write(
+    model: PreTrainedModel,
+    path: str | Path,
+    tensors: dict[str, torch.Tensor],
+    metadata: dict[str, str] | None,
+    save_original_format: bool,
+    max_shard_size: int | str,
+) -> list[Path]:
     config = copy.deepcopy(model.config)
     config.architectures = [type(model).__name__]
     record_file_layout(config, runtime_layout=not save_original_format)

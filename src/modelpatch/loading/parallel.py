@@ -1,0 +1,425 @@
+"""Tensor-parallel loading on ``torch.distributed``: ``from_pretrained(..., tp_plan="auto")`` under ``torchrun``.
+
+The model is sharded as transformers 5.23 shards it: the model's own TP plan (``base_model_tp_plan`` and the class
+plans), transformers' parallel styles from its ``ParallelInterface`` (the same forward hooks), parameters as
+``DTensor``s whose local shard lives on each rank, the mesh made by transformers' ``prepare_distribute_model``.
+What modelpatch adds is what its restructured modules need:
+
+* the plan is translated to fused names. A fused ``qkv_proj`` / ``gate_up_proj`` whose parts the plan shards
+  colwise is sharded *part by part*: rank ``r`` holds ``[q_r; k_r; v_r]``, so that each rank's slices take whole
+  heads of q, k and v. No ``DTensor`` placement describes that layout when the parts differ in size (grouped-query
+  attention), so these two parameters hold their local rows as plain tensors, and the projection slices read the
+  local part sizes. Per-expert ``nn.Linear`` experts (``linear_experts``) are sharded as the model's plan shards its
+  fused experts: gate and up colwise, down rowwise, every rank's partial sum all-reduced by the experts module;
+* each rank reads only its slices: a checkpoint tensor is a view of the memory-mapped file, sliced before anything
+  is copied, and the parts of a fused projection (the experts of a stacked MoE parameter) are sliced before they
+  are concatenated (stacked);
+* a save gathers the full tensors on every rank (collectives), and rank 0 alone writes them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
+from transformers import PreTrainedModel
+from transformers.distributed import DistributedConfig
+from transformers.distributed.parallel_utils import (
+    ALL_PARALLEL_STYLES,
+    replace_layer_number_by_wildcard,
+)
+from transformers.distributed.sharding_utils import DtensorShardOperation
+from transformers.distributed.tensor_parallel import (
+    PackedColwiseParallel,
+    apply_tensor_parallelism,
+)
+
+from ..conversion.operations import Concatenate, MergeModulelist
+from ..conversion.planner import ConversionGroup
+from ..errors import ModelPatchError
+from ..fusions.linear_experts.modules import LinearExperts
+from ..fusions.projections import FusedLinear, ProjectionSlice
+from ..state import TENSOR_PARALLEL_PARTS_ATTRIBUTE
+from .plan import LoadPlan
+
+logger = logging.getLogger(__name__)
+
+# The style modelpatch registers for fused projections sharded part by part.
+COLWISE_PARTS = "modelpatch_colwise_parts"
+
+
+class TensorParallelError(ModelPatchError, ValueError):
+    """A tensor-parallel load that cannot be done as asked (the message names the module or keyword)."""
+
+
+class ColwisePartsParallel(PackedColwiseParallel):
+    """Colwise sharding of a :class:`FusedLinear`, part by part: rank ``r`` holds ``[part_0_r; part_1_r; ...]``.
+
+    The input is replicated and the output is this rank's rows of every part, in part order: what the projection
+    slices split with the local part sizes. The parameters hold those rows as plain tensors (see the module
+    docstring); the forward hooks are transformers' packed-colwise ones.
+    """
+
+    def shard_param(self, module: nn.Module, param: str, mesh: Any) -> None:
+        meta = module._parameters.get(param)
+        if meta is None:
+            return
+        rows = sum(size // mesh.size() for size in module.part_sizes)
+        module._parameters[param] = nn.Parameter(
+            torch.empty((rows, *meta.shape[1:]), dtype=meta.dtype, device="meta"), requires_grad=meta.requires_grad
+        )
+
+
+ALL_PARALLEL_STYLES.register(COLWISE_PARTS, ColwisePartsParallel())
+
+
+def distributed_config_of(
+    tp_plan: str | dict[str, str] | None, tp_size: int | None, distributed_config: DistributedConfig | dict | None
+) -> DistributedConfig | None:
+    """The :class:`DistributedConfig` the keywords ask for (as transformers reads them), or None for no sharding.
+
+    Raises:
+        TensorParallelError: Both ``distributed_config`` and ``tp_plan``/``tp_size``, or a parallelism other than
+            tensor parallelism (FSDP, pipeline, expert parallel), which modelpatch does not do.
+    """
+    if distributed_config is not None and (tp_plan is not None or tp_size is not None):
+        raise TensorParallelError("Pass either distributed_config or tp_plan/tp_size, not both.")
+    if tp_plan is not None or tp_size is not None:
+        if tp_size is not None and tp_plan is None:
+            raise TensorParallelError(f"tp_size={tp_size} needs tp_plan ('auto' for the model's own plan).")
+        distributed_config = DistributedConfig(tp_plan=tp_plan, tp_size=tp_size)
+    elif isinstance(distributed_config, Mapping):
+        distributed_config = DistributedConfig.from_dict(dict(distributed_config))
+    if distributed_config is None:
+        return None
+    if not isinstance(distributed_config, DistributedConfig):
+        raise TensorParallelError(
+            f"distributed_config must be a transformers DistributedConfig or a dict, got {distributed_config!r}."
+        )
+    others = {
+        name: getattr(distributed_config, name)
+        for name in ("fsdp_size", "dp_replicate_size", "pp_size", "ep_size")
+        if getattr(distributed_config, name) > 1
+    }
+    if others:
+        raise TensorParallelError(
+            f"distributed_config asks for {others}: modelpatch loads with tensor parallelism only (tp_plan / tp_size); "
+            "load FSDP, pipeline or expert-parallel models with transformers."
+        )
+    return distributed_config if distributed_config.tp_size > 1 else None
+
+
+@dataclass
+class TensorParallelSetup:
+    """The mesh and device of this rank, made before anything is built (torch.distributed initialised if needed)."""
+
+    config: DistributedConfig
+    mesh_manager: Any
+    device: torch.device
+
+    @property
+    def mesh(self) -> Any:
+        return self.mesh_manager.get_mesh("tp")
+
+    def shard(self, model: PreTrainedModel, plan: LoadPlan) -> ShardedLoad:
+        """Apply the model's (translated) TP plan to the meta-device ``model``: placeholders and forward hooks."""
+        mesh = self.mesh
+        model.config.distributed_config = self.config
+        model._mesh_manager = self.mesh_manager
+        model._device_mesh = self.mesh_manager.get_mesh(("pp", "fsdp", "tp"))
+        model._is_distributed_loading_by_transformers = True
+        model._tp_size = self.config.tp_size
+        model._fsdp_size = self.config.fsdp_size
+        override = self.config.tp_plan if isinstance(self.config.tp_plan, dict) else {}
+        model._tp_plan = _translate_plan(model, {**model.tp_plan, **override}, mesh.size())
+        # The plan is complete now: transformers resolves it (validation, layer numbers) as for a stock model.
+        resolved = DistributedConfig(tp_plan="auto", tp_size=self.config.tp_size)
+        tp_plan, _, _ = model._resolve_parallel_plans(resolved)
+        apply_tensor_parallelism(model, mesh, tp_plan)
+        parts = _localize_fused(model, tp_plan, mesh.size())
+        object.__setattr__(model, TENSOR_PARALLEL_PARTS_ATTRIBUTE, parts)
+        return ShardedLoad(model, plan, mesh, parts)
+
+
+def prepare(distributed_config: DistributedConfig | None) -> TensorParallelSetup | None:
+    """The mesh of a tensor-parallel load, made by transformers' own ``prepare_distribute_model``."""
+    if distributed_config is None:
+        return None
+    config, device, mesh_manager = PreTrainedModel.prepare_distribute_model(distributed_config)
+    if mesh_manager is None:
+        return None
+    return TensorParallelSetup(config, mesh_manager, torch.device(device))
+
+
+def _translate_plan(model: nn.Module, plan: dict[str, str], tp_size: int) -> dict[str, str]:
+    """``plan`` (generic names, stock modules) for the modules of ``model`` as modelpatch restructured them."""
+    plan = dict(plan)
+    seen: set[str] = set()
+    for name, module in model.named_modules():
+        generic = replace_layer_number_by_wildcard(name)
+        if generic in seen:
+            continue
+        seen.add(generic)
+        if isinstance(module, FusedLinear):
+            _translate_fused(model, plan, name, generic, module, tp_size)
+        elif isinstance(module, LinearExperts):
+            _translate_experts(plan, generic, module)
+    return plan
+
+
+def _slices_of(owner: nn.Module, fused_name: str) -> list[tuple[str, ProjectionSlice]]:
+    found = [
+        (child_name, child)
+        for child_name, child in owner.named_children()
+        if isinstance(child, ProjectionSlice) and child.fused_name == fused_name
+    ]
+    return sorted(found, key=lambda item: item[1].index)
+
+
+def _translate_fused(
+    model: nn.Module, plan: dict[str, str], name: str, generic: str, fused: FusedLinear, tp_size: int
+) -> None:
+    owner_name, _, fused_name = name.rpartition(".")
+    owner_generic = generic.rpartition(".")[0]
+    slices = _slices_of(model.get_submodule(owner_name), fused_name)
+    part_names = [f"{owner_generic}.{child}" if owner_generic else child for child, _ in slices]
+    styles = [plan.pop(part, None) for part in part_names]
+    if all(style is None for style in styles) or generic in plan:
+        return
+    if any(style != "colwise" for style in styles):
+        raise TensorParallelError(
+            f"The TP plan shards the parts of {generic} ({dict(zip(part_names, styles))}); modelpatch shards a fused "
+            "projection only when every part is 'colwise'. Load without this fusion, or pass a tp_plan that sets "
+            f"{generic!r} itself."
+        )
+    uneven = [size for size in fused.part_sizes if size % tp_size]
+    if uneven:
+        raise TensorParallelError(
+            f"{generic} cannot be sharded part by part over {tp_size} ranks: its part sizes {fused.part_sizes} do "
+            "not all divide by the TP size."
+        )
+    plan[generic] = COLWISE_PARTS
+
+
+def _translate_experts(plan: dict[str, str], generic: str, experts: LinearExperts) -> None:
+    """Stock shards fused experts as gate_up packed-colwise, down rowwise, outputs all-reduced by the experts module:
+    per-expert Linears get the same shards (gate and up colwise, down rowwise) and run on their local tensors."""
+    styles = (plan.get(generic), plan.get(f"{generic}.gate_up_proj"), plan.get(f"{generic}.down_proj"))
+    if styles == (None, None, None):
+        return
+    if styles != ("moe_tp_experts", "packed_colwise", "rowwise"):
+        raise TensorParallelError(
+            f"The TP plan shards the experts {generic} as {styles} (experts, gate_up_proj, down_proj); modelpatch's "
+            "linear_experts follow the ('moe_tp_experts', 'packed_colwise', 'rowwise') plan only. Load without the "
+            "linear_experts fusion."
+        )
+    plan.pop(f"{generic}.gate_up_proj")
+    plan.pop(f"{generic}.down_proj")
+    gate, up, down = experts[0].names
+    for child, style in ((gate, "colwise"), (up, "colwise"), (down, "rowwise")):
+        plan[f"{generic}.*.{child}.weight"] = style
+        plan[f"{generic}.*.{child}"] = "local_params"
+
+
+def _localize_fused(model: nn.Module, tp_plan: Mapping[str, str], tp_size: int) -> dict[str, tuple[int, ...]]:
+    """Point the projection slices of every part-sharded fused layer at their local part sizes.
+
+    Returns ``{parameter name: global part sizes}`` for those layers' parameters (what loads and saves slice by).
+    """
+    parts: dict[str, tuple[int, ...]] = {}
+    modules = dict(model.named_modules())
+    for name, style in tp_plan.items():
+        # The resolved plan names each parameter (sharded) and its module (hooked): the modules are what counts here.
+        if style != COLWISE_PARTS or name not in modules:
+            continue
+        fused = modules[name]
+        owner_name, _, fused_name = name.rpartition(".")
+        local = tuple(size // tp_size for size in fused.part_sizes)
+        for _, part in _slices_of(model.get_submodule(owner_name), fused_name):
+            part.part_sizes = local
+            part.out_features = local[part.index]
+        for param_name, _ in fused.named_parameters(recurse=False):
+            parts[f"{name}.{param_name}"] = tuple(fused.part_sizes)
+    return parts
+
+
+def _stacks_experts(group: ConversionGroup, placeholders: Mapping[str, DTensor]) -> bool:
+    """Whether ``group`` stacks per-expert tensors into one sharded parameter in a way that commutes with slicing
+    each expert's tensor first (what transformers does when it reads experts): experts stacked on dim 0, which is
+    not sharded, then concatenated along dims sharded only as the concatenation's parts (strided by their count)."""
+    targets = group.target_keys()
+    if len(targets) != 1 or targets[0] not in placeholders or not all(isinstance(s, tuple) for s in group.sources):
+        return False
+    first, *rest = group.operations
+    if not (isinstance(first, MergeModulelist) and first.dim == 0):
+        return False
+    if not all(isinstance(op, Concatenate) and op.dim > 0 and not op.indexed for op in rest):
+        return False
+    concatenated = {op.dim for op in rest}
+    placeholder = placeholders[targets[0]]
+    for placement in placeholder.placements:
+        if not hasattr(placement, "dim"):
+            continue
+        dim = placement.dim % placeholder.ndim
+        strided = isinstance(placement, _StridedShard)
+        if dim == 0 or (dim in concatenated) != strided:
+            return False
+        if strided and placement.split_factor != len(group.sources):
+            return False
+    return True
+
+
+def _part_rows(sizes: tuple[int, ...], rank: int, tp_size: int) -> list[slice]:
+    """This rank's rows of each part of a dim-0 concatenation of parts ``sizes``."""
+    rows, start = [], 0
+    for size in sizes:
+        local = size // tp_size
+        rows.append(slice(start + rank * local, start + (rank + 1) * local))
+        start += size
+    return rows
+
+
+class ShardedLoad:
+    """Turns the tensors a load reads into this rank's shards, and the loaded shards into the model's parameters."""
+
+    def __init__(self, model: nn.Module, plan: LoadPlan, mesh: Any, parts: Mapping[str, tuple[int, ...]]):
+        self.mesh = mesh
+        self.rank = mesh.get_local_rank()
+        self.size = mesh.size()
+        self.parts = dict(parts)
+        state = model.state_dict(keep_vars=True)
+        self.placeholders = {key: value for key, value in state.items() if isinstance(value, DTensor)}
+        self._direct = {checkpoint: runtime for runtime, checkpoint in plan.conversion.direct.items()}
+        # Sources of a fused projection's concatenation: each is sliced to this rank's rows before the concatenation.
+        self._part_sources: set[str] = set()
+        # Per-expert sources stacked into a sharded 3-D parameter: source key -> (parameter, expert index).
+        self._expert_sources: dict[str, tuple[str, int]] = {}
+        for group in plan.conversion.groups:
+            if all(key in self.parts for key in group.target_keys()) and all(
+                isinstance(op, Concatenate) and op.dim == 0 and not op.indexed for op in group.operations
+            ):
+                self._part_sources.update(group.source_keys())
+            elif _stacks_experts(group, self.placeholders):
+                target = group.target_keys()[0]
+                for slot in group.sources:
+                    self._expert_sources.update((key, (target, index)) for index, key in enumerate(slot))
+
+    def fetch(self, fetch: Callable[[str], torch.Tensor]) -> Callable[[str], torch.Tensor]:
+        """``fetch`` returning this rank's slice of every tensor it can slice before reading (views: no data read)."""
+
+        def sharded(key: str) -> torch.Tensor:
+            tensor = fetch(key)
+            if key in self._part_sources:
+                return tensor[self._rows(tensor.shape[0])]
+            if key in self._expert_sources:
+                target, index = self._expert_sources[key]
+                return DtensorShardOperation(self.placeholders[target]).shard_tensor(tensor, tensor_idx=index)
+            runtime = self._direct.get(key)
+            return tensor if runtime is None else self._local(runtime, tensor)
+
+        return sharded
+
+    def _rows(self, size: int) -> slice:
+        local = size // self.size
+        return slice(self.rank * local, (self.rank + 1) * local)
+
+    def _local(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of the full tensor of parameter ``key`` (a view wherever one slice is enough)."""
+        if key in self.placeholders:
+            return DtensorShardOperation(self.placeholders[key]).shard_tensor(tensor)
+        if key in self.parts:
+            return torch.cat([tensor[rows] for rows in _part_rows(self.parts[key], self.rank, self.size)])
+        return tensor
+
+    def finish(self, model: nn.Module) -> None:
+        """Wrap every loaded shard as the ``DTensor`` its placeholder describes (transformers' convention); shard
+        what a conversion produced whole (a conversion other than a fused projection's reads its full sources)."""
+        for key, placeholder in self.placeholders.items():
+            module_name, _, name = key.rpartition(".")
+            module = model.get_submodule(module_name)
+            table = module._parameters if name in module._parameters else module._buffers
+            loaded = table[name]
+            if isinstance(loaded, DTensor) or loaded.device.type == "meta":
+                continue  # not loaded here (a tied or new parameter: transformers' finalisation handles it)
+            local = loaded.detach()
+            if tuple(local.shape) == tuple(placeholder.shape) and local.shape != placeholder.to_local().shape:
+                local = self._local(key, local)
+            value = DTensor.from_local(
+                local.contiguous(),
+                placeholder.device_mesh,
+                placeholder.placements,
+                run_check=False,
+                shape=placeholder.shape,
+                stride=tuple(placeholder.stride()),
+            )
+            if table is module._parameters:
+                value = nn.Parameter(value, requires_grad=placeholder.requires_grad)
+            value._is_hf_initialized = True
+            table[name] = value
+        for key, sizes in self.parts.items():
+            module_name, _, name = key.rpartition(".")
+            module = model.get_submodule(module_name)
+            loaded = module._parameters[name]
+            if loaded.shape[0] == sum(sizes):  # produced whole by a conversion
+                sharded = nn.Parameter(self._local(key, loaded.detach()), requires_grad=loaded.requires_grad)
+                sharded._is_hf_initialized = True
+                module._parameters[name] = sharded
+
+
+def is_tensor_parallel(model: nn.Module) -> bool:
+    """Whether ``model`` was loaded with tensor parallelism (its parameters are shards)."""
+    return getattr(model, TENSOR_PARALLEL_PARTS_ATTRIBUTE, None) is not None
+
+
+def gather_state(model: nn.Module, state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` with every shard gathered into its full tensor; every rank must call it (collectives).
+
+    A no-op for a model not loaded with tensor parallelism.
+    """
+    parts: Mapping[str, tuple[int, ...]] | None = getattr(model, TENSOR_PARALLEL_PARTS_ATTRIBUTE, None)
+    if parts is None:
+        return dict(state)
+    group = model._device_mesh["tp"].get_group()
+    size = dist.get_world_size(group)
+    gathered: dict[str, Any] = {}
+    # Tied parameters (one shard under two keys) are gathered once, so that the save still sees them tied.
+    full: dict[tuple, torch.Tensor] = {}
+    for key, tensor in state.items():
+        if isinstance(tensor, DTensor):
+            local = tensor.to_local()
+            identity = (local.data_ptr(), local.dtype, tuple(local.shape), tuple(local.stride()))
+            if identity not in full:
+                full[identity] = tensor.full_tensor()
+            tensor = full[identity]
+        elif key in parts:
+            local = tensor.detach().contiguous()
+            shards = [torch.empty_like(local) for _ in range(size)]
+            dist.all_gather(shards, local, group=group)
+            pieces = [shard.split([p // size for p in parts[key]]) for shard in shards]
+            # Part by part: all ranks' rows of q, then of k, then of v.
+            tensor = torch.cat([piece[index] for index in range(len(parts[key])) for piece in pieces])
+        gathered[key] = tensor
+    return gathered
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a ``DTensor`` (what holds its storage); any other tensor as is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def writes_files(model: nn.Module) -> bool:
+    """Whether this process writes a save of ``model``: rank 0 of a tensor-parallel model, any other model."""
+    return not is_tensor_parallel(model) or dist.get_rank() == 0
+
+
+def barrier(model: nn.Module) -> None:
+    """Wait for every rank (after rank 0 wrote a save); a no-op for a model not loaded with tensor parallelism."""
+    if is_tensor_parallel(model):
+        dist.barrier(group=model._device_mesh["tp"].get_group())

@@ -1,0 +1,163 @@
+"""Tensor-parallel loading: two CPU processes under ``torchrun`` with the gloo backend.
+
+Every case runs in one launch (tensor_parallel_worker.py): llama plain and with fused q/k/v and gate/up, qwen2_moe
+with per-expert Linear experts and plain. Each rank's logits must equal the single-process stock model's, the TP
+model's saves must be byte-identical to the single-process saves, each rank must read only its shards, and an
+unfused model must be sharded exactly as transformers' own TP load shards it (same DTensor placements, same hooks).
+"""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from fusion_models import TEXT, TinyCheckpoint, perturb
+from transformers import (
+    AutoModelForCausalLM,
+    DistributedConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
+
+import modelpatch
+from modelpatch.loading.parallel import TensorParallelError
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+
+WORKER = Path(__file__).with_name("tensor_parallel_worker.py")
+RANKS = 2
+# id: (checkpoint, fusion_config, compare with stock transformers' TP layout)
+CASES = {
+    "llama": ("llama", None, True),
+    "llama_fused": ("llama", {"qkv": True, "gate_up": True}, False),
+    "llama_tied": ("llama_tied", None, True),  # embeddings and head share one sharded weight
+    "qwen2_moe_linear_experts": ("qwen2_moe", {"linear_experts": True}, False),
+    "qwen2_moe": ("qwen2_moe", None, True),
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny, tmp_path_factory) -> dict[str, TinyCheckpoint]:
+    """The checkpoints of the cases: the shared tiny ones, and a Llama with tied embeddings saved by stock."""
+    torch.manual_seed(0)
+    tied = LlamaForCausalLM(LlamaConfig(**dict(TEXT, tie_word_embeddings=True)))
+    perturb(tied, 0)
+    path = tmp_path_factory.mktemp("llama_tied")
+    tied.save_pretrained(path)
+    return {"llama": tiny("llama"), "qwen2_moe": tiny("qwen2_moe"),
+            "llama_tied": TinyCheckpoint("llama_tied", path, LlamaForCausalLM)}
+
+
+@pytest.fixture(scope="module")
+def tp_run(checkpoints, tmp_path_factory):
+    """Runs every case on two ranks once; returns the output directory."""
+    out = tmp_path_factory.mktemp("tp")
+    cases = []
+    for case_id, (name, fusion_config, compare_stock) in CASES.items():
+        checkpoint = checkpoints[name]
+        cases.append(dict(id=case_id, name=name, path=str(checkpoint.path), fusion_config=fusion_config,
+                          compare_stock=compare_stock, **{"class": checkpoint.model_class.__name__}))
+    job = out / "job.json"
+    job.write_text(json.dumps({"out": str(out), "cases": cases}))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(Path(modelpatch.__file__).parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={RANKS}", "--master-addr=127.0.0.1",
+               f"--master-port={_free_port()}", str(WORKER), str(job)]
+    result = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return out
+
+
+def _records(out: Path, case_id: str) -> list[dict]:
+    return [torch.load(out / f"{case_id}_rank{rank}.pt", weights_only=False) for rank in range(RANKS)]
+
+
+@pytest.mark.parametrize("case_id", sorted(CASES))
+def test_logits_equal_single_process_stock(tp_run, checkpoints, case_id):
+    expected = checkpoints[CASES[case_id][0]].stock_outputs()["logits"]
+    for record in _records(tp_run, case_id):
+        torch.testing.assert_close(record["logits"], expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("case_id", sorted(CASES))
+def test_saves_equal_single_process_saves(tp_run, checkpoints, tmp_path, case_id):
+    name, fusion_config, _ = CASES[case_id]
+    single = checkpoints[name].load(fusion_config)
+    single.save_pretrained(tmp_path / "stock_save")
+    modelpatch.save_pretrained(single, tmp_path / "modelpatch_save")
+    for kind in ("stock_save", "modelpatch_save"):
+        written = tp_run / f"{case_id}_{kind}"
+        for file in ("model.safetensors", "config.json"):
+            assert filecmp.cmp(written / file, tmp_path / kind / file, shallow=False), f"{kind}/{file} differs"
+    # The original layout: the tensors of the checkpoint the model was loaded from, bitwise.
+    assert filecmp.cmp(tp_run / f"{case_id}_stock_save" / "model.safetensors",
+                       checkpoints[name].path / "model.safetensors", shallow=False)
+
+
+@pytest.mark.parametrize("case_id", sorted(CASES))
+def test_each_rank_reads_only_its_shards(tp_run, checkpoints, case_id):
+    checkpoint_bytes = (checkpoints[CASES[case_id][0]].path / "model.safetensors").stat().st_size
+    for record in _records(tp_run, case_id):
+        # The bytes of every parameter's local shard (a tied head is the embedding's: listed and read once).
+        local = sum(math.prod(shape) * 4 for _, _, shape in record["layout"]["params"].values())
+        assert record["read"] == local < 0.75 * checkpoint_bytes
+
+
+@pytest.mark.parametrize("case_id", [c for c in sorted(CASES) if CASES[c][2]])
+def test_unfused_model_is_sharded_as_transformers_shards_it(tp_run, case_id):
+    for record in _records(tp_run, case_id):
+        assert record["layout"] == record["stock_layout"]
+        torch.testing.assert_close(record["logits"], record["stock_logits"], atol=0, rtol=0)
+
+
+def test_fused_projections_hold_each_parts_rows(tp_run):
+    params = _records(tp_run, "llama_fused")[0]["layout"]["params"]
+    # q/k/v rows 32/16/16 and gate/up 64/64 (of 32 inputs): half of every part on each rank.
+    assert params["model.layers.0.self_attn.qkv_proj.weight"][2] == (32, 32)
+    assert params["model.layers.0.mlp.gate_up_proj.weight"][2] == (64, 32)
+    assert params["model.layers.0.self_attn.o_proj.weight"][1:] == ("(Shard(dim=1),)", (32, 16))
+
+
+def test_experts_shard_like_stock_experts(tp_run):
+    params = _records(tp_run, "qwen2_moe_linear_experts")[0]["layout"]["params"]
+    expert = "model.layers.0.mlp.experts.1"
+    assert params[f"{expert}.gate_proj.weight"][1:] == ("(Shard(dim=0),)", (8, 32))
+    assert params[f"{expert}.up_proj.weight"][1:] == ("(Shard(dim=0),)", (8, 32))
+    assert params[f"{expert}.down_proj.weight"][1:] == ("(Shard(dim=1),)", (32, 8))
+
+
+def test_one_process_loads_unsharded(tiny):
+    """As in transformers: tp_plan='auto' outside torchrun (world size 1) shards nothing."""
+    checkpoint = tiny("llama")
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, checkpoint.path, tp_plan="auto")
+    assert not any(type(p.data) is not torch.Tensor for p in model.parameters())
+    torch.testing.assert_close(checkpoint.outputs(model)["logits"], checkpoint.stock_outputs()["logits"], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tp_size": 2}, "tp_size=2 needs tp_plan"),
+        ({"tp_plan": "auto", "distributed_config": DistributedConfig(tp_size=2)}, "not both"),
+        ({"distributed_config": DistributedConfig(tp_size=1, fsdp_size=2)}, "'fsdp_size': 2"),
+        ({"distributed_config": "tp"}, "must be a transformers DistributedConfig"),
+    ],
+)
+def test_bad_tensor_parallel_keywords_are_refused(tiny, kwargs, message):
+    with pytest.raises(TensorParallelError, match=message):
+        modelpatch.from_pretrained(AutoModelForCausalLM, tiny("llama").path, **kwargs)
