@@ -31,6 +31,9 @@ from transformers.models.auto import modeling_auto
 from transformers.models.auto.auto_factory import _BaseAutoModelClass, _get_model_class
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    from transformers import DistributedConfig
     from transformers.utils.output_capturing import OutputRecorder
 
 # Names imported on first use: {name: (module, attribute)}. Checked against 5.23.0.
@@ -39,6 +42,8 @@ _LAZY = {
     "get_hf_quantizer": ("transformers.quantizers.auto", "get_hf_quantizer"),
     "Fp8Dequantize": ("transformers.integrations.finegrained_fp8", "Fp8Dequantize"),
     "TorchAoDeserialize": ("transformers.integrations.torchao", "TorchAoDeserialize"),
+    # The packed-colwise TP style (transformers' forward hooks), base of modelpatch's part-by-part style.
+    "PackedColwiseParallel": ("transformers.distributed.tensor_parallel", "PackedColwiseParallel"),
 }
 
 
@@ -274,3 +279,111 @@ def weight_conversions_of(quantizer: Any, model: PreTrainedModel) -> Sequence[An
     """
     return quantizer.update_weight_conversions([], model)
 
+
+# --- Tensor parallelism -------------------------------------------------------------------------------------------
+
+
+def register_parallel_style(name: str, style: object) -> None:
+    """Make ``style`` (a ``TensorParallelLayer``) the parallel style a TP plan names ``name``, for every model.
+
+    Checked against 5.23.0: ``transformers.distributed.parallel_utils.ALL_PARALLEL_STYLES.register`` (a
+    ``GeneralInterface`` class-level mapping), which ``apply_tensor_parallelism`` and the plan validation read.
+    """
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+
+    # transformers annotates the registry's values as Callable; its parallel styles are instances, not callables.
+    ALL_PARALLEL_STYLES.register(name, style)  # type: ignore[arg-type]
+
+
+def generic_module_name(name: str) -> str:
+    """``name`` with its layer numbers replaced by ``*`` (``model.layers.*.mlp``), as TP plans name modules.
+
+    Checked against 5.23.0: ``transformers.distributed.parallel_utils.replace_layer_number_by_wildcard``.
+    """
+    from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
+
+    return replace_layer_number_by_wildcard(name)
+
+
+def prepare_distributed(config: DistributedConfig) -> tuple[Any, torch.device] | None:
+    """The mesh manager (a ``TransformersDeviceMesh``) and this rank's device for a distributed load, made as stock
+    ``from_pretrained`` makes them (``torch.distributed`` initialised if need be); None where nothing is sharded.
+
+    Checked against 5.23.0: the classmethod ``PreTrainedModel.prepare_distribute_model(distributed_config,
+    device_map=None)`` returns ``(config, device, mesh_manager)``, the device a ``torch.device`` when there is a mesh.
+    """
+    _, device, mesh_manager = PreTrainedModel.prepare_distribute_model(config)
+    if mesh_manager is None:
+        return None
+    if not isinstance(device, torch.device | str | int):
+        raise TypeError(f"transformers prepared a distributed load on device {device!r}, not a torch device.")
+    return mesh_manager, torch.device(device)
+
+
+def mark_distributed(model: PreTrainedModel, config: DistributedConfig, mesh_manager: Any) -> None:
+    """Set on ``model`` what stock sets on a model it shards while loading (its saves and generation read them).
+
+    Checked against 5.23.0: ``DistributedMixin.maybe_distribute_model`` sets ``config.distributed_config``,
+    ``_mesh_manager``, ``_device_mesh`` (the ``("pp", "fsdp", "tp")`` mesh),
+    ``_is_distributed_loading_by_transformers``, ``_tp_size`` and ``_fsdp_size``.
+    """
+    model.config.distributed_config = config
+    model._mesh_manager = mesh_manager
+    model._device_mesh = mesh_manager.get_mesh(("pp", "fsdp", "tp"))
+    model._is_distributed_loading_by_transformers = True
+    # transformers declares these two `= None` on the mixin, with no type.
+    model._tp_size = config.tp_size  # type: ignore[assignment]
+    model._fsdp_size = config.fsdp_size  # type: ignore[assignment]
+
+
+def set_tp_plan(model: PreTrainedModel, plan: dict[str, str]) -> None:
+    """Make ``plan`` (generic names: ``layers.*.self_attn.q_proj``) the model's TP plan, as is (no validation).
+
+    Checked against 5.23.0: the ``_tp_plan`` instance attribute behind ``DistributedMixin.tp_plan`` (whose setter
+    validates and warns; ``resolved_tp_plan`` validates).
+    """
+    model._tp_plan = plan
+
+
+def resolved_tp_plan(model: PreTrainedModel, tp_size: int) -> dict[str, str]:
+    """The model's TP plan as stock resolves it for ``tp_size`` ranks: validated, one entry per concrete module or
+    parameter name (layer numbers in place of ``*``).
+
+    Checked against 5.23.0: ``DistributedMixin._resolve_parallel_plans(DistributedConfig)`` returns
+    ``(tp_plan, ep_plan, fsdp_plan)``; with ``tp_plan="auto"`` it overrides nothing.
+    """
+    from transformers import DistributedConfig
+
+    tp_plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_plan="auto", tp_size=tp_size))
+    return tp_plan
+
+
+def apply_tensor_parallel(model: PreTrainedModel, mesh: DeviceMesh, tp_plan: dict[str, str]) -> None:
+    """Shard the meta-device ``model`` by the resolved ``tp_plan``: ``DTensor`` placeholders and forward hooks.
+
+    Checked against 5.23.0: ``transformers.distributed.tensor_parallel.apply_tensor_parallelism(model, tp_mesh,
+    tp_plan)``, which shards in place.
+    """
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    apply_tensor_parallelism(model, mesh, tp_plan)
+
+
+def local_shard(placeholder: DTensor, tensor: torch.Tensor, index: int | None = None) -> torch.Tensor | None:
+    """This rank's shard of the full ``tensor`` of the sharded parameter ``placeholder`` (a view where slicing is
+    enough); with ``index``, of the ``index``-th slice along dim 0 (one expert), None if this rank does not own it.
+
+    Checked against 5.23.0: ``transformers.distributed.sharding_utils.DtensorShardOperation(param)
+    .shard_tensor(source, tensor_idx=...)``.
+    """
+    from transformers.distributed.sharding_utils import DtensorShardOperation
+
+    return DtensorShardOperation(placeholder).shard_tensor(tensor, tensor_idx=index)
+
+
+def device_mesh_of(model: torch.nn.Module) -> DeviceMesh | None:
+    """The ``("pp", "fsdp", "tp")`` device mesh of a model sharded while loading (None for any other model).
+
+    Checked against 5.23.0: the ``_device_mesh`` attribute ``maybe_distribute_model`` sets (``mark_distributed``).
+    """
+    return getattr(model, "_device_mesh", None)

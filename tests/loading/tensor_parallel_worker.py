@@ -16,12 +16,11 @@ import torch.distributed as dist
 import transformers
 from torch.distributed.tensor import DTensor
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "fusions"))
-
-from fusion_models import TinyCheckpoint
+sys.path.insert(0, str(Path(__file__).parents[1]))
 
 import modelpatch
 from modelpatch.loading import parallel
+from support.checkpoints import CheckpointSpec, TinyCheckpoint
 
 transformers.logging.set_verbosity_error()
 
@@ -38,6 +37,13 @@ def layout(model: torch.nn.Module) -> dict[str, tuple]:
     }
     hooked = sorted(name for name, module in model.named_modules() if getattr(module, "_is_hooked", False))
     return {"params": params, "hooked": hooked}
+
+
+def checkpoint_of(name: str, path: Path, model_class: type) -> TinyCheckpoint:
+    """The test's checkpoint ``name`` (already written at ``path``), for its inputs and outputs."""
+    config = transformers.AutoConfig.from_pretrained(path)
+    spec = CheckpointSpec(model_class, lambda: config)
+    return TinyCheckpoint(name, path, model_class, spec, config.get_text_config().vocab_size)
 
 
 def main() -> None:
@@ -61,7 +67,7 @@ def main() -> None:
     for case in job["cases"]:
         name, path = case["name"], Path(case["path"])
         model_class = getattr(transformers, case["class"])
-        checkpoint = TinyCheckpoint(name, path, model_class)
+        checkpoint = checkpoint_of(name, path, model_class)
         read_bytes.clear()
         model = modelpatch.from_pretrained(
             transformers.AutoModelForCausalLM, path, fusion_config=case["fusion_config"], tp_plan="auto"

@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from fusion_models import TEXT, TinyCheckpoint, perturb
 from transformers import (
     AutoModelForCausalLM,
     DistributedConfig,
@@ -30,6 +29,8 @@ from transformers import (
 
 import modelpatch
 from modelpatch.loading.parallel import TensorParallelError
+from support.checkpoints import CheckpointSpec, TinyCheckpoint, perturb
+from support.models import TEXT
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
@@ -55,12 +56,14 @@ def _free_port() -> int:
 def checkpoints(tiny, tmp_path_factory) -> dict[str, TinyCheckpoint]:
     """The checkpoints of the cases: the shared tiny ones, and a Llama with tied embeddings saved by stock."""
     torch.manual_seed(0)
-    tied = LlamaForCausalLM(LlamaConfig(**dict(TEXT, tie_word_embeddings=True)))
+    config = LlamaConfig(**dict(TEXT, tie_word_embeddings=True))
+    tied = LlamaForCausalLM(config)
     perturb(tied, 0)
     path = tmp_path_factory.mktemp("llama_tied")
     tied.save_pretrained(path)
     return {"llama": tiny("llama"), "qwen2_moe": tiny("qwen2_moe"),
-            "llama_tied": TinyCheckpoint("llama_tied", path, LlamaForCausalLM)}
+            "llama_tied": TinyCheckpoint("llama_tied", path, LlamaForCausalLM,
+                                         CheckpointSpec(LlamaForCausalLM, lambda: config), config.vocab_size)}
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +149,8 @@ def test_one_process_loads_unsharded(tiny):
     checkpoint = tiny("llama")
     model = modelpatch.from_pretrained(AutoModelForCausalLM, checkpoint.path, tp_plan="auto")
     assert not any(type(p.data) is not torch.Tensor for p in model.parameters())
-    torch.testing.assert_close(checkpoint.outputs(model)["logits"], checkpoint.stock_outputs()["logits"], atol=0, rtol=0)
+    expected = checkpoint.stock_outputs()["logits"]
+    torch.testing.assert_close(checkpoint.outputs(model)["logits"], expected, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize(

@@ -22,29 +22,33 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
-from transformers import PreTrainedModel
-from transformers.distributed import DistributedConfig
-from transformers.distributed.parallel_utils import (
-    ALL_PARALLEL_STYLES,
-    replace_layer_number_by_wildcard,
-)
-from transformers.distributed.sharding_utils import DtensorShardOperation
-from transformers.distributed.tensor_parallel import (
-    PackedColwiseParallel,
-    apply_tensor_parallelism,
-)
+from transformers import DistributedConfig, PreTrainedModel
 
+from .._transformers import (
+    PackedColwiseParallel,
+    apply_tensor_parallel,
+    device_mesh_of,
+    generic_module_name,
+    local_shard,
+    mark_distributed,
+    mark_initialized,
+    prepare_distributed,
+    register_parallel_style,
+    resolved_tp_plan,
+    set_tp_plan,
+)
 from ..conversion.operations import Concatenate, MergeModulelist
 from ..conversion.planner import ConversionGroup
 from ..errors import ModelPatchError
-from ..fusions.linear_experts.modules import LinearExperts
+from ..fusions.linear_experts.modules import ExpertMLP, LinearExperts
 from ..fusions.projections import FusedLinear, ProjectionSlice
 from ..state import TENSOR_PARALLEL_PARTS_ATTRIBUTE
 from .plan import LoadPlan
@@ -67,7 +71,7 @@ class ColwisePartsParallel(PackedColwiseParallel):
     docstring); the forward hooks are transformers' packed-colwise ones.
     """
 
-    def shard_param(self, module: nn.Module, param: str, mesh: Any) -> None:
+    def shard_param(self, module: FusedLinear, param: str, mesh: DeviceMesh) -> None:
         meta = module._parameters.get(param)
         if meta is None:
             return
@@ -77,7 +81,7 @@ class ColwisePartsParallel(PackedColwiseParallel):
         )
 
 
-ALL_PARALLEL_STYLES.register(COLWISE_PARTS, ColwisePartsParallel())
+register_parallel_style(COLWISE_PARTS, ColwisePartsParallel())
 
 
 def distributed_config_of(
@@ -94,7 +98,14 @@ def distributed_config_of(
     if tp_plan is not None or tp_size is not None:
         if tp_size is not None and tp_plan is None:
             raise TensorParallelError(f"tp_size={tp_size} needs tp_plan ('auto' for the model's own plan).")
-        distributed_config = DistributedConfig(tp_plan=tp_plan, tp_size=tp_size)
+        plan: dict[str, str] | Literal["auto"] | None
+        if isinstance(tp_plan, str):
+            if tp_plan != "auto":
+                raise TensorParallelError(f"tp_plan must be 'auto' or a dict of rules, got {tp_plan!r}.")
+            plan = "auto"
+        else:
+            plan = tp_plan
+        distributed_config = DistributedConfig(tp_plan=plan, tp_size=tp_size)
     elif isinstance(distributed_config, Mapping):
         distributed_config = DistributedConfig.from_dict(dict(distributed_config))
     if distributed_config is None:
@@ -113,7 +124,8 @@ def distributed_config_of(
             f"distributed_config asks for {others}: modelpatch loads with tensor parallelism only (tp_plan / tp_size); "
             "load FSDP, pipeline or expert-parallel models with transformers."
         )
-    return distributed_config if distributed_config.tp_size > 1 else None
+    tp_size = distributed_config.tp_size  # an int once the config is built (None is resolved to the world size)
+    return distributed_config if tp_size is not None and tp_size > 1 else None
 
 
 @dataclass
@@ -121,28 +133,23 @@ class TensorParallelSetup:
     """The mesh and device of this rank, made before anything is built (torch.distributed initialised if needed)."""
 
     config: DistributedConfig
-    mesh_manager: Any
+    mesh_manager: Any  # transformers' TransformersDeviceMesh
     device: torch.device
 
     @property
-    def mesh(self) -> Any:
-        return self.mesh_manager.get_mesh("tp")
+    def mesh(self) -> DeviceMesh:
+        mesh: DeviceMesh = self.mesh_manager.get_mesh("tp")
+        return mesh
 
     def shard(self, model: PreTrainedModel, plan: LoadPlan) -> ShardedLoad:
         """Apply the model's (translated) TP plan to the meta-device ``model``: placeholders and forward hooks."""
         mesh = self.mesh
-        model.config.distributed_config = self.config
-        model._mesh_manager = self.mesh_manager
-        model._device_mesh = self.mesh_manager.get_mesh(("pp", "fsdp", "tp"))
-        model._is_distributed_loading_by_transformers = True
-        model._tp_size = self.config.tp_size
-        model._fsdp_size = self.config.fsdp_size
+        mark_distributed(model, self.config, self.mesh_manager)
         override = self.config.tp_plan if isinstance(self.config.tp_plan, dict) else {}
-        model._tp_plan = _translate_plan(model, {**model.tp_plan, **override}, mesh.size())
+        set_tp_plan(model, _translate_plan(model, {**model.tp_plan, **override}, mesh.size()))
         # The plan is complete now: transformers resolves it (validation, layer numbers) as for a stock model.
-        resolved = DistributedConfig(tp_plan="auto", tp_size=self.config.tp_size)
-        tp_plan, _, _ = model._resolve_parallel_plans(resolved)
-        apply_tensor_parallelism(model, mesh, tp_plan)
+        tp_plan = resolved_tp_plan(model, mesh.size())
+        apply_tensor_parallel(model, mesh, tp_plan)
         parts = _localize_fused(model, tp_plan, mesh.size())
         object.__setattr__(model, TENSOR_PARALLEL_PARTS_ATTRIBUTE, parts)
         return ShardedLoad(model, plan, mesh, parts)
@@ -152,10 +159,11 @@ def prepare(distributed_config: DistributedConfig | None) -> TensorParallelSetup
     """The mesh of a tensor-parallel load, made by transformers' own ``prepare_distribute_model``."""
     if distributed_config is None:
         return None
-    config, device, mesh_manager = PreTrainedModel.prepare_distribute_model(distributed_config)
-    if mesh_manager is None:
+    prepared = prepare_distributed(distributed_config)
+    if prepared is None:
         return None
-    return TensorParallelSetup(config, mesh_manager, torch.device(device))
+    mesh_manager, device = prepared
+    return TensorParallelSetup(distributed_config, mesh_manager, device)
 
 
 def _translate_plan(model: nn.Module, plan: dict[str, str], tp_size: int) -> dict[str, str]:
@@ -163,7 +171,7 @@ def _translate_plan(model: nn.Module, plan: dict[str, str], tp_size: int) -> dic
     plan = dict(plan)
     seen: set[str] = set()
     for name, module in model.named_modules():
-        generic = replace_layer_number_by_wildcard(name)
+        generic = generic_module_name(name)
         if generic in seen:
             continue
         seen.add(generic)
@@ -195,9 +203,9 @@ def _translate_fused(
         return
     if any(style != "colwise" for style in styles):
         raise TensorParallelError(
-            f"The TP plan shards the parts of {generic} ({dict(zip(part_names, styles))}); modelpatch shards a fused "
-            "projection only when every part is 'colwise'. Load without this fusion, or pass a tp_plan that sets "
-            f"{generic!r} itself."
+            f"The TP plan shards the parts of {generic} ({dict(zip(part_names, styles, strict=True))}); modelpatch "
+            "shards a fused projection only when every part is 'colwise'. Load without this fusion, or pass a tp_plan "
+            f"that sets {generic!r} itself."
         )
     uneven = [size for size in fused.part_sizes if size % tp_size]
     if uneven:
@@ -222,7 +230,10 @@ def _translate_experts(plan: dict[str, str], generic: str, experts: LinearExpert
         )
     plan.pop(f"{generic}.gate_up_proj")
     plan.pop(f"{generic}.down_proj")
-    gate, up, down = experts[0].names
+    expert = experts[0]
+    if not isinstance(expert, ExpertMLP):
+        raise TensorParallelError(f"The experts {generic} hold {type(expert).__name__}s, not modelpatch ExpertMLPs.")
+    gate, up, down = expert.names
     for child, style in ((gate, "colwise"), (up, "colwise"), (down, "rowwise")):
         plan[f"{generic}.*.{child}.weight"] = style
         plan[f"{generic}.*.{child}"] = "local_params"
@@ -240,6 +251,8 @@ def _localize_fused(model: nn.Module, tp_plan: Mapping[str, str], tp_size: int) 
         if style != COLWISE_PARTS or name not in modules:
             continue
         fused = modules[name]
+        if not isinstance(fused, FusedLinear):
+            raise TensorParallelError(f"{name} is sharded part by part but is a {type(fused).__name__}.")
         owner_name, _, fused_name = name.rpartition(".")
         local = tuple(size // tp_size for size in fused.part_sizes)
         for _, part in _slices_of(model.get_submodule(owner_name), fused_name):
@@ -260,9 +273,10 @@ def _stacks_experts(group: ConversionGroup, placeholders: Mapping[str, DTensor])
     first, *rest = group.operations
     if not (isinstance(first, MergeModulelist) and first.dim == 0):
         return False
-    if not all(isinstance(op, Concatenate) and op.dim > 0 and not op.indexed for op in rest):
+    concatenations = [op for op in rest if isinstance(op, Concatenate)]
+    if len(concatenations) != len(rest) or not all(op.dim > 0 and not op.indexed for op in concatenations):
         return False
-    concatenated = {op.dim for op in rest}
+    concatenated = {op.dim for op in concatenations}
     placeholder = placeholders[targets[0]]
     for placement in placeholder.placements:
         if not hasattr(placement, "dim"):
@@ -271,7 +285,7 @@ def _stacks_experts(group: ConversionGroup, placeholders: Mapping[str, DTensor])
         strided = isinstance(placement, _StridedShard)
         if dim == 0 or (dim in concatenated) != strided:
             return False
-        if strided and placement.split_factor != len(group.sources):
+        if isinstance(placement, _StridedShard) and placement.split_factor != len(group.sources):
             return False
     return True
 
@@ -289,7 +303,7 @@ def _part_rows(sizes: tuple[int, ...], rank: int, tp_size: int) -> list[slice]:
 class ShardedLoad:
     """Turns the tensors a load reads into this rank's shards, and the loaded shards into the model's parameters."""
 
-    def __init__(self, model: nn.Module, plan: LoadPlan, mesh: Any, parts: Mapping[str, tuple[int, ...]]):
+    def __init__(self, model: nn.Module, plan: LoadPlan, mesh: DeviceMesh, parts: Mapping[str, tuple[int, ...]]):
         self.mesh = mesh
         self.rank = mesh.get_local_rank()
         self.size = mesh.size()
@@ -309,7 +323,8 @@ class ShardedLoad:
             elif _stacks_experts(group, self.placeholders):
                 target = group.target_keys()[0]
                 for slot in group.sources:
-                    self._expert_sources.update((key, (target, index)) for index, key in enumerate(slot))
+                    if isinstance(slot, tuple):  # always: _stacks_experts checked it
+                        self._expert_sources.update((key, (target, index)) for index, key in enumerate(slot))
 
     def fetch(self, fetch: Callable[[str], torch.Tensor]) -> Callable[[str], torch.Tensor]:
         """``fetch`` returning this rank's slice of every tensor it can slice before reading (views: no data read)."""
@@ -320,7 +335,7 @@ class ShardedLoad:
                 return tensor[self._rows(tensor.shape[0])]
             if key in self._expert_sources:
                 target, index = self._expert_sources[key]
-                return DtensorShardOperation(self.placeholders[target]).shard_tensor(tensor, tensor_idx=index)
+                return self._shard(target, tensor, index)
             runtime = self._direct.get(key)
             return tensor if runtime is None else self._local(runtime, tensor)
 
@@ -330,10 +345,17 @@ class ShardedLoad:
         local = size // self.size
         return slice(self.rank * local, (self.rank + 1) * local)
 
+    def _shard(self, key: str, tensor: torch.Tensor, index: int | None = None) -> torch.Tensor:
+        """This rank's shard of ``tensor`` for the ``DTensor`` parameter ``key`` (its ``index``-th expert's tensor)."""
+        shard = local_shard(self.placeholders[key], tensor, index)
+        if shard is None:  # only for an expert this rank does not own: experts are stacked on dim 0, never sharded
+            raise TensorParallelError(f"Rank {self.rank} holds no shard of expert {index} of {key}.")
+        return shard
+
     def _local(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's shard of the full tensor of parameter ``key`` (a view wherever one slice is enough)."""
         if key in self.placeholders:
-            return DtensorShardOperation(self.placeholders[key]).shard_tensor(tensor)
+            return self._shard(key, tensor)
         if key in self.parts:
             return torch.cat([tensor[rows] for rows in _part_rows(self.parts[key], self.rank, self.size)])
         return tensor
@@ -344,9 +366,9 @@ class ShardedLoad:
         for key, placeholder in self.placeholders.items():
             module_name, _, name = key.rpartition(".")
             module = model.get_submodule(module_name)
-            table = module._parameters if name in module._parameters else module._buffers
-            loaded = table[name]
-            if isinstance(loaded, DTensor) or loaded.device.type == "meta":
+            is_parameter = name in module._parameters
+            loaded = module._parameters[name] if is_parameter else module._buffers[name]
+            if loaded is None or isinstance(loaded, DTensor) or loaded.device.type == "meta":
                 continue  # not loaded here (a tied or new parameter: transformers' finalisation handles it)
             local = loaded.detach()
             if tuple(local.shape) == tuple(placeholder.shape) and local.shape != placeholder.to_local().shape:
@@ -359,17 +381,20 @@ class ShardedLoad:
                 shape=placeholder.shape,
                 stride=tuple(placeholder.stride()),
             )
-            if table is module._parameters:
-                value = nn.Parameter(value, requires_grad=placeholder.requires_grad)
-            value._is_hf_initialized = True
-            table[name] = value
+            if is_parameter:
+                parameter = nn.Parameter(value, requires_grad=placeholder.requires_grad)
+                mark_initialized(parameter)
+                module._parameters[name] = parameter
+            else:
+                mark_initialized(value)
+                module._buffers[name] = value
         for key, sizes in self.parts.items():
             module_name, _, name = key.rpartition(".")
             module = model.get_submodule(module_name)
             loaded = module._parameters[name]
-            if loaded.shape[0] == sum(sizes):  # produced whole by a conversion
+            if loaded is not None and loaded.shape[0] == sum(sizes):  # produced whole by a conversion
                 sharded = nn.Parameter(self._local(key, loaded.detach()), requires_grad=loaded.requires_grad)
-                sharded._is_hf_initialized = True
+                mark_initialized(sharded)
                 module._parameters[name] = sharded
 
 
@@ -386,7 +411,7 @@ def gather_state(model: nn.Module, state: Mapping[str, Any]) -> dict[str, Any]:
     parts: Mapping[str, tuple[int, ...]] | None = getattr(model, TENSOR_PARALLEL_PARTS_ATTRIBUTE, None)
     if parts is None:
         return dict(state)
-    group = model._device_mesh["tp"].get_group()
+    group = _tp_group(model)
     size = dist.get_world_size(group)
     gathered: dict[str, Any] = {}
     # Tied parameters (one shard under two keys) are gathered once, so that the save still sees them tied.
@@ -422,4 +447,12 @@ def writes_files(model: nn.Module) -> bool:
 def barrier(model: nn.Module) -> None:
     """Wait for every rank (after rank 0 wrote a save); a no-op for a model not loaded with tensor parallelism."""
     if is_tensor_parallel(model):
-        dist.barrier(group=model._device_mesh["tp"].get_group())
+        dist.barrier(group=_tp_group(model))
+
+
+def _tp_group(model: nn.Module) -> dist.ProcessGroup:
+    """The process group of the ranks ``model`` (loaded with tensor parallelism) is sharded over."""
+    mesh = device_mesh_of(model)
+    if mesh is None:
+        raise TensorParallelError(f"{type(model).__name__} has no device mesh: it was not loaded tensor-parallel.")
+    return mesh["tp"].get_group()
