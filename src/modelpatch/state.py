@@ -31,6 +31,7 @@ TRANSFORMS_ATTRIBUTE = "_modelpatch_transforms"  # the transforms a save runs ba
 BASE_TRANSFORMS_ATTRIBUTE = "_modelpatch_base_transforms"  # the same without fusions: what unfuse goes back to
 EXPECTED_STATE_ATTRIBUTE = "_modelpatch_expected_state"  # runtime key -> (shape, dtype) as built: what a save checks
 QUANTIZATION_ATTRIBUTE = "_modelpatch_quantization"  # how a quantized load left the model: what a save must respect
+OFFLOAD_ATTRIBUTE = "_modelpatch_offloaded_weights"  # weights of modules offloaded by a device_map: what a save reads
 
 
 def stored_fusion_config(config: PretrainedConfig) -> Any:

@@ -57,7 +57,7 @@ from .build import (
 )
 from .config import load_config, resolve_dtype, resolve_model_class
 from .diagnose import Replacement
-from .dispatch import dispatch, single_device
+from .dispatch import Dispatch, single_device
 from .hub import HubOptions, resolve_checkpoint
 from .keywords import config_overrides
 from .materialize import load_into_model
@@ -334,9 +334,10 @@ def from_pretrained(
         device: Where parameters go (default CPU). Unconverted CPU tensors stay memory-mapped (zero-copy).
         device_map: One device for the whole model (``"cpu"``, ``"cuda:0"``, ``0``, ``{"": device}``: the same as
             ``device``), or spread over several with accelerate: ``"auto"`` (fit ``max_memory``) or
-            ``{module name: device}``; ``"disk"`` entries are offloaded to ``offload_folder``.
+            ``{module name: device}``. Weights of ``"disk"`` modules are read in place from the checkpoint's
+            safetensors files when the load reads them unconverted, as in stock; converted ones need ``offload_folder``.
         max_memory: ``{device: bytes or "10GiB"}`` limits for ``device_map="auto"``.
-        offload_folder: Where weights offloaded to ``"disk"`` are written.
+        offload_folder: Where the weights offloaded to ``"disk"`` that cannot be read in place are written.
         offload_buffers: Offload buffers with the parameters of modules on ``"disk"``.
         new_parameters: Regex patterns of parameters that may be absent from the checkpoint; they are initialised
             as stock transformers initialises them (a fresh task head, say). Any other absent parameter is an error.
@@ -426,6 +427,11 @@ def from_pretrained(
         )
         model, plan, metas = planned.model, planned.plan, planned.checkpoint
         runtime_layout, transforms, fusions = planned.runtime_layout, planned.transforms, planned.fusions
+        # Resolved on the meta model, as stock does: an offload to disk that cannot be done is refused before any read.
+        placement = None if device_map is None else Dispatch.plan(
+            model, device_map, plan, checkpoint, max_memory=max_memory, offload_folder=offload_folder,
+            offload_buffers=offload_buffers, in_place=planned.quantization is None,
+        )
         # Safetensors tensors (byte range known) are views of a private file mapping; pickle ones are not.
         fetch, file_mapped = checkpoint.tensor, lambda key: checkpoint.info(key).start >= 0
         if planned.quantization is not None:
@@ -433,6 +439,8 @@ def from_pretrained(
         load_into_model(model, plan, fetch, target_device, checkpoint.total_bytes, file_mapped=file_mapped)
         # A file rewritten in place while its tensors were being read may have given data of two versions.
         checkpoint.check_unchanged()
+        if placement is not None:
+            placement.keep_files(checkpoint)
 
     if planned.quantization is not None:
         planned.quantization.quantize_loaded(model, plan.loaded_keys())
@@ -460,10 +468,8 @@ def from_pretrained(
     setattr(model, REPORT_ATTRIBUTE, report)
     _record_build(model, plan.expected, _conversions(model, patcher, PreparedFusions()))
     logger.info("%s", report.summary())
-    if device_map is not None:
-        model = dispatch(
-            model, device_map, max_memory=max_memory, offload_folder=offload_folder, offload_buffers=offload_buffers
-        )
+    if placement is not None:
+        model = placement.apply(model)
     return (model, report.loading_info()) if output_loading_info else model
 
 

@@ -4,8 +4,8 @@ Data flow of a save:
 
 1. check that the model can still be saved as built: a module substituted since (a quantizer's module, a tensor
    subclass such as torchao's, a PEFT wrapper) whose state modelpatch cannot reverse is named, and nothing is written;
-2. take the model's state dict, minus tied parameters that still share their storage and that the source checkpoint
-   did not store;
+2. take the model's state dict (the weights of modules offloaded to disk read back from their files), minus tied
+   parameters that still share their storage and that the source checkpoint did not store;
 3. original format: every key read unchanged is written under its checkpoint name; every converted group is run
    through its exact reverse (operations bound to the source's shapes at load time); keys the load never saw (a
    model built with ``from_config``, a new task head) are mapped back by running the model type's transforms
@@ -35,6 +35,7 @@ from ..conversion.planner import TensorMeta, plan_save
 from ..conversion.registry import model_conversions
 from ..errors import ConversionError, SaveError
 from ..state import EXPECTED_STATE_ATTRIBUTE, RUNTIME_LAYOUT_KEY, TRANSFORMS_ATTRIBUTE
+from .offload import gather_offloaded
 from .quantization import quantized_checkpoint
 from .report import LoadReport, get_load_report
 
@@ -221,7 +222,8 @@ def _checkpoint_contents(
     is then not used, as in stock), or refused by name (quantization.py).
     """
     _reject_wrapped(model)
-    state = dict(state_dict) if state_dict is not None else model.state_dict()
+    # A model dispatched with modules on disk holds their weights on the meta device: read from their files.
+    state = gather_offloaded(model, state_dict if state_dict is not None else model.state_dict())
     report = get_load_report(model)
     quantized = quantized_checkpoint(model, report, original_format=original_format)
     _check_saveable(model, state, quantized=quantized is not None)
