@@ -4,6 +4,7 @@ checkpoint file changed after the load refused at the next read."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -213,3 +214,28 @@ def test_checkpoint_replaced_after_load_is_not_read(stock_checkpoint, tmp_path):
     save_file(other, str(tmp_path / "other.safetensors"), metadata={"format": "pt"})
     os.replace(tmp_path / "other.safetensors", source / "model.safetensors")
     torch.testing.assert_close(_logits(model, checkpoint), expected, rtol=0, atol=0)
+
+
+def test_pickle_checkpoint_weights_are_written_to_offload_folder(stock_checkpoint, tmp_path):
+    # A pickle file has no byte ranges to read tensors from in place: stock writes them to the folder too.
+    checkpoint = stock_checkpoint("llama")
+    source = tmp_path / "llama_bin"
+    shutil.copytree(checkpoint.path, source, ignore=shutil.ignore_patterns("*.safetensors"))
+    torch.save(read_tensors(checkpoint.path), source / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down_proj\.weight.*offload_folder"):
+        modelpatch.from_pretrained(AutoModelForCausalLM, source, allow_pickle=True, device_map=PARTIAL)
+    folder = tmp_path / "offload"
+    model = modelpatch.from_pretrained(
+        AutoModelForCausalLM, source, allow_pickle=True, device_map=PARTIAL, offload_folder=folder
+    )
+    assert sorted(path.name for path in folder.iterdir()) == [f"{name}.safetensors" for name in _on_disk(model, PARTIAL)]
+    stock = AutoModelForCausalLM.from_pretrained(checkpoint.path)
+    torch.testing.assert_close(_logits(model, checkpoint), _logits(stock, checkpoint), rtol=0, atol=0)
+
+
+def test_copied_offloaded_model_reads_the_same_files(stock_checkpoint):
+    checkpoint = stock_checkpoint("llama")
+    model = _load(checkpoint, device_map=PARTIAL)
+    copied = copy.deepcopy(model)
+    assert offloaded_weights(copied).index == offloaded_weights(model).index
+    torch.testing.assert_close(_logits(copied, checkpoint), _logits(model, checkpoint), rtol=0, atol=0)

@@ -231,6 +231,35 @@ class SafetensorsFile(ClosesOnExit):
         flat = torch.frombuffer(mm, dtype=info.dtype, count=info.numel, offset=info.start)
         return flat.reshape(info.shape)
 
+    def read(self, key: str) -> torch.Tensor:
+        """Return tensor ``key`` as a copy read from the file, for tensors read again and again (a disk offload's).
+
+        Unlike :meth:`tensor`'s views, nothing of the file stays mapped or resident in this process once the copy is
+        dropped. The file is compared with its recorded identity before and after the read, so data of a file
+        rewritten meanwhile is never returned.
+        """
+        info = self.tensors.get(key)
+        if info is None:
+            raise CheckpointError(f"{self.path}: no tensor named {key!r}")
+        if self._fd is None:
+            raise CheckpointError(f"{self.path}: file is closed")
+        self.check_unchanged()
+        out = torch.empty(info.shape, dtype=info.dtype)
+        buffer = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        done = 0
+        while done < info.nbytes:  # one pread returns at most about 2 GiB
+            try:
+                count = os.preadv(self._fd, [buffer[done:]], info.start + done)
+            except OSError as exc:
+                raise CheckpointError(f"{self.path}: cannot read tensor {key!r}: {exc}") from exc
+            if count == 0:
+                raise CheckpointError(
+                    f"{self.path}: tensor {key!r} ends at byte {info.end} but the file ends before (truncated?)"
+                )
+            done += count
+        self.check_unchanged()
+        return out
+
     def check_unchanged(self) -> None:
         """Raise :class:`CheckpointError` naming the file if it was rewritten in place since its header was read.
 

@@ -15,6 +15,7 @@ model, so a checkpoint directory replaced since (a save into it, a hub update) d
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import tempfile
@@ -68,7 +69,8 @@ class OffloadedWeights(Mapping[str, torch.Tensor]):
             return self._resident[name]
         entry = self._entries[name]
         try:
-            tensor = entry.file.tensor(entry.key)
+            # A copy, as stock reads: the model drops it after the forward and none of the file stays resident.
+            tensor = entry.file.read(entry.key)
         except CheckpointError as exc:
             raise CheckpointError(
                 f"Offloaded weight {name!r} cannot be read from {entry.file.path} (tensor {entry.key!r}): {exc}"
@@ -86,6 +88,10 @@ class OffloadedWeights(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self._resident) + len(self._entries)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> OffloadedWeights:
+        # A copied model reads the same read-only files (an open file mapping cannot be copied anyway).
+        return OffloadedWeights(self._entries, copy.deepcopy(self._resident, memo))
 
     @property
     def index(self) -> dict[str, dict[str, str]]:
