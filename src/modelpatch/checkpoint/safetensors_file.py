@@ -243,9 +243,11 @@ class SafetensorsFile(ClosesOnExit):
             raise CheckpointError(f"{self.path}: no tensor named {key!r}")
         if self._fd is None:
             raise CheckpointError(f"{self.path}: file is closed")
+        if info.numel == 0:
+            return torch.empty(info.shape, dtype=info.dtype)
         self.check_unchanged()
-        out = torch.empty(info.shape, dtype=info.dtype)
-        buffer = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        data = bytearray(info.nbytes)
+        buffer = memoryview(data)
         done = 0
         while done < info.nbytes:  # one pread returns at most about 2 GiB
             try:
@@ -258,7 +260,7 @@ class SafetensorsFile(ClosesOnExit):
                 )
             done += count
         self.check_unchanged()
-        return out
+        return torch.frombuffer(data, dtype=info.dtype, count=info.numel).reshape(info.shape)
 
     def check_unchanged(self) -> None:
         """Raise :class:`CheckpointError` naming the file if it was rewritten in place since its header was read.

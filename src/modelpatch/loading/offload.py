@@ -118,21 +118,22 @@ def offloaded_weights(model: PreTrainedModel) -> OffloadedWeights | None:
 def gather_offloaded(model: PreTrainedModel, state: Mapping[str, Any]) -> dict[str, Any]:
     """``state`` with the tensors that offloading left on the meta device read back from their files.
 
-    Views of the files where the weights are read in place, so a save reads them straight from the checkpoint.
-    Raises :class:`SaveError` naming the tensors that are on the meta device with nothing to read them from.
+    Each is read like a forward reads it (a copy, checked against its file's identity), so the whole state is in
+    memory for the save, as in stock's save of an offloaded model. Raises :class:`SaveError` naming the tensors that
+    are on the meta device with nothing to read them from.
     """
     on_meta = [key for key, tensor in state.items() if isinstance(tensor, torch.Tensor) and tensor.is_meta]
     if not on_meta:
         return dict(state)
     weights = offloaded_weights(model)
     lost = [key for key in on_meta if weights is None or key not in weights]
-    if lost:
+    if weights is None or lost:
         raise SaveError(
             f"Cannot save {type(model).__name__}: {len(lost)} tensor(s) are on the meta device with no offloaded copy "
             f"to read them from: {', '.join(lost)}. Nothing was written. Only tensors of modules that "
             "modelpatch.from_pretrained offloaded with its device_map can be read back."
         )
-    return {key: weights[key] if key in on_meta else tensor for key, tensor in state.items()}  # type: ignore[index]
+    return {key: weights[key] if key in on_meta else tensor for key, tensor in state.items()}
 
 
 @dataclass
@@ -212,23 +213,32 @@ class DiskOffload:
         entries = {}
         for name in self.written:
             tensor = state[name].detach().contiguous()
-            path = self.folder / f"{name}.safetensors"
-            # Written beside and renamed over, so a model still reading an older file of that name keeps its own.
-            fd, temporary = tempfile.mkstemp(dir=self.folder, prefix=f".{name}.", suffix=".tmp")
-            os.close(fd)
-            fd = None
-            try:
-                save_file({name: tensor}, temporary)
-                fd = os.open(temporary, os.O_RDONLY)
-                os.replace(temporary, path)
-            except BaseException:
-                if fd is not None:
-                    os.close(fd)
-                Path(temporary).unlink(missing_ok=True)
-                raise
-            # Read through the descriptor of the file just written, whatever the name points at later.
-            entries[name] = _Entry(SafetensorsFile.from_fd(path, fd), name, tensor.dtype)
+            entries[name] = _Entry(_write_weight(self.folder, name, tensor), name, tensor.dtype)
         return entries
+
+
+def _write_weight(folder: Path, name: str, tensor: torch.Tensor) -> SafetensorsFile:
+    """Write ``tensor`` to ``folder/<name>.safetensors`` (as stock names it) and open that file for reading.
+
+    Written beside and renamed over, so that a model still reading an older file of that name keeps its own; read
+    through the descriptor of the file written here, whatever the name points at later.
+    """
+    handle, temporary = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+    os.close(handle)
+    path = folder / f"{name}.safetensors"
+    try:
+        save_file({name: tensor}, temporary)
+        descriptor = os.open(temporary, os.O_RDONLY)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    try:
+        os.replace(temporary, path)
+    except BaseException:
+        os.close(descriptor)
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return SafetensorsFile.from_fd(path, descriptor)
 
 
 def _source(name: str, load_plan: LoadPlan, checkpoint: Checkpoint) -> TensorInfo | None:
