@@ -69,8 +69,8 @@ class OffloadedWeights(Mapping[str, torch.Tensor]):
             return self._resident[name]
         entry = self._entries[name]
         try:
-            # A copy, as stock reads: the model drops it after the forward and none of the file stays resident.
-            tensor = entry.file.read(entry.key)
+            # A mapping of its own: the hook drops the weight after the forward and none of the file stays resident.
+            tensor = entry.file.map_tensor(entry.key)
         except CheckpointError as exc:
             raise CheckpointError(
                 f"Offloaded weight {name!r} cannot be read from {entry.file.path} (tensor {entry.key!r}): {exc}"
@@ -118,9 +118,9 @@ def offloaded_weights(model: PreTrainedModel) -> OffloadedWeights | None:
 def gather_offloaded(model: PreTrainedModel, state: Mapping[str, Any]) -> dict[str, Any]:
     """``state`` with the tensors that offloading left on the meta device read back from their files.
 
-    Each is read like a forward reads it (a copy, checked against its file's identity), so the whole state is in
-    memory for the save, as in stock's save of an offloaded model. Raises :class:`SaveError` naming the tensors that
-    are on the meta device with nothing to read them from.
+    Each is read as a forward reads it (checked against its file's identity; mapped, or cast to the model's dtype),
+    so the save reads them from the files. Raises :class:`SaveError` naming the tensors that are on the meta device
+    with nothing to read them from.
     """
     on_meta = [key for key, tensor in state.items() if isinstance(tensor, torch.Tensor) and tensor.is_meta]
     if not on_meta:
