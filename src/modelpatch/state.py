@@ -54,6 +54,7 @@ EXPECTED_STATE_ATTRIBUTE = "_modelpatch_expected_state"  # runtime key -> (shape
 QUANTIZATION_ATTRIBUTE = "_modelpatch_quantization"  # how a quantized load left the model: what a save must respect
 # A tensor-parallel load: {parameter: global part sizes} of the fused projections sharded part by part (a save gathers)
 TENSOR_PARALLEL_PARTS_ATTRIBUTE = "_modelpatch_tensor_parallel_parts"
+OFFLOAD_ATTRIBUTE = "_modelpatch_offloaded_weights"  # weights of modules offloaded by a device_map: what a save reads
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -272,6 +272,23 @@ class Checkpoint(ClosesOnExit):
             if source is None:
                 raise CheckpointError(f"{path}: checkpoint is closed")
             source.check_unchanged()
+
+    def hand_over(self, paths: Iterable[Path]) -> dict[Path, SafetensorsFile]:
+        """Give the open safetensors files ``paths`` to the caller, who reads them after this checkpoint is closed.
+
+        A disk offload reads weights in place long after the load: through the very files whose headers were
+        validated, so every later read is still checked against the identity recorded then. This checkpoint no
+        longer reads or closes them (they close when the caller drops them).
+        """
+        taken: dict[Path, SafetensorsFile] = {}
+        for path in paths:
+            source = self._sources.get(path)
+            if not isinstance(source, SafetensorsFile):
+                raise CheckpointError(f"{path}: not an open safetensors file of the checkpoint in {self.directory}")
+            taken[path] = source
+        for path in taken:
+            del self._sources[path]
+        return taken
 
     @property
     def files(self) -> list[Path]:

@@ -231,6 +231,29 @@ class SafetensorsFile(ClosesOnExit):
         flat = torch.frombuffer(mm, dtype=info.dtype, count=info.numel, offset=info.start)
         return flat.reshape(info.shape)
 
+    def map_tensor(self, key: str) -> torch.Tensor:
+        """Return tensor ``key`` as a view of a private mapping of its own pages, for tensors read again and again.
+
+        A disk offload reads its weights at every forward and drops them after: unlike :meth:`tensor`'s views of the
+        one mapping of the whole file, nothing of the file stays mapped or resident once the returned tensor is
+        dropped. The file is compared with its recorded identity first, as for :meth:`tensor`.
+        """
+        info = self.tensors.get(key)
+        if info is None:
+            raise CheckpointError(f"{self.path}: no tensor named {key!r}")
+        if info.numel == 0:
+            return torch.empty(info.shape, dtype=info.dtype)
+        self.check_unchanged()
+        assert self._fd is not None  # check_unchanged() raised otherwise
+        start = info.start // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY  # mappings start on a page
+        try:
+            mapping = mmap.mmap(self._fd, info.end - start, offset=start, access=mmap.ACCESS_COPY)
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{self.path}: cannot memory-map tensor {key!r}: {exc}") from exc
+        # frombuffer keeps a reference to the mapping, which is unmapped when the last view of it is gone.
+        flat = torch.frombuffer(mapping, dtype=info.dtype, count=info.numel, offset=info.start - start)
+        return flat.reshape(info.shape)
+
     def check_unchanged(self) -> None:
         """Raise :class:`CheckpointError` naming the file if it was rewritten in place since its header was read.
 

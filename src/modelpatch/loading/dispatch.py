@@ -1,16 +1,23 @@
-"""``device_map``: one device for the whole model, or several (and disk) with accelerate's big-model dispatch."""
+"""``device_map``: one device for the whole model, or several (and disk) with accelerate's big-model dispatch.
+
+Disk offload reads weights in place from the checkpoint where it can, as stock transformers does (``offload.py``).
+"""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
 from .._transformers import no_split_modules
+from ..checkpoint import Checkpoint
+from ..state import OFFLOAD_ATTRIBUTE
+from .offload import DiskOffload
+from .plan import LoadPlan
 
 _AUTO = ("auto", "balanced", "balanced_low_0", "sequential")
 
@@ -67,25 +74,69 @@ def resolve_device_map(
     return dict(device_map)
 
 
-def dispatch(
-    model: PreTrainedModel,
-    device_map: str | Mapping[str, Any],
-    *,
-    max_memory: Mapping[Any, Any] | None = None,
-    offload_folder: str | Path | None = None,
-    offload_buffers: bool = False,
-) -> PreTrainedModel:
-    """Place ``model``'s modules per ``device_map`` and add the hooks that move activations between devices.
+@dataclass
+class Dispatch:
+    """A ``device_map`` resolved on the meta-device model, and how the weights of its ``"disk"`` modules are read.
 
-    ``device_map`` is ``"auto"`` (or another of accelerate's strategies) or ``{module name: device}``; one device for
-    the whole model is :func:`single_device`'s case, loaded there directly.
+    Planned before any tensor data is read (as stock resolves its map on the meta model), so that an offload that
+    cannot be done is refused before the load; applied to the loaded model.
     """
-    from accelerate import dispatch_model
 
-    resolved = resolve_device_map(model, device_map, max_memory)
-    if "disk" in resolved.values() and offload_folder is None:
-        raise ValueError("device_map offloads modules to 'disk'; pass offload_folder=... for the offloaded weights.")
-    model = dispatch_model(model, device_map=resolved, offload_dir=offload_folder, offload_buffers=offload_buffers)
-    # torch annotates Module.__setattr__ for tensors and modules; other values are stored as plain attributes.
-    model.hf_device_map = resolved  # type: ignore[assignment]
-    return model
+    device_map: dict[str, Any]
+    offload: DiskOffload | None
+    offload_buffers: bool
+
+    @classmethod
+    def plan(
+        cls,
+        model: PreTrainedModel,
+        device_map: str | Mapping[str, Any],
+        load_plan: LoadPlan,
+        checkpoint: Checkpoint,
+        *,
+        max_memory: Mapping[Any, Any] | None = None,
+        offload_folder: str | os.PathLike[str] | None = None,
+        offload_buffers: bool = False,
+        in_place: bool = True,
+    ) -> Dispatch:
+        """Resolve ``device_map`` ("auto" fits ``max_memory``) and plan the disk offload (:class:`DiskOffload`)."""
+        resolved = resolve_device_map(model, device_map, max_memory)
+        offload = None
+        if "disk" in resolved.values():
+            offload = DiskOffload.plan(
+                model, resolved, load_plan, checkpoint, offload_folder=offload_folder,
+                offload_buffers=offload_buffers, in_place=in_place,
+            )
+        return cls(resolved, offload, offload_buffers)
+
+    def keep_files(self, checkpoint: Checkpoint) -> None:
+        """Keep the checkpoint files that offloaded weights are read from in place (before the load closes them)."""
+        if self.offload is not None:
+            self.offload.keep_files(checkpoint)
+
+    def apply(self, model: PreTrainedModel) -> PreTrainedModel:
+        """Place the loaded ``model``'s modules and add accelerate's hooks that move weights and activations."""
+        from accelerate import dispatch_model
+        from accelerate.utils import extract_submodules_state_dict
+
+        options: dict[str, Any] = {}
+        if self.offload is not None:
+            # On an accelerator, accelerate offloads the "cpu" modules too and reads them from the same mapping.
+            accelerated = set(self.device_map.values()) - {"cpu", "disk"}
+            cpu_modules = [name for name, device in self.device_map.items() if device == "cpu"]
+            resident = extract_submodules_state_dict(model.state_dict(), cpu_modules) if accelerated else {}
+            weights = self.offload.weights(model, resident)
+            object.__setattr__(model, OFFLOAD_ATTRIBUTE, weights)
+            # accelerate reads an offloaded weight from the mapping it is given, ahead of any index or folder; the
+            # empty index only tells it that nothing is to be written.
+            options = {"state_dict": weights, "offload_index": {}}
+        model = dispatch_model(
+            model,
+            device_map=self.device_map,
+            offload_buffers=self.offload_buffers,
+            skip_keys=getattr(model, "_skip_keys_device_placement", None),
+            **options,
+        )
+        # torch annotates Module.__setattr__ for tensors and modules; other values are stored as plain attributes.
+        model.hf_device_map = self.device_map  # type: ignore[assignment]
+        return model

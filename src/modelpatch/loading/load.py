@@ -58,7 +58,7 @@ from .build import (
 )
 from .config import load_config, resolve_dtype, resolve_model_class
 from .diagnose import Replacement
-from .dispatch import dispatch, single_device
+from .dispatch import Dispatch, single_device
 from .hub import HubOptions, resolve_checkpoint
 from .keywords import config_overrides
 from .materialize import load_into_model
@@ -72,6 +72,7 @@ from .save import install_original_format_save
 logger = logging.getLogger(__name__)
 
 FusionConfig = Mapping[str, bool | Mapping[str, Any]]
+
 
 def _check_patterns(new_parameters: Sequence[str]) -> None:
     # A bare string would be taken letter by letter: every parameter containing an "e" would be allowed to be new.
@@ -370,9 +371,10 @@ def from_pretrained(
         device: Where parameters go (default CPU). Unconverted CPU tensors stay memory-mapped (zero-copy).
         device_map: One device for the whole model (``"cpu"``, ``"cuda:0"``, ``0``, ``{"": device}``: the same as
             ``device``), or spread over several with accelerate: ``"auto"`` (fit ``max_memory``) or
-            ``{module name: device}``; ``"disk"`` entries are offloaded to ``offload_folder``.
+            ``{module name: device}``. Weights of ``"disk"`` modules are read in place from the checkpoint's
+            safetensors files when the load reads them unconverted, as in stock; converted ones need ``offload_folder``.
         max_memory: ``{device: bytes or "10GiB"}`` limits for ``device_map="auto"``.
-        offload_folder: Where weights offloaded to ``"disk"`` are written.
+        offload_folder: Where the weights offloaded to ``"disk"`` that cannot be read in place are written.
         offload_buffers: Offload buffers with the parameters of modules on ``"disk"``.
         new_parameters: Regex patterns of parameters that may be absent from the checkpoint; they are initialised
             as stock transformers initialises them (a fresh task head, say). Any other absent parameter is an error.
@@ -429,7 +431,9 @@ def from_pretrained(
         raise ValueError("Pass either device or device_map, not both.")
     distributed = distributed_config_of(tp_plan, tp_size, distributed_config)
     if distributed is not None and (device is not None or device_map is not None):
-        raise ValueError("Tensor parallelism places each rank's shards on its own device: pass no device or device_map.")
+        raise ValueError(
+            "Tensor parallelism places each rank's shards on its own device: pass no device or device_map."
+        )
     if device_map is not None and (one_device := single_device(device_map)) is not None:
         device, device_map = one_device, None
     try:
@@ -474,6 +478,21 @@ def from_pretrained(
         )
         model, plan, metas = planned.model, planned.plan, planned.checkpoint
         runtime_layout, transforms, fusions = planned.runtime_layout, planned.transforms, planned.fusions
+        # Resolved on the meta model, as stock does: an offload to disk that cannot be done is refused before any read.
+        placement = None
+        if device_map is not None:
+            # single_device took every one-device form above: a dispatch map or one of accelerate's strategies is left.
+            assert isinstance(device_map, (str, Mapping))
+            placement = Dispatch.plan(
+                model,
+                device_map,
+                plan,
+                checkpoint,
+                max_memory=max_memory,
+                offload_folder=offload_folder,
+                offload_buffers=offload_buffers,
+                in_place=planned.quantization is None,
+            )
         # Safetensors tensors (byte range known) are views of a private file mapping; pickle ones are not.
         fetch, file_mapped = checkpoint.tensor, lambda key: checkpoint.info(key).start >= 0
         if planned.quantization is not None:
@@ -488,6 +507,8 @@ def from_pretrained(
             sharded.finish(model)
         # A file rewritten in place while its tensors were being read may have given data of two versions.
         checkpoint.check_unchanged()
+        if placement is not None:
+            placement.keep_files(checkpoint)
 
     if planned.quantization is not None:
         planned.quantization.quantize_loaded(model, plan.loaded_keys())
@@ -515,12 +536,8 @@ def from_pretrained(
     setattr(model, REPORT_ATTRIBUTE, report)
     _record_build(model, plan.expected, _conversions(model, patcher, PreparedFusions()))
     logger.info("%s", report.summary())
-    if device_map is not None:
-        # single_device took every one-device form above: a dispatch map or one of accelerate's strategies is left.
-        assert isinstance(device_map, (str, Mapping))
-        model = dispatch(
-            model, device_map, max_memory=max_memory, offload_folder=offload_folder, offload_buffers=offload_buffers
-        )
+    if placement is not None:
+        model = placement.apply(model)
     return (model, report.loading_info()) if output_loading_info else model
 
 

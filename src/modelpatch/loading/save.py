@@ -4,8 +4,8 @@ Data flow of a save:
 
 1. check that the model can still be saved as built: a module substituted since (a quantizer's module, a tensor
    subclass such as torchao's, a PEFT wrapper) whose state modelpatch cannot reverse is named, and nothing is written;
-2. take the model's state dict, minus tied parameters that still share their storage and that the source checkpoint
-   did not store;
+2. take the model's state dict (the weights of modules offloaded to disk read back from their files), minus tied
+   parameters that still share their storage and that the source checkpoint did not store;
 3. original format: every key read unchanged is written under its checkpoint name; every converted group is run
    through its exact reverse (operations bound to the source's shapes at load time); keys the load never saw (a
    model built with ``from_config``, a new task head) are mapped back by running the model type's transforms
@@ -37,6 +37,7 @@ from ..conversion.planner import TensorMeta, plan_save
 from ..conversion.registry import model_conversions
 from ..errors import ConversionError, SaveError
 from ..state import EXPECTED_STATE_ATTRIBUTE, TRANSFORMS_ATTRIBUTE, record_file_layout
+from .offload import gather_offloaded
 from .parallel import barrier, gather_state, local_tensor, writes_files
 from .quantization import quantized_checkpoint
 from .report import LoadReport, get_load_report
@@ -228,8 +229,10 @@ def _checkpoint_contents(
     is then not used, as in stock), or refused by name (quantization.py).
     """
     _reject_wrapped(model)
-    # A tensor-parallel model's shards are gathered into full tensors first, on every rank (collectives).
+    # A tensor-parallel model's shards are gathered into full tensors first, on every rank (collectives); a model
+    # dispatched with modules on disk holds their weights on the meta device: they are read from their files.
     state = gather_state(model, state_dict if state_dict is not None else model.state_dict())
+    state = gather_offloaded(model, state)
     report = get_load_report(model)
     quantized = quantized_checkpoint(model, report, original_format=original_format)
     _check_saveable(model, state, quantized=quantized is not None)
