@@ -168,6 +168,14 @@ def no_split_modules(model: PreTrainedModel) -> list[str]:
     return sorted(getattr(model, "_no_split_modules", None) or [])
 
 
+def skip_keys_device_placement(model: PreTrainedModel) -> str | list[str] | None:
+    """The state keys a dispatch leaves where they are (a cache buffer, say), as stock passes them to accelerate.
+
+    Checked against 5.23.0: ``PreTrainedModel._skip_keys_device_placement`` (a class attribute, None by default).
+    """
+    return getattr(model, "_skip_keys_device_placement", None)
+
+
 def has_transformers_adapter(model: PreTrainedModel) -> bool:
     """Whether an adapter was loaded through transformers' own PEFT integration (``model.load_adapter``).
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from .._transformers import no_split_modules
+from .._transformers import no_split_modules, skip_keys_device_placement
 from ..checkpoint import Checkpoint
 from ..state import OFFLOAD_ATTRIBUTE
 from .offload import DiskOffload
@@ -134,7 +134,7 @@ class Dispatch:
             model,
             device_map=self.device_map,
             offload_buffers=self.offload_buffers,
-            skip_keys=getattr(model, "_skip_keys_device_placement", None),
+            skip_keys=skip_keys_device_placement(model),
             **options,
         )
         # torch annotates Module.__setattr__ for tensors and modules; other values are stored as plain attributes.
