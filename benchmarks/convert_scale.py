@@ -38,10 +38,10 @@ import tempfile
 import time
 from pathlib import Path
 
-FULL = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=10,
-            num_attention_heads=32, num_key_value_heads=32, tie_word_embeddings=False)
-QUICK = dict(vocab_size=8000, hidden_size=512, intermediate_size=1408, num_hidden_layers=6,
-             num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=False)
+FULL = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 10,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "tie_word_embeddings": False}
+QUICK = {**FULL, "vocab_size": 8000, "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 6,
+         "num_attention_heads": 8, "num_key_value_heads": 8}
 SHARD = "1GB"
 BOUND_SLACK = 256 * 2**20
 
@@ -63,18 +63,10 @@ def build(path: Path, sizes: dict, shard: str) -> None:
 
 
 def _tensor_bytes(directory: Path) -> int:
-    from safetensors import safe_open
+    from modelpatch.checkpoint import Checkpoint
 
-    total = 0
-    for path in directory.glob("*.safetensors"):
-        with safe_open(path, "pt") as f:
-            for key in f.keys():
-                piece = f.get_slice(key)
-                count = 1
-                for dim in piece.get_shape():
-                    count *= dim
-                total += count * {"BF16": 2, "F16": 2, "F32": 4}[piece.get_dtype()]
-    return total
+    with Checkpoint.open(directory) as checkpoint:
+        return checkpoint.total_bytes
 
 
 def _run(command: list[str]) -> tuple[float, int]:

@@ -30,7 +30,13 @@ from ..patching.patcher import Patcher
 from . import materialize
 from .config import load_config
 from .diagnose import collapse_indices
-from .load import FusionConfig, PlannedLoad, _load_generation_config, _plan, from_pretrained
+from .load import (
+    FusionConfig,
+    PlannedLoad,
+    _load_generation_config,
+    _plan,
+    from_pretrained,
+)
 from .materialize import _placed, release_pages
 from .save import checkpoint_layout, config_files, save_pretrained
 
@@ -60,7 +66,9 @@ class Conversion:
         """Checkpoint keys the model class declares ignorable: a load drops them, and so would the conversion."""
         return list(self.planned.plan.ignored)
 
-    def write(self, destination: str | Path, *, runtime_format: bool = False, max_shard_size: int | str = "50GB") -> list[Path]:
+    def write(
+        self, destination: str | Path, *, runtime_format: bool = False, max_shard_size: int | str = "50GB"
+    ) -> list[Path]:
         """Write the converted checkpoint into ``destination`` (atomically, like a save) and return its files.
 
         ``runtime_format`` writes the layout the model holds (its fusions applied, config.json marked so that later
@@ -99,20 +107,24 @@ class Conversion:
         if planned.quantization is not None:
             return "a quantized checkpoint is written by its quantizer"
         loaded = set(plan.loaded_keys())
-        stored = set(planned.checkpoint) | loaded & set(plan.conversion.direct)
-        unfilled = [key for key in plan.expected if key not in loaded and key not in _left_out(plan.tied, loaded, stored)]
+        left_out = _left_out(planned)
+        unfilled = [key for key in plan.expected if key not in loaded and key not in left_out]
         if unfilled:
             return f"the checkpoint does not fill {', '.join(collapse_indices(unfilled))}"
         # A tied parameter converted from other keys is saved only when its values differ from its source's.
-        converted_tied = [t for t, s in plan.tied.items() if t in loaded and s in loaded and t not in stored]
+        converted_tied = sorted(left_out & loaded)
         if converted_tied:
             return f"tied parameters {', '.join(converted_tied)} are converted from other keys"
         return None
 
 
-def _left_out(tied: dict[str, str], loaded: set[str], stored: set[str]) -> set[str]:
-    """Tied parameters a save leaves out: not in the checkpoint, they share the tensor of their loaded source."""
-    return {target for target, source in tied.items() if target not in stored and source in loaded}
+def _left_out(planned: PlannedLoad) -> set[str]:
+    """Tied parameters a save of the loaded model leaves out (see save._state_to_save): those not read under their
+    own name, which share the tensor of their source (always, when the checkpoint does not fill them)."""
+    plan = planned.plan
+    loaded = set(plan.loaded_keys())
+    stored = set(planned.checkpoint) | loaded & set(plan.conversion.direct)
+    return {target for target, source in plan.tied.items() if target not in stored and source in loaded}
 
 
 class _Tensors:
@@ -130,10 +142,10 @@ class _Tensors:
         self._direct = {k: v for k, v in plan.conversion.direct.items() if k in plan.expected}
         self._groups = {key: group for group in plan.conversion.groups for key in group.target_keys()}
         self._dtypes = {key: meta.dtype for key, meta in plan.expected.items()}
-        self._mapped: list[torch.Tensor] = []  # file-mapped source views read since their pages were last released
-        loaded = set(plan.loaded_keys())
-        stored = set(planned.checkpoint) | loaded & set(self._direct)
-        kept = sorted(loaded - _left_out(plan.tied, loaded, stored))
+        # File-mapped source views read since their pages were last released, by storage: an output sharing one is
+        # a view of the mapping too (a chunk of a fused tensor, say), whose pages can be released once written.
+        self._mapped: dict[int, torch.Tensor] = {}
+        kept = sorted(set(plan.loaded_keys()) - _left_out(planned))
 
         def meta_of(key: str) -> torch.Tensor:
             info = checkpoint.info(key)
@@ -164,19 +176,23 @@ class _Tensors:
             if key not in pending:
                 pending.update(self._compute(key, remaining, self._read))
             remaining.discard(key)
-            yield key, pending.pop(key)
-            self._release()
+            tensor = pending.pop(key)
+            yield key, tensor
+            if tensor.untyped_storage().data_ptr() in self._mapped:  # written straight from the file's mapping
+                release_pages(tensor)
+            if not pending:  # the sources of the outputs written: nothing waiting reads them any more
+                self._release()
         # A file rewritten in place while it was being read may have given data of two versions.
         self._checkpoint.check_unchanged()
 
     def _read(self, key: str) -> torch.Tensor:
         tensor = self._checkpoint.tensor(key)
         if self._checkpoint.info(key).start >= 0:  # a view of the file's private mapping: its pages can be dropped
-            self._mapped.append(tensor)
+            self._mapped[tensor.untyped_storage().data_ptr()] = tensor
         return tensor
 
     def _release(self) -> None:
-        for tensor in self._mapped:
+        for tensor in self._mapped.values():
             release_pages(tensor)
         self._mapped.clear()
 
