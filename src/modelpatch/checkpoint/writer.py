@@ -128,9 +128,9 @@ def stream_checkpoint(
     then each shard's tensors are asked of ``produce`` in file order and written one after the other, so memory holds
     one tensor at a time, never a shard. The files are byte for byte what :func:`write_checkpoint` writes for the
     same tensors (safetensors' own header, in safetensors' own order; safetensors itself writes a metadata dict of
-    several entries in no fixed order). ``written(nbytes)`` is called after each
-    tensor. Atomic as :func:`write_checkpoint`: a failure, or a tensor that differs from its planned shape or dtype,
-    leaves the previous checkpoint in place.
+    several entries in no fixed order). ``written(nbytes)`` is called after each tensor. Atomic as
+    :func:`write_checkpoint`: a failure, or a tensor that differs from its planned shape or dtype, leaves the previous
+    checkpoint in place.
     """
 
     def stream_shard(path: Path, shown: Path, keys: list[str], file_metadata: dict[str, str]) -> None:
