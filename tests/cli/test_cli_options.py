@@ -135,6 +135,6 @@ def test_progress_bars_only_on_a_terminal_and_without_quiet(
     before, after = ([flags[0]], []) if flags[-1:] == ["convert"] else ([], flags)
     code, _, err = cli(*before, "convert", llama_checkpoint, tmp_path / "dst", *after)
     assert code == 0, err
-    assert ("Loading weights" in err) is shown
+    assert ("Converting weights" in err) is shown
     assert materialize.PROGRESS_BAR_MIN_BYTES == 0  # restored after the command
 

@@ -12,11 +12,13 @@ import re
 import secrets
 import shutil
 import stat
+import struct
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from itertools import pairwise
 from pathlib import Path
+from typing import BinaryIO
 
 try:
     import fcntl
@@ -24,7 +26,7 @@ except ImportError:  # not POSIX: saves into one parent directory are not serial
     fcntl = None  # type: ignore[assignment]
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save, save_file
 
 from modelpatch.checkpoint.checkpoint import SAFE_INDEX, SAFE_SINGLE
 from modelpatch.errors import CheckpointError, CheckpointPermissionError
@@ -87,6 +89,96 @@ def write_checkpoint(
         CheckpointError: Invalid arguments, or a file-system error (named) while writing; the previous
             checkpoint is untouched and no temporary directory is left behind.
     """
+
+    def save_shard(path: Path, shown: Path, keys: list[str], file_metadata: dict[str, str]) -> None:
+        # Converted one shard at a time so that at most one shard's worth of CPU copies exists.
+        prepared: dict[str, torch.Tensor] = {}
+        for key in keys:
+            try:
+                prepared[key] = tensors[key].detach().to("cpu").contiguous()
+            except Exception as exc:
+                raise CheckpointError(f"{shown}: cannot move tensor {key!r} to CPU: {exc}") from exc
+        try:
+            save_file(prepared, str(path), metadata=file_metadata)
+            _fsync_file(path)
+        except Exception as exc:
+            raise CheckpointError(f"{shown}: cannot write safetensors file: {exc}") from exc
+
+    return _write(directory, tensors, save_shard, extra_files, metadata, max_shard_size)
+
+
+TensorStream = Callable[[list[str]], Iterator[tuple[str, torch.Tensor]]]
+"""``produce(keys)``: yields ``(key, tensor)`` for each of ``keys``, in that order, each tensor computed when its turn
+comes; a tensor is written before the next is asked for, so the producer may release it then."""
+
+
+def stream_checkpoint(
+    directory: str | Path,
+    layout: Mapping[str, torch.Tensor],
+    produce: TensorStream,
+    *,
+    extra_files: Mapping[str, bytes] = {},
+    metadata: Mapping[str, str] | None = None,
+    max_shard_size: int | str = "50GB",
+    written: Callable[[int], object] | None = None,
+) -> list[Path]:
+    """Like :func:`write_checkpoint`, computing each tensor only when the file it belongs to reaches it.
+
+    ``layout`` gives every key's shape and dtype (meta tensors): shards, headers and index are planned from it first,
+    then each shard's tensors are asked of ``produce`` in file order and written one after the other, so memory holds
+    one tensor at a time, never a shard. The files are byte for byte what :func:`write_checkpoint` writes for the
+    same tensors (safetensors' own header, in safetensors' own order; safetensors itself writes a metadata dict of
+    several entries in no fixed order). ``written(nbytes)`` is called after each tensor. Atomic as
+    :func:`write_checkpoint`: a failure, or a tensor that differs from its planned shape or dtype, leaves the previous
+    checkpoint in place.
+    """
+
+    def stream_shard(path: Path, shown: Path, keys: list[str], file_metadata: dict[str, str]) -> None:
+        order, header = _safetensors_header(keys, layout, file_metadata)
+        try:
+            with path.open("wb") as f:
+                f.write(header)
+                produced = produce(order)
+                flushed = 0
+                for expected in order:
+                    key, tensor = next(produced, (None, None))
+                    _check_streamed(shown, expected, key, tensor, layout[expected])
+                    assert tensor is not None  # _check_streamed refused a stream that ran out
+                    _write_tensor(f, tensor)
+                    if f.tell() - flushed >= _WRITEBACK_BYTES:
+                        # The disk writes what is done while the next tensors are computed, instead of all of it
+                        # at the fsync below.
+                        f.flush()
+                        _start_writeback(f.fileno(), flushed, f.tell() - flushed)
+                        flushed = f.tell()
+                    if written is not None:
+                        written(tensor.numel() * tensor.element_size())
+                if next(produced, None) is not None:
+                    raise CheckpointError(f"{shown}: the tensor stream yields more tensors than the {len(order)} asked")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            raise CheckpointError(f"{shown}: cannot write safetensors file: {exc}") from exc
+
+    if sys.byteorder != "little":  # safetensors stores little-endian data; raw tensor bytes would be wrong
+        raise CheckpointError(f"{directory}: streamed writes need a little-endian machine")
+    return _write(directory, layout, stream_shard, extra_files, metadata, max_shard_size)
+
+
+ShardWriter = Callable[[Path, Path, list[str], dict[str, str]], None]
+"""``write(path, shown, keys, metadata)``: write the tensors ``keys`` as one safetensors file at ``path`` (a
+temporary one; ``shown`` is the name to put in errors)."""
+
+
+def _write(
+    directory: str | Path,
+    tensors: Mapping[str, torch.Tensor],
+    write_shard: ShardWriter,
+    extra_files: Mapping[str, bytes],
+    metadata: Mapping[str, str] | None,
+    max_shard_size: int | str,
+) -> list[Path]:
+    """Plan the shards of ``tensors`` (real or meta) and write them with ``write_shard``, atomically."""
     directory = Path(directory).absolute()
     if directory.is_symlink():
         raise CheckpointError(f"{directory}: is a symlink; refusing to replace it (pass the real directory)")
@@ -106,7 +198,7 @@ def write_checkpoint(
             tmp = directory.parent / f".{directory.name}.modelpatch-tmp-{secrets.token_hex(8)}"
             tmp.mkdir()
             try:
-                written = _write_contents(tmp, directory, tensors, shards, extra_files, file_metadata)
+                written = _write_contents(tmp, directory, tensors, shards, extra_files, file_metadata, write_shard)
                 if directory.exists():
                     _carry_over_user_files(directory, tmp, produced=set(written) | set(extra_files))
                 _fsync_dir(tmp)
@@ -116,6 +208,63 @@ def write_checkpoint(
                 raise
     logger.info("wrote %d tensors to %s (%d tensor file(s))", len(tensors), directory, len(shards))
     return [directory / name for name in written]
+
+
+def _safetensors_order(keys: list[str], layout: Mapping[str, torch.Tensor]) -> tuple[list[str], dict[torch.dtype, str]]:
+    """The order safetensors stores ``keys`` in, and its name of each dtype, learnt from safetensors itself.
+
+    safetensors sorts by dtype (its own ranking of them) and then by name; one one-element tensor per dtype, written
+    by safetensors, gives the ranking and the names without restating them here.
+    """
+    dtypes = sorted({layout[key].dtype for key in keys}, key=str)
+    probe = save({str(i): torch.zeros(1, dtype=dtype) for i, dtype in enumerate(dtypes)})
+    (length,) = struct.unpack("<Q", probe[:8])
+    header = json.loads(probe[8 : 8 + length])
+    header.pop("__metadata__", None)
+    ranked = sorted(header, key=lambda name: header[name]["data_offsets"])
+    rank = {dtypes[int(name)]: position for position, name in enumerate(ranked)}
+    names = {dtypes[int(name)]: header[name]["dtype"] for name in ranked}
+    return sorted(keys, key=lambda key: (rank[layout[key].dtype], key)), names
+
+
+def _safetensors_header(
+    keys: list[str], layout: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
+) -> tuple[list[str], bytes]:
+    """The file order of ``keys`` and the header bytes (length prefix included) safetensors writes for them."""
+    order, names = _safetensors_order(keys, layout)
+    entries: dict[str, object] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for key in order:
+        meta = layout[key]
+        size = meta.numel() * meta.element_size()
+        entries[key] = {"dtype": names[meta.dtype], "shape": list(meta.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    # safetensors' JSON: compact, UTF-8 as is, padded with spaces to a multiple of 8 bytes.
+    text = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return order, struct.pack("<Q", len(text)) + text
+
+
+def _check_streamed(
+    shown: Path, expected: str, key: str | None, tensor: torch.Tensor | None, meta: torch.Tensor
+) -> None:
+    """Refuse a streamed tensor that is not the one the header announced (its bytes would be read as another)."""
+    if key is None or tensor is None:
+        raise CheckpointError(f"{shown}: the tensor stream ended before {expected!r}")
+    if key != expected:
+        raise CheckpointError(f"{shown}: the tensor stream gave {key!r} where {expected!r} was due")
+    if tuple(tensor.shape) != tuple(meta.shape) or tensor.dtype != meta.dtype:
+        raise CheckpointError(
+            f"{shown}: tensor {key!r} is {tensor.dtype} {list(tensor.shape)}, planned as {meta.dtype} {list(meta.shape)}"
+        )
+
+
+def _write_tensor(f: BinaryIO, tensor: torch.Tensor) -> None:
+    """Write the bytes of ``tensor`` (row-major, the machine's little-endian layout) to ``f``."""
+    if tensor.numel() == 0:
+        return
+    data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    f.write(data.numpy().data)
 
 
 @contextmanager
@@ -239,7 +388,7 @@ def _validate_inputs(
             raise CheckpointError(f"{directory}: extra file {name!r} would clash with the tensor files")
         if not isinstance(content, bytes):
             raise CheckpointError(f"{directory}: content of extra file {name!r} must be bytes")
-    _check_no_shared_memory(directory, tensors)
+    _check_no_shared_memory(directory, tensors)  # meta tensors (a stream's layout) have no memory to share
 
 
 def _check_no_shared_memory(directory: Path, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -294,22 +443,11 @@ def _write_contents(
     shards: list[list[str]],
     extra_files: Mapping[str, bytes],
     metadata: dict[str, str],
+    write_shard: ShardWriter,
 ) -> list[str]:
     names = _shard_names(len(shards))
     for name, keys in zip(names, shards, strict=True):
-        # Converted one shard at a time so that at most one shard's worth of CPU copies exists.
-        prepared: dict[str, torch.Tensor] = {}
-        for key in keys:
-            try:
-                prepared[key] = tensors[key].detach().to("cpu").contiguous()
-            except Exception as exc:
-                raise CheckpointError(f"{directory / name}: cannot move tensor {key!r} to CPU: {exc}") from exc
-        try:
-            save_file(prepared, str(tmp / name), metadata=metadata)
-            _fsync_file(tmp / name)
-        except Exception as exc:
-            raise CheckpointError(f"{directory / name}: cannot write safetensors file: {exc}") from exc
-        del prepared
+        write_shard(tmp / name, directory / name, keys, metadata)
     written = list(names)
 
     if len(names) > 1:
@@ -387,6 +525,34 @@ def _recover_stale_siblings(directory: Path) -> None:
     for old in olds:
         logger.warning("%s: removing leftover previous version %s", directory, old)
         _remove_leftover(directory, old)
+
+
+_WRITEBACK_BYTES = 64 * 2**20
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _load_sync_file_range():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+_sync_file_range = _load_sync_file_range()
+
+
+def _start_writeback(fd: int, offset: int, length: int) -> None:
+    """Have the kernel start writing ``length`` bytes of ``fd`` from ``offset`` to disk, without waiting.
+
+    Only a head start: where it is unavailable or fails, the fsync that ends every file writes (and checks) it all.
+    """
+    if _sync_file_range is not None:
+        _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
 
 _AT_FDCWD = -100

@@ -16,8 +16,9 @@ if TYPE_CHECKING:
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "convert",
-        help="load SRC with patches/fusions and write it to DST (atomic)",
-        description="Convert a checkpoint offline. By default DST is in the original layout; --runtime-format "
+        help="convert SRC with patches/fusions into DST, streamed tensor by tensor (atomic)",
+        description="Convert a checkpoint offline, planned from its headers as a load would be and streamed one tensor at a time "
+        "(memory holds one converted group, never the model). By default DST is in the original layout; --runtime-format "
         "writes the patched/fused layout, which later loads need no conversion for. A SRC in a runtime layout is "
         "loaded with the fusions it was saved with, so `--fusion none` turns it back into the original layout. Every "
         "tensor of SRC is kept: when the model class has no place for one, nothing is written and the command fails. "
@@ -36,7 +37,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import LoadPlanError
-    from ..loading import from_pretrained, get_load_report, save_pretrained
+    from ..loading.convert import plan_conversion
     from ..loading.diagnose import collapse_indices
     from ..state import is_runtime_layout, stored_fusion_config
     from .carry import plan_carry
@@ -62,32 +63,28 @@ def run(args: argparse.Namespace) -> int:
         fusions = None
     carry = plan_carry(source)
     try:
-        # "error": a checkpoint key the model has no place for would be missing from DST.
-        model = from_pretrained(
+        # Planned from headers as a load with unexpected_keys="error": a checkpoint key the model has no place for
+        # would be missing from DST.
+        with plan_conversion(
             model_class,
             source,
             patcher=parse_patches(args.patch),
             fusion_config=fusions,
-            unexpected_keys="error",
             dtype=args.dtype,
             allow_pickle=args.allow_pickle,
-        )
+        ) as conversion:
+            # Keys the class declares ignorable would be left out of DST too (recomputed buffers are not lost).
+            ignored = conversion.ignored
+            if ignored:
+                raise UsageError(
+                    f"{type(conversion.planned.model).__name__} ignores {len(ignored)} tensors of {args.src}: "
+                    f"{', '.join(collapse_indices(ignored))}.\n{_keep_every_tensor(args, config)}"
+                )
+            files = conversion.write(destination, runtime_format=args.runtime_format, max_shard_size=args.max_shard_size)
     except LoadPlanError as exc:
         if "unexpected in the checkpoint" not in exc.problems:
             raise
         raise UsageError(f"{exc}\n{_keep_every_tensor(args, config)}") from None
-    # Keys the class declares ignorable would be left out of DST too (recomputed buffers are not lost).
-    report = get_load_report(model)
-    assert report is not None  # every model from_pretrained returns carries its report
-    ignored = report.ignored
-    if ignored:
-        raise UsageError(
-            f"{type(model).__name__} ignores {len(ignored)} tensors of {args.src}: "
-            f"{', '.join(collapse_indices(ignored))}.\n{_keep_every_tensor(args, config)}"
-        )
-    files = save_pretrained(
-        model, destination, save_original_format=not args.runtime_format, max_shard_size=args.max_shard_size
-    )
     copied = carry.copy_to(destination, {file.name for file in files})
     layout = "runtime" if args.runtime_format else "original"
     print(f"wrote {len(files)} files to {destination} ({layout} layout)")

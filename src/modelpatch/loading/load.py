@@ -146,6 +146,24 @@ class PlannedLoad:
     replaced: dict[str, tuple[str, str]]
     quantization: Quantization | None = None
 
+    def report(self) -> LoadReport:
+        """What executing this plan loads: the record a save of the loaded model reverses."""
+        plan = self.plan
+        return LoadReport(
+            source=self.directory,
+            checkpoint_keys=tuple(self.checkpoint),
+            direct={k: v for k, v in plan.conversion.direct.items() if k in plan.expected},
+            groups=tuple(plan.conversion.groups),
+            transforms=tuple(self.transforms if self.runtime_layout else plan.transforms),
+            new_parameters=tuple(plan.new_parameters),
+            dropped=tuple(plan.dropped),
+            ignored=tuple(plan.ignored),
+            unexpected=tuple(plan.unexpected),
+            tied=dict(plan.tied),
+            runtime_layout=self.runtime_layout,
+            replaced=self.replaced,
+        )
+
 
 def _plan(
     model_class: type,
@@ -476,8 +494,7 @@ def from_pretrained(
             quantization_config=quantization_config,
             device_map=device_map,
         )
-        model, plan, metas = planned.model, planned.plan, planned.checkpoint
-        runtime_layout, transforms, fusions = planned.runtime_layout, planned.transforms, planned.fusions
+        model, plan, fusions = planned.model, planned.plan, planned.fusions
         # Resolved on the meta model, as stock does: an offload to disk that cannot be done is refused before any read.
         placement = None
         if device_map is not None:
@@ -519,20 +536,7 @@ def from_pretrained(
     if generation_config is not None and model.can_generate():
         model.generation_config = generation_config
 
-    report = LoadReport(
-        source=directory,
-        checkpoint_keys=tuple(metas),
-        direct={k: v for k, v in plan.conversion.direct.items() if k in plan.expected},
-        groups=tuple(plan.conversion.groups),
-        transforms=tuple(transforms if runtime_layout else plan.transforms),
-        new_parameters=tuple(plan.new_parameters),
-        dropped=tuple(plan.dropped),
-        ignored=tuple(plan.ignored),
-        unexpected=tuple(plan.unexpected),
-        tied=dict(plan.tied),
-        runtime_layout=runtime_layout,
-        replaced=planned.replaced,
-    )
+    report = planned.report()
     setattr(model, REPORT_ATTRIBUTE, report)
     _record_build(model, plan.expected, _conversions(model, patcher, PreparedFusions()))
     logger.info("%s", report.summary())

@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +33,9 @@ from transformers import PreTrainedModel
 
 from .._transformers import has_transformers_adapter, tied_weight_keys
 from ..checkpoint import write_checkpoint
-from ..conversion.planner import TensorMeta, plan_save
+from ..conversion.planner import ConversionPlan, TensorMeta, plan_save
 from ..conversion.registry import model_conversions
+from ..conversion.transforms import WeightTransform
 from ..errors import ConversionError, SaveError
 from ..state import EXPECTED_STATE_ATTRIBUTE, TRANSFORMS_ATTRIBUTE, record_file_layout
 from .offload import gather_offloaded
@@ -133,21 +134,24 @@ def _state_to_save(
     return state
 
 
-def _checkpoint_layout(model: PreTrainedModel, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The checkpoint-layout tensors of ``state``.
+def checkpoint_layout(
+    report: LoadReport | None, transforms: Sequence[WeightTransform], runtime: Mapping[str, TensorMeta]
+) -> ConversionPlan:
+    """Plan the checkpoint layout of the runtime tensors ``runtime`` (metadata only): ``direct`` maps checkpoint keys to
+    the runtime keys written unchanged, ``groups`` run on runtime tensors and give checkpoint tensors.
 
     Keys a load read go back under their checkpoint names and converted groups through their recorded exact reverse.
     Whatever the load did not produce (a model built with ``from_config``, modules restructured since by
-    :func:`modelpatch.fuse` or :func:`modelpatch.unfuse`, a new head) is mapped back by running the model's current
-    transforms backwards.
+    :func:`modelpatch.fuse` or :func:`modelpatch.unfuse`, a new head) is mapped back by running ``transforms`` (the
+    model's current ones) backwards.
     """
-    report = get_load_report(model)
-    out: dict[str, torch.Tensor] = {}
-    remaining = dict(state)
+    layout = ConversionPlan()
+    remaining = dict(runtime)
     if report is not None and not report.runtime_layout:
         for runtime_key, checkpoint_key in report.direct.items():
             if runtime_key in remaining:
-                out[checkpoint_key] = remaining.pop(runtime_key)
+                remaining.pop(runtime_key)
+                layout.direct[checkpoint_key] = runtime_key
         for group in report.groups:
             present = [k for k in group.target_keys() if k in remaining]
             if not present:
@@ -157,20 +161,28 @@ def _checkpoint_layout(model: PreTrainedModel, state: Mapping[str, torch.Tensor]
                     f"Cannot save {group.target_keys()} back to {group.sources_summary()}: the model no longer has "
                     "all of these parameters."
                 )
-            out.update(group.reversed().run(remaining.__getitem__))
+            layout.groups.append(group.reversed())
             for key in group.target_keys():
                 remaining.pop(key)
     if remaining:
-        transforms = getattr(model, TRANSFORMS_ATTRIBUTE, None)
-        if transforms is None:
-            transforms = report.transforms if report is not None else model_conversions(model)
-        metas = {k: TensorMeta(tuple(v.shape), v.dtype) for k, v in remaining.items()}
-        plan = plan_save(metas, list(transforms))
+        plan = plan_save(remaining, list(transforms))
         plan.raise_problems()
-        for checkpoint_key, runtime_key in plan.direct.items():
-            out[checkpoint_key] = remaining[runtime_key]
-        for group in plan.groups:
-            out.update(group.run(remaining.__getitem__))
+        layout.direct.update(plan.direct)
+        layout.groups.extend(plan.groups)
+    return layout
+
+
+def _checkpoint_layout(model: PreTrainedModel, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint-layout tensors of ``state`` (see :func:`checkpoint_layout`)."""
+    report = get_load_report(model)
+    transforms = getattr(model, TRANSFORMS_ATTRIBUTE, None)
+    if transforms is None:
+        transforms = report.transforms if report is not None else model_conversions(model)
+    metas = {k: TensorMeta(tuple(v.shape), v.dtype) for k, v in state.items()}
+    layout = checkpoint_layout(report, transforms, metas)
+    out = {checkpoint_key: state[runtime_key] for checkpoint_key, runtime_key in layout.direct.items()}
+    for group in layout.groups:
+        out.update(group.run(state.__getitem__))
     return out
 
 
@@ -290,19 +302,25 @@ def _write(
     save_original_format: bool,
     max_shard_size: int | str,
 ) -> list[Path]:
-    config = copy.deepcopy(model.config)
-    config.architectures = [type(model).__name__]
-    record_file_layout(config, runtime_layout=not save_original_format)
-    if _untied_pairs(model, model.state_dict()) and getattr(config, "tie_word_embeddings", False):
-        # The head was untied since the model was built: the reload must not tie it back over the saved tensor.
-        config.tie_word_embeddings = False
-    extra_files = {"config.json": config.to_json_string(use_diff=True).encode()}
-    generation_config = getattr(model, "generation_config", None)
-    if generation_config is not None and model.can_generate():
-        extra_files["generation_config.json"] = (generation_config.to_json_string()).encode()
+    extra_files = config_files(model, original_format=save_original_format)
     files = write_checkpoint(path, tensors, extra_files=extra_files, metadata=metadata, max_shard_size=max_shard_size)
     layout = "checkpoint" if save_original_format else "runtime"
     logger.info("Saved %d tensors to %s (%s layout)", len(tensors), path, layout)
+    return files
+
+
+def config_files(model: PreTrainedModel, *, original_format: bool) -> dict[str, bytes]:
+    """``config.json`` (and ``generation_config.json`` for a generative model) as a save of ``model`` writes them."""
+    config = copy.deepcopy(model.config)
+    config.architectures = [type(model).__name__]
+    record_file_layout(config, runtime_layout=not original_format)
+    if _untied_pairs(model, model.state_dict()) and getattr(config, "tie_word_embeddings", False):
+        # The head was untied since the model was built: the reload must not tie it back over the saved tensor.
+        config.tie_word_embeddings = False
+    files = {"config.json": config.to_json_string(use_diff=True).encode()}
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None and model.can_generate():
+        files["generation_config.json"] = (generation_config.to_json_string()).encode()
     return files
 
 

@@ -1,0 +1,205 @@
+"""Streamed conversion (``modelpatch convert``) writes, byte for byte, what a load followed by a save writes.
+
+The reference is the conversion as it was done before streaming: ``from_pretrained`` of the source, then
+``save_pretrained`` of that model. Sources are tiny checkpoints written by stock transformers' ``save_pretrained``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import modelpatch
+from modelpatch.loading.convert import plan_conversion
+
+STREAMED = "Converted"
+THROUGH_A_MODEL = "converting through a loaded model"
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
+
+
+def _assert_same_files(actual: Path, expected: Path) -> None:
+    got, want = _files(actual), _files(expected)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name] == want[name], f"{name} differs"
+
+
+def _convert(source: Path, destination: Path, model_class: type, *, fusion_config=None, dtype="auto",
+             runtime_format=False, max_shard_size="50GB") -> list[Path]:
+    with plan_conversion(model_class, source, fusion_config=fusion_config, dtype=dtype) as conversion:
+        return conversion.write(destination, runtime_format=runtime_format, max_shard_size=max_shard_size)
+
+
+def _load_and_save(source: Path, destination: Path, model_class: type, *, fusion_config=None, dtype="auto",
+                   runtime_format=False, max_shard_size="50GB") -> list[Path]:
+    model = modelpatch.from_pretrained(model_class, source, fusion_config=fusion_config, dtype=dtype,
+                                       unexpected_keys="error")
+    return modelpatch.save_pretrained(model, destination, save_original_format=not runtime_format,
+                                      max_shard_size=max_shard_size)
+
+
+def _streamed(caplog) -> bool:
+    messages = [record.getMessage() for record in caplog.records if record.name == "modelpatch.loading.convert"]
+    return any(m.startswith(STREAMED) for m in messages) and not any(THROUGH_A_MODEL in m for m in messages)
+
+
+CASES = {
+    # name: (tiny checkpoint, fusions)
+    "llama qkv+gate_up": ("llama", {"qkv": True, "gate_up": True}),
+    "qwen2_moe all": ("qwen2_moe", {"qkv": True, "gate_up": True, "linear_experts": True}),
+    "qwen2_moe linear_experts": ("qwen2_moe", {"linear_experts": True}),
+    "qwen2_vl patch_embeddings": ("qwen2_vl", {"patch_embeddings": True, "qkv": True}),
+    # Experts stored as 3-D tensors: the original layout of the model type (per expert) is what comes back.
+    "qwen2_moe_3d linear_experts": ("qwen2_moe_3d", {"linear_experts": True}),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("max_shard_size", ["50GB", "20KB"])
+def test_to_the_runtime_layout_and_back_is_what_load_and_save_write(tiny, tmp_path, caplog, case, max_shard_size):
+    name, fusions = CASES[case]
+    ckpt = tiny(name)
+    caplog.set_level(logging.INFO, logger="modelpatch.loading.convert")
+
+    runtime, runtime_reference = tmp_path / "runtime", tmp_path / "runtime_reference"
+    files = _convert(ckpt.path, runtime, ckpt.model_class, fusion_config=fusions, runtime_format=True,
+                     max_shard_size=max_shard_size)
+    _load_and_save(ckpt.path, runtime_reference, ckpt.model_class, fusion_config=fusions, runtime_format=True,
+                   max_shard_size=max_shard_size)
+    assert _streamed(caplog)
+    _assert_same_files(runtime, runtime_reference)
+    assert sorted(files) == sorted(runtime.iterdir())
+    if max_shard_size == "20KB":
+        assert (runtime / "model.safetensors.index.json").is_file()
+
+    # Back: the runtime layout is loaded with its recorded fusions and written in the original layout.
+    caplog.clear()
+    back, back_reference = tmp_path / "back", tmp_path / "back_reference"
+    _convert(runtime, back, ckpt.model_class, max_shard_size=max_shard_size)
+    _load_and_save(runtime, back_reference, ckpt.model_class, max_shard_size=max_shard_size)
+    assert _streamed(caplog)
+    _assert_same_files(back, back_reference)
+
+    if name.endswith("_3d"):
+        return
+    # The original layout again, tensor for tensor (stock's own file may differ in sharding and metadata).
+    restored = {}
+    for path in back.glob("*.safetensors"):
+        restored.update(load_file(path))
+    original = {}
+    for path in ckpt.path.glob("*.safetensors"):
+        original.update(load_file(path))
+    assert restored.keys() == original.keys()
+    for key, tensor in original.items():
+        assert torch.equal(restored[key].view(torch.uint8), tensor.view(torch.uint8)), key
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_dtype_change_and_an_original_layout_target(tiny, tmp_path, caplog, dtype):
+    """Loading in another dtype casts before the conversion runs backwards: what the save of that model writes."""
+    ckpt = tiny("qwen2_moe")
+    caplog.set_level(logging.INFO, logger="modelpatch.loading.convert")
+    fusions = {"qkv": True, "gate_up": True, "linear_experts": True}
+    _convert(ckpt.path, tmp_path / "out", ckpt.model_class, fusion_config=fusions, dtype=dtype, max_shard_size="30KB")
+    _load_and_save(ckpt.path, tmp_path / "reference", ckpt.model_class, fusion_config=fusions, dtype=dtype,
+                   max_shard_size="30KB")
+    assert _streamed(caplog)
+    _assert_same_files(tmp_path / "out", tmp_path / "reference")
+
+
+def test_tied_embeddings_stream_and_an_untied_source_goes_through_a_model(stock_checkpoint, tmp_path, caplog):
+    """A tied head the checkpoint does not store is left out as a save leaves it out; a checkpoint storing only the
+    head fills the embedding by tying (transformers' swap at load), which only the loaded model can give."""
+    ckpt = stock_checkpoint("llama_tied")
+    caplog.set_level(logging.INFO, logger="modelpatch.loading.convert")
+    _convert(ckpt.path, tmp_path / "out", ckpt.model_class, fusion_config={"qkv": True}, runtime_format=True)
+    _load_and_save(ckpt.path, tmp_path / "reference", ckpt.model_class, fusion_config={"qkv": True},
+                   runtime_format=True)
+    assert _streamed(caplog)
+    _assert_same_files(tmp_path / "out", tmp_path / "reference")
+
+    head_only = tmp_path / "head_only"
+    shutil.copytree(ckpt.path, head_only)
+    tensors = load_file(head_only / "model.safetensors")
+    tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
+    save_file(tensors, head_only / "model.safetensors", metadata={"format": "pt"})
+    caplog.clear()
+    _convert(head_only, tmp_path / "out2", ckpt.model_class)
+    _load_and_save(head_only, tmp_path / "reference2", ckpt.model_class)
+    assert any(THROUGH_A_MODEL in r.getMessage() and "model.embed_tokens.weight" in r.getMessage()
+               for r in caplog.records)
+    _assert_same_files(tmp_path / "out2", tmp_path / "reference2")
+
+
+def test_a_failed_conversion_leaves_the_previous_destination(tiny, tmp_path, monkeypatch):
+    """A source file rewritten while it is read is refused, and DST keeps its previous checkpoint."""
+    ckpt = tiny("llama")
+    source = tmp_path / "src"
+    shutil.copytree(ckpt.path, source)
+    destination = tmp_path / "dst"
+    _convert(source, destination, ckpt.model_class)
+    before = _files(destination)
+    with plan_conversion(ckpt.model_class, source, fusion_config={"qkv": True}) as conversion:
+        with (source / "model.safetensors").open("ab") as f:
+            f.write(b"\0" * 8)  # rewritten in place after its header was planned
+        with pytest.raises(modelpatch.CheckpointError, match="model.safetensors"):
+            conversion.write(destination, runtime_format=True)
+    assert _files(destination) == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+PEAK_SCRIPT = """
+import json, sys
+from transformers import LlamaForCausalLM
+from modelpatch.loading.convert import plan_conversion
+
+def status(name):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(name + ":"))
+
+fusions, runtime_format = json.loads(sys.argv[3])
+with plan_conversion(LlamaForCausalLM, sys.argv[1], fusion_config=fusions) as conversion:
+    before = status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak (VmHWM) starts again from the current RSS
+    conversion.write(sys.argv[2], runtime_format=runtime_format)
+print(before, status("VmHWM"))
+"""
+
+
+def _peak_growth(source: Path, destination: Path, fusions: dict | None, runtime_format: bool) -> int:
+    """How far the resident memory of a fresh process peaks, while it converts, above where it was once planned."""
+    result = subprocess.run(
+        [sys.executable, "-c", PEAK_SCRIPT, str(source), str(destination), json.dumps([fusions, runtime_format])],
+        capture_output=True, text=True, check=True,
+    )
+    before_kib, after_kib = map(int, result.stdout.split()[-2:])
+    return (after_kib - before_kib) * 1024
+
+
+def test_memory_holds_a_group_not_the_checkpoint(tmp_path):
+    """Converting a 170 MB checkpoint into the runtime layout and back raises the peak resident memory by far less
+    than its size: one layer's fused gate/up (2 x 2048 x 768 fp32 = 13 MB) and its sources, not the model. (The way
+    back writes chunks of the mapped fused tensors: their pages are released as they are written.)"""
+    config = LlamaConfig(vocab_size=256, hidden_size=768, intermediate_size=2048, num_hidden_layers=6,
+                         num_attention_heads=8, num_key_value_heads=8)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "src")
+    size = sum(p.stat().st_size for p in (tmp_path / "src").glob("*.safetensors"))
+    assert size > 150e6
+    grown = _peak_growth(tmp_path / "src", tmp_path / "runtime", {"qkv": True, "gate_up": True}, True)
+    assert grown < size / 3, (grown, size)
+    grown = _peak_growth(tmp_path / "runtime", tmp_path / "back", None, False)
+    assert grown < size / 3, (grown, size)
