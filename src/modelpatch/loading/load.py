@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 
 from ..checkpoint import Checkpoint
@@ -35,7 +36,7 @@ from ..conversion.planner import TensorMeta
 from ..conversion.registry import model_conversions
 from ..conversion.transforms import WeightTransform
 from ..errors import CheckpointError, ModelPatchError
-from ..fusions.apply import PreparedFusions, prepare_fusions
+from ..fusions.apply import PreparedFusions, has_enabled_fusions, prepare_fusions, resolve_fusion_config
 from ..patching import registry
 from ..patching.mapping import PatchMapping
 from ..patching.patcher import Patcher
@@ -86,14 +87,52 @@ def _check_patcher(patcher: Patcher | None) -> None:
         raise TypeError(f"patcher must be a modelpatch.Patcher, got {patcher!r}.")
 
 
+@dataclass(frozen=True)
+class _Layers:
+    """The patch layers of one load. Priority, highest first: the Patcher's mapping, the fusions', the registry
+    snapshot (a class a fusion replaces that the others patch too was refused by :func:`prepare_fusions`)."""
+
+    patcher: PatchMapping | None
+    fusions: PatchMapping
+    registry: PatchMapping
+
+    def without_fusions(self) -> list[PatchMapping]:
+        return [self.registry] if self.patcher is None else [self.patcher, self.registry]
+
+    def ordered(self) -> list[PatchMapping]:
+        return [self.fusions, self.registry] if self.patcher is None else [self.patcher, self.fusions, self.registry]
+
+
+@dataclass
+class _Setup:
+    """What a load builds its model under, and the build fusion discovery ran on (None when no fusion is enabled):
+    the model on the meta device under the layers without fusions, with the scope of that build."""
+
+    layers: _Layers
+    fusions: PreparedFusions
+    unfused: tuple[PreTrainedModel, PatchScope] | None
+
+
 def _load_setup(
-    model_class: type[PreTrainedModel], config: PretrainedConfig, patcher: Patcher | None, fusion_config: FusionConfig | None
-):
-    """Patch layers (highest priority first) and the fusion transforms of one load."""
-    base_layers = [patcher.mapping] if patcher is not None else []
-    base_layers.append(registry.snapshot())
-    fusions = prepare_fusions(model_class, config, fusion_config, base_layers, patcher)
-    return [*base_layers[:-1], fusions.mapping, base_layers[-1]], fusions
+    model_class: type[PreTrainedModel],
+    config: PretrainedConfig,
+    patcher: Patcher | None,
+    fusion_config: FusionConfig | None,
+    dtype: torch.dtype,
+) -> _Setup:
+    """Patch layers and fusions of one load.
+
+    Fusion discovery needs the model as built without fusions: with a fusion enabled, that build is made here once
+    (from a copy of ``config``, which a model's ``__init__`` may change) and handed to discovery; a load that then has
+    nothing to fuse uses it as its model.
+    """
+    layers = _Layers(patcher.mapping if patcher is not None else None, PatchMapping(), registry.snapshot())
+    normalized = resolve_fusion_config(config, fusion_config)
+    if not has_enabled_fusions(normalized):
+        return _Setup(layers, PreparedFusions(config=normalized), None)
+    unfused = build_empty_model_patched(model_class, copy.deepcopy(config), dtype, layers.without_fusions())
+    fusions = prepare_fusions(unfused[0], config, normalized, layers.without_fusions(), patcher)
+    return _Setup(_Layers(layers.patcher, fusions.mapping, layers.registry), fusions, unfused)
 
 
 def _check_patches(
@@ -172,13 +211,17 @@ def _plan(
         resolved_dtype = quantization.update_dtype(resolved_dtype)
     _set_config_dtype(config, resolved_dtype)
     try:
-        layers, fusions = _load_setup(concrete, config, patcher, fusion_config)
-        prepare = (
-            None
-            if quantization is None
-            else lambda m: quantization.preprocess(m, dtype=resolved_dtype, checkpoint_files=checkpoint.files)
-        )
-        model, scope = build_empty_model_patched(concrete, config, resolved_dtype, layers, prepare)
+        setup = _load_setup(concrete, config, patcher, fusion_config, resolved_dtype)
+        fusions, layers = setup.fusions, setup.layers.ordered()
+        if setup.unfused is not None and not fusions.fused and quantization is None:
+            model, scope = setup.unfused  # nothing to fuse: the discovery build is this load's model
+        else:
+            prepare = (
+                None
+                if quantization is None
+                else lambda m: quantization.preprocess(m, dtype=resolved_dtype, checkpoint_files=checkpoint.files)
+            )
+            model, scope = build_empty_model_patched(concrete, config, resolved_dtype, layers, prepare)
     except Exception as exc:
         if not isinstance(exc, ModelPatchError):
             # The config's fault if the stock model cannot be built either, with transformers' default attention
@@ -189,7 +232,7 @@ def _plan(
             with config_build_errors(directory / "config.json", concrete):
                 build_empty_model(concrete, stock_config, resolved_dtype, [])
         raise
-    replaced = _check_patches(concrete, scope, patcher, layers[-1])
+    replaced = _check_patches(concrete, scope, patcher, setup.layers.registry)
     keep_in_fp32(model, resolved_dtype)
     transforms = _conversions(model, patcher, fusions)
     runtime_layout = is_runtime_layout(config)
@@ -536,12 +579,39 @@ def _finalize(model: PreTrainedModel, missing: set[str], device: torch.device) -
     ``missing`` holds every parameter the checkpoint did not fill: new parameters and tied ones.
     """
     with model_state_lock:
-        for key in getattr(model, "all_tied_weights_keys", {}) or {}:
+        tied = getattr(model, "all_tied_weights_keys", {}) or {}
+        for key in tied:
             model.get_parameter(key)._is_hf_initialized = True
         model._move_missing_keys_from_meta_to_device(missing, {"": device}, None, None)
+        if not missing - tied.keys():
+            _mark_loaded_modules(model)
         model._initialize_missing_keys(is_quantized=False)
         model.tie_weights(missing_keys=missing, recompute_mapping=False)
         model.eval()
+
+
+def _mark_loaded_modules(model: nn.Module) -> None:
+    """Flag every module whose whole subtree was loaded as initialised, so that transformers' initialisation walk
+    calls ``_init_weights`` only where a tensor still needs it (the non-persistent buffers just made, rotary
+    ``inv_freq`` say).
+
+    On a loaded module ``_init_weights`` changes nothing: transformers' init functions leave a tensor flagged as
+    loaded alone. Calling it costs a walk of config lookups per module, most of the finalisation. Only for loads
+    with nothing new to initialise: some ``_init_weights`` draw random numbers before their guarded write, and a new
+    parameter must be drawn from the generator state stock reaches at it. Stock flags every module it walked, so
+    the end state is the same.
+    """
+
+    def loaded(module: nn.Module) -> bool:
+        # Every child is visited (no short-circuit): each flags itself.
+        children = [loaded(child) for child in module.children()]
+        tensors = (*module._parameters.values(), *module._buffers.values())
+        if all(children) and all(getattr(t, "_is_hf_initialized", False) for t in tensors if t is not None):
+            module._is_hf_initialized = True
+            return True
+        return False
+
+    loaded(model)
 
 
 def from_config(
@@ -561,9 +631,11 @@ def from_config(
         raise TypeError(f"config must be a transformers PretrainedConfig, got {config!r}.")
     concrete = resolve_model_class(model_class, config)
     config = copy.deepcopy(config)
-    layers, fusions = _load_setup(concrete, config, patcher, fusion_config)
-    model, scope = build_initialized_model(concrete, config, None if dtype is None else resolve_dtype(dtype, config), layers)
-    _check_patches(concrete, scope, patcher, layers[-1])
+    resolved_dtype = None if dtype is None else resolve_dtype(dtype, config)
+    setup = _load_setup(concrete, config, patcher, fusion_config, resolved_dtype or torch.get_default_dtype())
+    fusions = setup.fusions
+    model, scope = build_initialized_model(concrete, config, resolved_dtype, setup.layers.ordered())
+    _check_patches(concrete, scope, patcher, setup.layers.registry)
     fusions.record(model)
     # What save_pretrained runs backwards to write this never-loaded model in the checkpoint layout: the model
     # type's mapping as adjusted by this build's Patcher and fusions.
