@@ -607,7 +607,7 @@ def _mark_loaded_modules(model: nn.Module) -> None:
         children = [loaded(child) for child in module.children()]
         tensors = (*module._parameters.values(), *module._buffers.values())
         if all(children) and all(getattr(t, "_is_hf_initialized", False) for t in tensors if t is not None):
-            module._is_hf_initialized = True
+            module._is_hf_initialized = True  # what transformers sets on every module it initialised
             return True
         return False
 
