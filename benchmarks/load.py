@@ -5,6 +5,11 @@ Two checkpoints are built locally with stock ``save_pretrained`` (bf16, one safe
 * ``llama``: a ~200M-parameter Llama (~400 MB), loaded without any conversion (the zero-copy path);
 * ``moe``: a qwen2_moe-shaped model of a few hundred MB stored per expert, fused to 3-D experts at load.
 
+Each is loaded three ways: stock, modelpatch without fusions, and modelpatch with the case's fusions (``qkv`` +
+``gate_up`` for llama, whose q/k/v and gate/up weights are then copied into fused Linears; ``linear_experts`` for the
+MoE, whose per-expert tensors then load without conversion). The fused loads are compared with stock's load of the
+same checkpoint, which does not fuse them.
+
 Every measurement runs in a FRESH Python process (one subprocess per measurement) that imports torch, transformers,
 modelpatch and the model's modeling module before the clock starts, so that import time is not load time. Measured:
 
@@ -13,8 +18,9 @@ modelpatch and the model's modeling module before the clock starts, so that impo
 * peak RSS growth during the load (``/proc/self/status`` VmHWM after resetting it via ``/proc/self/clear_refs``),
   and the RSS growth once loaded, both relative to the RSS just before the load.
 
-Targets checked: llama load <= 0.5x stock, llama load + first forward <= 1.0x stock, and the MoE conversion's peak RSS
-growth <= 1.1x the model's bytes. The page cache is warmed (every file read once) before measuring, for both.
+Targets checked: llama load <= 0.5x stock, llama load + first forward <= 1.0x stock, the MoE conversion's peak RSS
+growth <= 1.1x the model's bytes, and for each fused load: time <= 1.0x stock's (unfused) load, peak RSS growth <= 1.1x
+the model's bytes. The page cache is warmed (every file read once) before measuring, for both.
 
 Usage::
 
@@ -58,6 +64,9 @@ QUICK = {
                 shared_expert_intermediate_size=128, num_experts=8, num_experts_per_tok=2, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2),
 }
+# What the fused loads enable, per case.
+FUSIONS = {"llama": {"qkv": True, "gate_up": True}, "moe": {"linear_experts": True}}
+IMPLEMENTATIONS = ("stock", "modelpatch", "modelpatch-fused")
 TOKENS = 16
 
 
@@ -111,8 +120,10 @@ def worker(impl: str, case: str, path: str) -> dict:
     start, cpu_start = time.perf_counter(), time.process_time()
     if impl == "stock":
         model = AutoModelForCausalLM.from_pretrained(path)
-    else:
+    elif impl == "modelpatch":
         model = load(AutoModelForCausalLM, path)
+    else:
+        model = load(AutoModelForCausalLM, path, fusion_config=FUSIONS[case])
     loaded, cpu_loaded = time.perf_counter(), time.process_time()
     after_load = _proc_status()
     with torch.no_grad():
@@ -200,9 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[tuple[str, str], dict] = {}
     for case, path in paths.items():
         warm_page_cache(path)
-        runs = {"stock": [], "modelpatch": []}
+        runs: dict[str, list[dict]] = {impl: [] for impl in IMPLEMENTATIONS}
         for _ in range(args.repeats):
-            for impl in runs:  # interleaved, so drift affects both alike
+            for impl in runs:  # interleaved, so drift affects all alike
                 runs[impl].append(measure(impl, case, path))
         for impl, samples in runs.items():
             merged = dict(samples[0])
@@ -230,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
 
     seconds = lambda v: "n/a" if v is None else f"{v:.3f} s"  # noqa: E731
     for case in paths:
-        stock, mine = results[(case, "stock")], results[(case, "modelpatch")]
+        stock, mine, fused = (results[(case, impl)] for impl in IMPLEMENTATIONS)
         model_bytes = mine["model_bytes"]
         unfused = case == "llama"
         row(case, "load", stock["load_s"], mine["load_s"], seconds, 0.5 if unfused else None,
@@ -250,7 +261,16 @@ def main(argv: list[str] | None = None) -> int:
             row(case, "stock peak RSS growth / model bytes", None, None, lambda v: "",
                 None, None if stock_peak is None else stock_peak / model_bytes)
         rows.append((case, "model bytes", _mb(model_bytes), _mb(model_bytes), "", "", ""))
-        assert stock["dtype"] == mine["dtype"], (stock["dtype"], mine["dtype"])
+        fusions = "+".join(FUSIONS[case])
+        row(case, f"fused ({fusions}) load vs stock load", stock["load_s"], fused["load_s"], seconds, 1.0,
+            mins=(stock["load_s_min"], fused["load_s_min"]))
+        row(case, f"fused ({fusions}) load, CPU time", stock["load_cpu_s"], fused["load_cpu_s"], seconds,
+            mins=(stock["load_cpu_s_min"], fused["load_cpu_s_min"]))
+        row(case, f"fused ({fusions}) peak RSS growth", stock["peak_rss_growth"], fused["peak_rss_growth"], _mb)
+        fused_peak = fused["peak_rss_growth"]
+        row(case, f"fused ({fusions}) peak RSS growth / model bytes", None, None, lambda v: "",
+            1.1, None if fused_peak is None else fused_peak / fused["model_bytes"])
+        assert stock["dtype"] == mine["dtype"] == fused["dtype"], (stock["dtype"], mine["dtype"], fused["dtype"])
         assert mine["fused_experts"] == stock["fused_experts"]
 
     header = ("case", "metric", "stock", "modelpatch", "ratio", "min ratio", "target")

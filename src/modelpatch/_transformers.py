@@ -143,12 +143,41 @@ def initialize_missing(model: PreTrainedModel, missing: set[str], device: torch.
     Checked against 5.23.0: ``_move_missing_keys_from_meta_to_device(missing, device_map, device_mesh, hf_quantizer)``,
     ``_initialize_missing_keys(is_quantized=...)``, ``tie_weights(missing_keys=..., recompute_mapping=...)``.
     """
-    for key in tied_weight_keys(model):
+    tied = tied_weight_keys(model)
+    for key in tied:
         mark_initialized(model.get_parameter(key))
     # transformers annotates a list but subtracts a dict's keys from it: it needs a set.
     model._move_missing_keys_from_meta_to_device(missing, {"": device}, None, None)  # type: ignore[arg-type]
+    if not missing - set(tied):
+        _mark_loaded_modules(model)
     model._initialize_missing_keys(is_quantized=False)
     model.tie_weights(missing_keys=missing, recompute_mapping=False)
+
+
+def _mark_loaded_modules(model: torch.nn.Module) -> None:
+    """Flag every module whose whole subtree was loaded as initialised, so that transformers' initialisation walk
+    calls ``_init_weights`` only where a tensor still needs it (the non-persistent buffers just made, rotary
+    ``inv_freq`` say).
+
+    On a loaded module ``_init_weights`` changes nothing: transformers' init functions leave a tensor flagged as
+    loaded alone. Calling it costs a walk of config lookups per module, most of the finalisation. Only for loads
+    with nothing new to initialise: some ``_init_weights`` draw random numbers before their guarded write, and a new
+    parameter must be drawn from the generator state stock reaches at it. Stock flags every module it walked, so
+    the end state is the same.
+    """
+
+    def loaded(module: torch.nn.Module) -> bool:
+        # Every child is visited (no short-circuit): each flags itself.
+        children = [loaded(child) for child in module.children()]
+        tensors = (*module._parameters.values(), *module._buffers.values())
+        if all(children) and all(getattr(t, "_is_hf_initialized", False) for t in tensors if t is not None):
+            # What transformers sets on every module it initialised (checked against 5.23.0).
+            # A plain attribute (not a tensor or module), which torch's stubs for Module.__setattr__ do not allow for.
+            module._is_hf_initialized = True  # type: ignore[assignment]
+            return True
+        return False
+
+    loaded(model)
 
 
 def keys_to_ignore_on_load(model: PreTrainedModel, kind: str) -> list[str]:

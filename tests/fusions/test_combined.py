@@ -20,7 +20,8 @@ from transformers import Qwen2MoeForCausalLM
 
 import modelpatch
 from modelpatch.conversion.planner import TensorMeta, plan_save
-from modelpatch.fusions.apply import prepare_fusions
+from modelpatch.fusions.apply import prepare_fusions, resolve_fusion_config
+from modelpatch.loading.build import build_empty_model
 from modelpatch.fusions.linear_experts.modules import LinearExperts
 from modelpatch.fusions.patch_embeddings.modules import Conv3dAsLinear
 from modelpatch.fusions.projections import FusedLinear
@@ -101,7 +102,8 @@ def test_fusion_transforms_reverse_without_a_load(tiny, name, fusion_config):
     a load can be mapped back to the checkpoint layout."""
     ckpt = tiny(name)
     model = _fresh(name, tiny, fusion_config)
-    prepared = prepare_fusions(ckpt.model_class, model.config, None, [])
+    unfused = build_empty_model(ckpt.model_class, copy.deepcopy(model.config), torch.float32, [])
+    prepared = prepare_fusions(unfused, model.config, resolve_fusion_config(model.config, None), [])
     runtime = {k: TensorMeta(tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
     plan = plan_save(runtime, prepared.adjust_conversions(modelpatch.loading.load.model_conversions(model)))
     plan.raise_problems()

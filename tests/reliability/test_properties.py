@@ -29,7 +29,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from modelpatch import Concatenate, MergeModulelist, WeightConverter, WeightRenaming
 from modelpatch.conversion import TensorMeta, plan_load, plan_save
-from modelpatch.fusions.apply import prepare_fusions
+from modelpatch.fusions.apply import prepare_fusions, resolve_fusion_config
 from modelpatch.loading.build import build_empty_model
 
 pytestmark = pytest.mark.reliability
@@ -287,8 +287,9 @@ def metas(model) -> dict[str, TensorMeta]:
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_fusion_converters_map_random_llama_shapes_exactly_and_back(case):
     config, fusion_config = case
-    fusions = prepare_fusions(LlamaForCausalLM, config, fusion_config, [])
-    stock = metas(build_empty_model(LlamaForCausalLM, config, torch.float32, []))
+    unfused = build_empty_model(LlamaForCausalLM, config, torch.float32, [])
+    fusions = prepare_fusions(unfused, config, resolve_fusion_config(config, fusion_config), [])
+    stock = metas(unfused)
     fused = metas(build_empty_model(LlamaForCausalLM, config, torch.float32, [fusions.mapping]))
     assert fused != stock
     transforms = fusions.adjust_conversions([])

@@ -15,7 +15,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
@@ -206,25 +205,13 @@ def _check_shadowed_conversions(
                 )
 
 
-def prepare_fusions(
-    model_class: type[PreTrainedModel],
-    config: PretrainedConfig,
-    fusion_config: Mapping[str, Any] | None,
-    base_layers: Sequence[PatchMapping],
-    patcher: Patcher | None = None,
-) -> PreparedFusions:
-    """Resolve ``fusion_config`` (explicit, else the one stored in ``config``) into a :class:`PreparedFusions`.
-
-    ``base_layers`` are the load's other patch layers (the Patcher's mapping, then the registry snapshot), under which
-    the model is built for discovery; ``patcher`` is the load's Patcher, if any.
+def resolve_fusion_config(config: PretrainedConfig, fusion_config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The fusions of one load: ``fusion_config`` if given, else the one stored in ``config``; validated, and checked
+    against the layout of a runtime-layout checkpoint (which loads only with the fusions it was saved with).
 
     Raises:
-        FusionError: Besides invalid configs, a fused class that a Patcher or registry entry patches too, and a
-            Patcher extra conversion or a registered conversion of the model type (what the fusions and the Patcher
-            do not filter out) for a weight a fusion converts.
+        FusionError: An invalid config, or fusions other than a runtime-layout checkpoint's.
     """
-    from ..loading.build import build_empty_model
-
     stored = _stored_fusions(config)
     normalized = normalize_fusion_config(fusion_config if fusion_config is not None else stored)
     if is_runtime_layout(config) and _enabled(normalized) != _enabled(normalize_fusion_config(stored)):
@@ -234,18 +221,44 @@ def prepare_fusions(
             f"; it cannot be loaded with fusions {sorted(_enabled(normalized))}. Leave fusion_config unset to load it "
             "as stored, or write it back in the original layout first: `modelpatch convert SRC DST --fusion none`."
         )
+    return normalized
+
+
+def has_enabled_fusions(normalized: Mapping[str, Any]) -> bool:
+    """Whether a config from :func:`resolve_fusion_config` enables any fusion (only then is discovery needed)."""
+    return bool(_enabled(normalized))
+
+
+def prepare_fusions(
+    model: PreTrainedModel,
+    config: PretrainedConfig,
+    normalized: Mapping[str, Any],
+    base_layers: Sequence[PatchMapping],
+    patcher: Patcher | None = None,
+) -> PreparedFusions:
+    """Turn a fusion config (from :func:`resolve_fusion_config`) into a :class:`PreparedFusions` for ``model``.
+
+    ``model`` is the model as the load builds it without fusions: on the meta device, from ``config``, under
+    ``base_layers`` alone (the load's other patch layers: the Patcher's mapping, then the registry snapshot).
+    Discovery runs over its modules; the caller builds it (the loader, which uses it as the load's model when nothing
+    is fused), so this layer never builds models itself. ``patcher`` is the load's Patcher, if any.
+
+    Raises:
+        FusionError: A fused class that a Patcher or registry entry patches too, and a Patcher extra conversion or a
+            registered conversion of the model type (what the fusions and the Patcher do not filter out) for a weight
+            a fusion converts.
+    """
     enabled = {name: get_fusion(name) for name, value in normalized.items() if value is not False}
-    prepared = PreparedFusions(config=normalized)
+    prepared = PreparedFusions(config=dict(normalized))
     if not enabled:
         return prepared
-    meta_model = build_empty_model(model_class, copy.deepcopy(config), torch.float32, base_layers)
-    mapping, modules = discover(meta_model, enabled)
+    mapping, modules = discover(model, enabled)
     fused_classes = {type(m): name for name, found in modules.items() for m in found.values()}
     _check_patch_conflicts(fused_classes, base_layers, patcher)
     fusion_transforms: list[tuple[str, WeightTransform]] = []
     for name, spec in enabled.items():
         if not modules[name]:
-            logger.warning("Fusion %r found nothing to fuse in %s.", name, model_class.__name__)
+            logger.warning("Fusion %r found nothing to fuse in %s.", name, type(model).__name__)
             continue
         prepared.fused[name] = sorted(modules[name])
         transforms = spec_transforms(spec, config, modules[name])
@@ -256,10 +269,10 @@ def prepare_fusions(
     user_transforms = [("the Patcher's extra_weight_conversions", t) for t in extras]
     # The model type's registered conversions that survive the fusions' filters (adjust_conversions puts the
     # fusion transforms first) and the Patcher's.
-    registered = prepared.adjust_conversions(model_conversions(meta_model))[len(prepared.transforms) :]
+    registered = prepared.adjust_conversions(model_conversions(model))[len(prepared.transforms) :]
     user_transforms += [
         ("the registered conversion mapping", t) for t in registered if patcher is None or not patcher.filters_out(t)
     ]
-    _check_shadowed_conversions(fusion_transforms, user_transforms, list(meta_model.state_dict()))
+    _check_shadowed_conversions(fusion_transforms, user_transforms, list(model.state_dict()))
     prepared.mapping = PatchMapping.from_items(mapping.items())
     return prepared

@@ -9,6 +9,11 @@ modelpatch build of the process, outside modelpatch's scopes and without the con
 ``patch_output_recorders`` would rewrite ``_can_record_outputs`` after it. Filtering the top-level init contexts
 cannot reach the nested ``_from_config`` calls, so both readers of that registry are made to see it empty while, and
 only while, the current context is inside a modelpatch build (see :func:`_isolate_from_transformers_patches`).
+
+Module constructors initialise their parameters even on the meta device (``nn.Linear`` runs ``kaiming_uniform_``
+through torch's meta decompositions), which is half the time of a meta build and fills nothing: meta tensors hold
+no values and draw no random numbers. Inside modelpatch builds, ``torch.nn.init``'s filling functions therefore
+return a meta tensor untouched (see :func:`_skip_meta_initialisation`); a real tensor is initialised as always.
 """
 
 from __future__ import annotations
@@ -81,10 +86,60 @@ def _isolate_from_transformers_patches() -> None:
         monkey_patching.get_patch_mapping = get_patch_mapping
 
 
+# torch.nn.init's functions that fill a tensor in place (what module constructors call to initialise parameters).
+_FILLING_FUNCTIONS = (
+    "uniform_",
+    "normal_",
+    "trunc_normal_",
+    "constant_",
+    "ones_",
+    "zeros_",
+    "eye_",
+    "dirac_",
+    "xavier_uniform_",
+    "xavier_normal_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "orthogonal_",
+    "sparse_",
+)
+_SKIPS_META = "_modelpatch_skips_meta"
+
+
+def _skipping_meta(fill: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    @functools.wraps(fill)
+    def skipping(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if _inside_build.get() and tensor.is_meta:
+            return tensor
+        return fill(tensor, *args, **kwargs)
+
+    setattr(skipping, _SKIPS_META, True)
+    return skipping
+
+
+def _skip_meta_initialisation() -> None:
+    """Make ``torch.nn.init``'s filling functions return meta tensors untouched inside modelpatch builds.
+
+    Modules look these functions up on ``torch.nn.init`` at call time, so wrapping the module's attributes reaches
+    every constructor that initialises through it. Checked at every build, not once: transformers' init contexts
+    (``no_init_weights``, ``guard_torch_init_functions``) swap these attributes and put back what they found, which
+    may be torch's originals. Every other context, and every real tensor, gets the original function.
+    """
+    from torch.nn import init
+
+    with _isolation_lock:
+        for name in _FILLING_FUNCTIONS:
+            fill = getattr(init, name, None)
+            if fill is not None and not getattr(fill, _SKIPS_META, False):
+                setattr(init, name, _skipping_meta(fill))
+
+
 @contextmanager
 def _isolated_build() -> Iterator[None]:
-    """The context of one build: the turn on process-wide state, and transformers' patch registry reading empty."""
+    """The context of one build: the turn on process-wide state, transformers' patch registry reading empty, and no
+    initialisation of meta tensors."""
     _isolate_from_transformers_patches()
+    _skip_meta_initialisation()
     with model_state_lock:
         token = _inside_build.set(True)
         try:

@@ -36,7 +36,7 @@ from ..conversion.planner import TensorMeta
 from ..conversion.registry import model_conversions
 from ..conversion.transforms import WeightTransform
 from ..errors import CheckpointError, ModelPatchError
-from ..fusions.apply import PreparedFusions, prepare_fusions
+from ..fusions.apply import PreparedFusions, has_enabled_fusions, prepare_fusions, resolve_fusion_config
 from ..patching import registry
 from ..patching.mapping import PatchMapping
 from ..patching.patcher import Patcher
@@ -90,17 +90,52 @@ def _check_patcher(patcher: Patcher | None) -> None:
         raise TypeError(f"patcher must be a modelpatch.Patcher, got {patcher!r}.")
 
 
+@dataclass(frozen=True)
+class _Layers:
+    """The patch layers of one load. Priority, highest first: the Patcher's mapping, the fusions', the registry
+    snapshot (a class a fusion replaces that the others patch too was refused by :func:`prepare_fusions`)."""
+
+    patcher: PatchMapping | None
+    fusions: PatchMapping
+    registry: PatchMapping
+
+    def without_fusions(self) -> list[PatchMapping]:
+        return [self.registry] if self.patcher is None else [self.patcher, self.registry]
+
+    def ordered(self) -> list[PatchMapping]:
+        return [self.fusions, self.registry] if self.patcher is None else [self.patcher, self.fusions, self.registry]
+
+
+@dataclass
+class _Setup:
+    """What a load builds its model under, and the build fusion discovery ran on (None when no fusion is enabled):
+    the model on the meta device under the layers without fusions, with the scope of that build."""
+
+    layers: _Layers
+    fusions: PreparedFusions
+    unfused: tuple[PreTrainedModel, PatchScope] | None
+
+
 def _load_setup(
     model_class: type[PreTrainedModel],
     config: PretrainedConfig,
     patcher: Patcher | None,
     fusion_config: FusionConfig | None,
-):
-    """Patch layers (highest priority first) and the fusion transforms of one load."""
-    base_layers = [patcher.mapping] if patcher is not None else []
-    base_layers.append(registry.snapshot())
-    fusions = prepare_fusions(model_class, config, fusion_config, base_layers, patcher)
-    return [*base_layers[:-1], fusions.mapping, base_layers[-1]], fusions
+    dtype: torch.dtype,
+) -> _Setup:
+    """Patch layers and fusions of one load.
+
+    Fusion discovery needs the model as built without fusions: with a fusion enabled, that build is made here once
+    (from a copy of ``config``, which a model's ``__init__`` may change) and handed to discovery; a load that then has
+    nothing to fuse uses it as its model.
+    """
+    layers = _Layers(patcher.mapping if patcher is not None else None, PatchMapping(), registry.snapshot())
+    normalized = resolve_fusion_config(config, fusion_config)
+    if not has_enabled_fusions(normalized):
+        return _Setup(layers, PreparedFusions(config=normalized), None)
+    unfused = build_empty_model_patched(model_class, copy.deepcopy(config), dtype, layers.without_fusions())
+    fusions = prepare_fusions(unfused[0], config, normalized, layers.without_fusions(), patcher)
+    return _Setup(_Layers(layers.patcher, fusions.mapping, layers.registry), fusions, unfused)
 
 
 def _check_patches(
@@ -197,13 +232,17 @@ def _plan(
         resolved_dtype = quantization.update_dtype(resolved_dtype)
     _set_config_dtype(config, resolved_dtype)
     try:
-        layers, fusions = _load_setup(concrete, config, patcher, fusion_config)
-        prepare = (
-            None
-            if quantization is None
-            else lambda m: quantization.preprocess(m, dtype=resolved_dtype, checkpoint_files=checkpoint.files)
-        )
-        model, scope = build_empty_model_patched(concrete, config, resolved_dtype, layers, prepare)
+        setup = _load_setup(concrete, config, patcher, fusion_config, resolved_dtype)
+        fusions, layers = setup.fusions, setup.layers.ordered()
+        if setup.unfused is not None and not fusions.fused and quantization is None:
+            model, scope = setup.unfused  # nothing to fuse: the discovery build is this load's model
+        else:
+            prepare = (
+                None
+                if quantization is None
+                else lambda m: quantization.preprocess(m, dtype=resolved_dtype, checkpoint_files=checkpoint.files)
+            )
+            model, scope = build_empty_model_patched(concrete, config, resolved_dtype, layers, prepare)
     except Exception as exc:
         if not isinstance(exc, ModelPatchError):
             # The config's fault if the stock model cannot be built either, with transformers' default attention
@@ -214,7 +253,7 @@ def _plan(
             with config_build_errors(directory / "config.json", concrete):
                 build_empty_model(concrete, stock_config, resolved_dtype, [])
         raise
-    replaced = _check_patches(concrete, scope, patcher, layers[-1])
+    replaced = _check_patches(concrete, scope, patcher, setup.layers.registry)
     keep_in_fp32(model, resolved_dtype)
     transforms = _conversions(model, patcher, fusions)
     runtime_layout = is_runtime_layout(config)
@@ -635,11 +674,11 @@ def from_config(
         raise TypeError(f"config must be a transformers PretrainedConfig, got {config!r}.")
     concrete = resolve_model_class(model_class, config)
     config = copy.deepcopy(config)
-    layers, fusions = _load_setup(concrete, config, patcher, fusion_config)
-    model, scope = build_initialized_model(
-        concrete, config, None if dtype is None else resolve_dtype(dtype, config), layers
-    )
-    _check_patches(concrete, scope, patcher, layers[-1])
+    resolved_dtype = None if dtype is None else resolve_dtype(dtype, config)
+    setup = _load_setup(concrete, config, patcher, fusion_config, resolved_dtype or torch.get_default_dtype())
+    fusions = setup.fusions
+    model, scope = build_initialized_model(concrete, config, resolved_dtype, setup.layers.ordered())
+    _check_patches(concrete, scope, patcher, setup.layers.registry)
     fusions.record(model)
     # What save_pretrained runs backwards to write this never-loaded model in the checkpoint layout: the model
     # type's mapping as adjusted by this build's Patcher and fusions.

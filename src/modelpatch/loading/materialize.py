@@ -27,7 +27,11 @@ PROGRESS_BAR_MIN_BYTES = 256 * 1024 * 1024
 def set_tensor(model: nn.Module, key: str, value: torch.Tensor) -> None:
     """Replace parameter or buffer ``key`` of ``model`` by ``value``, keeping its kind and ``requires_grad``."""
     module_name, _, name = key.rpartition(".")
-    module = model.get_submodule(module_name)
+    _set_on(model.get_submodule(module_name), name, key, value)
+
+
+def _set_on(module: nn.Module, name: str, key: str, value: torch.Tensor) -> None:
+    """:func:`set_tensor` on the module owning ``key`` (``name``: the tensor's attribute there)."""
     if name in module._parameters:
         old = module._parameters[name]
         param = nn.Parameter(value, requires_grad=old.requires_grad if old is not None else value.is_floating_point())
@@ -118,6 +122,17 @@ def load_into_model(
     :func:`release_pages` may drop once the tensor has been copied or converted.
     """
     expected = plan.expected
+    # One walk of the module tree instead of a path lookup per tensor (every name: a module shared under two names
+    # owns the keys of both).
+    modules = dict(model.named_modules(remove_duplicate=False))
+
+    def place(runtime_key: str, value: torch.Tensor) -> None:
+        module_name, _, name = runtime_key.rpartition(".")
+        module = modules.get(module_name)
+        if module is None:
+            raise KeyError(f"{runtime_key} is neither a parameter nor a buffer of the model.")
+        _set_on(module, name, runtime_key, value)
+
     with tqdm(
         total=total_bytes,
         unit="B",
@@ -131,7 +146,7 @@ def load_into_model(
                 continue
             tensor = fetch(checkpoint_key)
             placed = _placed(tensor, expected[runtime_key].dtype, device)
-            set_tensor(model, runtime_key, placed)
+            place(runtime_key, placed)
             if placed is not tensor and file_mapped(checkpoint_key):
                 release_pages(tensor)
             progress.update(tensor.numel() * tensor.element_size())
@@ -147,7 +162,7 @@ def load_into_model(
             outputs = group.run(fetch_source)
             for runtime_key, tensor in outputs.items():
                 if runtime_key in expected:
-                    set_tensor(model, runtime_key, _placed(tensor.contiguous(), expected[runtime_key].dtype, device))
+                    place(runtime_key, _placed(tensor.contiguous(), expected[runtime_key].dtype, device))
                 progress.update(tensor.numel() * tensor.element_size())
             del outputs
             for tensor in sources:

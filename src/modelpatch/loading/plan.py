@@ -99,37 +99,47 @@ def plan_model_load(
     for kind, items in conversion.problems.items():
         problems[kind].extend(items)
 
-    sources = _sources_by_output(conversion)
+    sources: dict[str, str] | None = None  # described only for an error: a repr per key costs
     for key, meta in conversion.outputs.items():
-        if key not in expected:
+        want = expected.get(key)
+        if want is None:
             continue
-        want = expected[key]
         if tuple(meta.shape) != tuple(want.shape):
+            sources = sources or _sources_by_output(conversion)
             problems["shape mismatches"].append(
                 f"{key}: checkpoint {sources[key]} gives {list(meta.shape)}, model expects {list(want.shape)}"
             )
-        elif _kind(meta.dtype) != _kind(want.dtype):
+        elif meta.dtype != want.dtype and _kind(meta.dtype) != _kind(want.dtype):
+            sources = sources or _sources_by_output(conversion)
             problems["dtype mismatches"].append(
                 f"{key}: checkpoint {sources[key]} is {meta.dtype}, model expects {want.dtype}"
             )
 
-    allowed_new = _compile_any([*new_parameters, *keys_to_ignore_on_load(model, "missing")])
     plan = LoadPlan(conversion=conversion, transforms=used, expected=expected, tied=tied)
     # A tied pair needs one of its two keys; transformers ties the missing one to the present one.
     provided = conversion.outputs.keys() & expected.keys()
     not_needed = {t for t, s in tied.items() if s in provided or t not in provided} | {
         s for t, s in tied.items() if t in provided
     }
-    for key in sorted(expected.keys() - provided - not_needed):
+    # The patterns below are compiled only when there are keys to match: a load that fits needs none of them.
+    absent = sorted(expected.keys() - provided - not_needed)
+    allowed_new = (
+        _compile_any([*new_parameters, *keys_to_ignore_on_load(model, "missing")])
+        if absent
+        else None
+    )
+    for key in absent:
         if allowed_new is not None and allowed_new.search(key):
             plan.new_parameters.append(key)
         else:
             problems["missing from the checkpoint"].append(key)
 
-    buffers = [re.escape(name) + "$" for name, _ in model.named_buffers() if name not in expected]
-    recomputed = _compile_any([*buffers, r"rotary_emb\.inv_freq$"])
-    ignorable = _compile_any(keys_to_ignore_on_load(model, "unexpected"))
-    for key in sorted(conversion.outputs.keys() - expected.keys()):
+    extra = sorted(conversion.outputs.keys() - expected.keys())
+    if extra:
+        buffers = [re.escape(name) + "$" for name, _ in model.named_buffers() if name not in expected]
+        recomputed = _compile_any([*buffers, r"rotary_emb\.inv_freq$"])
+        ignorable = _compile_any(keys_to_ignore_on_load(model, "unexpected"))
+    for key in extra:
         if recomputed is not None and recomputed.search(key):
             plan.dropped.append(key)
         elif ignorable is not None and ignorable.search(key):

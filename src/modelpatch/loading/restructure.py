@@ -25,7 +25,7 @@ from ..conversion.planner import ConversionGroup, ConversionPlan, TensorMeta, pl
 from ..conversion.registry import model_conversions
 from ..conversion.transforms import WeightConverter, WeightTransform
 from ..errors import FusionError
-from ..fusions.apply import normalize_fusion_config, prepare_fusions, spec_transforms
+from ..fusions.apply import normalize_fusion_config, prepare_fusions, resolve_fusion_config, spec_transforms
 from ..fusions.generated import fused_origin
 from ..fusions.projections import ProjectionSlice
 from ..patching import registry
@@ -228,7 +228,8 @@ def fuse(model: PreTrainedModel, fusion_config: Mapping[str, Any]) -> PreTrained
             "Call modelpatch.unfuse(model) first, then fuse it with the new fusion config."
         )
     base_layers = [registry.snapshot()]
-    prepared = prepare_fusions(type(model), model.config, normalized, base_layers)
+    unfused = build_empty_model(type(model), copy.deepcopy(model.config), torch.float32, base_layers)
+    prepared = prepare_fusions(unfused, model.config, resolve_fusion_config(model.config, normalized), base_layers)
     if not prepared.fused:
         logger.warning("fuse(): nothing to fuse in %s with %s.", type(model).__name__, normalized)
         return model
