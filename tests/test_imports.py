@@ -40,11 +40,6 @@ LAYERS = {
     "testing": 6,
 }
 
-# Known upward imports, each to be removed: the test below fails once the import is gone, so that the allowance
-# goes with it. fusions/apply.py builds the meta model it runs is_fusable on with loading/build.py (being moved).
-ALLOWED = {("modelpatch.fusions.apply", "modelpatch.loading.build")}
-
-
 def module_name(path: Path, root: Path = SOURCE) -> str:
     """``modelpatch.loading.build`` for ``src/modelpatch/loading/build.py`` (a package for its ``__init__.py``)."""
     parts = [root.name, *path.relative_to(root).with_suffix("").parts]
@@ -95,15 +90,8 @@ def upward_imports(root: Path = SOURCE) -> list[tuple[str, str]]:
 
 
 def test_no_module_imports_a_higher_layer():
-    violations = [edge for edge in upward_imports() if edge not in ALLOWED]
+    violations = upward_imports()
     assert not violations, "imports from a higher layer:\n" + "\n".join(f"  {a} -> {b}" for a, b in violations)
-
-
-@pytest.mark.xfail(strict=True, reason="known upward import, being removed (see ALLOWED)")
-@pytest.mark.parametrize("edge", sorted(ALLOWED), ids="->".join)
-def test_allowed_upward_import_is_still_needed(edge):
-    """XPASS (a failure, strict) once the import is gone: then drop it from ALLOWED."""
-    assert edge not in upward_imports()
 
 
 def test_imports_inside_functions_and_relative_ones_are_resolved(tmp_path):
