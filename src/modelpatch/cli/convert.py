@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
             ignored = conversion.ignored
             if ignored:
                 raise UsageError(
-                    f"{type(conversion.planned.model).__name__} ignores {len(ignored)} tensors of {args.src}: "
+                    f"{type(conversion.plan.model).__name__} ignores {len(ignored)} tensors of {args.src}: "
                     f"{', '.join(collapse_indices(ignored))}.\n{_keep_every_tensor(args, config)}"
                 )
             files = conversion.write(destination, runtime_format=args.runtime_format, max_shard_size=args.max_shard_size)

@@ -27,16 +27,15 @@ def run(args: argparse.Namespace) -> int:
     from .common import model_class_for, open_checkpoint, parse_fusions, parse_patches
 
     directory, config = open_checkpoint(args, args.path)
-    planned = plan_pretrained(
+    plan = plan_pretrained(
         model_class_for(config, args.model_class),
         directory,
         patcher=parse_patches(args.patch),
         fusion_config=parse_fusions(args.fusion),
         allow_pickle=args.allow_pickle,
     )
-    plan = planned.plan
-    print(f"{type(planned.model).__name__} <- {planned.directory}")
-    if planned.runtime_layout:
+    print(f"{type(plan.model).__name__} <- {plan.directory}")
+    if plan.runtime_layout:
         print("(checkpoint saved in the runtime layout: no conversion needed)")
     for runtime_key, checkpoint_key in plan.conversion.direct.items():
         if runtime_key in plan.expected:

@@ -31,14 +31,11 @@ from ..patching.patcher import Patcher
 from . import materialize
 from .config import load_config
 from .diagnose import collapse_indices
-from .load import (
-    FusionConfig,
-    PlannedLoad,
-    _load_generation_config,
-    _plan,
-    from_pretrained,
-)
+from .load import _load_generation_config, _plan, from_pretrained
 from .materialize import _placed, release_pages
+from .options import FusionConfig, LoadOptions
+from .plan import LoadPlan
+from .report import LoadReport
 from .save import checkpoint_layout, config_files, save_pretrained
 
 logger = logging.getLogger(__name__)
@@ -54,22 +51,22 @@ class Conversion:
 
     def __init__(
         self,
-        planned: PlannedLoad,
+        plan: LoadPlan,
         checkpoint: Checkpoint,
         reload: Callable[[], PreTrainedModel],
         generation: GenerationConfig | None,
     ) -> None:
-        self.planned = planned
+        self.plan = plan
         self._checkpoint = checkpoint
         self._reload = reload
-        if generation is not None and planned.model.can_generate():
-            planned.model.generation_config = generation
-        planned.fusions.record(planned.model)  # the fusion config a load records, which config.json stores
+        if generation is not None and plan.model.can_generate():
+            plan.model.generation_config = generation
+        plan.fusions.record(plan.model)  # the fusion config a load records, which config.json stores
 
     @property
     def ignored(self) -> list[str]:
         """Checkpoint keys the model class declares ignorable: a load drops them, and so would the conversion."""
-        return list(self.planned.plan.ignored)
+        return list(self.plan.ignored)
 
     def write(
         self, destination: str | Path, *, runtime_format: bool = False, max_shard_size: int | str = "50GB"
@@ -81,11 +78,12 @@ class Conversion:
         """
         reason = self._not_streamable()
         if reason is not None:
-            logger.info("%s: converting through a loaded model: %s", self.planned.directory, reason)
-            return save_pretrained(self._reload(), destination, save_original_format=not runtime_format,
-                                   max_shard_size=max_shard_size)
-        model = self.planned.model
-        state = _Tensors(self.planned, self._checkpoint, runtime_format)
+            logger.info("%s: converting through a loaded model: %s", self.plan.directory, reason)
+            return save_pretrained(
+                self._reload(), destination, save_original_format=not runtime_format, max_shard_size=max_shard_size
+            )
+        model = self.plan.model
+        state = _Tensors(self.plan, self._checkpoint, runtime_format)
         with tqdm(
             total=state.total_bytes,
             unit="B",
@@ -102,17 +100,21 @@ class Conversion:
                 max_shard_size=max_shard_size,
                 written=progress.update,
             )
-        logger.info("Converted %d tensors to %s (%s layout)", len(state.layout), destination,
-                    "runtime" if runtime_format else "checkpoint")
+        logger.info(
+            "Converted %d tensors to %s (%s layout)",
+            len(state.layout),
+            destination,
+            "runtime" if runtime_format else "checkpoint",
+        )
         return files
 
     def _not_streamable(self) -> str | None:
         """Why this conversion needs the loaded model (None when streaming it writes the same files)."""
-        planned, plan = self.planned, self.planned.plan
-        if planned.quantization is not None:
+        plan = self.plan
+        if plan.quantization is not None:
             return "a quantized checkpoint is written by its quantizer"
         loaded = set(plan.loaded_keys())
-        left_out = _left_out(planned)
+        left_out = _left_out(plan)
         unfilled = [key for key in plan.expected if key not in loaded and key not in left_out]
         if unfilled:
             return f"the checkpoint does not fill {', '.join(collapse_indices(unfilled))}"
@@ -123,12 +125,11 @@ class Conversion:
         return None
 
 
-def _left_out(planned: PlannedLoad) -> set[str]:
+def _left_out(plan: LoadPlan) -> set[str]:
     """Tied parameters a save of the loaded model leaves out (see save._state_to_save): those not read under their
     own name, which share the tensor of their source (always, when the checkpoint does not fill them)."""
-    plan = planned.plan
     loaded = set(plan.loaded_keys())
-    stored = set(planned.checkpoint) | loaded & set(plan.conversion.direct)
+    stored = set(plan.checkpoint) | loaded & set(plan.conversion.direct)
     return {target for target, source in plan.tied.items() if target not in stored and source in loaded}
 
 
@@ -141,8 +142,7 @@ class _Tensors:
     shape and dtype of every output, from the same code that computes the data.
     """
 
-    def __init__(self, planned: PlannedLoad, checkpoint: Checkpoint, runtime_format: bool) -> None:
-        plan = planned.plan
+    def __init__(self, plan: LoadPlan, checkpoint: Checkpoint, runtime_format: bool) -> None:
         self._checkpoint = checkpoint
         self._direct = {k: v for k, v in plan.conversion.direct.items() if k in plan.expected}
         self._groups = {key: group for group in plan.conversion.groups for key in group.target_keys()}
@@ -150,7 +150,7 @@ class _Tensors:
         # File-mapped source views read since their pages were last released, by storage: an output sharing one is
         # a view of the mapping too (a chunk of a fused tensor, say), whose pages can be released once written.
         self._mapped: dict[int, torch.Tensor] = {}
-        kept = sorted(set(plan.loaded_keys()) - _left_out(planned))
+        kept = sorted(set(plan.loaded_keys()) - _left_out(plan))
 
         def meta_of(key: str) -> torch.Tensor:
             info = checkpoint.info(key)
@@ -161,7 +161,7 @@ class _Tensors:
             self._save = ConversionPlan(direct={key: key for key in kept})
         else:
             metas = {key: TensorMeta(tuple(t.shape), t.dtype) for key, t in runtime.items()}
-            self._save = checkpoint_layout(planned.report(), planned.transforms, metas)
+            self._save = checkpoint_layout(LoadReport.from_plan(plan), plan.transforms, metas)
         self._save_groups = {key: group for group in self._save.groups for key in group.target_keys()}
         self._written_as: dict[str, list[str]] = {}
         for output, key in self._save.direct.items():
@@ -245,19 +245,24 @@ def plan_conversion(
 
     Raises what the load raises before reading any tensor (``LoadPlanError`` naming every key, ...).
     """
+    options = LoadOptions(
+        patcher=patcher, fusion_config=fusion_config, dtype=dtype, unexpected_keys="error", allow_pickle=allow_pickle
+    )
     directory = Path(source)
     config = load_config(directory)
     generation = _load_generation_config(directory)
-    with Checkpoint.open(directory, allow_pickle=allow_pickle) as checkpoint:
-        planned = _plan(
-            model_class, source, config, checkpoint, patcher, fusion_config, dtype, new_parameters=(),
-            unexpected_keys="error",
-        )
+    with options.open_checkpoint(directory) as checkpoint:
+        plan = _plan(model_class, source, config, checkpoint, options)
 
         def reload() -> PreTrainedModel:
             return from_pretrained(
-                model_class, source, patcher=patcher, fusion_config=fusion_config, unexpected_keys="error",
-                dtype=dtype, allow_pickle=allow_pickle,
+                model_class,
+                source,
+                patcher=patcher,
+                fusion_config=fusion_config,
+                unexpected_keys="error",
+                dtype=dtype,
+                allow_pickle=allow_pickle,
             )
 
-        yield Conversion(planned, checkpoint, reload, generation)
+        yield Conversion(plan, checkpoint, reload, generation)

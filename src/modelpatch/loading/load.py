@@ -20,7 +20,6 @@ import copy
 import functools
 import logging
 import os
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,32 +61,18 @@ from .dispatch import Dispatch, single_device
 from .hub import HubOptions, resolve_checkpoint
 from .keywords import config_overrides
 from .materialize import load_into_model
+from .options import FusionConfig, LoadOptions, UnexpectedKeys
 from .parallel import distributed_config_of
 from .parallel import prepare as prepare_tensor_parallel
-from .plan import LoadPlan, UnexpectedKeys, model_expectations, plan_model_load
-from .quantization import Quantization, load_quantization
+from .plan import LoadPlan, model_expectations, plan_model_load
+from .quantization import load_quantization
 from .report import LoadReport
 from .save import install_original_format_save
 
 logger = logging.getLogger(__name__)
 
-FusionConfig = Mapping[str, bool | Mapping[str, Any]]
-
-
-def _check_patterns(new_parameters: Sequence[str]) -> None:
-    # A bare string would be taken letter by letter: every parameter containing an "e" would be allowed to be new.
-    if isinstance(new_parameters, str) or not all(isinstance(p, str) for p in new_parameters):
-        raise TypeError(f"new_parameters must be a list of regex patterns, got {new_parameters!r}.")
-    for pattern in new_parameters:
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise ValueError(f"new_parameters entry {pattern!r} is not a valid regular expression: {exc}.") from None
-
-
-def _check_patcher(patcher: Patcher | None) -> None:
-    if patcher is not None and not isinstance(patcher, Patcher):
-        raise TypeError(f"patcher must be a modelpatch.Patcher, got {patcher!r}.")
+# modelpatch exports this name for what plan_pretrained returns; it is now the one plan type of the loading layer.
+PlannedLoad = LoadPlan
 
 
 @dataclass(frozen=True)
@@ -119,18 +104,18 @@ class _Setup:
 def _load_setup(
     model_class: type[PreTrainedModel],
     config: PretrainedConfig,
-    patcher: Patcher | None,
-    fusion_config: FusionConfig | None,
+    options: LoadOptions,
     dtype: torch.dtype,
 ) -> _Setup:
-    """Patch layers and fusions of one load.
+    """Patch layers and fusions of one load, built in ``dtype`` (resolved from ``options.dtype``).
 
     Fusion discovery needs the model as built without fusions: with a fusion enabled, that build is made here once
     (from a copy of ``config``, which a model's ``__init__`` may change) and handed to discovery; a load that then has
     nothing to fuse uses it as its model.
     """
+    patcher = options.patcher
     layers = _Layers(patcher.mapping if patcher is not None else None, PatchMapping(), registry.snapshot())
-    normalized = resolve_fusion_config(config, fusion_config)
+    normalized = resolve_fusion_config(config, options.fusion_config)
     if not has_enabled_fusions(normalized):
         return _Setup(layers, PreparedFusions(config=normalized), None)
     unfused = build_empty_model_patched(model_class, copy.deepcopy(config), dtype, layers.without_fusions())
@@ -167,72 +152,30 @@ def _conversions(model: PreTrainedModel, patcher: Patcher | None, fusions: Prepa
     return patcher.adjust_conversions(transforms) if patcher is not None else transforms
 
 
-@dataclass
-class PlannedLoad:
-    """A load planned from headers alone: the meta-device model and where each of its parameters comes from."""
-
-    directory: Path
-    model: PreTrainedModel
-    plan: LoadPlan
-    checkpoint: dict[str, TensorMeta]
-    transforms: list[WeightTransform]
-    fusions: PreparedFusions
-    runtime_layout: bool
-    replaced: dict[str, tuple[str, str]]
-    quantization: Quantization | None = None
-
-    def report(self) -> LoadReport:
-        """What executing this plan loads: the record a save of the loaded model reverses."""
-        plan = self.plan
-        return LoadReport(
-            source=self.directory,
-            checkpoint_keys=tuple(self.checkpoint),
-            direct={k: v for k, v in plan.conversion.direct.items() if k in plan.expected},
-            groups=tuple(plan.conversion.groups),
-            transforms=tuple(self.transforms if self.runtime_layout else plan.transforms),
-            new_parameters=tuple(plan.new_parameters),
-            dropped=tuple(plan.dropped),
-            ignored=tuple(plan.ignored),
-            unexpected=tuple(plan.unexpected),
-            tied=dict(plan.tied),
-            runtime_layout=self.runtime_layout,
-            replaced=self.replaced,
-        )
-
-
 def _plan(
     model_class: type,
     name_or_path: str | os.PathLike[str],
     config: PretrainedConfig,
     checkpoint: Checkpoint,
-    patcher: Patcher | None,
-    fusion_config: FusionConfig | None,
-    dtype: torch.dtype | str | None,
-    *,
-    new_parameters: Sequence[str],
-    unexpected_keys: UnexpectedKeys,
-    quantization_config: Any = None,
-    device_map: Any = None,
-) -> PlannedLoad:
-    _check_patcher(patcher)
-    if unexpected_keys not in ("warn", "error", "ignore"):
-        raise ValueError(f"unexpected_keys must be 'warn', 'error' or 'ignore', got {unexpected_keys!r}.")
-    _check_patterns(new_parameters)
+    options: LoadOptions,
+) -> LoadPlan:
+    """Build the model of a load on the meta device and plan where each of its tensors comes from."""
     directory = checkpoint.directory
     config = copy.deepcopy(config)
     # An unsupported quantization method is refused by name here, before anything is built or read.
-    quantization = load_quantization(config, quantization_config, device_map=device_map)
+    quantization = load_quantization(config, options.quantization_config, device_map=options.device_map)
     concrete = resolve_model_class(model_class, config)
     # What the caller named (a repo id stays a repo id), as stock from_pretrained records it.
     config.name_or_path = str(name_or_path)
     metas = {key: TensorMeta(checkpoint.info(key).shape, checkpoint.info(key).dtype) for key in checkpoint.keys()}
     # Stock 5.x from_pretrained defaults to "auto" and records the dtype on the config and its sub-configs.
-    resolved_dtype = resolve_dtype("auto" if dtype is None else dtype, config, (m.dtype for m in metas.values()))
+    dtype = "auto" if options.dtype is None else options.dtype
+    resolved_dtype = resolve_dtype(dtype, config, (m.dtype for m in metas.values()))
     if quantization is not None:
         resolved_dtype = quantization.update_dtype(resolved_dtype)
     _set_config_dtype(config, resolved_dtype)
     try:
-        setup = _load_setup(concrete, config, patcher, fusion_config, resolved_dtype)
+        setup = _load_setup(concrete, config, options, resolved_dtype)
         fusions, layers = setup.fusions, setup.layers.ordered()
         if setup.unfused is not None and not fusions.fused and quantization is None:
             model, scope = setup.unfused  # nothing to fuse: the discovery build is this load's model
@@ -253,28 +196,31 @@ def _plan(
             with config_build_errors(directory / "config.json", concrete):
                 build_empty_model(concrete, stock_config, resolved_dtype, [])
         raise
-    replaced = _check_patches(concrete, scope, patcher, setup.layers.registry)
+    replaced = _check_patches(concrete, scope, options.patcher, setup.layers.registry)
     keep_in_fp32(model, resolved_dtype)
-    transforms = _conversions(model, patcher, fusions)
+    transforms = _conversions(model, options.patcher, fusions)
     runtime_layout = is_runtime_layout(config)
     # A quantized checkpoint's tensors first become the parameters they make up (stage one, quantization.py).
-    parameters = metas
+    parameters = None
     if quantization is not None:
         parameters = quantization.plan_checkpoint(model, metas, resolved_dtype)
         quantization.check_conversions([] if runtime_layout else transforms)
-    plan = plan_model_load(
+    return plan_model_load(
         model,
-        parameters,
-        [] if runtime_layout else transforms,
-        new_parameters=new_parameters,
-        unexpected_keys=unexpected_keys,
+        directory,
+        metas,
+        transforms,
+        options,
+        fusions=fusions,
+        runtime_layout=runtime_layout,
+        replaced=replaced,
+        quantization=quantization,
+        parameters=parameters,
         # Explaining missing keys by the classes the patches replaced needs a stock build: only on error.
         replacements=(lambda: _replacements(model, concrete, config, resolved_dtype, layers, fusions))
         if any(layers)
         else None,
-        quantized=quantization is not None,
     )
-    return PlannedLoad(directory, model, plan, metas, transforms, fusions, runtime_layout, replaced, quantization)
 
 
 def _replacements(
@@ -325,37 +271,29 @@ def plan_pretrained(
     local_files_only: bool = False,
     force_download: bool = False,
     quantization_config: Any = None,
-) -> PlannedLoad:
-    """Plan :func:`from_pretrained` without reading any tensor data: the meta-device model and its :class:`LoadPlan`.
+) -> LoadPlan:
+    """Plan :func:`from_pretrained` without reading any tensor data: a :class:`LoadPlan` holds the meta-device model
+    and where each of its tensors comes from.
 
     ``path`` and the keywords mean what they mean to :func:`from_pretrained` (a hub repository's files are fetched
     into the cache: the safetensors headers are in them). Raises the same errors as :func:`from_pretrained` would
     before loading (``LoadPlanError`` naming every key).
     """
-    hub = HubOptions(
-        revision=revision,
-        subfolder=subfolder,
-        cache_dir=cache_dir,
-        token=token,
-        local_files_only=local_files_only,
-        force_download=force_download,
+    options = LoadOptions(
+        patcher=patcher,
+        fusion_config=fusion_config,
+        dtype=dtype,
+        new_parameters=new_parameters,
+        unexpected_keys="ignore",
+        allow_pickle=allow_pickle,
+        allow_external_symlinks=allow_external_symlinks,
+        hub=HubOptions(revision, subfolder, cache_dir, token, local_files_only, force_download),
+        quantization_config=quantization_config,
     )
-    directory = resolve_checkpoint(path, hub, allow_pickle=allow_pickle)
+    directory = resolve_checkpoint(path, options.hub, allow_pickle=allow_pickle)
     config = load_config(directory)
-    opened = Checkpoint.open(directory, allow_pickle=allow_pickle, allow_external_symlinks=allow_external_symlinks)
-    with opened as checkpoint:
-        return _plan(
-            model_class,
-            path,
-            config,
-            checkpoint,
-            patcher,
-            fusion_config,
-            dtype,
-            new_parameters=new_parameters,
-            unexpected_keys="ignore",
-            quantization_config=quantization_config,
-        )
+    with options.open_checkpoint(directory) as checkpoint:
+        return _plan(model_class, path, config, checkpoint, options)
 
 
 # The return type follows output_loading_info, as in transformers; the other keywords are the implementation's.
@@ -500,16 +438,20 @@ def from_pretrained(
     tensor_parallel = prepare_tensor_parallel(distributed)
     if tensor_parallel is not None:
         target_device = tensor_parallel.device
-    hub = HubOptions(
-        revision=revision,
-        subfolder=subfolder,
-        cache_dir=cache_dir,
-        token=token,
-        local_files_only=local_files_only,
-        force_download=force_download,
+    options = LoadOptions(
+        patcher=patcher,
+        fusion_config=fusion_config,
+        dtype=dtype,
+        new_parameters=new_parameters,
+        unexpected_keys=unexpected_keys,
+        allow_pickle=allow_pickle,
+        allow_external_symlinks=allow_external_symlinks,
+        hub=HubOptions(revision, subfolder, cache_dir, token, local_files_only, force_download),
+        quantization_config=quantization_config,
+        device_map=device_map,
     )
-    directory = resolve_checkpoint(path, hub, allow_pickle=allow_pickle, safetensors_only=bool(use_safetensors))
-    config = _model_config(directory, config, hub, overrides)
+    directory = resolve_checkpoint(path, options.hub, allow_pickle=allow_pickle, safetensors_only=bool(use_safetensors))
+    config = _model_config(directory, config, options.hub, overrides)
     _check_remote_code(config, trust_remote_code)
     # Stock sets both on the config before building (its setters reach the sub-configs of composite models).
     if attn_implementation is not None:
@@ -518,22 +460,9 @@ def from_pretrained(
         set_experts_implementation(config, experts_implementation)
     if generation_config is None:
         generation_config = _load_generation_config(directory)
-    opened = Checkpoint.open(directory, allow_pickle=allow_pickle, allow_external_symlinks=allow_external_symlinks)
-    with opened as checkpoint:
-        planned = _plan(
-            model_class,
-            path,
-            config,
-            checkpoint,
-            patcher,
-            fusion_config,
-            dtype,
-            new_parameters=new_parameters,
-            unexpected_keys=unexpected_keys,
-            quantization_config=quantization_config,
-            device_map=device_map,
-        )
-        model, plan, fusions = planned.model, planned.plan, planned.fusions
+    with options.open_checkpoint(directory) as checkpoint:
+        plan = _plan(model_class, path, config, checkpoint, options)
+        model, quantization = plan.model, plan.quantization
         # Resolved on the meta model, as stock does: an offload to disk that cannot be done is refused before any read.
         placement = None
         if device_map is not None:
@@ -547,13 +476,13 @@ def from_pretrained(
                 max_memory=max_memory,
                 offload_folder=offload_folder,
                 offload_buffers=offload_buffers,
-                in_place=planned.quantization is None,
+                in_place=quantization is None,
             )
         # Safetensors tensors (byte range known) are views of a private file mapping; pickle ones are not.
         fetch, file_mapped = checkpoint.tensor, lambda key: checkpoint.info(key).start >= 0
-        if planned.quantization is not None:
-            fetch, file_mapped = planned.quantization.fetch(fetch, file_mapped)
-        if tensor_parallel is not None and planned.quantization is not None:
+        if quantization is not None:
+            fetch, file_mapped = quantization.fetch(fetch, file_mapped)
+        if tensor_parallel is not None and quantization is not None:
             raise ValueError("Tensor-parallel loading of quantized models is not supported by modelpatch.")
         sharded = tensor_parallel.shard(model, plan) if tensor_parallel is not None else None
         if sharded is not None:
@@ -566,18 +495,18 @@ def from_pretrained(
         if placement is not None:
             placement.keep_files(checkpoint)
 
-    if planned.quantization is not None:
-        planned.quantization.quantize_loaded(model, plan.loaded_keys())
+    if quantization is not None:
+        quantization.quantize_loaded(model, plan.loaded_keys())
     _finalize(model, plan.expected.keys() - set(plan.loaded_keys()), target_device)
-    if planned.quantization is not None:
-        planned.quantization.finish(model)
-    fusions.record(model)
+    if quantization is not None:
+        quantization.finish(model)
+    plan.fusions.record(model)
     if generation_config is not None and model.can_generate():
         model.generation_config = generation_config
 
-    report = planned.report()
+    report = LoadReport.from_plan(plan)
     setattr(model, REPORT_ATTRIBUTE, report)
-    _record_build(model, plan.expected, _conversions(model, patcher, PreparedFusions()))
+    _record_build(model, plan.expected, _conversions(model, options.patcher, PreparedFusions()))
     logger.info("%s", report.summary())
     if placement is not None:
         model = placement.apply(model)
@@ -669,21 +598,21 @@ def from_config(
 
     Args mirror :func:`from_pretrained`; ``model_class`` may be an Auto class.
     """
-    _check_patcher(patcher)
+    options = LoadOptions(patcher=patcher, fusion_config=fusion_config, dtype=dtype)
     if not isinstance(config, PretrainedConfig):
         raise TypeError(f"config must be a transformers PretrainedConfig, got {config!r}.")
     concrete = resolve_model_class(model_class, config)
     config = copy.deepcopy(config)
-    resolved_dtype = None if dtype is None else resolve_dtype(dtype, config)
-    setup = _load_setup(concrete, config, patcher, fusion_config, resolved_dtype or torch.get_default_dtype())
+    resolved_dtype = None if options.dtype is None else resolve_dtype(options.dtype, config)
+    setup = _load_setup(concrete, config, options, resolved_dtype or torch.get_default_dtype())
     fusions = setup.fusions
     model, scope = build_initialized_model(concrete, config, resolved_dtype, setup.layers.ordered())
-    _check_patches(concrete, scope, patcher, setup.layers.registry)
+    _check_patches(concrete, scope, options.patcher, setup.layers.registry)
     fusions.record(model)
     # What save_pretrained runs backwards to write this never-loaded model in the checkpoint layout: the model
     # type's mapping as adjusted by this build's Patcher and fusions.
-    setattr(model, TRANSFORMS_ATTRIBUTE, tuple(_conversions(model, patcher, fusions)))
-    _record_build(model, model_expectations(model), _conversions(model, patcher, PreparedFusions()))
+    setattr(model, TRANSFORMS_ATTRIBUTE, tuple(_conversions(model, options.patcher, fusions)))
+    _record_build(model, model_expectations(model), _conversions(model, options.patcher, PreparedFusions()))
     return model
 
 

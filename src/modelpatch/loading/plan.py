@@ -7,7 +7,8 @@ import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
@@ -18,25 +19,60 @@ from ..conversion.registry import legacy_conversions
 from ..conversion.transformers_mapping import translate
 from ..conversion.transforms import WeightTransform
 from ..errors import LoadPlanError
-from .diagnose import Replacement, collapse_lines, explain, quantization
+from .diagnose import Replacement, collapse_lines, explain
+from .diagnose import quantization as quantization_problem
+from .options import LoadOptions, UnexpectedKeys
+
+if TYPE_CHECKING:  # both import modules that use this one
+    from ..fusions.apply import PreparedFusions
+    from .quantization import Quantization
 
 logger = logging.getLogger(__name__)
-
-UnexpectedKeys = Literal["warn", "error", "ignore"]
 
 
 @dataclass
 class LoadPlan:
-    """What a load will do, computed from safetensors headers and the meta-device model."""
+    """A load planned from safetensors headers alone: the meta-device model and where each of its tensors comes
+    from, validated against that model before any tensor data is read. Executing it is the load; what it loads is
+    :meth:`LoadReport.from_plan <modelpatch.LoadReport.from_plan>`.
 
-    conversion: ConversionPlan
+    Attributes:
+        directory: The checkpoint directory.
+        model: The model built on the meta device, with the load's patches and fusions.
+        checkpoint: Every checkpoint key's shape and dtype.
+        transforms: The load's transforms (the model type's mapping adjusted by the Patcher, the fusions'); those a
+            save runs backwards. A checkpoint in the runtime layout is read without them.
+        fusions: The fusions of the load and the modules they fused.
+        runtime_layout: The checkpoint was saved in the runtime layout.
+        replaced: Class name -> ``(key, replacement)`` for every class the build replaced.
+        conversion: Every runtime key's checkpoint source: read as is (possibly renamed) or converted in groups.
+        used_transforms: The transforms the conversion ran, as translated for the model, with the legacy renamings
+            some key had.
+        expected: Every parameter and persistent buffer of the model.
+        tied: Tied parameter -> the parameter it shares storage with.
+        new_parameters: Parameters the checkpoint does not fill that are initialised freshly.
+        dropped: Checkpoint keys of buffers the model recomputes.
+        ignored: Checkpoint keys the model class declares ignorable.
+        unexpected: Checkpoint keys the model has no place for.
+        quantization: The quantizer of a quantized load.
+    """
+
+    directory: Path
+    model: PreTrainedModel
+    checkpoint: dict[str, TensorMeta]
     transforms: list[WeightTransform]
+    fusions: PreparedFusions
+    runtime_layout: bool
+    replaced: dict[str, tuple[str, str]]
+    conversion: ConversionPlan
+    used_transforms: list[WeightTransform]
     expected: dict[str, TensorMeta]
     tied: dict[str, str]
     new_parameters: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
+    quantization: Quantization | None = None
 
     def loaded_keys(self) -> list[str]:
         """Runtime keys that receive checkpoint data."""
@@ -63,37 +99,44 @@ def _compile_any(patterns: Iterable[str]) -> re.Pattern[str] | None:
 
 def plan_model_load(
     model: PreTrainedModel,
-    checkpoint: Mapping[str, TensorMeta],
-    transforms: Sequence[WeightTransform],
+    directory: Path,
+    checkpoint: dict[str, TensorMeta],
+    transforms: list[WeightTransform],
+    options: LoadOptions,
     *,
-    new_parameters: Sequence[str] = (),
-    unexpected_keys: UnexpectedKeys = "warn",
+    fusions: PreparedFusions,
+    runtime_layout: bool,
+    replaced: dict[str, tuple[str, str]],
+    quantization: Quantization | None = None,
+    parameters: Mapping[str, TensorMeta] | None = None,
     replacements: Callable[[], Sequence[Replacement]] | None = None,
-    quantized: bool = False,
 ) -> LoadPlan:
-    """Plan and validate a load. Raises :class:`LoadPlanError` naming every offending key, grouped by problem.
+    """Plan and validate the load of ``checkpoint`` into ``model``. Raises :class:`LoadPlanError` naming every
+    offending key, grouped by problem.
 
-    Checkpoint keys the model has no place for are ``dropped`` when the model recomputes them (non-persistent
-    buffers), ``ignored`` when the model class declares them ignorable (``_keys_to_ignore_on_load_unexpected``)
-    and ``unexpected`` otherwise. A quantized checkpoint is an error unless ``quantized`` (a quantizer of the load
-    turned ``checkpoint`` into the parameters already): its weights would load without their scales.
-    ``replacements`` lists the modules the load's patches replaced; it is called only to explain missing keys in
-    the error.
+    ``transforms`` are applied unless the checkpoint is in the ``runtime_layout``. Checkpoint keys the model has no
+    place for are ``dropped`` when the model recomputes them (non-persistent buffers), ``ignored`` when the model
+    class declares them ignorable (``_keys_to_ignore_on_load_unexpected``) and ``unexpected`` otherwise (handled as
+    ``options.unexpected_keys`` says). A quantized checkpoint is an error unless the load has a ``quantization``,
+    whose stage one turned ``checkpoint`` into the ``parameters`` planned here: otherwise its weights would load
+    without their scales. ``replacements`` lists the modules the load's patches replaced; it is called only to
+    explain missing keys in the error.
     """
     expected = model_expectations(model)
     tied = tied_weight_keys(model)
 
     # transformers' own transforms (a Patcher's extras, say) become modelpatch's, configured like the model's own.
-    transforms = [t.configured(model.config) for t in translate(transforms, type(model).__name__)]
+    applied = [] if runtime_layout else transforms
+    translated = [t.configured(model.config) for t in translate(applied, type(model).__name__)]
     legacy = legacy_conversions()
     conversion = plan_load(
-        checkpoint,
-        [*transforms, *legacy],
+        checkpoint if parameters is None else parameters,
+        [*translated, *legacy],
         expected=expected,
         base_model_prefix=getattr(model, "base_model_prefix", "") or "",
     )
     # Every load also reads transformers' legacy key names; the report keeps those some key had.
-    used = [*transforms, *(t for t in legacy if id(t) in conversion.used)]
+    used = [*translated, *(t for t in legacy if id(t) in conversion.used)]
 
     problems: dict[str, list[str]] = defaultdict(list)
     for kind, items in conversion.problems.items():
@@ -115,7 +158,20 @@ def plan_model_load(
                 f"{key}: checkpoint {sources[key]} is {meta.dtype}, model expects {want.dtype}"
             )
 
-    plan = LoadPlan(conversion=conversion, transforms=used, expected=expected, tied=tied)
+    plan = LoadPlan(
+        directory=directory,
+        model=model,
+        checkpoint=checkpoint,
+        transforms=transforms,
+        fusions=fusions,
+        runtime_layout=runtime_layout,
+        replaced=replaced,
+        conversion=conversion,
+        used_transforms=used,
+        expected=expected,
+        tied=tied,
+        quantization=quantization,
+    )
     # A tied pair needs one of its two keys; transformers ties the missing one to the present one.
     provided = conversion.outputs.keys() & expected.keys()
     not_needed = {t for t, s in tied.items() if s in provided or t not in provided} | {
@@ -123,11 +179,7 @@ def plan_model_load(
     }
     # The patterns below are compiled only when there are keys to match: a load that fits needs none of them.
     absent = sorted(expected.keys() - provided - not_needed)
-    allowed_new = (
-        _compile_any([*new_parameters, *keys_to_ignore_on_load(model, "missing")])
-        if absent
-        else None
-    )
+    allowed_new = _compile_any([*options.new_parameters, *keys_to_ignore_on_load(model, "missing")]) if absent else None
     for key in absent:
         if allowed_new is not None and allowed_new.search(key):
             plan.new_parameters.append(key)
@@ -146,9 +198,11 @@ def plan_model_load(
             plan.ignored.append(key)
         else:
             plan.unexpected.append(key)
+    unexpected_keys = options.unexpected_keys
     if plan.unexpected and unexpected_keys == "error":
         problems["unexpected in the checkpoint"].extend(plan.unexpected)
-    quantized_by = quantization(model.config, plan.unexpected, conversion.outputs, handled=quantized)
+    handled = quantization is not None
+    quantized_by = quantization_problem(model.config, plan.unexpected, conversion.outputs, handled=handled)
     if quantized_by is not None:
         problems["quantized checkpoint"].append(quantized_by)
 

@@ -5,13 +5,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from ..conversion.planner import ConversionGroup
 from ..conversion.transforms import WeightTransform
 from ..state import REPORT_ATTRIBUTE
+
+if TYPE_CHECKING:  # plan.py's users import this module
+    from .plan import LoadPlan
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,24 @@ class LoadReport:
     tied: Mapping[str, str] = field(default_factory=dict)
     runtime_layout: bool = False
     replaced: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+
+    @classmethod
+    def from_plan(cls, plan: LoadPlan) -> LoadReport:
+        """What executing ``plan`` loads: the record a save of the loaded model reverses."""
+        return cls(
+            source=plan.directory,
+            checkpoint_keys=tuple(plan.checkpoint),
+            direct={k: v for k, v in plan.conversion.direct.items() if k in plan.expected},
+            groups=tuple(plan.conversion.groups),
+            transforms=tuple(plan.transforms if plan.runtime_layout else plan.used_transforms),
+            new_parameters=tuple(plan.new_parameters),
+            dropped=tuple(plan.dropped),
+            ignored=tuple(plan.ignored),
+            unexpected=tuple(plan.unexpected),
+            tied=dict(plan.tied),
+            runtime_layout=plan.runtime_layout,
+            replaced=plan.replaced,
+        )
 
     @property
     def converted(self) -> dict[str, list[str]]:
