@@ -68,7 +68,7 @@ def test_plan_lists_every_parameter_with_operations(cli, llama_checkpoint):
         LlamaForCausalLM, llama_checkpoint, fusion_config={"qkv": True, "gate_up": True}
     )
     targets = {line.split(" <- ")[0] for line in lines[1:] if " <- " in line}
-    assert targets == set(planned.plan.expected)
+    assert targets == set(planned.expected)
 
 
 def test_convert_round_trip_and_refusals(cli, llama_checkpoint, tmp_path):
