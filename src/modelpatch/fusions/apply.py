@@ -232,7 +232,11 @@ def prepare_fusions(
             f"; it cannot be loaded with fusions {sorted(_enabled(normalized))}. Leave fusion_config unset to load it "
             "as stored, or write it back in the original layout first: `modelpatch convert SRC DST --fusion none`."
         )
-    enabled = {name: get_fusion(name) for name, value in normalized.items() if value is not False}
+    enabled = {
+        name: get_fusion(name).configure(value if isinstance(value, Mapping) else None)
+        for name, value in normalized.items()
+        if value is not False
+    }
     prepared = PreparedFusions(config=normalized)
     if not enabled:
         return prepared

@@ -10,7 +10,9 @@ ORIGINAL_CLASS_ATTRIBUTE = "_modelpatch_original_class"
 SPEC_ATTRIBUTE = "_modelpatch_fusion_spec"
 
 _lock = threading.Lock()
-_made: dict[tuple[str, type, type | None, type], type] = {}
+# (prefix, original, base, spec instance) -> class: a spec instance's options shape the classes it makes, so two
+# instances (two configurations of one family) never share one.
+_made: dict[tuple[str, type, type | None, int], type] = {}
 
 
 def _rebuild(spec: Any, original: type) -> Any:
@@ -20,13 +22,13 @@ def _rebuild(spec: Any, original: type) -> Any:
 
 
 def make_class(prefix: str, original: type, namespace: dict[str, Any], base: type | None = None, *, spec: Any) -> type:
-    """``class <prefix><Original>(base or original)`` with ``namespace``, created once per (spec class, prefix,
+    """``class <prefix><Original>(base or original)`` with ``namespace``, created once per (spec instance, prefix,
     original, base) and importable as ``modelpatch.fusions.generated.<name>``.
 
     ``spec`` is the :class:`ModuleFusionSpec` making the class. Instances pickle as "``spec``'s fused class for
     ``original``" plus their state, so they unpickle in a process that has not generated the class yet.
     """
-    key = (prefix, original, base, type(spec))
+    key = (prefix, original, base, id(spec))
     with _lock:
         if key in _made:
             return _made[key]
@@ -47,6 +49,7 @@ def make_class(prefix: str, original: type, namespace: dict[str, Any], base: typ
             "__qualname__": name,
             # What modelpatch.unfuse needs to rebuild the stock module: the class replaced and the spec that did it.
             ORIGINAL_CLASS_ATTRIBUTE: original,
+            # Holds the spec, so its id in the cache key is never reused by another object.
             SPEC_ATTRIBUTE: spec,
         }
         cls = type(name, (base or original,), attributes)
@@ -62,3 +65,10 @@ def fused_origin(module: Any) -> tuple[type, Any] | None:
     if cls.__module__ != __name__ or ORIGINAL_CLASS_ATTRIBUTE not in cls.__dict__:
         return None
     return cls.__dict__[ORIGINAL_CLASS_ATTRIBUTE], cls.__dict__[SPEC_ATTRIBUTE]
+
+
+def finish_fused_modules(model: Any) -> None:
+    """Run each fused module's ``spec.finish_module`` hook: called once the modules hold their final tensors."""
+    for module in model.modules():
+        if (origin := fused_origin(module)) is not None:
+            origin[1].finish_module(module)
