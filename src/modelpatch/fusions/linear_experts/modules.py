@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
+from torch.utils.hooks import RemovableHandle
 
 logger = logging.getLogger(__name__)
 
@@ -44,15 +45,24 @@ class ExpertMLP(nn.Module):
         return down(self.act_fn(gate(x)) * up(x))
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Packed:
-    """The experts' weights as two 3-D tensors, and what each expert's Linears must still hold for them to be true."""
+    """The experts' weights as two 3-D tensors, and what the experts must still hold for those to be true."""
 
     gate_up: torch.Tensor  # [E, 2I, H]: expert e's gate rows, then its up rows
     down: torch.Tensor  # [E, H, I]
-    weights: tuple[tuple[nn.Parameter, ...], ...]  # per expert: its (gate, up, down) weights
-    pointers: tuple[tuple[int, ...], ...]  # their data pointers (a `.data` re-assignment keeps the Parameter)
+    experts: tuple[nn.Module, ...]
+    # Per Linear: (its parent's children dict, its name, the Linear, its weight, the weight's data pointer, which a
+    # `.data` re-assignment changes while the Parameter stays).
+    linears: tuple[tuple[dict[str, Any], str, nn.Linear, nn.Parameter, int], ...]
     act_fn: Callable  # the experts' activation (one object for all of them)
+    # RemovableHandle.next_id when no hook was found on the experts: every hook registration takes a new handle id,
+    # so while it is unchanged the hook scan need not run again.
+    hooks_checked_at: int = -1
+
+    def hooked(self) -> bool:
+        """Whether a hook (or an instance-level ``forward``) sits on an expert or one of its Linears."""
+        return any(_hooked(expert) for expert in self.experts) or any(_hooked(entry[2]) for entry in self.linears)
 
 
 def _activation(expert: nn.Module) -> Any:
@@ -117,8 +127,21 @@ def _one_tensor(rows: Sequence[Sequence[torch.Tensor]], shape: tuple[int, int, i
     return first.detach().as_strided(shape, (stride, shape[2], 1), first.storage_offset())
 
 
+@torch.library.custom_op("modelpatch::grouped_mm", mutates_args=())
+def _opaque_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The grouped product as one opaque operator for ``torch.compile``, whose own lowering takes bfloat16 only."""
+    return _GROUPED_MM(x, weight, offs=offsets)  # type: ignore[misc]
+
+
+@_opaque_grouped_mm.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[-1])
+
+
 def _grouped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``x[rows of group g] @ weight[g].T`` for each group ``g``, groups delimited by ``offsets`` (cumulative)."""
+    if torch.compiler.is_compiling():
+        return _opaque_grouped_mm(x, weight.transpose(-2, -1), offsets)
     return _GROUPED_MM(x, weight.transpose(-2, -1), offs=offsets)  # type: ignore[misc]
 
 
@@ -173,7 +196,15 @@ class LinearExperts(nn.ModuleList):
                         target.copy_(weight)
                         weight.data = target
         self._packed = _Packed(
-            gate_up, down, tuple(weights), tuple(tuple(w.data_ptr() for w in row) for row in weights), act_fn
+            gate_up,
+            down,
+            tuple(self),
+            tuple(
+                (expert._modules, name, linear, linear.weight, linear.weight.data_ptr())
+                for expert, row in zip(self, linears)
+                for name, linear in zip(expert.names, row)
+            ),
+            act_fn,
         )
         return True
 
@@ -199,20 +230,27 @@ class LinearExperts(nn.ModuleList):
             return None
         compiling = torch.compiler.is_compiling()
         grad = torch.is_grad_enabled()
-        for expert, weights, pointers in zip(self._modules.values(), packed.weights, packed.pointers):
-            if type(expert) is not ExpertMLP or _hooked(expert) or _activation(expert) is not packed.act_fn:
+        if tuple(self._modules.values()) != packed.experts:
+            return None
+        for children, name, linear, weight, pointer in packed.linears:
+            if children.get(name) is not linear:
                 return None
-            children = expert._modules
-            for name, weight, pointer in zip(expert.names, weights, pointers):
-                linear = children.get(name)
-                if type(linear) is not nn.Linear or _hooked(linear) or linear._parameters.get("bias") is not None:
-                    return None
-                current = linear._parameters.get("weight")
-                if current is not weight or (grad and current.requires_grad):
-                    # A new weight, or one whose gradient the grouped path (reading the 3-D tensors) would not give.
-                    return None
-                if not compiling and current.data_ptr() != pointer:
-                    return None
+            parameters = linear._parameters
+            current = parameters.get("weight")
+            if current is not weight or parameters.get("bias") is not None or (grad and current.requires_grad):
+                # A new weight, or one whose gradient the grouped path (reading the 3-D tensors) would not give.
+                return None
+            if not compiling and current.data_ptr() != pointer:
+                return None
+        if any(_activation(expert) is not packed.act_fn for expert in packed.experts):
+            return None
+        if compiling:
+            # torch.compile guards on what this reads, and writes no state of its own.
+            return None if packed.hooked() else packed
+        if packed.hooks_checked_at != RemovableHandle.next_id:
+            if packed.hooked():
+                return None
+            packed.hooks_checked_at = RemovableHandle.next_id
         return packed
 
     # --- forward ---------------------------------------------------------------------------------------------------
@@ -226,7 +264,8 @@ class LinearExperts(nn.ModuleList):
         order = torch.argsort(slots, stable=True)
         tokens = order // top_k
         # Unused slots (index num_experts) sort last and fall outside every expert's count.
-        counts = torch.bincount(slots, minlength=self.num_experts + 1)[: self.num_experts]
+        # (A fixed-size count, unlike bincount's, keeps torch.compile's graph whole.)
+        counts = slots.new_zeros(self.num_experts + 1).index_add_(0, slots, torch.ones_like(slots))[: self.num_experts]
         weights = top_k_weights.reshape(-1)[order]
         packed = self._grouped_weights()
         if packed is not None:
