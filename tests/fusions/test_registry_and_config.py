@@ -163,7 +163,7 @@ def test_options_configure_the_family_and_are_stored(tiny, tmp_path):
 
 def test_hooks_have_one_signature():
     with pytest.raises(TypeError, match=r"make_transforms must take \(config, modules\) after self, got \(config\)"):
-        class OldStyle(ModuleFusionSpec):  # noqa: F841
+        class OldStyle(ModuleFusionSpec):
             def make_transforms(self, config):
                 return []
 

@@ -5,7 +5,8 @@ kernels (xformers' ``SwiGLU``, for one) want the gate and up projections stacked
 down projection called ``w3``. The fusion below swaps every such MLP for that module at load time, converts the
 checkpoint's ``gate_proj`` / ``up_proj`` / ``down_proj`` weights on the way in, and writes them back unchanged on save.
 
-A fusion is a :class:`modelpatch.ModuleFusionSpec` with four hooks:
+A fusion is a :class:`modelpatch.ModuleFusionSpec` (abstract: ``is_fusable`` and ``make_fused_class`` are required)
+with these hooks, one signature each:
 
 * ``target_modules_patterns``: regexes that pre-select candidate modules by dotted name (here: ``...layers.N.mlp``);
 * ``is_fusable(module)``: whether one candidate (an instance built on the meta device) can be fused. Fusion is

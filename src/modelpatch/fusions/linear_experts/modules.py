@@ -170,8 +170,7 @@ class LinearExperts(nn.ModuleList):
         replaced (quantized, PEFT), has a bias, or its weights are on the meta device or of mixed dtypes.
         """
         self._packed = None
-        names = [getattr(expert, "names", None) for expert in self]
-        if not names or any(type(e) is not ExpertMLP for e in self):
+        if not len(self) or any(type(expert) is not ExpertMLP for expert in self):
             return False
         linears = [[expert._modules.get(n) for n in expert.names] for expert in self]
         if any(type(lin) is not nn.Linear or lin.bias is not None for row in linears for lin in row):
@@ -179,15 +178,16 @@ class LinearExperts(nn.ModuleList):
         weights = [tuple(lin.weight for lin in row) for row in linears]
         hidden, intermediate = self.hidden_dim, self.intermediate_dim
         act_fn = _activation(self[0])
-        if any(_activation(expert) is not act_fn for expert in self) or not _packable(weights, ((intermediate, hidden), (intermediate, hidden), (hidden, intermediate))):
+        shapes = ((intermediate, hidden), (intermediate, hidden), (hidden, intermediate))
+        if any(_activation(expert) is not act_fn for expert in self) or not _packable(weights, shapes):
             return False
         count = len(weights)
         gate_up = _one_tensor([(g, u) for g, u, _ in weights], (count, 2 * intermediate, hidden))
         down = _one_tensor([(d,) for _, _, d in weights], (count, hidden, intermediate))
         if gate_up is None or down is None:
             first = weights[0][0]
-            gate_up = torch.empty(len(weights), 2 * intermediate, hidden, dtype=first.dtype, device=first.device)
-            down = torch.empty(len(weights), hidden, intermediate, dtype=first.dtype, device=first.device)
+            gate_up = torch.empty(count, 2 * intermediate, hidden, dtype=first.dtype, device=first.device)
+            down = torch.empty(count, hidden, intermediate, dtype=first.dtype, device=first.device)
             with torch.no_grad():
                 for index, (gate, up, down_weight) in enumerate(weights):
                     # One expert at a time: its old tensors go as soon as its Parameters point into the new ones.
