@@ -10,9 +10,9 @@ ORIGINAL_CLASS_ATTRIBUTE = "_modelpatch_original_class"
 SPEC_ATTRIBUTE = "_modelpatch_fusion_spec"
 
 _lock = threading.Lock()
-# (prefix, original, base, spec instance) -> class: a spec instance's options shape the classes it makes, so two
-# instances (two configurations of one family) never share one.
-_made: dict[tuple[str, type, type | None, int], type] = {}
+# (prefix, original, base, spec) -> class: a spec's options shape the classes it makes, so two configurations of one
+# family never share one; equal specs (an unpickled copy of one) do.
+_made: dict[tuple[str, type, type | None, Any], type] = {}
 
 
 def _rebuild(spec: Any, original: type) -> Any:
@@ -22,13 +22,13 @@ def _rebuild(spec: Any, original: type) -> Any:
 
 
 def make_class(prefix: str, original: type, namespace: dict[str, Any], base: type | None = None, *, spec: Any) -> type:
-    """``class <prefix><Original>(base or original)`` with ``namespace``, created once per (spec instance, prefix,
-    original, base) and importable as ``modelpatch.fusions.generated.<name>``.
+    """``class <prefix><Original>(base or original)`` with ``namespace``, created once per (spec, prefix, original,
+    base), equal specs counting as one, and importable as ``modelpatch.fusions.generated.<name>``.
 
     ``spec`` is the :class:`ModuleFusionSpec` making the class. Instances pickle as "``spec``'s fused class for
     ``original``" plus their state, so they unpickle in a process that has not generated the class yet.
     """
-    key = (prefix, original, base, id(spec))
+    key = (prefix, original, base, spec)
     with _lock:
         if key in _made:
             return _made[key]
@@ -49,7 +49,6 @@ def make_class(prefix: str, original: type, namespace: dict[str, Any], base: typ
             "__qualname__": name,
             # What modelpatch.unfuse needs to rebuild the stock module: the class replaced and the spec that did it.
             ORIGINAL_CLASS_ATTRIBUTE: original,
-            # Holds the spec, so its id in the cache key is never reused by another object.
             SPEC_ATTRIBUTE: spec,
         }
         cls = type(name, (base or original,), attributes)

@@ -78,6 +78,18 @@ class ModuleFusionSpec(ABC):
                     f"{cls.__qualname__}.{hook} must take ({', '.join(parameters)}) after self, got ({', '.join(names)})."
                 )
 
+    def _state(self) -> dict[str, Any]:
+        # What configures this instance: its attributes, minus modelpatch's caches.
+        return {k: v for k, v in vars(self).items() if not k.startswith("_modelpatch_")}
+
+    def __eq__(self, other: object) -> bool:
+        """Specs of one class with equal options and attributes are one fusion: they generate the same classes (an
+        unpickled spec finds the classes its original made)."""
+        return type(other) is type(self) and self._state() == other._state()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.options))
+
     @abstractmethod
     def is_fusable(self, module: nn.Module) -> bool:
         """Whether ``module`` (a meta-device instance) can be fused."""
@@ -111,7 +123,7 @@ class ModuleFusionSpec(ABC):
 
     def configure(self, options: Mapping[str, Any] | None) -> ModuleFusionSpec:
         """This spec with ``options`` (validated): itself when they are the defaults, else a copy holding them, the
-        same copy for equal options, so the classes it generates are made once (they are cached per spec instance).
+        same copy for equal options (the classes a spec generates are cached per spec, equal specs being one).
         """
         typed = self.validate_options(options or {})
         if typed is None or typed == self.options_class():  # type: ignore[misc]
