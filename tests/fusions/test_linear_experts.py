@@ -253,3 +253,14 @@ def test_compiled_experts_have_no_graph_break_and_follow_a_swap(tiny):
         changed = torch.compile(experts)(hidden, top_k_index, top_k_weights)
         torch.testing.assert_close(changed, experts(hidden, top_k_index, top_k_weights), atol=1e-6, rtol=0)
         assert not torch.equal(changed, expected)
+
+
+def test_compiled_model_matches_eager(tiny):
+    ckpt = tiny("qwen3_moe")
+    model = ckpt.load({"linear_experts": True})
+    ids = torch.randint(0, 56, (2, 12), generator=torch.Generator().manual_seed(3))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        torch.testing.assert_close(torch.compile(model)(input_ids=ids).logits, expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(expected, ckpt.stock()(input_ids=ids).logits, atol=1e-5, rtol=0)
