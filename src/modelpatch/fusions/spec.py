@@ -36,6 +36,9 @@ class FusionOptions:
         return cls(**options)
 
 
+# Guards each spec's cache of configured copies (loads run in parallel threads).
+_configured_lock = threading.Lock()
+
 # Each hook's parameters after ``self``: the one signature the fusion code calls it with.
 _HOOKS = {
     "is_fusable": ("module",),
@@ -137,5 +140,3 @@ class ModuleFusionSpec(ABC):
                 configured[typed] = spec
             return configured[typed]
 
-
-_configured_lock = threading.Lock()

@@ -10,7 +10,6 @@ routed expert module in turn, so whatever stands in an expert's place is what ru
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,8 +18,6 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 from torch.utils.hooks import RemovableHandle
-
-logger = logging.getLogger(__name__)
 
 # torch.nn.functional.grouped_mm (torch >= 2.10) else torch._grouped_mm (2.9); None: no grouped path at all.
 _GROUPED_MM: Callable[..., torch.Tensor] | None = getattr(
