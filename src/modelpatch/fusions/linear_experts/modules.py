@@ -23,6 +23,20 @@ from torch.utils.hooks import RemovableHandle
 _GROUPED_MM: Callable[..., torch.Tensor] | None = getattr(
     torch.nn.functional, "grouped_mm", getattr(torch, "_grouped_mm", None)
 )
+_TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def _grouped_runs_on(*weights: torch.Tensor) -> bool:
+    """Whether the grouped product has a kernel for these packed weights: on CPU from torch 2.9 (before 2.11 for
+    16-byte aligned data only), on CUDA from compute capability 8.0."""
+    device = weights[0].device
+    if _GROUPED_MM is None:
+        return False
+    if device.type == "cpu":
+        return _TORCH_VERSION >= (2, 11) or (
+            _TORCH_VERSION >= (2, 9) and all(w.data_ptr() % 16 == 0 for w in weights)
+        )
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 class ExpertMLP(nn.Module):
@@ -164,7 +178,8 @@ class LinearExperts(nn.ModuleList):
         Called after a load, a live fuse and every ``.to()`` / ``.cuda()`` / ``to_empty``; call it again after
         re-assigning an expert weight's ``.data`` by hand. Weights already laid out so (split from a 3-D checkpoint
         tensor) are adopted without a copy. Returns whether the experts are packed: not while any expert's Linear was
-        replaced (quantized, PEFT), has a bias, or its weights are on the meta device or of mixed dtypes.
+        replaced (quantized, PEFT), has a bias, or its weights are on the meta device or of mixed dtypes, nor where
+        torch has no grouped product for them.
         """
         self._packed = None
         if not len(self) or any(type(expert) is not ExpertMLP for expert in self):
@@ -192,6 +207,8 @@ class LinearExperts(nn.ModuleList):
                                            (down[index], down_weight)):
                         target.copy_(weight)
                         weight.data = target
+        if not _grouped_runs_on(gate_up, down):
+            return False
         self._packed = _Packed(
             gate_up,
             down,
@@ -220,13 +237,16 @@ class LinearExperts(nn.ModuleList):
         super().__setstate__(state)
         self.pack()
 
-    def _grouped_weights(self) -> _Packed | None:
-        """The packed weights when the grouped path computes exactly what calling each expert would, else None."""
+    def _grouped_weights(self, hidden_states: torch.Tensor | None = None) -> _Packed | None:
+        """The packed weights when the grouped path computes exactly what calling each expert would (and the
+        gradients it would), else None."""
         packed = self._packed
-        if packed is None or _GROUPED_MM is None or _global_hooks():
+        if packed is None or _global_hooks():
             return None
         compiling = torch.compiler.is_compiling()
         grad = torch.is_grad_enabled()
+        if compiling and grad and hidden_states is not None and hidden_states.requires_grad:
+            return None  # the opaque operator compiled code calls has no backward
         if tuple(self._modules.values()) != packed.experts:
             return None
         for children, name, linear, weight, pointer in packed.linears:
@@ -244,6 +264,8 @@ class LinearExperts(nn.ModuleList):
         if compiling:
             # torch.compile guards on what this reads, and writes no state of its own.
             return None if packed.hooked() else packed
+        # (A forward wrapped on an instance takes no handle: one wrapped after this scan is seen only with a new hook,
+        # or through the weights accelerate moves along with it.)
         if packed.hooks_checked_at != RemovableHandle.next_id:
             if packed.hooked():
                 return None
@@ -264,7 +286,7 @@ class LinearExperts(nn.ModuleList):
         # (A fixed-size count, unlike bincount's, keeps torch.compile's graph whole.)
         counts = slots.new_zeros(self.num_experts + 1).index_add_(0, slots, torch.ones_like(slots))[: self.num_experts]
         weights = top_k_weights.reshape(-1)[order]
-        packed = self._grouped_weights()
+        packed = self._grouped_weights(hidden_states)
         if packed is not None:
             out = self._grouped_forward(packed, hidden_states[tokens], counts)
             # Rows past the last expert's are unused slots, which the grouped products leave unwritten.
