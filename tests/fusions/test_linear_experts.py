@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fusion_models import EXPERT_NAMES, check_fused_roundtrip, checkpoint_shapes
+from fusion_models import EXPERT_NAMES, assert_outputs_close, check_fused_roundtrip, checkpoint_shapes
 from torch import nn
 
+import modelpatch
 from modelpatch.fusions.linear_experts.modules import ExpertMLP, LinearExperts
 
 
@@ -264,3 +265,17 @@ def test_compiled_model_matches_eager(tiny):
         expected = model(input_ids=ids).logits
         torch.testing.assert_close(torch.compile(model)(input_ids=ids).logits, expected, atol=1e-5, rtol=0)
         torch.testing.assert_close(expected, ckpt.stock()(input_ids=ids).logits, atol=1e-5, rtol=0)
+
+
+def test_live_fuse_adopts_the_stock_3d_tensors_without_a_copy(tiny):
+    """``modelpatch.fuse`` splits stock's 3-D experts into views; packing finds them laid out already."""
+    ckpt = tiny("qwen3_moe")
+    model = type(ckpt.stock()).from_pretrained(ckpt.path)  # a fresh stock model: fuse restructures it in place
+    stock_storage = model.model.layers[0].mlp.experts.gate_up_proj.untyped_storage().data_ptr()
+    modelpatch.fuse(model, {"linear_experts": True})
+    experts = model.model.layers[0].mlp.experts
+    with torch.no_grad():
+        packed = experts._grouped_weights()
+    assert isinstance(experts, LinearExperts) and packed is not None
+    assert packed.gate_up.untyped_storage().data_ptr() == stock_storage
+    assert_outputs_close(ckpt.outputs(model), ckpt.stock_outputs())
