@@ -138,21 +138,22 @@ def _one_tensor(rows: Sequence[Sequence[torch.Tensor]], shape: tuple[int, int, i
     return first.detach().as_strided(shape, (stride, shape[2], 1), first.storage_offset())
 
 
-@torch.library.custom_op("modelpatch::grouped_mm", mutates_args=())
-def _opaque_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """The grouped product as one opaque operator for ``torch.compile``, whose own lowering takes bfloat16 only."""
-    return _GROUPED_MM(x, weight, offs=offsets)  # type: ignore[misc]
+@torch.library.custom_op("modelpatch::grouped_linear", mutates_args=())
+def _opaque_grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The grouped product as one opaque operator for ``torch.compile``, whose own lowering takes bfloat16 only.
+    It takes the weight untransposed: compiled code would copy a transposed view to a contiguous tensor first."""
+    return _GROUPED_MM(x, weight.transpose(-2, -1), offs=offsets)  # type: ignore[misc]
 
 
-@_opaque_grouped_mm.register_fake
+@_opaque_grouped_linear.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], weight.shape[-1])
+    return x.new_empty(x.shape[0], weight.shape[-2])
 
 
 def _grouped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``x[rows of group g] @ weight[g].T`` for each group ``g``, groups delimited by ``offsets`` (cumulative)."""
     if torch.compiler.is_compiling():
-        return _opaque_grouped_mm(x, weight.transpose(-2, -1), offsets)
+        return _opaque_grouped_linear(x, weight, offsets)
     return _GROUPED_MM(x, weight.transpose(-2, -1), offs=offsets)  # type: ignore[misc]
 
 
