@@ -37,6 +37,7 @@ from ..conversion.registry import model_conversions
 from ..conversion.transforms import WeightTransform
 from ..errors import CheckpointError, ModelPatchError
 from ..fusions.apply import PreparedFusions, has_enabled_fusions, prepare_fusions, resolve_fusion_config
+from ..fusions.generated import finish_fused_modules
 from ..patching import registry
 from ..patching.mapping import PatchMapping
 from ..patching.patcher import Patcher
@@ -571,6 +572,7 @@ def from_pretrained(
     _finalize(model, plan.expected.keys() - set(plan.loaded_keys()), target_device)
     if planned.quantization is not None:
         planned.quantization.finish(model)
+    finish_fused_modules(model)
     fusions.record(model)
     if generation_config is not None and model.can_generate():
         model.generation_config = generation_config
