@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fusion_models import EXPERT_NAMES, check_fused_roundtrip, checkpoint_shapes
+from fusion_models import EXPERT_NAMES, assert_outputs_close, check_fused_roundtrip, checkpoint_shapes
 from torch import nn
 
+import modelpatch
 from modelpatch.fusions.linear_experts.modules import ExpertMLP, LinearExperts
 
 
@@ -112,3 +113,169 @@ def test_routing_with_a_dropped_slot():
                 expected[token] += experts[int(index[token, slot])](hidden[token]) * weights[token, slot]
     with torch.no_grad():
         torch.testing.assert_close(experts(hidden, index, weights), expected.detach(), atol=1e-6, rtol=0)
+
+
+# --- the packed layout and the grouped path ------------------------------------------------------------------------
+
+
+def _linears(experts):
+    return [linear for expert in experts for linear in (getattr(expert, n) for n in expert.names)]
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "mixtral", "qwen3_moe_3d"])
+def test_loaded_experts_are_packed_and_take_the_grouped_path(tiny, name):
+    """After a load every expert's Linear weight is a view of its layer's two 3-D tensors (a 3-D checkpoint's split
+    weights are adopted as they are), and the experts run grouped, with stock's results."""
+    ckpt = tiny(name)
+    model = ckpt.load({"linear_experts": True})
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        with torch.no_grad():
+            packed = experts._grouped_weights()
+        assert packed is not None
+        intermediate = experts.intermediate_dim
+        for index, expert in enumerate(experts):
+            gate, up, down = (getattr(expert, n).weight for n in expert.names)
+            assert gate.data_ptr() == packed.gate_up[index, :intermediate].data_ptr()
+            assert up.data_ptr() == packed.gate_up[index, intermediate:].data_ptr()
+            assert down.data_ptr() == packed.down[index].data_ptr()
+            assert torch.equal(gate, packed.gate_up[index, :intermediate]) and torch.equal(down, packed.down[index])
+    hidden, top_k_index, top_k_weights = _routing(model)
+    with torch.no_grad():
+        expected = ckpt.stock().model.layers[0].mlp.experts(hidden, top_k_index, top_k_weights)
+        torch.testing.assert_close(model.model.layers[0].mlp.experts(hidden, top_k_index, top_k_weights), expected,
+                                   atol=1e-6, rtol=0)
+
+
+def _forward_hook(experts):
+    return _linears(experts)[5].register_forward_hook(lambda module, args, out: None)
+
+
+def _swap_a_linear(experts):
+    old = experts[1].up_proj
+    experts[1].up_proj = nn.Linear(old.in_features, old.out_features, bias=False)
+    with torch.no_grad():
+        experts[1].up_proj.weight.copy_(old.weight)
+
+
+def _reassign_data(experts):
+    weight = experts[2].down_proj.weight
+    weight.data = weight.data.clone()
+
+
+def _hook_on_an_expert(experts):
+    return experts[0].register_forward_pre_hook(lambda module, args: None)
+
+
+FALLBACKS = {"forward hook on a Linear": _forward_hook, "Linear replaced": _swap_a_linear,
+             "weight .data re-assigned": _reassign_data, "hook on an expert": _hook_on_an_expert}
+
+
+@pytest.mark.parametrize("case", sorted(FALLBACKS))
+def test_anything_between_experts_and_weights_falls_back_to_calling_each_expert(tiny, case):
+    ckpt = tiny("qwen2_moe")
+    model = ckpt.load({"linear_experts": True})
+    experts = model.model.layers[0].mlp.experts
+    hidden, top_k_index, top_k_weights = _routing(model)
+    with torch.no_grad():
+        expected = ckpt.stock().model.layers[0].mlp.experts(hidden, top_k_index, top_k_weights)
+        FALLBACKS[case](experts)
+        assert experts._grouped_weights() is None
+        torch.testing.assert_close(experts(hidden, top_k_index, top_k_weights), expected, atol=1e-6, rtol=0)
+        # Packing again lays out what stands there now (plain Linears); hooks still keep the grouped path off.
+        assert experts.pack()
+        assert (experts._grouped_weights() is None) == ("hook" in case)
+        torch.testing.assert_close(experts(hidden, top_k_index, top_k_weights), expected, atol=1e-6, rtol=0)
+
+
+def test_gradients_reach_each_experts_weights_as_stock_computes_them(tiny):
+    """With gradients wanted, the experts are called one by one (the grouped path reads the 3-D tensors, which are
+    not the Parameters autograd tracks): each expert's Linear gets stock's gradient for its slice."""
+    ckpt = tiny("qwen2_moe")
+    model = ckpt.load({"linear_experts": True})
+    stock = ckpt.stock()
+    hidden, top_k_index, top_k_weights = _routing(model)
+    experts, stock_experts = model.model.layers[0].mlp.experts, stock.model.layers[0].mlp.experts
+    assert experts._grouped_weights() is None  # grad mode, weights requiring grad
+    experts(hidden, top_k_index, top_k_weights).square().sum().backward()
+    stock_experts(hidden, top_k_index, top_k_weights).square().sum().backward()
+    intermediate = experts.intermediate_dim
+    for index, expert in enumerate(experts):
+        gate_up_grad = stock_experts.gate_up_proj.grad[index]
+        routed = bool((top_k_index == index).any())
+        if not routed:
+            assert expert.gate_proj.weight.grad is None or not expert.gate_proj.weight.grad.any()
+            continue
+        torch.testing.assert_close(expert.gate_proj.weight.grad, gate_up_grad[:intermediate], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(expert.up_proj.weight.grad, gate_up_grad[intermediate:], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(expert.down_proj.weight.grad, stock_experts.down_proj.grad[index], atol=1e-5,
+                                   rtol=1e-4)
+
+
+def test_packed_through_to_deepcopy_and_pickle(tiny):
+    import copy
+    import pickle
+
+    ckpt = tiny("qwen2_moe")
+    model = ckpt.load({"linear_experts": True})
+    hidden, top_k_index, top_k_weights = _routing(model)
+    experts = model.model.layers[0].mlp.experts
+    with torch.no_grad():
+        expected = experts(hidden, top_k_index, top_k_weights)
+        for other in (copy.deepcopy(experts), pickle.loads(pickle.dumps(experts))):
+            assert other._grouped_weights() is not None
+            assert other[0].gate_proj.weight.data_ptr() != experts[0].gate_proj.weight.data_ptr()
+            assert torch.equal(other(hidden, top_k_index, top_k_weights), expected)
+        as_bf16 = copy.deepcopy(experts).to(torch.bfloat16)
+        assert as_bf16._grouped_weights() is not None and as_bf16[3].down_proj.weight.dtype == torch.bfloat16
+        stock_bf16 = copy.deepcopy(ckpt.stock().model.layers[0].mlp.experts).to(torch.bfloat16)
+        args = (hidden.to(torch.bfloat16), top_k_index, top_k_weights.to(torch.bfloat16))
+        torch.testing.assert_close(as_bf16(*args), stock_bf16(*args), atol=0, rtol=0)
+
+
+def test_compiled_experts_have_no_graph_break_and_follow_a_swap(tiny):
+    ckpt = tiny("qwen2_moe")
+    model = ckpt.load({"linear_experts": True})
+    hidden, top_k_index, top_k_weights = _routing(model)
+    experts = model.model.layers[0].mlp.experts
+    torch._dynamo.reset()
+    with torch.no_grad():
+        expected = experts(hidden, top_k_index, top_k_weights)
+        explained = torch._dynamo.explain(experts)(hidden, top_k_index, top_k_weights)
+        assert explained.graph_break_count == 0 and explained.graph_count == 1
+        compiled = torch.compile(experts, fullgraph=True)
+        torch.testing.assert_close(compiled(hidden, top_k_index, top_k_weights), expected, atol=1e-6, rtol=0)
+        # A Linear replaced after compiling is what runs (the compiled code's guards see the change).
+        routed = int(top_k_index[0, 0])
+        expert = experts[routed]
+        expert.down_proj = nn.Linear(expert.down_proj.in_features, expert.down_proj.out_features, bias=False)
+        expert.down_proj.weight.zero_()
+        torch._dynamo.reset()
+        changed = torch.compile(experts)(hidden, top_k_index, top_k_weights)
+        torch.testing.assert_close(changed, experts(hidden, top_k_index, top_k_weights), atol=1e-6, rtol=0)
+        assert not torch.equal(changed, expected)
+
+
+def test_compiled_model_matches_eager(tiny):
+    ckpt = tiny("qwen3_moe")
+    model = ckpt.load({"linear_experts": True})
+    ids = torch.randint(0, 56, (2, 12), generator=torch.Generator().manual_seed(3))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        torch.testing.assert_close(torch.compile(model)(input_ids=ids).logits, expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(expected, ckpt.stock()(input_ids=ids).logits, atol=1e-5, rtol=0)
+
+
+def test_live_fuse_adopts_the_stock_3d_tensors_without_a_copy(tiny):
+    """``modelpatch.fuse`` splits stock's 3-D experts into views; packing finds them laid out already."""
+    ckpt = tiny("qwen3_moe")
+    model = type(ckpt.stock()).from_pretrained(ckpt.path)  # a fresh stock model: fuse restructures it in place
+    stock_storage = model.model.layers[0].mlp.experts.gate_up_proj.untyped_storage().data_ptr()
+    modelpatch.fuse(model, {"linear_experts": True})
+    experts = model.model.layers[0].mlp.experts
+    with torch.no_grad():
+        packed = experts._grouped_weights()
+    assert isinstance(experts, LinearExperts) and packed is not None
+    assert packed.gate_up.untyped_storage().data_ptr() == stock_storage
+    assert_outputs_close(ckpt.outputs(model), ckpt.stock_outputs())

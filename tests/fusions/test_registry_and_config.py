@@ -123,10 +123,60 @@ def test_fusion_config_must_be_a_dict(tiny, value):
         tiny("llama").load(value)
 
 
-@pytest.mark.parametrize("name", BUILTIN)
+@pytest.mark.parametrize("name", [name for name in BUILTIN if name != "linear_experts"])
 def test_options_for_a_family_that_takes_none(tiny, name):
     with pytest.raises(FusionError, match=f"Invalid options for fusion '{name}'.*takes no options.*'block_size'"):
         tiny("llama").load({name: {"block_size": 64}})
+
+
+def test_unknown_option_is_named_with_the_allowed_ones(tiny):
+    with pytest.raises(FusionError, match=r"'linear_experts': unknown option\(s\) 'block_size'; allowed: child_names"):
+        tiny("qwen2_moe").load({"linear_experts": {"block_size": 64}})
+
+
+@pytest.mark.parametrize("names", ["w1", ["w1", "w3"], ["w1", "w1", "w2"], ["w1", "w3", "not a name"], [1, 2, 3]])
+def test_invalid_option_values_are_refused(tiny, names):
+    with pytest.raises(FusionError, match=r"Invalid options for fusion 'linear_experts': child_names must be three"):
+        tiny("qwen2_moe").load({"linear_experts": {"child_names": names}})
+
+
+def test_options_configure_the_family_and_are_stored(tiny, tmp_path):
+    """``child_names`` renames each expert's Linears; the checkpoint's per-expert keys then need a renaming, which a
+    Patcher gives, and the generated class is one per configured spec, not shared with the default one."""
+    ckpt = tiny("qwen2_moe")
+    default = ckpt.load({"linear_experts": True})
+    patcher = modelpatch.Patcher(extra_weight_conversions=[
+        modelpatch.WeightRenaming(r"experts\.(\d+)\.gate_proj\.", r"experts.\1.w1."),
+        modelpatch.WeightRenaming(r"experts\.(\d+)\.up_proj\.", r"experts.\1.w3."),
+        modelpatch.WeightRenaming(r"experts\.(\d+)\.down_proj\.", r"experts.\1.w2."),
+    ])
+    options = {"linear_experts": {"child_names": ["w1", "w3", "w2"]}}
+    renamed = modelpatch.from_pretrained(type(default), ckpt.path, fusion_config=options, patcher=patcher)
+    experts = renamed.model.layers[0].mlp.experts
+    assert [name for name, _ in experts[0].named_children()] == ["w1", "w3", "w2", "act_fn"]
+    assert type(experts) is not type(default.model.layers[0].mlp.experts)
+    assert type(experts).__mro__[1:] == type(default.model.layers[0].mlp.experts).__mro__[1:]
+    assert_outputs_close(ckpt.outputs(renamed), ckpt.stock_outputs())
+    assert renamed.config.modelpatch_fusion_config == options
+    # The same options again: the same configured spec, so the same generated class.
+    again = modelpatch.from_pretrained(type(default), ckpt.path, fusion_config=options, patcher=patcher)
+    assert type(again.model.layers[0].mlp.experts) is type(experts)
+
+
+def test_hooks_have_one_signature():
+    with pytest.raises(TypeError, match=r"make_transforms must take \(config, modules\) after self, got \(config\)"):
+        class OldStyle(ModuleFusionSpec):
+            def make_transforms(self, config):
+                return []
+
+
+def test_required_hooks_are_abstract():
+    class OnlyFusable(ModuleFusionSpec):
+        def is_fusable(self, module):
+            return False
+
+    with pytest.raises(TypeError, match="abstract.*make_fused_class"):
+        OnlyFusable()
 
 
 def test_empty_options_enable_and_false_disables(tiny):
@@ -286,6 +336,9 @@ def test_discovery_sees_a_meta_device_model(tiny, caplog):
             self.devices.update(p.device.type for p in module.parameters(recurse=False))
             self.names.append(type(module).__name__)
             return False
+
+        def make_fused_class(self, original_cls):
+            raise AssertionError("nothing is fusable")
 
     spy = Spy()
     register_fusion("spy", spy)

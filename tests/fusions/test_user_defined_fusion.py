@@ -5,14 +5,15 @@ kernels (xformers' ``SwiGLU``, for one) want the gate and up projections stacked
 down projection called ``w3``. The fusion below swaps every such MLP for that module at load time, converts the
 checkpoint's ``gate_proj`` / ``up_proj`` / ``down_proj`` weights on the way in, and writes them back unchanged on save.
 
-A fusion is a :class:`modelpatch.ModuleFusionSpec` with four hooks:
+A fusion is a :class:`modelpatch.ModuleFusionSpec` (abstract: ``is_fusable`` and ``make_fused_class`` are required)
+with these hooks, one signature each:
 
 * ``target_modules_patterns``: regexes that pre-select candidate modules by dotted name (here: ``...layers.N.mlp``);
 * ``is_fusable(module)``: whether one candidate (an instance built on the meta device) can be fused. Fusion is
   class-level: a class is replaced only if *every* candidate instance of it is fusable;
 * ``make_fused_class(original_cls)``: the replacement class, constructed with the original's ``__init__`` arguments
   (``LlamaMLP(config)`` -> ``SwiGLU(config)``). Define it at module level so fused models pickle;
-* ``make_transforms(config[, modules])``: weight transforms from the checkpoint layout to the fused one. They are
+* ``make_transforms(config, modules)``: weight transforms from the checkpoint layout to the fused one. They are
   reversed on save, so ``save_pretrained`` writes the original checkpoint layout (bitwise) by default.
 
 Then ``register_fusion("swiglu", SwiGLUFusionSpec())`` and load with ``fusion_config={"swiglu": True}``.
@@ -75,7 +76,7 @@ class SwiGLUFusionSpec(ModuleFusionSpec):
     def make_fused_class(self, original_cls: type[nn.Module]) -> type[nn.Module]:
         return SwiGLU
 
-    def make_transforms(self, config):
+    def make_transforms(self, config, modules):
         # The checkpoint keeps gate and up apart: stack them (gate first) on load, split them again on save. The
         # two parts always have the same size, which also lets a from_config model be saved in the original layout.
         return [
@@ -162,9 +163,9 @@ def test_make_transforms_receives_the_modules_to_fuse(tiny):
     seen = {}
 
     class Recording(SwiGLUFusionSpec):
-        def make_transforms(self, config, modules=None):
+        def make_transforms(self, config, modules):
             seen["config"], seen["modules"] = config, modules
-            return super().make_transforms(config)
+            return super().make_transforms(config, modules)
 
     register_fusion("recording", Recording())
     tiny("llama").load({"recording": True})

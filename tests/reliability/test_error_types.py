@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 import modelpatch
 from modelpatch import ModelPatchError
 from modelpatch.checkpoint import Checkpoint, write_checkpoint
+from modelpatch.fusions import QKVFusionSpec
 
 pytestmark = pytest.mark.reliability
 
@@ -104,7 +105,7 @@ def test_bad_mappings_conversions_fusions_and_tensors_raise_modelpatch_errors(tm
         lambda: modelpatch.register_patch_mapping({"(unclosed": nn.Linear}),
         lambda: modelpatch.Patcher(filtered_weight_conversion_patterns="(unclosed"),
         lambda: modelpatch.WeightRenaming("(unclosed", "x"),
-        lambda: modelpatch.register_fusion("not an identifier", modelpatch.ModuleFusionSpec()),
+        lambda: modelpatch.register_fusion("not an identifier", QKVFusionSpec()),
         lambda: modelpatch.from_config(
             AutoModelForCausalLM, tiny_config("llama", **wide()), fusion_config={"no_such_fusion": True}
         ),

@@ -5,11 +5,11 @@ Each family lives in its own sub-package with the same shape (``modules.py``: th
 """
 
 from .gate_up import GateUpFusionSpec
-from .linear_experts import LinearExpertsFusionSpec
+from .linear_experts import LinearExpertsFusionSpec, LinearExpertsOptions
 from .patch_embeddings import PatchEmbeddingsFusionSpec
 from .qkv import QKVFusionSpec
 from .registry import available_fusions, get_fusion, register_fusion, unregister_fusion
-from .spec import ModuleFusionSpec
+from .spec import FusionOptions, ModuleFusionSpec
 
 register_fusion("patch_embeddings", PatchEmbeddingsFusionSpec())
 register_fusion("qkv", QKVFusionSpec())
@@ -17,8 +17,10 @@ register_fusion("gate_up", GateUpFusionSpec())
 register_fusion("linear_experts", LinearExpertsFusionSpec())
 
 __all__ = [
+    "FusionOptions",
     "GateUpFusionSpec",
     "LinearExpertsFusionSpec",
+    "LinearExpertsOptions",
     "ModuleFusionSpec",
     "PatchEmbeddingsFusionSpec",
     "QKVFusionSpec", "available_fusions", "get_fusion", "register_fusion", "unregister_fusion"]

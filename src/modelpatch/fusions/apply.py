@@ -248,7 +248,11 @@ def prepare_fusions(
             registered conversion of the model type (what the fusions and the Patcher do not filter out) for a weight
             a fusion converts.
     """
-    enabled = {name: get_fusion(name) for name, value in normalized.items() if value is not False}
+    enabled = {
+        name: get_fusion(name).configure(value if isinstance(value, Mapping) else None)
+        for name, value in normalized.items()
+        if value is not False
+    }
     prepared = PreparedFusions(config=dict(normalized))
     if not enabled:
         return prepared

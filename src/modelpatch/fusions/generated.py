@@ -10,7 +10,9 @@ ORIGINAL_CLASS_ATTRIBUTE = "_modelpatch_original_class"
 SPEC_ATTRIBUTE = "_modelpatch_fusion_spec"
 
 _lock = threading.Lock()
-_made: dict[tuple[str, type, type | None, type], type] = {}
+# (prefix, original, base, spec) -> class: a spec's options shape the classes it makes, so two configurations of one
+# family never share one; equal specs (an unpickled copy of one) do.
+_made: dict[tuple[str, type, type | None, Any], type] = {}
 
 
 def _rebuild(spec: Any, original: type) -> Any:
@@ -20,13 +22,13 @@ def _rebuild(spec: Any, original: type) -> Any:
 
 
 def make_class(prefix: str, original: type, namespace: dict[str, Any], base: type | None = None, *, spec: Any) -> type:
-    """``class <prefix><Original>(base or original)`` with ``namespace``, created once per (spec class, prefix,
-    original, base) and importable as ``modelpatch.fusions.generated.<name>``.
+    """``class <prefix><Original>(base or original)`` with ``namespace``, created once per (spec, prefix, original,
+    base), equal specs counting as one, and importable as ``modelpatch.fusions.generated.<name>``.
 
     ``spec`` is the :class:`ModuleFusionSpec` making the class. Instances pickle as "``spec``'s fused class for
     ``original``" plus their state, so they unpickle in a process that has not generated the class yet.
     """
-    key = (prefix, original, base, type(spec))
+    key = (prefix, original, base, spec)
     with _lock:
         if key in _made:
             return _made[key]
@@ -62,3 +64,10 @@ def fused_origin(module: Any) -> tuple[type, Any] | None:
     if cls.__module__ != __name__ or ORIGINAL_CLASS_ATTRIBUTE not in cls.__dict__:
         return None
     return cls.__dict__[ORIGINAL_CLASS_ATTRIBUTE], cls.__dict__[SPEC_ATTRIBUTE]
+
+
+def finish_fused_modules(model: Any) -> None:
+    """Run each fused module's ``spec.finish_module`` hook: called once the modules hold their final tensors."""
+    for module in model.modules():
+        if (origin := fused_origin(module)) is not None:
+            origin[1].finish_module(module)

@@ -175,12 +175,10 @@ class FusedProjectionsSpec(ModuleFusionSpec):
 
         return make_class(self.prefix, original_cls, {"__init__": __init__}, spec=self)
 
-    def make_transforms(
-        self, config: PretrainedConfig, modules: Mapping[str, nn.Module] | None = None
-    ) -> list[WeightTransform]:
+    def make_transforms(self, config: PretrainedConfig, modules: Mapping[str, nn.Module]) -> list[WeightTransform]:
         """One converter per (module name, child names, part sizes): ``self_attn.q_proj -> self_attn.qkv_proj``."""
         shapes: dict[tuple[str, tuple[str, ...], str, tuple[int, ...]], None] = {}
-        for module_name, module in (modules or {}).items():
+        for module_name, module in modules.items():
             names, fused_name = self._group_of(module)  # type: ignore[misc]
             sizes = tuple(getattr(module, n).out_features for n in names)
             shapes[(module_name.rpartition(".")[2], names, fused_name, sizes)] = None

@@ -1,9 +1,15 @@
-"""``ModuleFusionSpec``: how one fusion family finds, replaces and converts the modules it fuses."""
+"""``ModuleFusionSpec``: how one fusion family finds, replaces and converts the modules it fuses, and the typed
+options (``FusionOptions``) a family may take from ``fusion_config={name: {...}}``."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import inspect
+import threading
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import nn
 from transformers import PretrainedConfig
@@ -11,8 +17,39 @@ from transformers import PretrainedConfig
 from ..conversion.transforms import WeightTransform
 
 
-class ModuleFusionSpec:
-    """Describe a fusion family. Subclass it and override the hooks, then :func:`modelpatch.register_fusion` it.
+@dataclasses.dataclass(frozen=True)
+class FusionOptions:
+    """Base of a family's options: a frozen dataclass whose fields are the option names.
+
+    Subclasses validate their values in ``__post_init__`` (raising ``TypeError`` or ``ValueError``).
+    """
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, Any]) -> FusionOptions:
+        """The options ``fusion_config`` gives as a dict; an unknown name is a ``ValueError`` naming the allowed."""
+        allowed = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(allowed))
+        if unknown:
+            raise ValueError(
+                f"unknown option(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(allowed) or 'none'}."
+            )
+        return cls(**options)
+
+
+# Guards each spec's cache of configured copies (loads run in parallel threads).
+_configured_lock = threading.Lock()
+
+# Each hook's parameters after ``self``: the one signature the fusion code calls it with.
+_HOOKS = {
+    "is_fusable": ("module",),
+    "make_fused_class": ("original_cls",),
+    "make_transforms": ("config", "modules"),
+    "finish_module": ("module",),
+}
+
+
+class ModuleFusionSpec(ABC):
+    """Describe a fusion family. Subclass it, implement the abstract hooks, then :func:`modelpatch.register_fusion` it.
 
     Discovery builds the model on the meta device, keeps the modules whose dotted name matches one of
     ``target_modules_patterns`` (all modules when it is empty) and for which :meth:`is_fusable` is true, and maps each
@@ -22,29 +59,84 @@ class ModuleFusionSpec:
         target_modules_patterns: Optional regexes (``re.search``) pre-filtering candidate module names.
         filtered_conversion_patterns: Regexes dropping the model type's own conversions that the fused layout
             replaces (matched against their source and target patterns, like ``Patcher``'s filter).
+        options_class: The family's :class:`FusionOptions` subclass, or None when it takes no options.
+        options: This instance's options (None: the defaults, or a family without options); see :meth:`configure`.
     """
 
     target_modules_patterns: Sequence[str] = ()
     filtered_conversion_patterns: Sequence[str] = ()
+    options_class: ClassVar[type[FusionOptions] | None] = None
+    options: FusionOptions | None = None
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # A hook with another signature would fail deep inside a load (or be called wrongly): say so at definition.
+        for hook, parameters in _HOOKS.items():
+            function = cls.__dict__.get(hook)
+            if function is None:
+                continue
+            names = tuple(inspect.signature(function).parameters)[1:]
+            if len(names) != len(parameters):
+                raise TypeError(
+                    f"{cls.__qualname__}.{hook} must take ({', '.join(parameters)}) after self, got ({', '.join(names)})."
+                )
+
+    def _state(self) -> dict[str, Any]:
+        # What configures this instance: its attributes, minus modelpatch's caches.
+        return {k: v for k, v in vars(self).items() if not k.startswith("_modelpatch_")}
+
+    def __eq__(self, other: object) -> bool:
+        """Specs of one class with equal options and attributes are one fusion: they generate the same classes (an
+        unpickled spec finds the classes its original made)."""
+        return type(other) is type(self) and self._state() == other._state()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.options))
+
+    @abstractmethod
     def is_fusable(self, module: nn.Module) -> bool:
         """Whether ``module`` (a meta-device instance) can be fused."""
-        raise NotImplementedError
 
+    @abstractmethod
     def make_fused_class(self, original_cls: type[nn.Module]) -> type[nn.Module]:
         """The runtime replacement of ``original_cls``; it is constructed with the original's arguments."""
-        raise NotImplementedError
 
     def make_transforms(
-        self, config: PretrainedConfig, modules: Mapping[str, nn.Module] | None = None
+        self, config: PretrainedConfig, modules: Mapping[str, nn.Module]
     ) -> list[WeightTransform]:
         """Transforms from the checkpoint layout to the fused runtime layout (default: none needed).
 
-        ``modules`` maps the dotted runtime name of every module that will be fused to its meta-device instance.
+        ``modules`` maps the dotted runtime name of every module that will be fused to its meta-device instance
+        (empty when nothing is known about them).
         """
         return []
 
-    def validate_options(self, options: Mapping[str, Any]) -> None:
-        """Reject unknown or invalid options given as ``fusion_config={name: {...}}`` (default: accept none)."""
-        if options:
-            raise ValueError(f"{type(self).__name__} takes no options, got {dict(options)!r}.")
+    def finish_module(self, module: nn.Module) -> None:
+        """Called on each fused module once it holds its final tensors (after a load or a live fuse); default:
+        nothing. For modules that lay their loaded tensors out for speed."""
+
+    def validate_options(self, options: Mapping[str, Any]) -> FusionOptions | None:
+        """The typed options of ``fusion_config={name: options}``; ``TypeError`` / ``ValueError`` for unknown or
+        invalid ones (a family without ``options_class`` takes none)."""
+        if self.options_class is None:
+            if options:
+                raise ValueError(f"{type(self).__name__} takes no options, got {dict(options)!r}.")
+            return None
+        return self.options_class.from_mapping(options)
+
+    def configure(self, options: Mapping[str, Any] | None) -> ModuleFusionSpec:
+        """This spec with ``options`` (validated): itself when they are the defaults, else a copy holding them, the
+        same copy for equal options (the classes a spec generates are cached per spec, equal specs being one).
+        """
+        typed = self.validate_options(options or {})
+        if typed is None or typed == self.options_class():  # type: ignore[misc]
+            return self
+        with _configured_lock:
+            configured = self.__dict__.setdefault("_modelpatch_configured", {})
+            if typed not in configured:
+                spec = copy.copy(self)
+                spec.__dict__.pop("_modelpatch_configured", None)
+                spec.options = typed
+                configured[typed] = spec
+            return configured[typed]
+

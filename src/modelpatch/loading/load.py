@@ -36,6 +36,7 @@ from ..conversion.registry import model_conversions
 from ..conversion.transforms import WeightTransform
 from ..errors import CheckpointError, ModelPatchError
 from ..fusions.apply import PreparedFusions, has_enabled_fusions, prepare_fusions, resolve_fusion_config
+from ..fusions.generated import finish_fused_modules
 from ..patching import registry
 from ..patching.mapping import PatchMapping
 from ..patching.patcher import Patcher
@@ -500,6 +501,7 @@ def from_pretrained(
     _finalize(model, plan.expected.keys() - set(plan.loaded_keys()), target_device)
     if quantization is not None:
         quantization.finish(model)
+    finish_fused_modules(model)
     plan.fusions.record(model)
     if generation_config is not None and model.can_generate():
         model.generation_config = generation_config

@@ -26,7 +26,7 @@ from ..conversion.registry import model_conversions
 from ..conversion.transforms import WeightConverter, WeightTransform
 from ..errors import FusionError
 from ..fusions.apply import normalize_fusion_config, prepare_fusions, resolve_fusion_config, spec_transforms
-from ..fusions.generated import fused_origin
+from ..fusions.generated import finish_fused_modules, fused_origin
 from ..fusions.projections import ProjectionSlice
 from ..patching import registry
 from ..patching.patcher import Patcher
@@ -246,6 +246,7 @@ def fuse(model: PreTrainedModel, fusion_config: Mapping[str, Any]) -> PreTrained
             )
     base = _base_transforms(model)
     _swap(model, target, names, [functools.partial(plan_load, transforms=prepared.transforms)], "fuse")
+    finish_fused_modules(model)
     if getattr(model, BASE_TRANSFORMS_ATTRIBUTE, None) is None:
         object.__setattr__(model, BASE_TRANSFORMS_ATTRIBUTE, tuple(base))
     _record(model, normalized, prepared.adjust_conversions(base))

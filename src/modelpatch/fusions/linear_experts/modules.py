@@ -1,11 +1,42 @@
-"""Per-expert MoE modules made of plain ``nn.Linear`` layers, routed exactly like transformers' fused experts."""
+"""Per-expert MoE modules made of plain ``nn.Linear`` layers, routed exactly like transformers' fused experts.
+
+The experts' weights are each expert's own ``nn.Linear`` (what quantizers and PEFT replace), laid out in memory as
+views of one 3-D tensor per projection (``gate_up [E, 2I, H]``, ``down [E, H, I]``, transformers' fused layout). While
+that layout holds and nothing stands between the experts and their weights (a replaced or wrapped Linear, a hook, a
+weight swapped or re-assigned, weights that need gradients), ``forward`` runs every expert at once with grouped
+matrix products over the tokens sorted by expert, as stock transformers' fused experts do; otherwise it calls each
+routed expert module in turn, so whatever stands in an expert's place is what runs.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as torch_module
+from torch.utils.hooks import RemovableHandle
+
+# torch.nn.functional.grouped_mm (torch >= 2.10) else torch._grouped_mm (2.9); None: no grouped path at all.
+_GROUPED_MM: Callable[..., torch.Tensor] | None = getattr(
+    torch.nn.functional, "grouped_mm", getattr(torch, "_grouped_mm", None)
+)
+_TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def _grouped_runs_on(*weights: torch.Tensor) -> bool:
+    """Whether the grouped product has a kernel for these packed weights: on CPU from torch 2.9 (before 2.11 for
+    16-byte aligned data only), on CUDA from compute capability 8.0."""
+    device = weights[0].device
+    if _GROUPED_MM is None:
+        return False
+    if device.type == "cpu":
+        return _TORCH_VERSION >= (2, 11) or (
+            _TORCH_VERSION >= (2, 9) and all(w.data_ptr() % 16 == 0 for w in weights)
+        )
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 class ExpertMLP(nn.Module):
@@ -25,27 +56,260 @@ class ExpertMLP(nn.Module):
         return down(self.act_fn(gate(x)) * up(x))
 
 
+@dataclass
+class _Packed:
+    """The experts' weights as two 3-D tensors, and what the experts must still hold for those to be true."""
+
+    gate_up: torch.Tensor  # [E, 2I, H]: expert e's gate rows, then its up rows
+    down: torch.Tensor  # [E, H, I]
+    experts: tuple[nn.Module, ...]
+    # Per Linear: (its parent's children dict, its name, the Linear, its weight, the weight's data pointer, which a
+    # `.data` re-assignment changes while the Parameter stays).
+    linears: tuple[tuple[dict[str, Any], str, nn.Linear, nn.Parameter, int], ...]
+    act_fn: Callable  # the experts' activation (one object for all of them)
+    # RemovableHandle.next_id when no hook was found on the experts: every hook registration takes a new handle id,
+    # so while it is unchanged the hook scan need not run again.
+    hooks_checked_at: int = -1
+
+    def hooked(self) -> bool:
+        """Whether a hook (or an instance-level ``forward``) sits on an expert or one of its Linears."""
+        return any(_hooked(expert) for expert in self.experts) or any(_hooked(entry[2]) for entry in self.linears)
+
+
+def _activation(expert: nn.Module) -> Any:
+    # An activation module is a child; a plain function an attribute.
+    return expert._modules.get("act_fn") or expert.__dict__.get("act_fn")
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether calling ``module`` does more than its ``forward``: hooks, or a forward wrapped on the instance
+    (accelerate's offloading hooks)."""
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or "forward" in module.__dict__
+    )
+
+
+def _global_hooks() -> bool:
+    return bool(
+        torch_module._global_forward_hooks
+        or torch_module._global_forward_pre_hooks
+        or torch_module._global_backward_hooks
+        or torch_module._global_backward_pre_hooks
+    )
+
+
+def _packable(weights: Sequence[tuple[nn.Parameter | None, ...]], shapes: tuple[tuple[int, int], ...]) -> bool:
+    first = weights[0][0]
+    return all(
+        type(w) is nn.Parameter
+        and w.device.type != "meta"
+        and w.device == first.device
+        and w.dtype == first.dtype
+        and w.dtype.is_floating_point
+        and tuple(w.shape) == shape
+        for expert in weights
+        for w, shape in zip(expert, shapes)
+    )
+
+
+def _one_tensor(rows: Sequence[Sequence[torch.Tensor]], shape: tuple[int, int, int]) -> torch.Tensor | None:
+    """The ``shape`` tensor whose entry ``e`` is ``rows[e]``'s tensors stacked, when they already lie that way in one
+    storage (experts split from a 3-D checkpoint tensor, or packed before and left in place by a no-op ``.to()``),
+    so packing them needs no copy; else None."""
+    first = rows[0][0]
+    stride = rows[1][0].storage_offset() - first.storage_offset() if len(rows) > 1 else shape[1] * shape[2]
+    if stride < shape[1] * shape[2]:
+        return None
+    storage = first.untyped_storage().data_ptr()
+    for index, parts in enumerate(rows):
+        offset = first.storage_offset() + index * stride
+        for part in parts:
+            if (
+                not part.is_contiguous()
+                or part.untyped_storage().data_ptr() != storage
+                or part.storage_offset() != offset
+            ):
+                return None
+            offset += part.numel()
+    return first.detach().as_strided(shape, (stride, shape[2], 1), first.storage_offset())
+
+
+@torch.library.custom_op("modelpatch::grouped_linear", mutates_args=())
+def _opaque_grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The grouped product as one opaque operator for ``torch.compile``, whose own lowering takes bfloat16 only.
+    It takes the weight untransposed: compiled code would copy a transposed view to a contiguous tensor first."""
+    return _GROUPED_MM(x, weight.transpose(-2, -1), offs=offsets)  # type: ignore[misc]
+
+
+@_opaque_grouped_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[-2])
+
+
+def _grouped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``x[rows of group g] @ weight[g].T`` for each group ``g``, groups delimited by ``offsets`` (cumulative)."""
+    if torch.compiler.is_compiling():
+        return _opaque_grouped_linear(x, weight, offsets)
+    return _GROUPED_MM(x, weight.transpose(-2, -1), offs=offsets)  # type: ignore[misc]
+
+
 class LinearExperts(nn.ModuleList):
     """``experts[i]`` is expert ``i``; ``forward(hidden_states, top_k_index, top_k_weights)`` weighs each token's
-    top-k expert outputs by its routing weights, as the fused experts of transformers do."""
+    top-k expert outputs by its routing weights, as the fused experts of transformers do. A ``top_k_index`` equal to
+    ``num_experts`` marks an unused slot (some routers pad with it): it contributes nothing."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, act_fn: Callable, names, device, dtype):
         super().__init__(ExpertMLP(hidden, intermediate, act_fn, names, device, dtype) for _ in range(num_experts))
         self.num_experts = num_experts
         self.hidden_dim = hidden
         self.intermediate_dim = intermediate
+        self._packed: _Packed | None = None
+        self.pack()
+
+    # --- the packed layout ---------------------------------------------------------------------------------------
+
+    def pack(self) -> bool:
+        """Lay the experts' weights out as views of one ``[E, 2I, H]`` and one ``[E, H, I]`` tensor (in place: the
+        ``nn.Parameter`` objects stay, only their storage moves), which is what the grouped path reads.
+
+        Called after a load, a live fuse and every ``.to()`` / ``.cuda()`` / ``to_empty``; call it again after
+        re-assigning an expert weight's ``.data`` by hand. Weights already laid out so (split from a 3-D checkpoint
+        tensor) are adopted without a copy. Returns whether the experts are packed: not while any expert's Linear was
+        replaced (quantized, PEFT), has a bias, or its weights are on the meta device or of mixed dtypes, nor where
+        torch has no grouped product for them.
+        """
+        self._packed = None
+        if not len(self) or any(type(expert) is not ExpertMLP for expert in self):
+            return False
+        linears = [[expert._modules.get(n) for n in expert.names] for expert in self]
+        if any(type(lin) is not nn.Linear or lin.bias is not None for row in linears for lin in row):
+            return False
+        weights = [tuple(lin.weight for lin in row) for row in linears]
+        hidden, intermediate = self.hidden_dim, self.intermediate_dim
+        act_fn = _activation(self[0])
+        shapes = ((intermediate, hidden), (intermediate, hidden), (hidden, intermediate))
+        if any(_activation(expert) is not act_fn for expert in self) or not _packable(weights, shapes):
+            return False
+        count = len(weights)
+        gate_up = _one_tensor([(g, u) for g, u, _ in weights], (count, 2 * intermediate, hidden))
+        down = _one_tensor([(d,) for _, _, d in weights], (count, hidden, intermediate))
+        if gate_up is None or down is None:
+            first = weights[0][0]
+            gate_up = torch.empty(count, 2 * intermediate, hidden, dtype=first.dtype, device=first.device)
+            down = torch.empty(count, hidden, intermediate, dtype=first.dtype, device=first.device)
+            with torch.no_grad():
+                for index, (gate, up, down_weight) in enumerate(weights):
+                    # One expert at a time: its old tensors go as soon as its Parameters point into the new ones.
+                    for target, weight in ((gate_up[index, :intermediate], gate), (gate_up[index, intermediate:], up),
+                                           (down[index], down_weight)):
+                        target.copy_(weight)
+                        weight.data = target
+        if not _grouped_runs_on(gate_up, down):
+            return False
+        self._packed = _Packed(
+            gate_up,
+            down,
+            tuple(self),
+            tuple(
+                (expert._modules, name, linear, linear.weight, linear.weight.data_ptr())
+                for expert, row in zip(self, linears)
+                for name, linear in zip(expert.names, row)
+            ),
+            act_fn,
+        )
+        return True
+
+    def _apply(self, fn, recurse: bool = True):
+        # .to() / .cuda() / .half() / to_empty give every weight storage of its own: lay them out again.
+        result = super()._apply(fn, recurse)
+        self.pack()
+        return result
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The packed tensors alias the experts' weights: pickle (and deepcopy) those once, and pack the copy again.
+        state = super().__getstate__()
+        return {**state, "_packed": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.pack()
+
+    def _grouped_weights(self, hidden_states: torch.Tensor | None = None) -> _Packed | None:
+        """The packed weights when the grouped path computes exactly what calling each expert would (and the
+        gradients it would), else None."""
+        packed = self._packed
+        if packed is None or _global_hooks():
+            return None
+        compiling = torch.compiler.is_compiling()
+        grad = torch.is_grad_enabled()
+        if compiling and grad and hidden_states is not None and hidden_states.requires_grad:
+            return None  # the opaque operator compiled code calls has no backward
+        if tuple(self._modules.values()) != packed.experts:
+            return None
+        for children, name, linear, weight, pointer in packed.linears:
+            if children.get(name) is not linear:
+                return None
+            parameters = linear._parameters
+            current = parameters.get("weight")
+            if current is not weight or parameters.get("bias") is not None or (grad and current.requires_grad):
+                # A new weight, or one whose gradient the grouped path (reading the 3-D tensors) would not give.
+                return None
+            if not compiling and current.data_ptr() != pointer:
+                return None
+        if any(_activation(expert) is not packed.act_fn for expert in packed.experts):
+            return None
+        if compiling:
+            # torch.compile guards on what this reads, and writes no state of its own.
+            return None if packed.hooked() else packed
+        # (A forward wrapped on an instance takes no handle: one wrapped after this scan is seen only with a new hook,
+        # or through the weights accelerate moves along with it.)
+        if packed.hooks_checked_at != RemovableHandle.next_id:
+            if packed.hooked():
+                return None
+            packed.hooks_checked_at = RemovableHandle.next_id
+        return packed
+
+    # --- forward ---------------------------------------------------------------------------------------------------
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        final = torch.zeros_like(hidden_states)
-        with torch.no_grad():
-            expert_mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
-            hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
-        for expert_idx in hit[:, 0].tolist():
-            if expert_idx == self.num_experts:  # padding slot used by some routers
-                continue
-            top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
-            out = self[expert_idx](hidden_states[token_idx]) * top_k_weights[token_idx, top_k_pos, None]
-            final.index_add_(0, token_idx, out.to(final.dtype))
-        return final
+        num_tokens, top_k = top_k_index.shape
+        slots = top_k_index.reshape(-1)
+        # Every (token, slot) pair sorted by expert; a stable sort keeps each expert's tokens in order.
+        order = torch.argsort(slots, stable=True)
+        tokens = order // top_k
+        # Unused slots (index num_experts) sort last and fall outside every expert's count.
+        # (A fixed-size count, unlike bincount's, keeps torch.compile's graph whole.)
+        counts = slots.new_zeros(self.num_experts + 1).index_add_(0, slots, torch.ones_like(slots))[: self.num_experts]
+        weights = top_k_weights.reshape(-1)[order]
+        packed = self._grouped_weights(hidden_states)
+        if packed is not None:
+            out = self._grouped_forward(packed, hidden_states[tokens], counts)
+            # Rows past the last expert's are unused slots, which the grouped products leave unwritten.
+            out = torch.where((slots[order] < self.num_experts)[:, None], out * weights[:, None], 0)
+        else:
+            out = self._expert_by_expert(hidden_states, tokens, counts) * weights[:, None]
+        # Back to (token, slot) order and summed over the slots, as stock does (one rounding per token in bf16).
+        per_slot = torch.empty_like(out).index_copy_(0, order, out)
+        return per_slot.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+    def _grouped_forward(self, packed: _Packed, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        gate, up = _grouped(x.to(packed.gate_up.dtype), packed.gate_up, offsets).chunk(2, dim=-1)
+        return _grouped(packed.act_fn(gate) * up, packed.down, offsets)
+
+    def _expert_by_expert(self, hidden_states: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Each routed expert module called on its tokens (rows in sorted order; unused slots stay zero)."""
+        out = hidden_states.new_zeros(tokens.shape[0], hidden_states.shape[-1])
+        start = 0
+        for expert, count in zip(self, counts.tolist()):
+            if count:
+                rows = slice(start, start + count)
+                out[rows] = expert(hidden_states[tokens[rows]]).to(out.dtype)
+                start += count
+        return out

@@ -12,9 +12,11 @@ those into the per-expert keys; the load records the split, so a default save wr
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import defaultdict
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import cast
 
 import torch
@@ -22,28 +24,54 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ...conversion.operations import Chunk, SplitModulelist
-from ...conversion.registry import get_checkpoint_conversion_mapping
 from ...conversion.transforms import WeightConverter, WeightTransform
 from ..generated import make_class
-from ..spec import ModuleFusionSpec
+from ..spec import FusionOptions, ModuleFusionSpec
 from .modules import LinearExperts
 
-_DEFAULT_NAMES = ("gate_proj", "up_proj", "down_proj")
-_EXPERT_CHILD = re.compile(r"experts\.\*\.(\w+)\.weight$")
+DEFAULT_CHILD_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+# (gate, up, down) child names of one expert in the published checkpoints of the model types that do not use
+# DEFAULT_CHILD_NAMES (transformers 5.23's per-expert -> fused conversions name the same ones).
+EXPERT_CHILD_NAMES: Mapping[str, tuple[str, str, str]] = MappingProxyType(
+    {
+        **dict.fromkeys(
+            ("deepseek_v4", "kimi_linear", "lfm2_moe", "minimax", "minimax_m2", "minimax_m3_vl",
+             "mistral_large4_text", "mixtral", "phimoe"),
+            ("w1", "w3", "w2"),
+        ),
+        "dots3_note_vision_encoder": ("fc1", "fc3", "fc2"),
+    }
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearExpertsOptions(FusionOptions):
+    """Options of ``fusion_config={"linear_experts": {...}}``.
+
+    Attributes:
+        child_names: ``(gate, up, down)`` names of each expert's Linears, for checkpoints that name them otherwise
+            than :data:`EXPERT_CHILD_NAMES` says for their model type (default: that table).
+    """
+
+    child_names: tuple[str, str, str] | None = None
+
+    def __post_init__(self) -> None:
+        names = self.child_names
+        if names is None:
+            return
+        if isinstance(names, str) or not isinstance(names, (list, tuple)):
+            raise TypeError(f"child_names must be three names (gate, up, down), got {names!r}.")
+        names = tuple(names)
+        if len(names) != 3 or not all(isinstance(n, str) and n.isidentifier() for n in names) or len(set(names)) != 3:
+            raise ValueError(f"child_names must be three distinct identifiers (gate, up, down), got {names!r}.")
+        # A JSON list (from a stored config) and a tuple are the same option.
+        object.__setattr__(self, "child_names", names)
 
 
 def expert_child_names(model_type: str | None) -> tuple[str, str, str]:
-    """(gate, up, down) child names of one expert in ``model_type``'s checkpoints, read from its conversion mapping."""
-    gate_up = down = None
-    for transform in get_checkpoint_conversion_mapping(model_type or "") or []:
-        if not isinstance(transform, WeightConverter):
-            continue
-        names = [m.group(1) for p in transform.source_patterns if (m := _EXPERT_CHILD.search(p))]
-        if transform.target_patterns[0].endswith("experts.gate_up_proj") and len(names) == 2:
-            gate_up = names
-        elif transform.target_patterns[0].endswith("experts.down_proj") and len(names) == 1:
-            down = names[0]
-    return (gate_up[0], gate_up[1], down) if gate_up and down else _DEFAULT_NAMES
+    """(gate, up, down) child names of one expert in ``model_type``'s checkpoints."""
+    return EXPERT_CHILD_NAMES.get(model_type or "", DEFAULT_CHILD_NAMES)
 
 
 def _is_fused_experts(module: nn.Module) -> bool:
@@ -63,13 +91,19 @@ def _is_fused_experts(module: nn.Module) -> bool:
 
 class LinearExpertsFusionSpec(ModuleFusionSpec):
     filtered_conversion_patterns = (r"experts\.gate_up_proj$", r"experts\.down_proj$")
+    options_class = LinearExpertsOptions
+
+    def child_names(self, model_type: str | None) -> tuple[str, str, str]:
+        """The experts' child names: the ``child_names`` option, else the model type's entry of the table."""
+        options = self.options
+        if isinstance(options, LinearExpertsOptions) and options.child_names is not None:
+            return options.child_names
+        return expert_child_names(model_type)
 
     def is_fusable(self, module: nn.Module) -> bool:
         return _is_fused_experts(module)
 
-    def make_transforms(
-        self, config: PretrainedConfig, modules: Mapping[str, nn.Module] | None = None
-    ) -> list[WeightTransform]:
+    def make_transforms(self, config: PretrainedConfig, modules: Mapping[str, nn.Module]) -> list[WeightTransform]:
         """3-D expert keys -> per-expert keys: ``<experts>.gate_up_proj [E, 2I, H]`` is chunked into its gate rows
         (the first half, as transformers' experts read them) and up rows and split per expert; ``<experts>.down_proj
         [E, H, I]`` is split per expert.
@@ -80,9 +114,9 @@ class LinearExpertsFusionSpec(ModuleFusionSpec):
         ``shared_experts.*`` or ``gate_up_proj_bias`` / ``_scale_inv`` keys never match.
         """
         # The experts are built with the text config, which is what the fused class reads its child names from.
-        gate, up, down = expert_child_names(config.get_text_config().model_type)
+        gate, up, down = self.child_names(config.get_text_config().model_type)
         counts: dict[str, set[int]] = defaultdict(set)
-        for name, module in (modules or {}).items():
+        for name, module in modules.items():
             # nn.Module annotates attributes as Tensor | Module: the stock experts' gate_up_proj is a 3-D parameter.
             counts[name.rpartition(".")[2]].add(cast(torch.Tensor, module.gate_up_proj).shape[0])
         transforms: list[WeightTransform] = []
@@ -102,7 +136,13 @@ class LinearExpertsFusionSpec(ModuleFusionSpec):
             ]
         return transforms
 
+    def finish_module(self, module: nn.Module) -> None:
+        """Lay the loaded experts' weights out for the grouped forward (:meth:`LinearExperts.pack`)."""
+        module.pack()
+
     def make_fused_class(self, original_cls: type[nn.Module]) -> type[nn.Module]:
+        spec = self
+
         def __init__(self, config, *args, **kwargs):
             # Build the original without dispatch (it is the class being replaced) on meta to read its sizes.
             reference = object.__new__(original_cls)
@@ -116,7 +156,7 @@ class LinearExpertsFusionSpec(ModuleFusionSpec):
                 hidden,
                 double_intermediate // 2,
                 cast(Callable[[torch.Tensor], torch.Tensor], reference.act_fn),
-                expert_child_names(getattr(config, "model_type", None)),
+                spec.child_names(getattr(config, "model_type", None)),
                 device=None,
                 dtype=gate_up_proj.dtype,
             )

@@ -64,9 +64,7 @@ class PatchEmbeddingsFusionSpec(ModuleFusionSpec):
         namespace = {"__init__": __init__, "forward": forward, "__getattr__": __getattr__}
         return make_class("PatchLinear", original_cls, namespace, spec=self)
 
-    def make_transforms(
-        self, config: PretrainedConfig, modules: Mapping[str, nn.Module] | None = None
-    ) -> list[WeightTransform]:
+    def make_transforms(self, config: PretrainedConfig, modules: Mapping[str, nn.Module]) -> list[WeightTransform]:
         """``<patch embed>.<conv>.weight``: Conv3d kernel -> Linear weight (the bias keeps its layout).
 
         The kernel shape is declared from the modules, so a model that was never loaded (``from_config``) can be
@@ -75,7 +73,7 @@ class PatchEmbeddingsFusionSpec(ModuleFusionSpec):
         paths = sorted(
             {
                 (name.rpartition(".")[2], conv, (child.in_channels, *child.kernel_size))
-                for name, module in (modules or {}).items()
+                for name, module in modules.items()
                 for conv in _patch_convs(module)
                 for child in [getattr(module, conv)]
             }
