@@ -88,7 +88,7 @@ class ModuleFusionSpec(ABC):
     def __eq__(self, other: object) -> bool:
         """Specs of one class with equal options and attributes are one fusion: they generate the same classes (an
         unpickled spec finds the classes its original made)."""
-        return type(other) is type(self) and self._state() == other._state()  # type: ignore[attr-defined]
+        return type(other) is type(self) and self._state() == other._state()
 
     def __hash__(self) -> int:
         return hash((type(self), self.options))
