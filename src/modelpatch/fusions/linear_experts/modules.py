@@ -112,7 +112,7 @@ def _packable(weights: Sequence[Sequence[torch.Tensor]], shapes: tuple[tuple[int
         and w.dtype.is_floating_point
         and tuple(w.shape) == shape
         for expert in weights
-        for w, shape in zip(expert, shapes)
+        for w, shape in zip(expert, shapes, strict=True)
     )
 
 
@@ -223,8 +223,8 @@ class LinearExperts(nn.ModuleList):
             tuple(self),
             tuple(
                 (expert._modules, name, linear, linear.weight, linear.weight.data_ptr())
-                for expert, row in zip(experts, linears)
-                for name, linear in zip(expert.names, row)
+                for expert, row in zip(experts, linears, strict=True)
+                for name, linear in zip(expert.names, row, strict=True)
             ),
             act_fn,
         )
@@ -310,11 +310,13 @@ class LinearExperts(nn.ModuleList):
         gate, up = _grouped(x.to(packed.gate_up.dtype), packed.gate_up, offsets).chunk(2, dim=-1)
         return _grouped(packed.act_fn(gate) * up, packed.down, offsets)
 
-    def _expert_by_expert(self, hidden_states: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _expert_by_expert(
+        self, hidden_states: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
         """Each routed expert module called on its tokens (rows in sorted order; unused slots stay zero)."""
         out = hidden_states.new_zeros(tokens.shape[0], hidden_states.shape[-1])
         start = 0
-        for expert, count in zip(self, counts.tolist()):
+        for expert, count in zip(self, counts.tolist(), strict=False):
             if count:
                 rows = slice(start, start + count)
                 out[rows] = expert(hidden_states[tokens[rows]]).to(out.dtype)
