@@ -157,7 +157,7 @@ def test_options_configure_the_family_and_are_stored(tiny, tmp_path):
     assert type(experts) is not type(default.model.layers[0].mlp.experts)
     assert type(experts).__mro__[1:] == type(default.model.layers[0].mlp.experts).__mro__[1:]
     assert_outputs_close(ckpt.outputs(renamed), ckpt.stock_outputs())
-    assert renamed.config.modelpatch_fusion_config == options
+    assert renamed.config.modelpatch["fusion_config"] == options
     # The same options again: the same configured spec, so the same generated class.
     again = modelpatch.from_pretrained(type(default), ckpt.path, fusion_config=options, patcher=patcher)
     assert type(again.model.layers[0].mlp.experts) is type(experts)

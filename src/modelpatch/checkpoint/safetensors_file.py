@@ -210,11 +210,15 @@ class SafetensorsFile(ClosesOnExit):
         logger.debug("opened %s: %d tensors", path, len(tensors))
         return cls(path, metadata, tensors, fd, FileIdentity.of(status))
 
-    def tensor(self, key: str) -> torch.Tensor:
-        """Return tensor ``key`` as a writable view of the memory-mapped file (no copy)."""
+    def _info(self, key: str) -> TensorInfo:
         info = self.tensors.get(key)
         if info is None:
             raise CheckpointError(f"{self.path}: no tensor named {key!r}")
+        return info
+
+    def tensor(self, key: str) -> torch.Tensor:
+        """Return tensor ``key`` as a writable view of the memory-mapped file (no copy)."""
+        info = self._info(key)
         if info.numel == 0:
             # torch.frombuffer refuses count=0, and there is no data to share anyway.
             return torch.empty(info.shape, dtype=info.dtype)
@@ -238,9 +242,7 @@ class SafetensorsFile(ClosesOnExit):
         one mapping of the whole file, nothing of the file stays mapped or resident once the returned tensor is
         dropped. The file is compared with its recorded identity first, as for :meth:`tensor`.
         """
-        info = self.tensors.get(key)
-        if info is None:
-            raise CheckpointError(f"{self.path}: no tensor named {key!r}")
+        info = self._info(key)
         if info.numel == 0:
             return torch.empty(info.shape, dtype=info.dtype)
         self.check_unchanged()

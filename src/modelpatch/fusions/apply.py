@@ -7,7 +7,6 @@ global registration, so a later load without the fusion builds stock classes.
 from __future__ import annotations
 
 import copy
-import inspect
 import logging
 import re
 from collections import defaultdict
@@ -111,10 +110,8 @@ def _stored_fusions(config: PretrainedConfig) -> Any:
 def spec_transforms(
     spec: ModuleFusionSpec, config: PretrainedConfig, modules: Mapping[str, nn.Module]
 ) -> list[WeightTransform]:
-    """``spec.make_transforms`` for ``modules`` (unfused instances by name); specs written for the one-argument form
-    of the hook get the config alone."""
-    parameters = inspect.signature(spec.make_transforms).parameters
-    return spec.make_transforms(config, modules) if len(parameters) >= 2 else spec.make_transforms(config)
+    """``spec.make_transforms`` for ``modules`` (unfused instances by name)."""
+    return spec.make_transforms(config, modules)
 
 
 def discover(

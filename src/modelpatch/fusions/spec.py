@@ -78,7 +78,8 @@ class ModuleFusionSpec(ABC):
             names = tuple(inspect.signature(function).parameters)[1:]
             if len(names) != len(parameters):
                 raise TypeError(
-                    f"{cls.__qualname__}.{hook} must take ({', '.join(parameters)}) after self, got ({', '.join(names)})."
+                    f"{cls.__qualname__}.{hook} must take ({', '.join(parameters)}) after self, "
+                    f"got ({', '.join(names)})."
                 )
 
     def _state(self) -> dict[str, Any]:
@@ -88,7 +89,7 @@ class ModuleFusionSpec(ABC):
     def __eq__(self, other: object) -> bool:
         """Specs of one class with equal options and attributes are one fusion: they generate the same classes (an
         unpickled spec finds the classes its original made)."""
-        return type(other) is type(self) and self._state() == other._state()  # type: ignore[attr-defined]
+        return type(other) is type(self) and self._state() == other._state()
 
     def __hash__(self) -> int:
         return hash((type(self), self.options))
@@ -111,7 +112,7 @@ class ModuleFusionSpec(ABC):
         """
         return []
 
-    def finish_module(self, module: nn.Module) -> None:
+    def finish_module(self, module: nn.Module) -> None:  # noqa: B027 - an optional hook, a no-op by default
         """Called on each fused module once it holds its final tensors (after a load or a live fuse); default:
         nothing. For modules that lay their loaded tensors out for speed."""
 

@@ -65,7 +65,7 @@ class _Packed:
     experts: tuple[nn.Module, ...]
     # Per Linear: (its parent's children dict, its name, the Linear, its weight, the weight's data pointer, which a
     # `.data` re-assignment changes while the Parameter stays).
-    linears: tuple[tuple[dict[str, Any], str, nn.Linear, nn.Parameter, int], ...]
+    linears: tuple[tuple[dict[str, nn.Module | None], str, nn.Linear, torch.Tensor, int], ...]
     act_fn: Callable  # the experts' activation (one object for all of them)
     # RemovableHandle.next_id when no hook was found on the experts: every hook registration takes a new handle id,
     # so while it is unchanged the hook scan need not run again.
@@ -102,7 +102,7 @@ def _global_hooks() -> bool:
     )
 
 
-def _packable(weights: Sequence[tuple[nn.Parameter | None, ...]], shapes: tuple[tuple[int, int], ...]) -> bool:
+def _packable(weights: Sequence[Sequence[torch.Tensor]], shapes: tuple[tuple[int, int], ...]) -> bool:
     first = weights[0][0]
     return all(
         type(w) is nn.Parameter
@@ -112,7 +112,7 @@ def _packable(weights: Sequence[tuple[nn.Parameter | None, ...]], shapes: tuple[
         and w.dtype.is_floating_point
         and tuple(w.shape) == shape
         for expert in weights
-        for w, shape in zip(expert, shapes)
+        for w, shape in zip(expert, shapes, strict=True)
     )
 
 
@@ -183,11 +183,18 @@ class LinearExperts(nn.ModuleList):
         torch has no grouped product for them.
         """
         self._packed = None
-        if not len(self) or any(type(expert) is not ExpertMLP for expert in self):
+        experts = [expert for expert in self if type(expert) is ExpertMLP]
+        if not experts or len(experts) != len(self):
             return False
-        linears = [[expert._modules.get(n) for n in expert.names] for expert in self]
-        if any(type(lin) is not nn.Linear or lin.bias is not None for row in linears for lin in row):
-            return False
+        linears: list[list[nn.Linear]] = []
+        for expert in experts:
+            row: list[nn.Linear] = []
+            for name in expert.names:
+                linear = expert._modules.get(name)
+                if type(linear) is not nn.Linear or linear.bias is not None:
+                    return False
+                row.append(linear)
+            linears.append(row)
         weights = [tuple(lin.weight for lin in row) for row in linears]
         hidden, intermediate = self.hidden_dim, self.intermediate_dim
         act_fn = _activation(self[0])
@@ -216,8 +223,8 @@ class LinearExperts(nn.ModuleList):
             tuple(self),
             tuple(
                 (expert._modules, name, linear, linear.weight, linear.weight.data_ptr())
-                for expert, row in zip(self, linears)
-                for name, linear in zip(expert.names, row)
+                for expert, row in zip(experts, linears, strict=True)
+                for name, linear in zip(expert.names, row, strict=True)
             ),
             act_fn,
         )
@@ -303,11 +310,13 @@ class LinearExperts(nn.ModuleList):
         gate, up = _grouped(x.to(packed.gate_up.dtype), packed.gate_up, offsets).chunk(2, dim=-1)
         return _grouped(packed.act_fn(gate) * up, packed.down, offsets)
 
-    def _expert_by_expert(self, hidden_states: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _expert_by_expert(
+        self, hidden_states: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
         """Each routed expert module called on its tokens (rows in sorted order; unused slots stay zero)."""
         out = hidden_states.new_zeros(tokens.shape[0], hidden_states.shape[-1])
         start = 0
-        for expert, count in zip(self, counts.tolist()):
+        for expert, count in zip(self, counts.tolist(), strict=False):
             if count:
                 rows = slice(start, start + count)
                 out[rows] = expert(hidden_states[tokens[rows]]).to(out.dtype)

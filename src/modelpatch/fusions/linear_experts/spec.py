@@ -62,11 +62,11 @@ class LinearExpertsOptions(FusionOptions):
             return
         if isinstance(names, str) or not isinstance(names, (list, tuple)):
             raise TypeError(f"child_names must be three names (gate, up, down), got {names!r}.")
-        names = tuple(names)
-        if len(names) != 3 or not all(isinstance(n, str) and n.isidentifier() for n in names) or len(set(names)) != 3:
-            raise ValueError(f"child_names must be three distinct identifiers (gate, up, down), got {names!r}.")
+        given = tuple(names)
+        if len(given) != 3 or not all(isinstance(n, str) and n.isidentifier() for n in given) or len(set(given)) != 3:
+            raise ValueError(f"child_names must be three distinct identifiers (gate, up, down), got {given!r}.")
         # A JSON list (from a stored config) and a tuple are the same option.
-        object.__setattr__(self, "child_names", names)
+        object.__setattr__(self, "child_names", given)
 
 
 def expert_child_names(model_type: str | None) -> tuple[str, str, str]:
@@ -138,7 +138,8 @@ class LinearExpertsFusionSpec(ModuleFusionSpec):
 
     def finish_module(self, module: nn.Module) -> None:
         """Lay the loaded experts' weights out for the grouped forward (:meth:`LinearExperts.pack`)."""
-        module.pack()
+        # Called on fused modules only, whose class derives from LinearExperts (see make_fused_class).
+        cast(LinearExperts, module).pack()
 
     def make_fused_class(self, original_cls: type[nn.Module]) -> type[nn.Module]:
         spec = self
