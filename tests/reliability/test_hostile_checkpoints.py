@@ -502,7 +502,6 @@ def test_unmodified_copies_load(stock, tmp_path):
 
 def test_plan_errors_name_the_checkpoints_own_keys(tmp_path):
     """A Mixtral checkpoint (renamed block_sparse_moe -> mlp at load) missing one expert weight."""
-    from reliability_support import llama_kwargs
     from safetensors.torch import load_file, save_file
     from support.models import tiny_config, wide
 
