@@ -35,8 +35,14 @@ def build_checkpoint(directory: Path) -> Path:
     from transformers.utils import logging
 
     logging.disable_progress_bar()
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     LlamaForCausalLM(config).save_pretrained(directory)
     return directory
 
@@ -63,8 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=7, help="fresh processes per command (default 7)")
     options = parser.parse_args(argv)
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(modelpatch.__file__).parents[1]),
-                                                        os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(modelpatch.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]
+        ).rstrip(os.pathsep),
+    }
     with tempfile.TemporaryDirectory(prefix="modelpatch-cli-bench-") as scratch:
         checkpoint = build_checkpoint(Path(scratch) / "llama")
         print(f"{' '.join(command())} ({options.repeats} fresh processes each)")

@@ -38,10 +38,24 @@ import tempfile
 import time
 from pathlib import Path
 
-FULL = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 10,
-        "num_attention_heads": 32, "num_key_value_heads": 32, "tie_word_embeddings": False}
-QUICK = {**FULL, "vocab_size": 8000, "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 6,
-         "num_attention_heads": 8, "num_key_value_heads": 8}
+FULL = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 10,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "tie_word_embeddings": False,
+}
+QUICK = {
+    **FULL,
+    "vocab_size": 8000,
+    "hidden_size": 512,
+    "intermediate_size": 1408,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+}
 SHARD = "1GB"
 BOUND_SLACK = 256 * 2**20
 
@@ -154,19 +168,37 @@ def main() -> None:
     try:
         if not (source / "config.json").is_file():
             print(f"building the checkpoint in {source} ...", flush=True)
-            build_seconds, build_rss = _run([sys.executable, str(Path(__file__).resolve()), "--build", str(source),
-                                             json.dumps(QUICK if args.quick else FULL), shard])
+            build_seconds, build_rss = _run(
+                [
+                    sys.executable,
+                    str(Path(__file__).resolve()),
+                    "--build",
+                    str(source),
+                    json.dumps(QUICK if args.quick else FULL),
+                    shard,
+                ]
+            )
             print(f"built in {build_seconds:.1f} s, peak RSS {build_rss / 2**30:.2f} GiB", flush=True)
         size = _tensor_bytes(source)
         files = sorted(p.name for p in source.glob("*.safetensors"))
-        print(f"checkpoint: {size / 1e9:.2f} GB of bf16 tensors in {len(files)} shards "
-              f"(largest {_largest_shard(source) / 1e9:.2f} GB)", flush=True)
+        print(
+            f"checkpoint: {size / 1e9:.2f} GB of bf16 tensors in {len(files)} shards "
+            f"(largest {_largest_shard(source) / 1e9:.2f} GB)",
+            flush=True,
+        )
 
         commands = {
             "cp -r": ["cp", "-r", str(source), str(copy)],
             "cp -r + sync": ["sh", "-c", f'cp -r "{source}" "{copy}" && sync "{copy}"/*'],
-            "convert -> runtime": [str(source), str(runtime), "--fusion", "qkv,gate_up", "--runtime-format",
-                                   "--max-shard-size", shard],
+            "convert -> runtime": [
+                str(source),
+                str(runtime),
+                "--fusion",
+                "qkv,gate_up",
+                "--runtime-format",
+                "--max-shard-size",
+                shard,
+            ],
             "convert -> original": [str(runtime), str(back), "--fusion", "none", "--max-shard-size", shard],
         }
         targets = {"cp -r": copy, "cp -r + sync": copy, "convert -> runtime": runtime, "convert -> original": back}
@@ -196,19 +228,33 @@ def main() -> None:
                 cold_state = "not measured: /proc/sys/vm/drop_caches is not writable here"
 
         def row(name: str, seconds: float, proper: float, rss: int, cp: float, cp_sync: float) -> str:
-            return (f"{name:20} {seconds:8.2f} {proper:8.2f} {size / seconds / 1e9:6.2f} {cp / seconds:6.2f}x "
-                    f"{cp_sync / seconds:9.2f}x {cp / proper:11.2f}x {rss / 2**20:8.0f}Mi")
+            return (
+                f"{name:20} {seconds:8.2f} {proper:8.2f} {size / seconds / 1e9:6.2f} {cp / seconds:6.2f}x "
+                f"{cp_sync / seconds:9.2f}x {cp / proper:11.2f}x {rss / 2**20:8.0f}Mi"
+            )
 
-        header = (f"{'command':20} {'seconds':>8} {'proper':>8} {'GB/s':>6} {'vs cp':>7} {'vs cp+sync':>10} "
-                  f"{'proper vs cp':>12} {'peak RSS':>9}")
-        print(f"\npage cache warm (each command ran once before), {args.rounds} alternating rounds, median; 'proper' "
-              "excludes importing torch and transformers")
+        header = (
+            f"{'command':20} {'seconds':>8} {'proper':>8} {'GB/s':>6} {'vs cp':>7} {'vs cp+sync':>10} "
+            f"{'proper vs cp':>12} {'peak RSS':>9}"
+        )
+        print(
+            f"\npage cache warm (each command ran once before), {args.rounds} alternating rounds, median; 'proper' "
+            "excludes importing torch and transformers"
+        )
         cp_seconds = statistics.median(s for s, _, _ in results["cp -r"])
         cp_sync_seconds = statistics.median(s for s, _, _ in results["cp -r + sync"])
         print(header)
         for name, runs in results.items():
-            print(row(name, statistics.median(s for s, _, _ in runs), statistics.median(p for _, _, p in runs),
-                      max(r for _, r, _ in runs), cp_seconds, cp_sync_seconds))
+            print(
+                row(
+                    name,
+                    statistics.median(s for s, _, _ in runs),
+                    statistics.median(p for _, _, p in runs),
+                    max(r for _, r, _ in runs),
+                    cp_seconds,
+                    cp_sync_seconds,
+                )
+            )
         print(f"\ncold: {cold_state}")
         if cold:
             print(header)
@@ -220,9 +266,11 @@ def main() -> None:
             bound = _largest_shard(target) + BOUND_SLACK
             rss = max(r for _, r, _ in results[name])
             ratio = cp_seconds / statistics.median(s for s, _, _ in results[name])
-            print(f"{name}: peak RSS {rss / 2**20:.0f} MiB vs bound {bound / 2**20:.0f} MiB (largest output shard "
-                  f"{_largest_shard(target) / 2**20:.0f} MiB + 256 MiB): {'ok' if rss <= bound else 'OVER'}; "
-                  f"throughput {ratio:.2f}x cp's, warm (target >= 0.5x): {'ok' if ratio >= 0.5 else 'BELOW'}")
+            print(
+                f"{name}: peak RSS {rss / 2**20:.0f} MiB vs bound {bound / 2**20:.0f} MiB (largest output shard "
+                f"{_largest_shard(target) / 2**20:.0f} MiB + 256 MiB): {'ok' if rss <= bound else 'OVER'}; "
+                f"throughput {ratio:.2f}x cp's, warm (target >= 0.5x): {'ok' if ratio >= 0.5 else 'BELOW'}"
+            )
             ok &= rss <= bound and ratio >= 0.5
         same = _same_tensors(source, back)
         print(f"converted back == source, tensor for tensor: {same}")

@@ -25,10 +25,10 @@ import platform
 
 import torch
 import transformers
-from fusions import DTYPES, compare, print_table
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
+from fusions import DTYPES, compare, print_table
 from modelpatch.fusions import LinearExpertsFusionSpec
 from modelpatch.fusions.linear_experts.modules import LinearExperts
 
@@ -75,8 +75,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     sizes = QUICK if args.quick else REAL
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {platform.machine()}, "
-          f"{torch.get_num_threads()} threads; block {sizes}")
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, {platform.machine()}, "
+        f"{torch.get_num_threads()} threads; block {sizes}"
+    )
     modes = ["eager"] if args.no_compile else ["eager", "compiled"]
     rows = []
     for dtype_name in args.dtypes:
@@ -96,11 +98,26 @@ def main() -> None:
                 x = x.to(DTYPES[dtype_name])
                 with torch.inference_mode():
                     diff = (run_stock(x).float() - run_ours(x).float()).abs().max().item()
-                    t_stock, t_ours = compare(lambda: run_stock(x), lambda: run_ours(x), torch.device("cpu"),
-                                              budget_s=1.0 if args.quick else args.budget, min_repeats=5)
-                rows.append([dtype_name, mode, "prefill" if tokens > 1 else "decode", str(tokens),
-                             f"{t_stock * 1e3:.2f}", f"{t_ours * 1e3:.2f}", f"{t_stock / t_ours:.2f}x", f"{diff:.1e}",
-                             f"{breaks['stock']}/{breaks['ours']}" if breaks else "-"])
+                    t_stock, t_ours = compare(
+                        lambda run_stock=run_stock, x=x: run_stock(x),
+                        lambda run_ours=run_ours, x=x: run_ours(x),
+                        torch.device("cpu"),
+                        budget_s=1.0 if args.quick else args.budget,
+                        min_repeats=5,
+                    )
+                rows.append(
+                    [
+                        dtype_name,
+                        mode,
+                        "prefill" if tokens > 1 else "decode",
+                        str(tokens),
+                        f"{t_stock * 1e3:.2f}",
+                        f"{t_ours * 1e3:.2f}",
+                        f"{t_stock / t_ours:.2f}x",
+                        f"{diff:.1e}",
+                        f"{breaks['stock']}/{breaks['ours']}" if breaks else "-",
+                    ]
+                )
                 print(" | ".join(rows[-1]), flush=True)
     print_table(
         "Qwen3-MoE sparse block forward (router + experts), stock grouped_mm experts vs linear_experts (CPU)",

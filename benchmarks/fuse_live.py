@@ -27,10 +27,24 @@ import threading
 import time
 from pathlib import Path
 
-LLAMA = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
-             num_key_value_heads=8, tie_word_embeddings=False)
-LLAMA_QUICK = dict(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, tie_word_embeddings=False)
+LLAMA = dict(
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=12,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    tie_word_embeddings=False,
+)
+LLAMA_QUICK = dict(
+    vocab_size=1000,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=False,
+)
 FUSIONS = {"qkv": True, "gate_up": True}
 
 

@@ -46,23 +46,57 @@ CASES = {
     # ~207M parameters: 2 x 32000 x 1024 embeddings/head + 12 layers x (attention 3.1M + MLP 8.7M).
     "llama": (
         "llama",
-        dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
-             num_key_value_heads=8, max_position_embeddings=2048, tie_word_embeddings=False),
+        dict(
+            vocab_size=32000,
+            hidden_size=1024,
+            intermediate_size=2816,
+            num_hidden_layers=12,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            max_position_embeddings=2048,
+            tie_word_embeddings=False,
+        ),
     ),
     # ~220M parameters, ~75% of them in 16 experts per layer stored one tensor per expert.
     "moe": (
         "qwen2_moe",
-        dict(vocab_size=16000, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512,
-             shared_expert_intermediate_size=1024, num_experts=16, num_experts_per_tok=4, num_hidden_layers=6,
-             num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=2048, tie_word_embeddings=False),
+        dict(
+            vocab_size=16000,
+            hidden_size=1024,
+            intermediate_size=2816,
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=1024,
+            num_experts=16,
+            num_experts_per_tok=4,
+            num_hidden_layers=6,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            max_position_embeddings=2048,
+            tie_word_embeddings=False,
+        ),
     ),
 }
 QUICK = {
-    "llama": dict(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2),
-    "moe": dict(vocab_size=1000, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-                shared_expert_intermediate_size=128, num_experts=8, num_experts_per_tok=2, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2),
+    "llama": dict(
+        vocab_size=1000,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    "moe": dict(
+        vocab_size=1000,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=128,
+        num_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
 }
 # What the fused loads enable, per case.
 FUSIONS = {"llama": {"qkv": True, "gate_up": True}, "moe": {"linear_experts": True}}
@@ -244,32 +278,86 @@ def main(argv: list[str] | None = None) -> int:
         stock, mine, fused = (results[(case, impl)] for impl in IMPLEMENTATIONS)
         model_bytes = mine["model_bytes"]
         unfused = case == "llama"
-        row(case, "load", stock["load_s"], mine["load_s"], seconds, 0.5 if unfused else None,
-            mins=(stock["load_s_min"], mine["load_s_min"]))
-        row(case, "load, CPU time (user + sys)", stock["load_cpu_s"], mine["load_cpu_s"], seconds,
-            mins=(stock["load_cpu_s_min"], mine["load_cpu_s_min"]))
-        row(case, "load + first forward (16 tok)", stock["load_forward_s"], mine["load_forward_s"], seconds,
-            1.0 if unfused else None, mins=(stock["load_forward_s_min"], mine["load_forward_s_min"]))
+        row(
+            case,
+            "load",
+            stock["load_s"],
+            mine["load_s"],
+            seconds,
+            0.5 if unfused else None,
+            mins=(stock["load_s_min"], mine["load_s_min"]),
+        )
+        row(
+            case,
+            "load, CPU time (user + sys)",
+            stock["load_cpu_s"],
+            mine["load_cpu_s"],
+            seconds,
+            mins=(stock["load_cpu_s_min"], mine["load_cpu_s_min"]),
+        )
+        row(
+            case,
+            "load + first forward (16 tok)",
+            stock["load_forward_s"],
+            mine["load_forward_s"],
+            seconds,
+            1.0 if unfused else None,
+            mins=(stock["load_forward_s_min"], mine["load_forward_s_min"]),
+        )
         row(case, "peak RSS growth during load", stock["peak_rss_growth"], mine["peak_rss_growth"], _mb)
         row(case, "RSS growth after load", stock["rss_growth"], mine["rss_growth"], _mb)
         row(case, "anonymous RSS growth after load", stock["anon_growth"], mine["anon_growth"], _mb)
         if not unfused:
             peak = mine["peak_rss_growth"]
-            row(case, "modelpatch peak RSS growth / model bytes", None, None, lambda v: "",
-                1.1, None if peak is None else peak / model_bytes)
+            row(
+                case,
+                "modelpatch peak RSS growth / model bytes",
+                None,
+                None,
+                lambda v: "",
+                1.1,
+                None if peak is None else peak / model_bytes,
+            )
             stock_peak = stock["peak_rss_growth"]
-            row(case, "stock peak RSS growth / model bytes", None, None, lambda v: "",
-                None, None if stock_peak is None else stock_peak / model_bytes)
+            row(
+                case,
+                "stock peak RSS growth / model bytes",
+                None,
+                None,
+                lambda v: "",
+                None,
+                None if stock_peak is None else stock_peak / model_bytes,
+            )
         rows.append((case, "model bytes", _mb(model_bytes), _mb(model_bytes), "", "", ""))
         fusions = "+".join(FUSIONS[case])
-        row(case, f"fused ({fusions}) load vs stock load", stock["load_s"], fused["load_s"], seconds, 1.0,
-            mins=(stock["load_s_min"], fused["load_s_min"]))
-        row(case, f"fused ({fusions}) load, CPU time", stock["load_cpu_s"], fused["load_cpu_s"], seconds,
-            mins=(stock["load_cpu_s_min"], fused["load_cpu_s_min"]))
+        row(
+            case,
+            f"fused ({fusions}) load vs stock load",
+            stock["load_s"],
+            fused["load_s"],
+            seconds,
+            1.0,
+            mins=(stock["load_s_min"], fused["load_s_min"]),
+        )
+        row(
+            case,
+            f"fused ({fusions}) load, CPU time",
+            stock["load_cpu_s"],
+            fused["load_cpu_s"],
+            seconds,
+            mins=(stock["load_cpu_s_min"], fused["load_cpu_s_min"]),
+        )
         row(case, f"fused ({fusions}) peak RSS growth", stock["peak_rss_growth"], fused["peak_rss_growth"], _mb)
         fused_peak = fused["peak_rss_growth"]
-        row(case, f"fused ({fusions}) peak RSS growth / model bytes", None, None, lambda v: "",
-            1.1, None if fused_peak is None else fused_peak / fused["model_bytes"])
+        row(
+            case,
+            f"fused ({fusions}) peak RSS growth / model bytes",
+            None,
+            None,
+            lambda v: "",
+            1.1,
+            None if fused_peak is None else fused_peak / fused["model_bytes"],
+        )
         assert stock["dtype"] == mine["dtype"] == fused["dtype"], (stock["dtype"], mine["dtype"], fused["dtype"])
         assert mine["fused_experts"] == stock["fused_experts"]
 
@@ -277,9 +365,11 @@ def main(argv: list[str] | None = None) -> int:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     line = "  ".join(f"{{:<{w}}}" for w in widths)
     print()
-    print(f"{args.repeats} fresh process(es) per measurement: medians (targets checked on their ratio) and the ratio "
-          "of the fastest runs ('min ratio'); torch threads: default; "
-          f"{'QUICK (tiny models)' if args.quick else 'full size'}")
+    print(
+        f"{args.repeats} fresh process(es) per measurement: medians (targets checked on their ratio) and the ratio "
+        "of the fastest runs ('min ratio'); torch threads: default; "
+        f"{'QUICK (tiny models)' if args.quick else 'full size'}"
+    )
     print(line.format(*header))
     print(line.format(*("-" * w for w in widths)))
     for r in rows:

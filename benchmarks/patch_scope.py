@@ -260,8 +260,11 @@ def main(argv: list[str] | None = None) -> int:
             ("(a) stock, pristine torch (measured first)", pristine[device], base),
             ("(a) stock, dispatcher installed, outside any scope", built[f"stock-{device}"], base),
             ("(b) inside apply_patches(), vs pristine stock", built[f"scope-{device}"], base),
-            ("(b) inside apply_patches(), vs stock of the same rounds", built[f"scope-{device}"],
-             built[f"stock-{device}"].cpu_ms),
+            (
+                "(b) inside apply_patches(), vs stock of the same rounds",
+                built[f"scope-{device}"],
+                built[f"stock-{device}"].cpu_ms,
+            ),
         ]
         print(f"[device={device}]")
         for label, timing, baseline in rows:

@@ -105,8 +105,19 @@ def main() -> None:
     if not (path / "config.json").exists():
         config = LlamaConfig(**(QUICK["llama"] if args.quick else CASES["llama"][1]), dtype="bfloat16")
         LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-               "--master-port=29517", str(HERE), "--worker", str(path), "--rounds", str(args.rounds)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--master-addr=127.0.0.1",
+        "--master-port=29517",
+        str(HERE),
+        "--worker",
+        str(path),
+        "--rounds",
+        str(args.rounds),
+    ]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
     subprocess.run(command, check=True, env=env)
 

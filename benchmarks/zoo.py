@@ -77,42 +77,120 @@ _KV_HEADS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_g
 # left alone by the milder shrinking levels (see ``tiny_config``).
 _WIDTHS: dict[str, int] = {
     **dict.fromkeys(
-        ["hidden_size", "d_model", "n_embd", "embed_dim", "hidden_dim", "dim", "embedding_size", "word_embed_proj_dim",
-         "out_hidden_size", "projection_dim", "text_embed_dim", "vision_embed_dim", "d_embed", "n_embed",
-         "encoder_hidden_size", "decoder_hidden_size", "text_hidden_size", "vision_hidden_size", "audio_hidden_size",
-         "output_dim", "d_latent", "proj_dim", "emb_dim", "hidden_size_per_layer_input"],
+        [
+            "hidden_size",
+            "d_model",
+            "n_embd",
+            "embed_dim",
+            "hidden_dim",
+            "dim",
+            "embedding_size",
+            "word_embed_proj_dim",
+            "out_hidden_size",
+            "projection_dim",
+            "text_embed_dim",
+            "vision_embed_dim",
+            "d_embed",
+            "n_embed",
+            "encoder_hidden_size",
+            "decoder_hidden_size",
+            "text_hidden_size",
+            "vision_hidden_size",
+            "audio_hidden_size",
+            "output_dim",
+            "d_latent",
+            "proj_dim",
+            "emb_dim",
+            "hidden_size_per_layer_input",
+        ],
         HIDDEN,
     ),
     **dict.fromkeys(
-        ["intermediate_size", "ffn_dim", "d_ff", "n_inner", "encoder_ffn_dim", "decoder_ffn_dim", "ffn_hidden_size",
-         "mlp_dim", "dim_feedforward", "encoder_intermediate_size", "decoder_intermediate_size",
-         "shared_expert_intermediate_size", "intermediate_size_mlp", "dense_intermediate_size"],
+        [
+            "intermediate_size",
+            "ffn_dim",
+            "d_ff",
+            "n_inner",
+            "encoder_ffn_dim",
+            "decoder_ffn_dim",
+            "ffn_hidden_size",
+            "mlp_dim",
+            "dim_feedforward",
+            "encoder_intermediate_size",
+            "decoder_intermediate_size",
+            "shared_expert_intermediate_size",
+            "intermediate_size_mlp",
+            "dense_intermediate_size",
+        ],
         INTERMEDIATE,
     ),
-    **dict.fromkeys(["moe_intermediate_size", "expert_intermediate_size", "moe_ffn_hidden_size",
-                     "expert_ffn_hidden_size"], 32),
     **dict.fromkeys(
-        ["num_attention_heads", "n_head", "n_heads", "encoder_attention_heads", "decoder_attention_heads",
-         "num_heads", "encoder_num_attention_heads", "decoder_num_attention_heads"],
+        ["moe_intermediate_size", "expert_intermediate_size", "moe_ffn_hidden_size", "expert_ffn_hidden_size"], 32
+    ),
+    **dict.fromkeys(
+        [
+            "num_attention_heads",
+            "n_head",
+            "n_heads",
+            "encoder_attention_heads",
+            "decoder_attention_heads",
+            "num_heads",
+            "encoder_num_attention_heads",
+            "decoder_num_attention_heads",
+        ],
         HEADS,
     ),
     **dict.fromkeys(_KV_HEADS, KV_HEADS),
-    **dict.fromkeys(["head_dim", "v_head_dim", "qk_nope_head_dim", "kv_lora_rank", "q_lora_rank", "attention_head_dim"],
-                    HEAD_DIM),
+    **dict.fromkeys(
+        ["head_dim", "v_head_dim", "qk_nope_head_dim", "kv_lora_rank", "q_lora_rank", "attention_head_dim"], HEAD_DIM
+    ),
     "qk_rope_head_dim": 8,
 }
 _DEPTHS: dict[str, int] = {
     **dict.fromkeys(
-        ["num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
-         "num_decoder_layers", "num_encoder_layers", "depth", "num_text_layers", "num_vision_layers",
-         "encoder_num_hidden_layers", "decoder_num_hidden_layers"],
+        [
+            "num_hidden_layers",
+            "num_layers",
+            "n_layer",
+            "n_layers",
+            "encoder_layers",
+            "decoder_layers",
+            "num_decoder_layers",
+            "num_encoder_layers",
+            "depth",
+            "num_text_layers",
+            "num_vision_layers",
+            "encoder_num_hidden_layers",
+            "decoder_num_hidden_layers",
+        ],
         LAYERS,
     ),
-    **dict.fromkeys(["num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_total",
-                     "zero_expert_num"], 4),
+    **dict.fromkeys(
+        [
+            "num_experts",
+            "num_local_experts",
+            "n_routed_experts",
+            "moe_num_experts",
+            "num_experts_total",
+            "zero_expert_num",
+        ],
+        4,
+    ),
     **dict.fromkeys(["num_experts_per_tok", "moe_topk", "top_k", "moe_k", "num_selected_experts"], 2),
-    **dict.fromkeys(["n_shared_experts", "num_shared_experts", "moe_num_shared_experts", "n_group", "topk_group",
-                     "first_k_dense_replace", "num_dense_layers", "decoder_sparse_step", "moe_layer_freq"], 1),
+    **dict.fromkeys(
+        [
+            "n_shared_experts",
+            "num_shared_experts",
+            "moe_num_shared_experts",
+            "n_group",
+            "topk_group",
+            "first_k_dense_replace",
+            "num_dense_layers",
+            "decoder_sparse_step",
+            "moe_layer_freq",
+        ],
+        1,
+    ),
     **dict.fromkeys(["max_position_embeddings", "n_positions", "max_seq_len", "seq_length"], 512),
 }
 _LAYER_KEYS = {key for key, value in _DEPTHS.items() if value == LAYERS}
@@ -122,15 +200,21 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     "molmo2": {"adapter_config": {"vision_feature_layer": [-1, -2]}},
-    "ernie4_5_vl_moe": {"text_config": {"rope_parameters": {"rope_theta": 500000.0, "rope_type": "default",
-                                                            "mrope_section": [3, 3, 2]}}},
+    "ernie4_5_vl_moe": {
+        "text_config": {"rope_parameters": {"rope_theta": 500000.0, "rope_type": "default", "mrope_section": [3, 3, 2]}}
+    },
     "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]}},
     "qwen3_omni_moe": {"talker_config": {"text_config": {"shared_expert_intermediate_size": INTERMEDIATE}}},
     **{name: {"prediction_length": 4} for name in ("autoformer", "informer", "time_series_transformer")},
     # transformers' own ResNet instead of timm's (not installed here)
     **{
-        name: {"backbone_config": {"model_type": "resnet", "depths": [1, 1, 1, 1],
-                                   "out_features": ["stage2", "stage3", "stage4"]}}
+        name: {
+            "backbone_config": {
+                "model_type": "resnet",
+                "depths": [1, 1, 1, 1],
+                "out_features": ["stage2", "stage3", "stage4"],
+            }
+        }
         for name in ("detr", "conditional_detr", "deformable_detr", "table-transformer", "dab-detr")
     },
 }
@@ -184,7 +268,8 @@ def _auto_mappings() -> dict[str, dict[str, Any]]:
     return {
         name: mapping
         for name in dir(modeling_auto)
-        if name.startswith("MODEL_") and name.endswith("_MAPPING_NAMES")
+        if name.startswith("MODEL_")
+        and name.endswith("_MAPPING_NAMES")
         and isinstance(mapping := getattr(modeling_auto, name), dict)
     }
 

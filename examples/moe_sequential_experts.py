@@ -42,9 +42,18 @@ class SequentialExperts(nn.ModuleList):
         return out
 
 
-config = Qwen2MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
-                        moe_intermediate_size=32, shared_expert_intermediate_size=64)
+config = Qwen2MoeConfig(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=64,
+)
 with tempfile.TemporaryDirectory() as source:
     torch.manual_seed(0)
     Qwen2MoeForCausalLM(config).save_pretrained(source)

@@ -20,8 +20,14 @@ class CountingAttention(LlamaAttention):
         return super().forward(*args, **kwargs)
 
 
-config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2)
+config = LlamaConfig(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
 modelpatch.register_patch_mapping({"LlamaAttention": CountingAttention})
 try:

@@ -1,7 +1,8 @@
 """Shared test fixtures: every test starts and ends with the process-wide registries as they were.
 
 The patch registry is emptied; every registry (which tests extend or overwrite, built-in fusions included) is
-restored to its contents before the test (``modelpatch.testing.scoped_registries``). No test may reach the network: the hub is offline.
+restored to its contents before the test (``modelpatch.testing.scoped_registries``). No test may reach the network:
+the hub is offline.
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ import os
 import huggingface_hub.constants
 import pytest
 import transformers
-from support.checkpoints import STOCK_CHECKPOINTS, CheckpointFactory
 
 import modelpatch
 from modelpatch.testing import scoped_registries
+from support.checkpoints import STOCK_CHECKPOINTS, CheckpointFactory
 
 transformers.logging.set_verbosity_error()
 

@@ -40,6 +40,7 @@ LAYERS = {
     "testing": 6,
 }
 
+
 def module_name(path: Path, root: Path = SOURCE) -> str:
     """``modelpatch.loading.build`` for ``src/modelpatch/loading/build.py`` (a package for its ``__init__.py``)."""
     parts = [root.name, *path.relative_to(root).with_suffix("").parts]

@@ -98,7 +98,10 @@ def test_wheel_contains_py_typed_and_license(tmp_path):
     out.mkdir()
     subprocess.run(
         [sys.executable, "-c", f"import setuptools.build_meta as b; b.build_wheel({str(out)!r})"],
-        cwd=source, check=True, capture_output=True, text=True,
+        cwd=source,
+        check=True,
+        capture_output=True,
+        text=True,
     )
     (wheel,) = out.glob("modelpatch-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())

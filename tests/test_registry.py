@@ -188,7 +188,10 @@ def test_the_public_functions_are_views_of_the_registries():
 
 def test_scoped_registries_restores_all_four():
     assert {id(r) for r in REGISTRIES} == {
-        id(patch_registry), id(namespace_registry), id(conversion_registry), id(fusion_registry)
+        id(patch_registry),
+        id(namespace_registry),
+        id(conversion_registry),
+        id(fusion_registry),
     }
     before = [dict(r.snapshot()) for r in REGISTRIES]
     with pytest.raises(RuntimeError), scoped_registries():

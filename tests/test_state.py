@@ -127,8 +127,10 @@ def test_write_record_migrates_and_writes_nothing_for_an_empty_record():
     assert not hasattr(config, "modelpatch_fusion_config") and not hasattr(config, "modelpatch_runtime_layout")
     write_record(config, ConfigRecord())
     assert not hasattr(config, RECORD_KEY)
-    assert json.loads(config.to_json_string(use_diff=True)).keys().isdisjoint(
-        {RECORD_KEY, "modelpatch_fusion_config", "modelpatch_runtime_layout"}
+    assert (
+        json.loads(config.to_json_string(use_diff=True))
+        .keys()
+        .isdisjoint({RECORD_KEY, "modelpatch_fusion_config", "modelpatch_runtime_layout"})
     )
 
 

@@ -30,9 +30,17 @@ PRIVATE_NAMES = (
         if name.startswith("_") and not name.startswith("__")
     }
     - set(dir(nn.Module))
-) | {"_is_hf_initialized", "_hf_peft_config_loaded", "_checkpoint_conversion_mapping_cache",
-     "_original_source_patterns", "_original_target_patterns", "_keys_to_ignore_on_load_missing",
-     "_keys_to_ignore_on_load_unexpected", "_no_split_modules", "_can_record_outputs"}
+) | {
+    "_is_hf_initialized",
+    "_hf_peft_config_loaded",
+    "_checkpoint_conversion_mapping_cache",
+    "_original_source_patterns",
+    "_original_target_patterns",
+    "_keys_to_ignore_on_load_missing",
+    "_keys_to_ignore_on_load_unexpected",
+    "_no_split_modules",
+    "_can_record_outputs",
+}
 # Public names whose calling convention is transformers-internal.
 INTERNAL_NAMES = {"get_init_context", "all_tied_weights_keys", "get_hf_quantizer"}
 
@@ -49,8 +57,11 @@ def _violations(path: Path) -> list[str]:
             if node.module.startswith("transformers."):
                 found.append(f"{where}: from {node.module} import ...")
             elif node.module == "transformers":
-                found += [f"{where}: from transformers import {a.name}" for a in node.names if
-                          _is_transformers_submodule(a.name)]
+                found += [
+                    f"{where}: from transformers import {a.name}"
+                    for a in node.names
+                    if _is_transformers_submodule(a.name)
+                ]
         elif isinstance(node, ast.Import):
             found += [f"{where}: import {a.name}" for a in node.names if a.name.startswith("transformers.")]
         elif isinstance(node, ast.Attribute) and node.attr in PRIVATE_NAMES | INTERNAL_NAMES:
@@ -88,7 +99,11 @@ def test_every_door_function_names_the_release_it_was_checked_against():
 
 def tiny_llama_config() -> LlamaConfig:
     return LlamaConfig(
-        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        vocab_size=64,
         tie_word_embeddings=True,
     )
 

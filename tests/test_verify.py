@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.models import tiny_config
 from transformers import LlamaForCausalLM, Qwen2VLForConditionalGeneration
 
 import modelpatch
 from modelpatch.verify import default_inputs
+from support.models import tiny_config
+
 
 def _qwen2_vl_checkpoint(path):
-    config = tiny_config("qwen2_vl", image_token_id=60, video_token_id=61, vision_start_token_id=62,
-                         vision_end_token_id=63)
+    config = tiny_config(
+        "qwen2_vl", image_token_id=60, video_token_id=61, vision_start_token_id=62, vision_end_token_id=63
+    )
     torch.manual_seed(0)
     Qwen2VLForConditionalGeneration(config).save_pretrained(path)
     return path

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from support.compare import assert_tensor_bitwise_equal
 
 from modelpatch.checkpoint import Checkpoint
 from modelpatch.errors import CheckpointError
+from support.compare import assert_tensor_bitwise_equal
 
 
 def _write_index(directory: Path, weight_map: dict[str, str], name: str = "model.safetensors.index.json") -> Path:

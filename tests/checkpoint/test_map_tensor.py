@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from support.compare import assert_tensor_bitwise_equal
 
 from modelpatch.checkpoint import SafetensorsFile
 from modelpatch.errors import CheckpointError
+from support.compare import assert_tensor_bitwise_equal
 
 
 def test_map_tensor_every_dtype_bitwise(tmp_path: Path, dtype_samples) -> None:

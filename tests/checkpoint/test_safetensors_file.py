@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from support.compare import assert_tensor_bitwise_equal
 
 from modelpatch.checkpoint import SafetensorsFile, TensorInfo
 from modelpatch.errors import CheckpointError
+from support.compare import assert_tensor_bitwise_equal
 
 F32x2 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
 

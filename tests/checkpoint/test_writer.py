@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from support.compare import assert_tensor_bitwise_equal
 
 from modelpatch.checkpoint import Checkpoint, write_checkpoint
 from modelpatch.checkpoint.writer import parse_size
 from modelpatch.errors import CheckpointError
+from support.compare import assert_tensor_bitwise_equal
 
 
 def _snapshot(directory: Path) -> dict[str, bytes]:

@@ -1,4 +1,5 @@
-"""``stream_checkpoint``: the files ``write_checkpoint`` (safetensors' own ``save_file``) writes, one tensor at a time."""
+"""``stream_checkpoint``: the files ``write_checkpoint`` (safetensors' own ``save_file``) writes, one tensor at a
+time."""
 
 from __future__ import annotations
 
@@ -52,8 +53,9 @@ def test_streamed_files_are_byte_for_byte_those_of_save_file(tmp_path, max_shard
     tensors = _tensors()
     extra = {"config.json": b"{}"}
     written = write_checkpoint(tmp_path / "saved", tensors, extra_files=extra, max_shard_size=max_shard_size)
-    streamed = stream_checkpoint(tmp_path / "streamed", _meta(tensors), _stream(tensors), extra_files=extra,
-                                 max_shard_size=max_shard_size)
+    streamed = stream_checkpoint(
+        tmp_path / "streamed", _meta(tensors), _stream(tensors), extra_files=extra, max_shard_size=max_shard_size
+    )
     assert [p.name for p in streamed] == [p.name for p in written]
     assert _files(tmp_path / "streamed") == _files(tmp_path / "saved")
     if max_shard_size == "200B":
@@ -66,7 +68,8 @@ def test_streamed_files_are_byte_for_byte_those_of_save_file(tmp_path, max_shard
 
 
 def test_metadata_is_kept(tmp_path):
-    """(safetensors writes the entries of a larger metadata dict in a random order: only one entry is bitwise stable.)"""
+    """(safetensors writes the entries of a larger metadata dict in a random order: only one entry is bitwise
+    stable.)"""
     tensors = _tensors()
     stream_checkpoint(tmp_path / "out", _meta(tensors), _stream(tensors), metadata={"note": "kept"})
     with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
@@ -76,11 +79,15 @@ def test_metadata_is_kept(tmp_path):
 def test_each_tensor_is_written_before_the_next_is_asked_for(tmp_path):
     tensors = _tensors()
     events: list[str] = []
-    stream_checkpoint(tmp_path / "out", _meta(tensors), _stream(tensors, events),
-                      written=lambda nbytes: events.append(f"wrote {nbytes}"))
+    stream_checkpoint(
+        tmp_path / "out",
+        _meta(tensors),
+        _stream(tensors, events),
+        written=lambda nbytes: events.append(f"wrote {nbytes}"),
+    )
     asked = [event for event in events if event.startswith("asked")]
     assert len(asked) == len(tensors)
-    assert all(a.startswith("asked") and b.startswith("wrote") for a, b in zip(events[::2], events[1::2]))
+    assert all(a.startswith("asked") and b.startswith("wrote") for a, b in zip(events[::2], events[1::2], strict=True))
 
 
 @pytest.mark.parametrize(

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.models import tiny_config
 from transformers import LlamaForCausalLM, Qwen2MoeForCausalLM
 
 from modelpatch.cli import main
+from support.models import tiny_config
 
 CliRun = Callable[..., tuple[int, str, str]]
 

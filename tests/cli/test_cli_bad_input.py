@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.compare import assert_same_files
 from safetensors.torch import load_file
+
+from support.compare import assert_same_files
 
 
 def edit_config(directory: Path, **changes) -> None:

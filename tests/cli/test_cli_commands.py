@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.compare import assert_same_files
 from transformers import LlamaForCausalLM
 
 import modelpatch
+from support.compare import assert_same_files
 
 COMMANDS = ["inspect", "plan", "convert", "verify", "demo"]
 
@@ -76,7 +76,11 @@ def test_convert_round_trip_and_refusals(cli, llama_checkpoint, tmp_path):
     code, _, err = cli("convert", llama_checkpoint, runtime, "--fusion", "qkv,gate_up", "--runtime-format")
     assert code == 0, err
     config = json.loads((runtime / "config.json").read_text())
-    assert config["modelpatch"] == {"version": 1, "runtime_layout": True, "fusion_config": {"qkv": True, "gate_up": True}}
+    assert config["modelpatch"] == {
+        "version": 1,
+        "runtime_layout": True,
+        "fusion_config": {"qkv": True, "gate_up": True},
+    }
     assert "fusion_config" not in config  # transformers 5.23 would act on that key itself
 
     back = tmp_path / "back"

@@ -23,10 +23,12 @@ CARRIED = {
     "README.md": "# tiny llama\n",
     "LICENSE": "Apache-2.0\n",
     ".gitattributes": "*.safetensors filter=lfs\n",
-    "modules.json": json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-    ]),
+    "modules.json": json.dumps(
+        [
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        ]
+    ),
     "1_Pooling/config.json": '{"pooling_mode_mean_tokens": true}',
 }
 NOT_CARRIED = {  # weights of other formats, and folders convert does not know
@@ -59,9 +61,7 @@ def test_convert_copies_non_weight_files_only(cli, source, tmp_path):
     assert code == 0, err
 
     files = {str(p.relative_to(destination)) for p in destination.rglob("*") if p.is_file()}
-    assert files == {
-        "config.json", "generation_config.json", "model.safetensors", "added_tokens.json", *CARRIED
-    }
+    assert files == {"config.json", "generation_config.json", "model.safetensors", "added_tokens.json", *CARRIED}
     for name in CARRIED:
         assert filecmp.cmp(source / name, destination / name, shallow=False), name
     copied = destination / "added_tokens.json"

@@ -137,4 +137,3 @@ def test_progress_bars_only_on_a_terminal_and_without_quiet(
     assert code == 0, err
     assert ("Converting weights" in err) is shown
     assert materialize.PROGRESS_BAR_MIN_BYTES == 0  # restored after the command
-

@@ -8,7 +8,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.compare import same_bits
 
 from modelpatch import (
     Chunk,
@@ -30,6 +29,7 @@ from modelpatch.conversion.operations import (
     reverse_operations,
     run_operations,
 )
+from support.compare import same_bits
 
 DTYPES = [
     torch.float32,
@@ -229,8 +229,13 @@ def test_permute_for_rope_roundtrip_and_matches_transformers(heads, half, rank, 
     op = PermuteForRope(inverse=inverse, slots=(0, 1)).configured(Config())
     assert op.num_heads == heads
     _, (pq, pk, pv) = roundtrip([op], [q, k, v], 3)
-    stock = _stock(StockPermute(permute_layer_names=["q_proj", "k_proj"], inverse=inverse),
-                   {"q_proj": q, "k_proj": k, "v_proj": v}, ["qkv"], ["q_proj", "k_proj", "v_proj"], config=Config())
+    stock = _stock(
+        StockPermute(permute_layer_names=["q_proj", "k_proj"], inverse=inverse),
+        {"q_proj": q, "k_proj": k, "v_proj": v},
+        ["qkv"],
+        ["q_proj", "k_proj", "v_proj"],
+        config=Config(),
+    )
     assert same(pq, stock["q_proj"]) and same(pk, stock["k_proj"]) and same(pv, v)
 
 

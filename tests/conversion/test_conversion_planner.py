@@ -17,7 +17,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.compare import assert_tensor_bitwise_equal
 
 from modelpatch import (
     Chunk,
@@ -30,6 +29,7 @@ from modelpatch import (
 )
 from modelpatch.conversion import TensorMeta, plan_load, plan_save
 from modelpatch.conversion.registry import get_checkpoint_conversion_mapping
+from support.compare import assert_tensor_bitwise_equal
 
 # Dimension letters as the shape formulas below write them (I is not ambiguous there).
 H, KV, I = 8, 4, 6  # noqa: E741 - hidden, kv rows (grouped-query: k/v have half q's rows), expert intermediate
@@ -298,8 +298,13 @@ def test_planning_reads_no_data():
 
 def test_plan_queries_answer_from_the_plan_itself():
     """The queries tests ask of a plan: where each output comes from, how often each input is read, and its run."""
-    checkpoint = {"a.q_proj.weight": meta(4, 2), "a.k_proj.weight": meta(2, 2), "a.v_proj.weight": meta(2, 2),
-                  "a.norm.weight": meta(2), "b.k_proj.weight": meta(2, 2)}  # b's q and v are missing
+    checkpoint = {
+        "a.q_proj.weight": meta(4, 2),
+        "a.k_proj.weight": meta(2, 2),
+        "a.v_proj.weight": meta(2, 2),
+        "a.norm.weight": meta(2),
+        "b.k_proj.weight": meta(2, 2),
+    }  # b's q and v are missing
     plan = plan_load(checkpoint, SEED_QKV)
     fused = ("a.q_proj.weight", "a.k_proj.weight", "a.v_proj.weight")
     assert plan.sources_of() == {"a.norm.weight": ("a.norm.weight",), "a.qkv_proj.weight": fused}

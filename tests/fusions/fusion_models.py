@@ -10,7 +10,20 @@ from support.fusions import check_fused_roundtrip
 from support.models import MOE, TEXT, VOCAB
 
 __all__ = [
-    "ATOL", "EXPERT_NAMES", "MOE", "MOE_3D", "TEXT", "VISION", "VOCAB", "CheckpointFactory", "TinyCheckpoint",
-    "assert_outputs_close", "assert_outputs_equal", "assert_same_files", "check_fused_roundtrip", "checkpoint_shapes",
-    "module_types", "perturb",
+    "ATOL",
+    "EXPERT_NAMES",
+    "MOE",
+    "MOE_3D",
+    "TEXT",
+    "VISION",
+    "VOCAB",
+    "CheckpointFactory",
+    "TinyCheckpoint",
+    "assert_outputs_close",
+    "assert_outputs_equal",
+    "assert_same_files",
+    "check_fused_roundtrip",
+    "checkpoint_shapes",
+    "module_types",
+    "perturb",
 ]

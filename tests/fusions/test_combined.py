@@ -21,10 +21,10 @@ from transformers import Qwen2MoeForCausalLM
 import modelpatch
 from modelpatch.conversion.planner import TensorMeta, plan_save
 from modelpatch.fusions.apply import prepare_fusions, resolve_fusion_config
-from modelpatch.loading.build import build_empty_model
 from modelpatch.fusions.linear_experts.modules import LinearExperts
 from modelpatch.fusions.patch_embeddings.modules import Conv3dAsLinear
 from modelpatch.fusions.projections import FusedLinear
+from modelpatch.loading.build import build_empty_model
 
 COMBINATIONS = [
     ("qwen2_moe", {"qkv": True, "gate_up": True, "linear_experts": True}),

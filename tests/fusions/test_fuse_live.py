@@ -7,11 +7,11 @@ import logging
 import pytest
 import torch
 from fusion_models import assert_outputs_close, assert_same_files, module_types
-from support.compare import assert_bitwise_equal
 
 import modelpatch
 from modelpatch import FusionError
 from modelpatch.fusions.projections import FusedLinear
+from support.compare import assert_bitwise_equal
 
 CASES = {
     "llama": {"qkv": True, "gate_up": True},

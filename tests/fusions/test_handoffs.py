@@ -142,8 +142,11 @@ def test_quantizer_loop_on_a_fused_llama(tiny, tmp_path):
         lambda d: model.save_pretrained(d),
     ):
         target = tmp_path / "out"
-        with pytest.raises(SaveError, match=r"model.layers.0.self_attn.qkv_proj \(Int8FakeQuantLinear\): weight is "
-                                            r"torch.int8, built as torch.float32; scale is new"):
+        with pytest.raises(
+            SaveError,
+            match=r"model.layers.0.self_attn.qkv_proj \(Int8FakeQuantLinear\): weight is "
+            r"torch.int8, built as torch.float32; scale is new",
+        ):
             save(target)
         assert not target.exists() or not any(target.iterdir())
 

@@ -143,8 +143,9 @@ def test_loaded_experts_are_packed_and_take_the_grouped_path(tiny, name):
     hidden, top_k_index, top_k_weights = _routing(model)
     with torch.no_grad():
         expected = ckpt.stock().model.layers[0].mlp.experts(hidden, top_k_index, top_k_weights)
-        torch.testing.assert_close(model.model.layers[0].mlp.experts(hidden, top_k_index, top_k_weights), expected,
-                                   atol=1e-6, rtol=0)
+        torch.testing.assert_close(
+            model.model.layers[0].mlp.experts(hidden, top_k_index, top_k_weights), expected, atol=1e-6, rtol=0
+        )
 
 
 def _forward_hook(experts):
@@ -167,8 +168,12 @@ def _hook_on_an_expert(experts):
     return experts[0].register_forward_pre_hook(lambda module, args: None)
 
 
-FALLBACKS = {"forward hook on a Linear": _forward_hook, "Linear replaced": _swap_a_linear,
-             "weight .data re-assigned": _reassign_data, "hook on an expert": _hook_on_an_expert}
+FALLBACKS = {
+    "forward hook on a Linear": _forward_hook,
+    "Linear replaced": _swap_a_linear,
+    "weight .data re-assigned": _reassign_data,
+    "hook on an expert": _hook_on_an_expert,
+}
 
 
 @pytest.mark.parametrize("case", sorted(FALLBACKS))
@@ -208,8 +213,9 @@ def test_gradients_reach_each_experts_weights_as_stock_computes_them(tiny):
             continue
         torch.testing.assert_close(expert.gate_proj.weight.grad, gate_up_grad[:intermediate], atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(expert.up_proj.weight.grad, gate_up_grad[intermediate:], atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(expert.down_proj.weight.grad, stock_experts.down_proj.grad[index], atol=1e-5,
-                                   rtol=1e-4)
+        torch.testing.assert_close(
+            expert.down_proj.weight.grad, stock_experts.down_proj.grad[index], atol=1e-5, rtol=1e-4
+        )
 
 
 def test_packed_through_to_deepcopy_and_pickle(tiny):

@@ -99,9 +99,15 @@ def test_3d_patterns_match_only_the_experts_own_keys(tiny):
         return any(c.match_source(key) for c in converters)
 
     assert matched(f"{EXPERTS_0}.gate_up_proj") and matched(f"{EXPERTS_0}.down_proj")
-    for key in (f"{EXPERTS_0}.gate_up_proj_bias", f"{EXPERTS_0}.down_proj_bias", f"{EXPERTS_0}.gate_up_proj_scale_inv",
-                f"{EXPERTS_0}.gate_up_proj.weight", "model.layers.0.mlp.shared_experts.gate_up_proj",
-                f"{EXPERTS_0}.0.gate_proj.weight", f"{EXPERTS_0}.0.down_proj.weight"):
+    for key in (
+        f"{EXPERTS_0}.gate_up_proj_bias",
+        f"{EXPERTS_0}.down_proj_bias",
+        f"{EXPERTS_0}.gate_up_proj_scale_inv",
+        f"{EXPERTS_0}.gate_up_proj.weight",
+        "model.layers.0.mlp.shared_experts.gate_up_proj",
+        f"{EXPERTS_0}.0.gate_proj.weight",
+        f"{EXPERTS_0}.0.down_proj.weight",
+    ):
         assert not matched(key), key
 
 
@@ -157,8 +163,13 @@ REFUSED = {
     "both layouts for one layer": (
         _both_layouts,
         ["duplicate keys"],
-        [f"{EXPERTS_0}.gate_up_proj", f"{EXPERTS_0}.down_proj", f"{EXPERTS_0}.0.gate_proj.weight",
-         f"{EXPERTS_0}.3.up_proj.weight", f"{EXPERTS_0}.2.down_proj.weight"],
+        [
+            f"{EXPERTS_0}.gate_up_proj",
+            f"{EXPERTS_0}.down_proj",
+            f"{EXPERTS_0}.0.gate_proj.weight",
+            f"{EXPERTS_0}.3.up_proj.weight",
+            f"{EXPERTS_0}.2.down_proj.weight",
+        ],
     ),
     "more experts than the model": (
         _one_more_expert,

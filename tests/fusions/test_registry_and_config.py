@@ -145,11 +145,13 @@ def test_options_configure_the_family_and_are_stored(tiny, tmp_path):
     Patcher gives, and the generated class is one per configured spec, not shared with the default one."""
     ckpt = tiny("qwen2_moe")
     default = ckpt.load({"linear_experts": True})
-    patcher = modelpatch.Patcher(extra_weight_conversions=[
-        modelpatch.WeightRenaming(r"experts\.(\d+)\.gate_proj\.", r"experts.\1.w1."),
-        modelpatch.WeightRenaming(r"experts\.(\d+)\.up_proj\.", r"experts.\1.w3."),
-        modelpatch.WeightRenaming(r"experts\.(\d+)\.down_proj\.", r"experts.\1.w2."),
-    ])
+    patcher = modelpatch.Patcher(
+        extra_weight_conversions=[
+            modelpatch.WeightRenaming(r"experts\.(\d+)\.gate_proj\.", r"experts.\1.w1."),
+            modelpatch.WeightRenaming(r"experts\.(\d+)\.up_proj\.", r"experts.\1.w3."),
+            modelpatch.WeightRenaming(r"experts\.(\d+)\.down_proj\.", r"experts.\1.w2."),
+        ]
+    )
     options = {"linear_experts": {"child_names": ["w1", "w3", "w2"]}}
     renamed = modelpatch.from_pretrained(type(default), ckpt.path, fusion_config=options, patcher=patcher)
     experts = renamed.model.layers[0].mlp.experts
@@ -165,6 +167,7 @@ def test_options_configure_the_family_and_are_stored(tiny, tmp_path):
 
 def test_hooks_have_one_signature():
     with pytest.raises(TypeError, match=r"make_transforms must take \(config, modules\) after self, got \(config\)"):
+
         class OldStyle(ModuleFusionSpec):
             def make_transforms(self, config):
                 return []

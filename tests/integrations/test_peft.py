@@ -14,13 +14,13 @@ import warnings
 import peft
 import pytest
 import torch
-from support.compare import ATOL
-from support.models import VOCAB
 from peft import IA3Config, LoraConfig
 
 import modelpatch
 from modelpatch.errors import ModelPatchError, PeftIntegrationError
 from modelpatch.fusions.projections import FusedLinear, ProjectionSlice
+from support.compare import ATOL
+from support.models import VOCAB
 
 FUSED = {"qkv": True, "gate_up": True}
 FUSED_EXPERTS = {**FUSED, "linear_experts": True}

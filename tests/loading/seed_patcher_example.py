@@ -33,6 +33,7 @@ class SequentialExperts(nn.ModuleList):
     Many quantization libraries prefer experts as a sequence of standard
     PyTorch linear layers for easier quantization application.
     """
+
     def __init__(self, config):
         super().__init__()
         for _ in range(config.num_experts):
@@ -56,6 +57,7 @@ class FusedQKVAttention(nn.Module):
     Fusing QKV projections into a single Linear layer enables
     compute-intensive quantization kernels that are more efficient.
     """
+
     def __init__(self, config, layer_idx):
         super().__init__()
         self.config = config

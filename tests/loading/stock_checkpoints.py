@@ -12,6 +12,15 @@ StockCheckpoint = TinyCheckpoint
 assert_tensors_identical = assert_bitwise_equal
 
 __all__ = [
-    "STOCK_CHECKPOINTS", "CheckpointFactory", "StockCheckpoint", "TinyCheckpoint", "assert_bitwise_equal",
-    "assert_tensors_identical", "bits", "config_json", "read_tensors", "rewrite_checkpoint", "tied_groups",
+    "STOCK_CHECKPOINTS",
+    "CheckpointFactory",
+    "StockCheckpoint",
+    "TinyCheckpoint",
+    "assert_bitwise_equal",
+    "assert_tensors_identical",
+    "bits",
+    "config_json",
+    "read_tensors",
+    "rewrite_checkpoint",
+    "tied_groups",
 ]

@@ -36,18 +36,36 @@ def _assert_same_files(actual: Path, expected: Path) -> None:
         assert got[name] == want[name], f"{name} differs"
 
 
-def _convert(source: Path, destination: Path, model_class: type, *, fusion_config=None, dtype="auto",
-             runtime_format=False, max_shard_size="50GB") -> list[Path]:
+def _convert(
+    source: Path,
+    destination: Path,
+    model_class: type,
+    *,
+    fusion_config=None,
+    dtype="auto",
+    runtime_format=False,
+    max_shard_size="50GB",
+) -> list[Path]:
     with plan_conversion(model_class, source, fusion_config=fusion_config, dtype=dtype) as conversion:
         return conversion.write(destination, runtime_format=runtime_format, max_shard_size=max_shard_size)
 
 
-def _load_and_save(source: Path, destination: Path, model_class: type, *, fusion_config=None, dtype="auto",
-                   runtime_format=False, max_shard_size="50GB") -> list[Path]:
-    model = modelpatch.from_pretrained(model_class, source, fusion_config=fusion_config, dtype=dtype,
-                                       unexpected_keys="error")
-    return modelpatch.save_pretrained(model, destination, save_original_format=not runtime_format,
-                                      max_shard_size=max_shard_size)
+def _load_and_save(
+    source: Path,
+    destination: Path,
+    model_class: type,
+    *,
+    fusion_config=None,
+    dtype="auto",
+    runtime_format=False,
+    max_shard_size="50GB",
+) -> list[Path]:
+    model = modelpatch.from_pretrained(
+        model_class, source, fusion_config=fusion_config, dtype=dtype, unexpected_keys="error"
+    )
+    return modelpatch.save_pretrained(
+        model, destination, save_original_format=not runtime_format, max_shard_size=max_shard_size
+    )
 
 
 def _streamed(caplog) -> bool:
@@ -74,10 +92,17 @@ def test_to_the_runtime_layout_and_back_is_what_load_and_save_write(tiny, tmp_pa
     caplog.set_level(logging.INFO, logger="modelpatch.loading.convert")
 
     runtime, runtime_reference = tmp_path / "runtime", tmp_path / "runtime_reference"
-    files = _convert(ckpt.path, runtime, ckpt.model_class, fusion_config=fusions, runtime_format=True,
-                     max_shard_size=max_shard_size)
-    _load_and_save(ckpt.path, runtime_reference, ckpt.model_class, fusion_config=fusions, runtime_format=True,
-                   max_shard_size=max_shard_size)
+    files = _convert(
+        ckpt.path, runtime, ckpt.model_class, fusion_config=fusions, runtime_format=True, max_shard_size=max_shard_size
+    )
+    _load_and_save(
+        ckpt.path,
+        runtime_reference,
+        ckpt.model_class,
+        fusion_config=fusions,
+        runtime_format=True,
+        max_shard_size=max_shard_size,
+    )
     assert _streamed(caplog)
     _assert_same_files(runtime, runtime_reference)
     assert sorted(files) == sorted(runtime.iterdir())
@@ -113,8 +138,9 @@ def test_a_dtype_change_and_an_original_layout_target(tiny, tmp_path, caplog, dt
     caplog.set_level(logging.INFO, logger="modelpatch.loading.convert")
     fusions = {"qkv": True, "gate_up": True, "linear_experts": True}
     _convert(ckpt.path, tmp_path / "out", ckpt.model_class, fusion_config=fusions, dtype=dtype, max_shard_size="30KB")
-    _load_and_save(ckpt.path, tmp_path / "reference", ckpt.model_class, fusion_config=fusions, dtype=dtype,
-                   max_shard_size="30KB")
+    _load_and_save(
+        ckpt.path, tmp_path / "reference", ckpt.model_class, fusion_config=fusions, dtype=dtype, max_shard_size="30KB"
+    )
     assert _streamed(caplog)
     _assert_same_files(tmp_path / "out", tmp_path / "reference")
 
@@ -125,8 +151,9 @@ def test_tied_embeddings_stream_and_an_untied_source_goes_through_a_model(stock_
     ckpt = stock_checkpoint("llama_tied")
     caplog.set_level(logging.INFO, logger="modelpatch.loading.convert")
     _convert(ckpt.path, tmp_path / "out", ckpt.model_class, fusion_config={"qkv": True}, runtime_format=True)
-    _load_and_save(ckpt.path, tmp_path / "reference", ckpt.model_class, fusion_config={"qkv": True},
-                   runtime_format=True)
+    _load_and_save(
+        ckpt.path, tmp_path / "reference", ckpt.model_class, fusion_config={"qkv": True}, runtime_format=True
+    )
     assert _streamed(caplog)
     _assert_same_files(tmp_path / "out", tmp_path / "reference")
 
@@ -138,8 +165,9 @@ def test_tied_embeddings_stream_and_an_untied_source_goes_through_a_model(stock_
     caplog.clear()
     _convert(head_only, tmp_path / "out2", ckpt.model_class)
     _load_and_save(head_only, tmp_path / "reference2", ckpt.model_class)
-    assert any(THROUGH_A_MODEL in r.getMessage() and "model.embed_tokens.weight" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        THROUGH_A_MODEL in r.getMessage() and "model.embed_tokens.weight" in r.getMessage() for r in caplog.records
+    )
     _assert_same_files(tmp_path / "out2", tmp_path / "reference2")
 
 
@@ -183,7 +211,9 @@ def _peak_growth(source: Path, destination: Path, fusions: dict | None, runtime_
     """How far the resident memory of a fresh process peaks, while it converts, above where it was once planned."""
     result = subprocess.run(
         [sys.executable, "-c", PEAK_SCRIPT, str(source), str(destination), json.dumps([fusions, runtime_format])],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     before_kib, after_kib = map(int, result.stdout.split()[-2:])
     return (after_kib - before_kib) * 1024
@@ -195,8 +225,14 @@ def test_memory_holds_a_group_not_the_checkpoint(tmp_path):
     back writes chunks of the mapped fused tensors: their pages are released as they are written.) The bound is half
     the checkpoint: released pages leave the resident set at the kernel's pace, slower on a busy machine (62 MB was
     seen there, ~30 MB on a quiet one); a conversion holding the model would grow by all of it."""
-    config = LlamaConfig(vocab_size=256, hidden_size=768, intermediate_size=2048, num_hidden_layers=6,
-                         num_attention_heads=8, num_key_value_heads=8)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(tmp_path / "src")
     size = sum(p.stat().st_size for p in (tmp_path / "src").glob("*.safetensors"))

@@ -16,12 +16,12 @@ from pathlib import Path
 import huggingface_hub.constants
 import pytest
 import torch
-from support.compare import assert_bitwise_equal
 from transformers import AutoModelForCausalLM
 
 import modelpatch
 from modelpatch import CheckpointError
 from modelpatch.cli.main import main as cli_main
+from support.compare import assert_bitwise_equal
 
 COMMIT_A = "a" * 40
 COMMIT_B = "b" * 40
@@ -132,8 +132,13 @@ def test_missing_repo_is_a_clear_error(offline_cache):
     with pytest.raises(CheckpointError) as info:
         modelpatch.from_pretrained(AutoModelForCausalLM, "org/missing")
     message = str(info.value)
-    for needle in ("'org/missing' is not a local directory", "not in the cache", str(offline_cache), "HF_HUB_OFFLINE=1",
-                   "hf download org/missing"):
+    for needle in (
+        "'org/missing' is not a local directory",
+        "not in the cache",
+        str(offline_cache),
+        "HF_HUB_OFFLINE=1",
+        "hf download org/missing",
+    ):
         assert needle in message, message
 
 

@@ -11,7 +11,6 @@ import shutil
 
 import pytest
 import torch
-from support.compare import assert_bitwise_equal
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -25,6 +24,7 @@ import modelpatch
 from modelpatch import CheckpointError
 from modelpatch.loading import keywords
 from modelpatch.loading import load as load_module
+from support.compare import assert_bitwise_equal
 
 # Private keywords of stock from_pretrained (telemetry, backward compatibility): not part of its public interface.
 PRIVATE = {

@@ -12,8 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from support.compare import assert_bitwise_equal
-from support.files import rewrite_checkpoint
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -26,6 +24,8 @@ import modelpatch
 from modelpatch import CheckpointError, LoadPlanError
 from modelpatch.checkpoint import Checkpoint, SafetensorsFile
 from modelpatch.checkpoint import safetensors_file as safetensors_module
+from support.compare import assert_bitwise_equal
+from support.files import rewrite_checkpoint
 
 PLAN_LOGGER = "modelpatch.loading.plan"
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.compare import assert_bitwise_equal
 from transformers import AutoModelForCausalLM
 
 import modelpatch
 from modelpatch.loading import materialize
+from support.compare import assert_bitwise_equal
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
 

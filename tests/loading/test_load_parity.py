@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.compare import assert_bitwise_equal, bits, tied_groups
-from support.files import read_tensors, rewrite_checkpoint
 
 import modelpatch
+from support.compare import assert_bitwise_equal, bits, tied_groups
+from support.files import read_tensors, rewrite_checkpoint
 
 PARITY = [
     "llama",
@@ -86,8 +86,11 @@ def test_logits_match_stock(stock_checkpoint, name):
 def test_unpatched_save_is_bitwise_the_source(stock_checkpoint, name, tmp_path):
     ckpt, _, mine = _pair(stock_checkpoint, name)
     out = tmp_path / "saved"
-    modelpatch.save_pretrained(mine, out, **({"max_shard_size": ckpt.save_kwargs["max_shard_size"]}
-                                             if "max_shard_size" in ckpt.save_kwargs else {}))
+    modelpatch.save_pretrained(
+        mine,
+        out,
+        **({"max_shard_size": ckpt.save_kwargs["max_shard_size"]} if "max_shard_size" in ckpt.save_kwargs else {}),
+    )
     assert_bitwise_equal(read_tensors(out), ckpt.tensors())
     if ckpt.single_file:
         assert (out / "model.safetensors").read_bytes() == (ckpt.path / "model.safetensors").read_bytes()

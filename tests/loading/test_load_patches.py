@@ -6,14 +6,14 @@ from __future__ import annotations
 import logging
 
 import torch
-from support.compare import assert_bitwise_equal
-from support.files import rewrite_checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
 
 import modelpatch
 from modelpatch import MergeModulelist, Patcher, WeightConverter, WeightRenaming
 from modelpatch.conversion.registry import get_checkpoint_conversion_mapping
+from support.compare import assert_bitwise_equal
+from support.files import rewrite_checkpoint
 
 
 class CountingMLP(LlamaMLP):
@@ -106,6 +106,7 @@ def test_transformers_own_converter_through_a_patcher(stock_checkpoint, tmp_path
 
 def test_extra_renaming_through_a_patcher(stock_checkpoint, tmp_path):
     """A checkpoint with renamed keys loads with an extra WeightRenaming and saves back under its own names."""
+
     def edit(tensors):
         for key in list(tensors):
             if ".mlp." in key:

@@ -20,8 +20,14 @@ from modelpatch.errors import CheckpointError
 from modelpatch.loading.offload import offloaded_weights
 
 FUSED = {"qkv": True, "gate_up": True}
-PARTIAL = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.norm": "cpu",
-           "model.rotary_emb": "cpu", "lm_head": "disk"}
+PARTIAL = {
+    "model.embed_tokens": "cpu",
+    "model.layers.0": "cpu",
+    "model.layers.1": "disk",
+    "model.norm": "cpu",
+    "model.rotary_emb": "cpu",
+    "lm_head": "disk",
+}
 MAPS = {"full": {"": "disk"}, "partial": PARTIAL}
 
 
@@ -113,7 +119,9 @@ def test_converted_weights_need_offload_folder(stock_checkpoint, tmp_path, which
         if name in written:
             assert entry["safetensors_file"] == str(folder / f"{name}.safetensors") and entry["weight_name"] == name
         else:
-            assert entry["safetensors_file"] == str(checkpoint.path / "model.safetensors") and entry["weight_name"] == name
+            assert (
+                entry["safetensors_file"] == str(checkpoint.path / "model.safetensors") and entry["weight_name"] == name
+            )
 
     stock_offloaded = AutoModelForCausalLM.from_pretrained(checkpoint.path, device_map=device_map)
     stock = AutoModelForCausalLM.from_pretrained(checkpoint.path)
@@ -228,7 +236,9 @@ def test_pickle_checkpoint_weights_are_written_to_offload_folder(stock_checkpoin
     model = modelpatch.from_pretrained(
         AutoModelForCausalLM, source, allow_pickle=True, device_map=PARTIAL, offload_folder=folder
     )
-    assert sorted(path.name for path in folder.iterdir()) == [f"{name}.safetensors" for name in _on_disk(model, PARTIAL)]
+    assert sorted(path.name for path in folder.iterdir()) == [
+        f"{name}.safetensors" for name in _on_disk(model, PARTIAL)
+    ]
     stock = AutoModelForCausalLM.from_pretrained(checkpoint.path)
     torch.testing.assert_close(_logits(model, checkpoint), _logits(stock, checkpoint), rtol=0, atol=0)
 

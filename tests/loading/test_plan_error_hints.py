@@ -9,14 +9,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from support.compare import assert_bitwise_equal
-from support.files import rewrite_checkpoint
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, BertForSequenceClassification
 
 import modelpatch
 from modelpatch import LoadPlanError, Patcher
 from modelpatch.loading.diagnose import collapse_indices
+from support.compare import assert_bitwise_equal
+from support.files import rewrite_checkpoint
 
 NEW_PARAMETERS_HINT = "new_parameters=[...]"
 NEW_PARAMETERS_LINE = "Hint: Pass new_parameters=[...] (regex patterns) for parameters you want freshly initialised."
@@ -132,4 +132,3 @@ def test_missing_expert_weights_are_collapsed_and_not_called_new(stock_checkpoin
 def test_parameters_that_really_are_new_get_the_new_parameters_hint(stock_checkpoint):
     error = plan_error(BertForSequenceClassification, stock_checkpoint("bert_base").path)
     assert hints(error) == [NEW_PARAMETERS_LINE]
-

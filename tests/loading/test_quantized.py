@@ -19,14 +19,14 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from support.compare import assert_bitwise_equal, bits
-from support.files import read_tensors
 from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
 
 import modelpatch
 from modelpatch.checkpoint import Checkpoint
 from modelpatch.errors import LoadPlanError, SaveError
 from modelpatch.loading.quantization import quantizer_api_supported
+from support.compare import assert_bitwise_equal, bits
+from support.files import read_tensors
 
 # The oldest transformers releases of the supported range have another quantizer API: there modelpatch refuses
 # quantized checkpoints by name (tests/loading/test_load_errors.py checks that).
@@ -45,8 +45,14 @@ FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 def _config(model_type: str, **overrides):
     # hidden 256 and intermediate 384: 2 x 3 blocks of 128 per projection, so block scales matter.
     values = dict(
-        vocab_size=128, hidden_size=256, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+        vocab_size=128,
+        hidden_size=256,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
     )
     return AutoConfig.for_model(model_type, **{**values, **overrides})
 
@@ -54,7 +60,10 @@ def _config(model_type: str, **overrides):
 FP8_MODELS = {
     "llama": _config("llama"),
     "qwen2_moe": _config(
-        "qwen2_moe", moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
+        "qwen2_moe",
+        moe_intermediate_size=128,
+        num_experts=4,
+        num_experts_per_tok=2,
         shared_expert_intermediate_size=256,
     ),
 }
@@ -90,7 +99,10 @@ def write_fp8_checkpoint(config, path: Path) -> Path:
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     raw = json.loads((path / "config.json").read_text())
     raw["quantization_config"] = {
-        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [BLOCK, BLOCK],
     }
     (path / "config.json").write_text(json.dumps(raw, indent=2))
     return path

@@ -8,15 +8,15 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file
-from support.checkpoints import STOCK_CHECKPOINTS
-from support.compare import assert_bitwise_equal, bits
-from support.files import config_json, read_tensors
 from transformers import AutoConfig, AutoModelForCausalLM, BertForSequenceClassification
 
 import modelpatch
 from modelpatch import CheckpointError
 from modelpatch.checkpoint import writer
 from modelpatch.state import RECORD_KEY
+from support.checkpoints import STOCK_CHECKPOINTS
+from support.compare import assert_bitwise_equal, bits
+from support.files import config_json, read_tensors
 
 
 def _snapshot(directory):

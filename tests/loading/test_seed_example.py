@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.compare import assert_bitwise_equal, bits
-from support.files import read_tensors
 from transformers import AutoModelForCausalLM
 
 import modelpatch
 from modelpatch import Chunk, Concatenate, LoadPlanError, WeightConverter
 from modelpatch.conversion.transformers_mapping import builtin_mapping
+from support.compare import assert_bitwise_equal, bits
+from support.files import read_tensors
 
 SEED_EXAMPLE = Path(__file__).with_name("seed_qwen2_moe_example.py")
 

@@ -61,9 +61,13 @@ def checkpoints(tiny, tmp_path_factory) -> dict[str, TinyCheckpoint]:
     perturb(tied, 0)
     path = tmp_path_factory.mktemp("llama_tied")
     tied.save_pretrained(path)
-    return {"llama": tiny("llama"), "qwen2_moe": tiny("qwen2_moe"),
-            "llama_tied": TinyCheckpoint("llama_tied", path, LlamaForCausalLM,
-                                         CheckpointSpec(LlamaForCausalLM, lambda: config), config.vocab_size)}
+    return {
+        "llama": tiny("llama"),
+        "qwen2_moe": tiny("qwen2_moe"),
+        "llama_tied": TinyCheckpoint(
+            "llama_tied", path, LlamaForCausalLM, CheckpointSpec(LlamaForCausalLM, lambda: config), config.vocab_size
+        ),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -73,14 +77,34 @@ def tp_run(checkpoints, tmp_path_factory):
     cases = []
     for case_id, (name, fusion_config, compare_stock) in CASES.items():
         checkpoint = checkpoints[name]
-        cases.append(dict(id=case_id, name=name, path=str(checkpoint.path), fusion_config=fusion_config,
-                          compare_stock=compare_stock, **{"class": checkpoint.model_class.__name__}))
+        cases.append(
+            dict(
+                id=case_id,
+                name=name,
+                path=str(checkpoint.path),
+                fusion_config=fusion_config,
+                compare_stock=compare_stock,
+                **{"class": checkpoint.model_class.__name__},
+            )
+        )
     job = out / "job.json"
     job.write_text(json.dumps({"out": str(out), "cases": cases}))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(Path(modelpatch.__file__).parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={RANKS}", "--master-addr=127.0.0.1",
-               f"--master-port={_free_port()}", str(WORKER), str(job)]
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            [str(Path(modelpatch.__file__).parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])]
+        ),
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={RANKS}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={_free_port()}",
+        str(WORKER),
+        str(job),
+    ]
     result = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return out
@@ -108,8 +132,11 @@ def test_saves_equal_single_process_saves(tp_run, checkpoints, tmp_path, case_id
         for file in ("model.safetensors", "config.json"):
             assert filecmp.cmp(written / file, tmp_path / kind / file, shallow=False), f"{kind}/{file} differs"
     # The original layout: the tensors of the checkpoint the model was loaded from, bitwise.
-    assert filecmp.cmp(tp_run / f"{case_id}_stock_save" / "model.safetensors",
-                       checkpoints[name].path / "model.safetensors", shallow=False)
+    assert filecmp.cmp(
+        tp_run / f"{case_id}_stock_save" / "model.safetensors",
+        checkpoints[name].path / "model.safetensors",
+        shallow=False,
+    )
 
 
 @pytest.mark.parametrize("case_id", sorted(CASES))

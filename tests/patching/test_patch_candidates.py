@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.patching import PlainModule, llama_config
 from patching_user_models import FastUserAttention, UserAttention, UserBlock, UserModel
 from transformers import LlamaModel
 from transformers.models.llama.modeling_llama import LlamaAttention
 
 import modelpatch
 from modelpatch.patching.candidates import is_patch_candidate
+from support.patching import PlainModule, llama_config
 
 NAMESPACE = UserModel.__module__  # "patching_user_models": a real, importable module name
 

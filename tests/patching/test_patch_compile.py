@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.patching import MarkedLlamaAttention, MarkedLlamaMLP, WrappedLlamaAttention, input_ids, llama_config
 
 import modelpatch
+from support.patching import MarkedLlamaAttention, MarkedLlamaMLP, WrappedLlamaAttention, input_ids, llama_config
 
 
 def _compile_available() -> bool:

@@ -13,8 +13,6 @@ import copy
 import pickle
 
 import torch
-from support.models import VOCAB, tiny_config
-from support.patching import build, input_ids, module_classes
 from torch import nn
 from torch.nn import functional as F
 from transformers import (
@@ -27,6 +25,8 @@ from transformers import (
 from transformers.models.bloom.modeling_bloom import BloomGelu
 
 import modelpatch
+from support.models import VOCAB, tiny_config
+from support.patching import build, input_ids, module_classes
 
 
 class TanhGelu(nn.Module):
@@ -46,7 +46,6 @@ def _bloom_config() -> BloomConfig:
 
 def _qwen2_vl_config() -> PretrainedConfig:
     return tiny_config("qwen2_vl", text={"num_hidden_layers": 1}, vision={"depth": 2})
-
 
 
 def test_a_class_modeling_code_constructs_without_arguments_is_replaced():

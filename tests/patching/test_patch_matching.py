@@ -8,20 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from support.patching import (
-    MarkedBertSelfAttention,
-    MarkedLlamaAttention,
-    MarkedLlamaMLP,
-    MarkedQwen2MoeAttention,
-    OtherLlamaAttention,
-    PlainModule,
-    bert_config,
-    build,
-    input_ids,
-    llama_config,
-    module_classes,
-    qwen2_moe_config,
-)
 from transformers import (
     BertModel,
     GPT2Config,
@@ -43,8 +29,20 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import (
 from transformers.pytorch_utils import Conv1D
 
 import modelpatch
-
-
+from support.patching import (
+    MarkedBertSelfAttention,
+    MarkedLlamaAttention,
+    MarkedLlamaMLP,
+    MarkedQwen2MoeAttention,
+    OtherLlamaAttention,
+    PlainModule,
+    bert_config,
+    build,
+    input_ids,
+    llama_config,
+    module_classes,
+    qwen2_moe_config,
+)
 
 # --- exact names and patterns ------------------------------------------------------------------------------------
 

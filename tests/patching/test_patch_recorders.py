@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import LlamaForCausalLM, LlamaModel, Qwen2MoeForCausalLM
+from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
+
+import modelpatch
 from support.patching import (
     MarkedLlamaAttention,
     MarkedQwen2MoeAttention,
@@ -22,16 +27,10 @@ from support.patching import (
     llama_config,
     qwen2_moe_config,
 )
-from transformers import LlamaForCausalLM, LlamaModel, Qwen2MoeForCausalLM
-from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
-from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
-
-import modelpatch
 
 LAYERS = 3
 HEADS = 4
 SEQ = input_ids().shape[1]
-
 
 
 def _run(model, **kwargs):

@@ -8,13 +8,13 @@ import threading
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.patching import MarkedLlamaAttention, MarkedLlamaMLP, OtherLlamaAttention
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaAttention
 
 import modelpatch
 from modelpatch import PatchRegistryError
 from modelpatch.patching import registry as registry_module
+from support.patching import MarkedLlamaAttention, MarkedLlamaMLP, OtherLlamaAttention
 
 
 class NotAModule:
@@ -194,10 +194,29 @@ def test_64_threads_unregistering_the_same_key_exactly_one_wins():
 # --- a model-based property test of the registry and its resolution ----------------------------------------------
 
 # "Attention" and "Self" name no class: like every key, they are also tried as patterns.
-_KEYS = ["LlamaAttention", "LlamaMLP", "Attention", "Self", ".*Attention", "Attention$", "^Llama", ".*MLP$",
-         "Qwen2Moe.*", "Bert.*Self.*"]
-_CLASS_NAMES = ["LlamaAttention", "LlamaMLP", "LlamaRMSNorm", "Qwen2MoeAttention", "Qwen2MoeExperts",
-                "BertSelfAttention", "BertAttention", "BertSelfOutput", "MyLlamaAttention"]
+_KEYS = [
+    "LlamaAttention",
+    "LlamaMLP",
+    "Attention",
+    "Self",
+    ".*Attention",
+    "Attention$",
+    "^Llama",
+    ".*MLP$",
+    "Qwen2Moe.*",
+    "Bert.*Self.*",
+]
+_CLASS_NAMES = [
+    "LlamaAttention",
+    "LlamaMLP",
+    "LlamaRMSNorm",
+    "Qwen2MoeAttention",
+    "Qwen2MoeExperts",
+    "BertSelfAttention",
+    "BertAttention",
+    "BertSelfOutput",
+    "MyLlamaAttention",
+]
 _REPLACEMENTS = [type(f"Prop{i}", (nn.Module,), {}) for i in range(3)]
 
 _operations = st.lists(

@@ -9,6 +9,14 @@ import threading
 
 import pytest
 import torch
+from transformers import BertModel, LlamaForCausalLM, LlamaModel, Qwen2MoeForCausalLM, Qwen2MoeModel
+from transformers.models.bert.modeling_bert import BertSelfAttention
+from transformers.models.llama import modeling_llama
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeAttention, Qwen2MoeExperts
+
+import modelpatch
+from modelpatch import Patcher
 from support.patching import (
     ArgsRecordingAttention,
     CountingLlamaAttention,
@@ -25,14 +33,6 @@ from support.patching import (
     module_classes,
     qwen2_moe_config,
 )
-from transformers import BertModel, LlamaForCausalLM, LlamaModel, Qwen2MoeForCausalLM, Qwen2MoeModel
-from transformers.models.bert.modeling_bert import BertSelfAttention
-from transformers.models.llama import modeling_llama
-from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
-from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeAttention, Qwen2MoeExperts
-
-import modelpatch
-from modelpatch import Patcher
 
 
 def _attn_mlp(model) -> tuple[set[type], set[type]]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from support.patching import MarkedLlamaAttention, MarkedLlamaMLP, PlainModule, llama_config
 from torch import nn
 from transformers import LlamaModel
 from transformers.models.llama.modeling_llama import LlamaAttention
@@ -17,6 +16,7 @@ from modelpatch import (
     WeightConverter,
     WeightRenaming,
 )
+from support.patching import MarkedLlamaAttention, MarkedLlamaMLP, PlainModule, llama_config
 
 
 def _qkv_converter(suffix: str = "weight") -> WeightConverter:

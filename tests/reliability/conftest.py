@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.checkpoints import CheckpointFactory
 from transformers import PreTrainedModel
+
+from support.checkpoints import CheckpointFactory
 
 
 @pytest.fixture(scope="session")

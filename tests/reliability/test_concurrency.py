@@ -14,18 +14,19 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from support.compare import assert_bitwise_equal, bitwise_equal
-from support.files import siblings
 from transformers import LlamaConfig, LlamaModel, PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
 
 import modelpatch
 from modelpatch import Patcher
+from support.compare import assert_bitwise_equal, bitwise_equal
+from support.files import siblings
 
 pytestmark = pytest.mark.reliability
 
 ATOL = 1e-5
 ROUNDS = 3
+
 
 class AttentionA(LlamaAttention):
     """Patcher A's attention: a subclass with the stock forward (outputs must not change)."""
@@ -106,14 +107,30 @@ def without_churn(counts: Counter) -> tuple[Counter, bool]:
 
 LOADS = {
     # name: (checkpoint, from_pretrained kwargs, class names that must appear, class names that must not)
-    "llama_patcher_a": ("llama", lambda: {"patcher": Patcher({"LlamaAttention": AttentionA})}, {"AttentionA"},
-                        {"LlamaAttention", "AttentionB"}),
-    "llama_patcher_b": ("llama", lambda: {"patcher": Patcher({"LlamaAttention": AttentionB})}, {"AttentionB"},
-                        {"LlamaAttention", "AttentionA"}),
-    "llama_qkv": ("llama", lambda: {"fusion_config": {"qkv": True}}, {"QKVFusedLlamaAttention"},
-                  {"LlamaAttention", "AttentionA", "AttentionB"}),
-    "qwen2_moe_linear_experts": ("qwen2_moe", lambda: {"fusion_config": {"linear_experts": True}},
-                                 {"LinearQwen2MoeExperts"}, {"Qwen2MoeExperts"}),
+    "llama_patcher_a": (
+        "llama",
+        lambda: {"patcher": Patcher({"LlamaAttention": AttentionA})},
+        {"AttentionA"},
+        {"LlamaAttention", "AttentionB"},
+    ),
+    "llama_patcher_b": (
+        "llama",
+        lambda: {"patcher": Patcher({"LlamaAttention": AttentionB})},
+        {"AttentionB"},
+        {"LlamaAttention", "AttentionA"},
+    ),
+    "llama_qkv": (
+        "llama",
+        lambda: {"fusion_config": {"qkv": True}},
+        {"QKVFusedLlamaAttention"},
+        {"LlamaAttention", "AttentionA", "AttentionB"},
+    ),
+    "qwen2_moe_linear_experts": (
+        "qwen2_moe",
+        lambda: {"fusion_config": {"linear_experts": True}},
+        {"LinearQwen2MoeExperts"},
+        {"Qwen2MoeExperts"},
+    ),
     "llama_plain": ("llama", dict, {"LlamaAttention"}, {"AttentionA", "AttentionB", "QKVFusedLlamaAttention"}),
     "bert_plain": ("bert", dict, {"BertSelfAttention"}, set()),
 }
@@ -156,6 +173,7 @@ def test_concurrent_loads_each_get_their_own_structure_and_outputs(references):
     seen = Counter()
     dtype, tie_weights = torch.get_default_dtype(), PreTrainedModel.tie_weights
     for _ in range(ROUNDS):
+
         def load(name):
             checkpoint, kwargs = references[name][0], LOADS[name][1]()
             return lambda: modelpatch.from_pretrained(checkpoint.model_class, checkpoint.path, **kwargs)
@@ -191,6 +209,7 @@ def test_concurrent_loads_of_different_dtypes_keep_their_own(stock):
             for _ in range(8):
                 model = modelpatch.from_pretrained(checkpoint.model_class, checkpoint.path)
                 assert dtypes(model) == expected[checkpoint.name], f"{checkpoint.name}: wrong dtypes"
+
         return run
 
     run_threads([work(fp32), work(bf16), work(fp32), work(bf16)])
@@ -199,8 +218,16 @@ def test_concurrent_loads_of_different_dtypes_keep_their_own(stock):
 
 def test_registry_churn_while_scopes_build_models_in_other_threads():
     """apply_patches / Patcher scopes in several threads, registry changing meanwhile: each build is consistent."""
-    config = LlamaConfig(**{"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3,
-                            "num_attention_heads": 4, "num_key_value_heads": 2})
+    config = LlamaConfig(
+        **{
+            "vocab_size": 64,
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        }
+    )
     churn = Counter()
     outcomes = Counter()
     lock = threading.Lock()
@@ -225,6 +252,7 @@ def test_registry_churn_while_scopes_build_models_in_other_threads():
                     model = LlamaModel(config)
                 counts = record(attention.__name__, model)
                 assert counts[attention.__name__] == 3 and not counts[other.__name__] and not counts["LlamaAttention"]
+
         return run
 
     def unpatched():
@@ -235,15 +263,22 @@ def test_registry_churn_while_scopes_build_models_in_other_threads():
             assert all(type(m) is LlamaMLP for m in model.modules() if isinstance(m, LlamaMLP))
 
     run_threads(
-        [with_registry, with_registry, with_patcher(AttentionA, AttentionB), with_patcher(AttentionB, AttentionA),
-         unpatched],
+        [
+            with_registry,
+            with_registry,
+            with_patcher(AttentionA, AttentionB),
+            with_patcher(AttentionB, AttentionA),
+            unpatched,
+        ],
         lambda stop: churn_registry(stop, churn),
     )
     assert churn["register"] > 0
     assert modelpatch.get_patch_mapping() == {}
     # Outside every scope, construction is stock again in this thread.
-    assert all(type(m) in (LlamaMLP, LlamaAttention) or not isinstance(m, (LlamaMLP, LlamaAttention))
-               for m in LlamaModel(config).modules())
+    assert all(
+        type(m) in (LlamaMLP, LlamaAttention) or not isinstance(m, (LlamaMLP, LlamaAttention))
+        for m in LlamaModel(config).modules()
+    )
 
 
 def test_registry_changes_during_loads_leave_the_registry_consistent(stock):
@@ -293,6 +328,7 @@ def test_concurrent_saves_to_one_directory_all_succeed_one_after_another(stock, 
         def run():
             for _ in range(4):
                 modelpatch.save_pretrained(models[i % 2], target, max_shard_size="40KB")
+
         return run
 
     run_threads([save(i) for i in range(4)])

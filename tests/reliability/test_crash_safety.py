@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.checkpoints import perturb
-from support.compare import assert_bitwise_equal, bitwise_equal
-from support.files import read_tensors, siblings, snapshot
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import modelpatch
 from modelpatch.checkpoint import writer
+from support.checkpoints import perturb
+from support.compare import assert_bitwise_equal, bitwise_equal
+from support.files import read_tensors, siblings, snapshot
 
 pytestmark = [
     pytest.mark.reliability,
@@ -42,8 +42,15 @@ WORKER = Path(__file__).with_name("save_worker.py")
 @pytest.fixture(scope="module")
 def previous(tmp_path_factory) -> Path:
     """A ~54 MB fp32 Llama written by stock ``save_pretrained`` in ~6 MB shards: the checkpoint a save replaces."""
-    config = LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=4096,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     perturb(model, 0)
@@ -83,8 +90,13 @@ class Worker:
 
     def save(self, directory: Path, **options) -> list[dict]:
         """One save of ``directory`` over itself; the events up to and including the child's exit."""
-        command = {"source": str(directory), "target": str(directory), "shift": SHIFT, "max_shard_size": SHARD,
-                   **options}
+        command = {
+            "source": str(directory),
+            "target": str(directory),
+            "shift": SHIFT,
+            "max_shard_size": SHARD,
+            **options,
+        }
         self.process.stdin.write(json.dumps(command) + "\n")
         self.process.stdin.flush()
         events = []

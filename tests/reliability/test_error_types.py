@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.models import tiny_config, wide
 from torch import nn
 from transformers import AutoModelForCausalLM
 
@@ -22,6 +21,7 @@ import modelpatch
 from modelpatch import ModelPatchError
 from modelpatch.checkpoint import Checkpoint, write_checkpoint
 from modelpatch.fusions import QKVFusionSpec
+from support.models import tiny_config, wide
 
 pytestmark = pytest.mark.reliability
 

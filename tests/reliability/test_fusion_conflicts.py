@@ -52,15 +52,25 @@ class WrappedAttention(torch.nn.Module):
 
 
 def test_perceiver_cross_attention_first_keeps_its_class_unfused(caplog):
-    config = PerceiverConfig(num_latents=4, d_latents=16, d_model=8, num_blocks=1, num_self_attends_per_block=2,
-                             num_self_attention_heads=2, num_cross_attention_heads=1, vocab_size=32,
-                             max_position_embeddings=16)
+    config = PerceiverConfig(
+        num_latents=4,
+        d_latents=16,
+        d_model=8,
+        num_blocks=1,
+        num_self_attends_per_block=2,
+        num_self_attention_heads=2,
+        num_cross_attention_heads=1,
+        vocab_size=32,
+        max_position_embeddings=16,
+    )
     with caplog.at_level(logging.WARNING, logger="modelpatch"):
         model = modelpatch.from_config(PerceiverModel, config, fusion_config={"qkv": True})
     # The cross-attention (first) is not fusable, the self-attentions (after it) are: the class stays as it is.
     assert {type(m) for m in model.modules() if "SelfAttention" in type(m).__name__} == {PerceiverSelfAttention}
-    assert "Fusion 'qkv' skips PerceiverSelfAttention: its instance 'encoder.cross_attention.attention.self' is not " \
-           "fusable" in caplog.text
+    assert (
+        "Fusion 'qkv' skips PerceiverSelfAttention: its instance 'encoder.cross_attention.attention.self' is not "
+        "fusable" in caplog.text
+    )
 
 
 def test_instances_outside_the_target_patterns_keep_their_class_unfused(stock, caplog):
@@ -80,8 +90,12 @@ def test_instances_outside_the_target_patterns_keep_their_class_unfused(stock, c
 
 def test_a_patcher_extra_converter_for_the_fused_weights_is_refused_naming_both(stock):
     with pytest.raises(FusionError) as raised:
-        modelpatch.from_pretrained(AutoModelForCausalLM, stock("llama").path, fusion_config={"qkv": True},
-                                   patcher=Patcher(extra_weight_conversions=QKV))
+        modelpatch.from_pretrained(
+            AutoModelForCausalLM,
+            stock("llama").path,
+            fusion_config={"qkv": True},
+            patcher=Patcher(extra_weight_conversions=QKV),
+        )
     message = str(raised.value)
     assert repr(QKV) in message and "the Patcher's extra_weight_conversions" in message
     assert "fusion 'qkv'" in message and "self_attn.q_proj.weight" in message
@@ -92,11 +106,16 @@ def test_a_registered_converter_for_the_fused_weights_is_refused_naming_both(sto
     with pytest.raises(FusionError, match=r"from the registered conversion mapping and fusion 'qkv'"):
         modelpatch.from_pretrained(AutoModelForCausalLM, stock("llama").path, fusion_config={"qkv": True})
     # Filtered out by the Patcher, it no longer competes with the fusion: the load is the stock model's.
-    model = modelpatch.from_pretrained(AutoModelForCausalLM, stock("llama").path, fusion_config={"qkv": True},
-                                       patcher=Patcher(filtered_weight_conversion_patterns="^q_proj$"))
+    model = modelpatch.from_pretrained(
+        AutoModelForCausalLM,
+        stock("llama").path,
+        fusion_config={"qkv": True},
+        patcher=Patcher(filtered_weight_conversion_patterns="^q_proj$"),
+    )
     with torch.no_grad():
-        torch.testing.assert_close(model(**stock("llama").inputs()).logits, stock("llama").reference_logits(),
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            model(**stock("llama").inputs()).logits, stock("llama").reference_logits(), atol=1e-5, rtol=1e-5
+        )
 
 
 # --- a fusion and a Patcher entry on the same class ----------------------------------------------------------------
@@ -104,11 +123,19 @@ def test_a_registered_converter_for_the_fused_weights_is_refused_naming_both(sto
 
 def test_a_fusion_of_a_class_the_patcher_replaces_is_refused_saying_so(stock):
     path = stock("llama").path
-    with pytest.raises(FusionError, match=r"Fusion 'gate_up' would replace SubclassMLP, which the Patcher builds in "
-                                          r"place of what its key 'LlamaMLP' matches"):
-        modelpatch.from_pretrained(AutoModelForCausalLM, path, fusion_config={"gate_up": True},
-                                   patcher=Patcher({"LlamaMLP": SubclassMLP}))
-    with pytest.raises(FusionError, match=r"Fusion 'qkv' and the Patcher both replace LlamaAttention \(the Patcher's "
-                                          r"key 'Attention' -> WrappedAttention\)"):
-        modelpatch.from_pretrained(AutoModelForCausalLM, path, fusion_config={"qkv": True},
-                                   patcher=Patcher({"Attention": WrappedAttention}))
+    with pytest.raises(
+        FusionError,
+        match=r"Fusion 'gate_up' would replace SubclassMLP, which the Patcher builds in "
+        r"place of what its key 'LlamaMLP' matches",
+    ):
+        modelpatch.from_pretrained(
+            AutoModelForCausalLM, path, fusion_config={"gate_up": True}, patcher=Patcher({"LlamaMLP": SubclassMLP})
+        )
+    with pytest.raises(
+        FusionError,
+        match=r"Fusion 'qkv' and the Patcher both replace LlamaAttention \(the Patcher's "
+        r"key 'Attention' -> WrappedAttention\)",
+    ):
+        modelpatch.from_pretrained(
+            AutoModelForCausalLM, path, fusion_config={"qkv": True}, patcher=Patcher({"Attention": WrappedAttention})
+        )

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.files import snapshot
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 import modelpatch
 from modelpatch import CheckpointError, LoadPlanError
+from support.files import snapshot
 
 pytestmark = pytest.mark.reliability
 
@@ -309,7 +309,7 @@ def index_maps_key_to_the_wrong_shard(d: Path):
 
 def index_not_json(d: Path):
     index = d / "model.safetensors.index.json"
-    index.write_text("{\"weight_map\": ")
+    index.write_text('{"weight_map": ')
     return CheckpointError, [str(index), "JSON"]
 
 
@@ -414,7 +414,7 @@ def index_nested_too_deeply(d: Path):
 
 
 def config_not_json(d: Path):
-    (d / "config.json").write_text("{\"model_type\": \"llama\",")
+    (d / "config.json").write_text('{"model_type": "llama",')
     return CheckpointError, [str(d / "config.json"), "JSON"]
 
 
@@ -433,23 +433,55 @@ def config_json_array(d: Path):
 SINGLE_FILE = {
     f.__name__: f
     for f in (
-        truncate_in_data, truncate_in_header, truncate_in_prefix, empty_file, header_length_huge, header_not_json,
-        offsets_overlap, offsets_alias_same_bytes, offsets_past_end, offsets_reversed, dtype_disagrees_with_bytes,
-        shape_disagrees_with_bytes, unknown_dtype, duplicate_header_key, consistent_header_wrong_shape_for_model,
-        renamed_key_leaves_parameter_missing, fp8_weights_with_their_scales, config_declares_quantization,
-        config_not_json, config_unknown_model_type, config_json_array, config_too_large, config_nested_too_deeply,
-        config_nested_past_the_parsers_recursion_limit, config_integer_with_thousands_of_digits,
-        config_absurd_layer_count, config_zero_heads, config_negative_size, config_unknown_rope_type,
+        truncate_in_data,
+        truncate_in_header,
+        truncate_in_prefix,
+        empty_file,
+        header_length_huge,
+        header_not_json,
+        offsets_overlap,
+        offsets_alias_same_bytes,
+        offsets_past_end,
+        offsets_reversed,
+        dtype_disagrees_with_bytes,
+        shape_disagrees_with_bytes,
+        unknown_dtype,
+        duplicate_header_key,
+        consistent_header_wrong_shape_for_model,
+        renamed_key_leaves_parameter_missing,
+        fp8_weights_with_their_scales,
+        config_declares_quantization,
+        config_not_json,
+        config_unknown_model_type,
+        config_json_array,
+        config_too_large,
+        config_nested_too_deeply,
+        config_nested_past_the_parsers_recursion_limit,
+        config_integer_with_thousands_of_digits,
+        config_absurd_layer_count,
+        config_zero_heads,
+        config_negative_size,
+        config_unknown_rope_type,
         config_wrong_value_type,
     )
 }
 SHARDED = {
     f.__name__: f
     for f in (
-        truncate_shard, index_names_missing_shard, index_shard_deleted, index_dotdot, index_absolute,
-        index_symlink_file, index_symlink_directory, index_symlink_to_device, index_names_a_fifo,
+        truncate_shard,
+        index_names_missing_shard,
+        index_shard_deleted,
+        index_dotdot,
+        index_absolute,
+        index_symlink_file,
+        index_symlink_directory,
+        index_symlink_to_device,
+        index_names_a_fifo,
         index_same_key_in_two_shards,
-        index_maps_key_to_the_wrong_shard, index_not_json, index_weight_map_not_strings, index_too_large,
+        index_maps_key_to_the_wrong_shard,
+        index_not_json,
+        index_weight_map_not_strings,
+        index_too_large,
         index_nested_too_deeply,
     )
 }
@@ -503,6 +535,7 @@ def test_unmodified_copies_load(stock, tmp_path):
 def test_plan_errors_name_the_checkpoints_own_keys(tmp_path):
     """A Mixtral checkpoint (renamed block_sparse_moe -> mlp at load) missing one expert weight."""
     from safetensors.torch import load_file, save_file
+
     from support.models import tiny_config, wide
 
     directory = tmp_path / "mixtral"

@@ -24,20 +24,27 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.compare import same_bits
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from modelpatch import Concatenate, MergeModulelist, WeightConverter, WeightRenaming
 from modelpatch.conversion import TensorMeta, plan_load, plan_save
 from modelpatch.fusions.apply import prepare_fusions, resolve_fusion_config
 from modelpatch.loading.build import build_empty_model
+from support.compare import same_bits
 
 pytestmark = pytest.mark.reliability
 
 PROPERTY = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TOKENS = ("query", "key", "value", "gate", "up", "left", "right", "down")
 DTYPES = (
-    torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int8, torch.uint8, torch.bool,
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
 )
 
 
@@ -58,8 +65,9 @@ class Family:
 
     def converter(self) -> WeightConverter:
         if self.kind == "concat":
-            return WeightConverter([f".{t}." for t in self.tokens], f".fused{self.number}.",
-                                   [Concatenate(dim=0, equal_parts=self.equal)])
+            return WeightConverter(
+                [f".{t}." for t in self.tokens], f".fused{self.number}.", [Concatenate(dim=0, equal_parts=self.equal)]
+            )
         sources = [f"experts.*.{t}.weight" for t in self.tokens]
         operations = [MergeModulelist(dim=0)]
         if self.kind == "experts_concat":
@@ -123,8 +131,10 @@ class Architecture:
                     parts = [ckpt[f"{src}blk.{t}.weight"] for t in f.tokens]
                     out[f"{layer}blk.fused{f.number}.weight"] = torch.cat(parts)
                 else:
-                    stacks = [torch.stack([ckpt[f"{src}blk.experts.{e}.{t}.weight"] for e in range(f.experts)])
-                              for t in f.tokens]
+                    stacks = [
+                        torch.stack([ckpt[f"{src}blk.experts.{e}.{t}.weight"] for e in range(f.experts)])
+                        for t in f.tokens
+                    ]
                     out[f"{layer}blk.experts.fused{f.number}"] = torch.cat(stacks, dim=1)
         return out
 

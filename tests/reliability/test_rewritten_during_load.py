@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.compare import assert_bitwise_equal
-from support.files import read_tensors
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import modelpatch
 from modelpatch import CheckpointError
 from modelpatch.loading import load as load_module
+from support.compare import assert_bitwise_equal
+from support.files import read_tensors
 
 pytestmark = pytest.mark.reliability
 

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.files import read_tensors, siblings, snapshot
 from transformers import AutoModelForCausalLM
 
 import modelpatch
 from modelpatch.checkpoint import Checkpoint, write_checkpoint
 from modelpatch.errors import CheckpointPermissionError
+from support.files import read_tensors, siblings, snapshot
 
 pytestmark = [
     pytest.mark.reliability,

@@ -13,8 +13,6 @@ import copy
 
 import pytest
 import torch
-from support.checkpoints import perturb
-from support.models import tiny_config
 from transformers import (
     AutoModelForCausalLM,
     Qwen2VLForConditionalGeneration,
@@ -26,6 +24,8 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 from transformers.models.qwen2_vl.modeling_qwen2_vl import PatchEmbed
 
 import modelpatch
+from support.checkpoints import perturb
+from support.models import tiny_config
 
 pytestmark = pytest.mark.reliability
 
@@ -110,8 +110,9 @@ def test_a_stock_fused_load_does_not_break_later_modelpatch_loads(tmp_path, tran
     model = modelpatch.from_pretrained(Qwen2VLForConditionalGeneration, tmp_path)
     assert type(model.model.visual.patch_embed) is PatchEmbed
     torch.testing.assert_close(vision(model), expected, rtol=0, atol=0)
-    fused = modelpatch.from_pretrained(Qwen2VLForConditionalGeneration, tmp_path,
-                                       fusion_config={"patch_embeddings": True})
+    fused = modelpatch.from_pretrained(
+        Qwen2VLForConditionalGeneration, tmp_path, fusion_config={"patch_embeddings": True}
+    )
     assert type(fused.model.visual.patch_embed).__module__ == "modelpatch.fusions.generated"
     torch.testing.assert_close(vision(fused), expected, atol=1e-5, rtol=1e-5)
 

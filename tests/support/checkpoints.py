@@ -89,8 +89,9 @@ class CheckpointSpec:
 
 
 def _tiny(model_class: type[PreTrainedModel], model_type: str, **save_kwargs: Any) -> CheckpointSpec:
-    return CheckpointSpec(model_class, lambda: tiny_config(model_type), save_kwargs, router_scale=1.0,
-                          vision=model_type.endswith("_vl"))
+    return CheckpointSpec(
+        model_class, lambda: tiny_config(model_type), save_kwargs, router_scale=1.0, vision=model_type.endswith("_vl")
+    )
 
 
 # MoE model type: per-expert child names (gate, up, down) of its published checkpoints.
@@ -139,9 +140,15 @@ def _wide_vision_language(model_type: str, **save_kwargs: Any) -> CheckpointSpec
         vision.update(out_hidden_size=64, fullatt_block_indexes=[1])
 
     def config() -> PretrainedConfig:
-        return tiny_config(model_type, text=wide(rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
-                           vision=vision, image_token_id=QWEN2_VL_IMAGE_TOKEN, video_token_id=128 - 3,
-                           vision_start_token_id=128 - 2, vision_end_token_id=128 - 1)
+        return tiny_config(
+            model_type,
+            text=wide(rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+            vision=vision,
+            image_token_id=QWEN2_VL_IMAGE_TOKEN,
+            video_token_id=128 - 3,
+            vision_start_token_id=128 - 2,
+            vision_end_token_id=128 - 1,
+        )
 
     return CheckpointSpec(AutoModelForImageTextToText, config, save_kwargs, inputs=image_inputs)
 
@@ -160,13 +167,24 @@ STOCK_CHECKPOINTS: dict[str, CheckpointSpec] = {
     "bert": CheckpointSpec(AutoModelForMaskedLM, lambda: tiny_config("bert", **_BERT_WIDE)),
     "bert_base": CheckpointSpec(AutoModel, lambda: tiny_config("bert", **_BERT_WIDE)),
     "qwen2_moe": _wide(AutoModelForCausalLM, "qwen2_moe", moe_intermediate_size=32, shared_expert_intermediate_size=48),
-    "qwen2_moe_sharded": _wide(AutoModelForCausalLM, "qwen2_moe", {"max_shard_size": "30KB"}, moe_intermediate_size=32,
-                               shared_expert_intermediate_size=48),
+    "qwen2_moe_sharded": _wide(
+        AutoModelForCausalLM,
+        "qwen2_moe",
+        {"max_shard_size": "30KB"},
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    ),
     # num_key_value_heads == num_attention_heads: the seeds' 3 * heads * head_dim fused q/k/v sizing is valid.
-    "qwen2_moe_mha": _wide(AutoModelForCausalLM, "qwen2_moe", moe_intermediate_size=32,
-                           shared_expert_intermediate_size=48, num_key_value_heads=4),
-    "qwen2_moe_wide": _wide(AutoModelForCausalLM, "qwen2_moe", moe_intermediate_size=512,
-                            shared_expert_intermediate_size=48),
+    "qwen2_moe_mha": _wide(
+        AutoModelForCausalLM,
+        "qwen2_moe",
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_key_value_heads=4,
+    ),
+    "qwen2_moe_wide": _wide(
+        AutoModelForCausalLM, "qwen2_moe", moe_intermediate_size=512, shared_expert_intermediate_size=48
+    ),
     "mixtral": _wide(AutoModelForCausalLM, "mixtral", intermediate_size=32),
     "qwen3_moe": _wide(AutoModelForCausalLM, "qwen3_moe", moe_intermediate_size=32, head_dim=16),
     "olmoe": _wide(AutoModelForCausalLM, "olmoe", intermediate_size=32),

@@ -74,7 +74,7 @@ def assert_same_files(saved: Path, source: Path) -> None:
 def assert_outputs_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], atol: float = ATOL):
     assert actual.keys() == expected.keys()
     for key in expected:
-        torch.testing.assert_close(actual[key], expected[key], atol=atol, rtol=0, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(actual[key], expected[key], atol=atol, rtol=0, msg=lambda m, key=key: f"{key}: {m}")
 
 
 def assert_outputs_equal(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]):

@@ -15,8 +15,15 @@ from transformers import AutoConfig, PretrainedConfig
 
 VOCAB = 64
 
-TEXT: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+TEXT: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=False,
+)
 MOE: dict[str, Any] = dict(TEXT, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
 WIDE: dict[str, Any] = dict(vocab_size=128, hidden_size=64, intermediate_size=96, max_position_embeddings=128)
 
@@ -40,21 +47,52 @@ _MROPE = {"type": "mrope", "mrope_section": [1, 1, 2]}
 _VISION_LANGUAGE_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "qwen2_vl": (
         dict(TEXT, rope_scaling=_MROPE),
-        dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, in_channels=3, patch_size=14, spatial_merge_size=2,
-             temporal_patch_size=2),
+        dict(
+            depth=1,
+            embed_dim=32,
+            hidden_size=32,
+            num_heads=2,
+            in_channels=3,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        ),
     ),
     "qwen2_5_vl": (
         dict(TEXT, rope_scaling=_MROPE),
-        dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=14,
-             spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=32, fullatt_block_indexes=[0],
-             window_size=56),
+        dict(
+            depth=1,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            in_channels=3,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            out_hidden_size=32,
+            fullatt_block_indexes=[0],
+            window_size=56,
+        ),
     ),
     "qwen3_vl": (
-        dict(TEXT, head_dim=8, rope_scaling={"rope_type": "default", "mrope_section": [1, 1, 2],
-                                             "mrope_interleaved": True}),
-        dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=16,
-             spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=32, num_position_embeddings=64,
-             deepstack_visual_indexes=[0]),
+        dict(
+            TEXT,
+            head_dim=8,
+            rope_scaling={"rope_type": "default", "mrope_section": [1, 1, 2], "mrope_interleaved": True},
+        ),
+        dict(
+            depth=1,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            in_channels=3,
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            out_hidden_size=32,
+            num_position_embeddings=64,
+            deepstack_visual_indexes=[0],
+        ),
     ),
 }
 
@@ -68,8 +106,12 @@ def _vision_language_config(
 ) -> PretrainedConfig:
     """``text`` and ``vision`` update the sub-configs' keywords; ``overrides`` are the top-level config's."""
     text_defaults, vision_defaults = _VISION_LANGUAGE_CONFIGS[model_type]
-    return AutoConfig.for_model(model_type, text_config={**text_defaults, **(text or {})},
-                                vision_config={**vision_defaults, **(vision or {})}, **overrides)
+    return AutoConfig.for_model(
+        model_type,
+        text_config={**text_defaults, **(text or {})},
+        vision_config={**vision_defaults, **(vision or {})},
+        **overrides,
+    )
 
 
 TINY_CONFIGS: dict[str, Callable[..., PretrainedConfig]] = {

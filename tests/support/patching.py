@@ -23,8 +23,15 @@ SEQ_LEN = 5
 
 def eager_config(model_type: str, num_hidden_layers: int = 2, **overrides) -> PretrainedConfig:
     """A tiny config of ``model_type`` with eager attention (its weights are what the recorders capture)."""
-    return tiny_config(model_type, **{"num_hidden_layers": num_hidden_layers, "max_position_embeddings": 64,
-                                      "attn_implementation": "eager", **overrides})
+    return tiny_config(
+        model_type,
+        **{
+            "num_hidden_layers": num_hidden_layers,
+            "max_position_embeddings": 64,
+            "attn_implementation": "eager",
+            **overrides,
+        },
+    )
 
 
 llama_config = partial(eager_config, "llama")

@@ -255,7 +255,8 @@ def _check_streamed(
         raise CheckpointError(f"{shown}: the tensor stream gave {key!r} where {expected!r} was due")
     if tuple(tensor.shape) != tuple(meta.shape) or tensor.dtype != meta.dtype:
         raise CheckpointError(
-            f"{shown}: tensor {key!r} is {tensor.dtype} {list(tensor.shape)}, planned as {meta.dtype} {list(meta.shape)}"
+            f"{shown}: tensor {key!r} is {tensor.dtype} {list(tensor.shape)}, "
+            f"planned as {meta.dtype} {list(meta.shape)}"
         )
 
 
@@ -595,8 +596,9 @@ def _parent_lock(directory: Path) -> Iterator[None]:
             fd = os.open(directory.parent, os.O_RDONLY)
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError as exc:  # an unreadable parent, or a file system without flock: proceed unserialised
-            logger.debug("%s: cannot lock %s (%s); concurrent saves are not serialised", directory, directory.parent,
-                         exc)
+            logger.debug(
+                "%s: cannot lock %s (%s); concurrent saves are not serialised", directory, directory.parent, exc
+            )
     try:
         yield
     finally:

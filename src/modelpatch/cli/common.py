@@ -60,7 +60,7 @@ def architectures_note(config: PretrainedConfig) -> str:
     if not names:
         return 'config.json has no "architectures"'
     if not any(_named_class(name) for name in names):
-        return f'config.json names architectures {names}, which transformers does not have'
+        return f"config.json names architectures {names}, which transformers does not have"
     return ""
 
 

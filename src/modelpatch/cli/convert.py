@@ -17,8 +17,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "convert",
         help="convert SRC with patches/fusions into DST, streamed tensor by tensor (atomic)",
-        description="Convert a checkpoint offline, planned from its headers as a load would be and streamed one tensor at a time "
-        "(memory holds one converted group, never the model). By default DST is in the original layout; --runtime-format "
+        description="Convert a checkpoint offline, planned from its headers as a load would be and streamed one "
+        "tensor at a time (memory holds one converted group, never the model). By default DST is in the original "
+        "layout; --runtime-format "
         "writes the patched/fused layout, which later loads need no conversion for. A SRC in a runtime layout is "
         "loaded with the fusions it was saved with, so `--fusion none` turns it back into the original layout. Every "
         "tensor of SRC is kept: when the model class has no place for one, nothing is written and the command fails. "
@@ -80,7 +81,9 @@ def run(args: argparse.Namespace) -> int:
                     f"{type(conversion.plan.model).__name__} ignores {len(ignored)} tensors of {args.src}: "
                     f"{', '.join(collapse_indices(ignored))}.\n{_keep_every_tensor(args, config)}"
                 )
-            files = conversion.write(destination, runtime_format=args.runtime_format, max_shard_size=args.max_shard_size)
+            files = conversion.write(
+                destination, runtime_format=args.runtime_format, max_shard_size=args.max_shard_size
+            )
     except LoadPlanError as exc:
         if "unexpected in the checkpoint" not in exc.problems:
             raise

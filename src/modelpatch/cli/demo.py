@@ -21,7 +21,11 @@ def demo_models() -> list[tuple[str, type[PreTrainedModel], PretrainedConfig, di
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     sizes: dict[str, Any] = dict(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=8,
         num_key_value_heads=2,
     )
     moe = Qwen2MoeConfig(

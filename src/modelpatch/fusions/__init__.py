@@ -23,4 +23,9 @@ __all__ = [
     "LinearExpertsOptions",
     "ModuleFusionSpec",
     "PatchEmbeddingsFusionSpec",
-    "QKVFusionSpec", "available_fusions", "get_fusion", "register_fusion", "unregister_fusion"]
+    "QKVFusionSpec",
+    "available_fusions",
+    "get_fusion",
+    "register_fusion",
+    "unregister_fusion",
+]

@@ -28,6 +28,7 @@ from .spec import ModuleFusionSpec
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class PreparedFusions:
     """The fusions of one load."""

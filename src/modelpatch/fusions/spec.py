@@ -102,9 +102,7 @@ class ModuleFusionSpec(ABC):
     def make_fused_class(self, original_cls: type[nn.Module]) -> type[nn.Module]:
         """The runtime replacement of ``original_cls``; it is constructed with the original's arguments."""
 
-    def make_transforms(
-        self, config: PretrainedConfig, modules: Mapping[str, nn.Module]
-    ) -> list[WeightTransform]:
+    def make_transforms(self, config: PretrainedConfig, modules: Mapping[str, nn.Module]) -> list[WeightTransform]:
         """Transforms from the checkpoint layout to the fused runtime layout (default: none needed).
 
         ``modules`` maps the dotted runtime name of every module that will be fused to its meta-device instance
@@ -140,4 +138,3 @@ class ModuleFusionSpec(ABC):
                 spec.options = typed
                 configured[typed] = spec
             return configured[typed]
-

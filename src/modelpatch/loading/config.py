@@ -78,9 +78,7 @@ def _check_counts(config_file: Path, raw: dict[str, Any]) -> None:
         elif isinstance(value, list):
             pending.extend((f"{where}[{i}]", item) for i, item in enumerate(value))
         elif (
-            isinstance(value, int)
-            and value > MAX_CONFIG_COUNT
-            and where.rpartition(".")[2].startswith(("num_", "n_"))
+            isinstance(value, int) and value > MAX_CONFIG_COUNT and where.rpartition(".")[2].startswith(("num_", "n_"))
         ):
             raise CheckpointError(
                 f"{config_file}: {where} = {value} is not a plausible count (at most {MAX_CONFIG_COUNT}); "

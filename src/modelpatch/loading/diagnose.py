@@ -185,7 +185,7 @@ def _runtime_layout(missing: set[str], unexpected: Sequence[str]) -> tuple[str |
     return (
         f"The checkpoint is in the fused runtime layout of {', '.join(map(repr, fusions))} (it has "
         f"{'; '.join(fusions.values())}): it was saved with save_original_format=False. Load it with "
-        f"fusion_config={{{enabled}}}. (modelpatch records this in config.json under its \"modelpatch\" key; this "
+        f'fusion_config={{{enabled}}}. (modelpatch records this in config.json under its "modelpatch" key; this '
         "config.json lacks it, or the fusions were turned off.)"
     ), explained
 

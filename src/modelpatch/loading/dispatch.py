@@ -104,8 +104,13 @@ class Dispatch:
         offload = None
         if "disk" in resolved.values():
             offload = DiskOffload.plan(
-                model, resolved, load_plan, checkpoint, offload_folder=offload_folder,
-                offload_buffers=offload_buffers, in_place=in_place,
+                model,
+                resolved,
+                load_plan,
+                checkpoint,
+                offload_folder=offload_folder,
+                offload_buffers=offload_buffers,
+                in_place=in_place,
             )
         return cls(resolved, offload, offload_buffers)
 

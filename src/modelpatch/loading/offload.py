@@ -201,7 +201,10 @@ class DiskOffload:
         entries.update(self._write(state))
         logger.info(
             "Offloaded %d weight(s) to disk: %d read in place from the checkpoint, %d written to %s",
-            len(entries), len(self.in_place), len(self.written), self.folder,
+            len(entries),
+            len(self.in_place),
+            len(self.written),
+            self.folder,
         )
         return OffloadedWeights(entries, resident)
 

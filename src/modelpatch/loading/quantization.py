@@ -145,8 +145,10 @@ class Quantization:
             return dict(checkpoint)
         plan = plan_load(checkpoint, self._transforms(model, dtype))
         if any(plan.problems.values()):
-            lines = [f"The {self.method} quantized tensors of the checkpoint do not make up {type(model).__name__}'s "
-                     "parameters; nothing was loaded."]
+            lines = [
+                f"The {self.method} quantized tensors of the checkpoint do not make up {type(model).__name__}'s "
+                "parameters; nothing was loaded."
+            ]
             for kind, items in plan.problems.items():
                 lines.append(f"{kind} ({len(items)}):")
                 lines.extend(f"  - {item}" for item in collapse_lines(items))

@@ -95,8 +95,10 @@ def _check_saveable(model: PreTrainedModel, state: Mapping[str, Any], quantized:
     ]
     for name in sorted(problems):
         module = modules.get(name)
-        lines.append(f"  - {name or '<root>'} ({type(module).__name__ if module is not None else 'removed'}): "
-                     + "; ".join(problems[name]))
+        lines.append(
+            f"  - {name or '<root>'} ({type(module).__name__ if module is not None else 'removed'}): "
+            + "; ".join(problems[name])
+        )
     lines.append(
         "Save such a model with the tool that changed it (a quantizer's own format, or torch.save of the state dict), "
         "or restore plain modules (dequantize, merge_and_unload) before saving."

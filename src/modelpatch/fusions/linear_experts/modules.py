@@ -33,9 +33,7 @@ def _grouped_runs_on(*weights: torch.Tensor) -> bool:
     if _GROUPED_MM is None:
         return False
     if device.type == "cpu":
-        return _TORCH_VERSION >= (2, 11) or (
-            _TORCH_VERSION >= (2, 9) and all(w.data_ptr() % 16 == 0 for w in weights)
-        )
+        return _TORCH_VERSION >= (2, 11) or (_TORCH_VERSION >= (2, 9) and all(w.data_ptr() % 16 == 0 for w in weights))
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
@@ -211,8 +209,11 @@ class LinearExperts(nn.ModuleList):
             with torch.no_grad():
                 for index, (gate, up, down_weight) in enumerate(weights):
                     # One expert at a time: its old tensors go as soon as its Parameters point into the new ones.
-                    for target, weight in ((gate_up[index, :intermediate], gate), (gate_up[index, intermediate:], up),
-                                           (down[index], down_weight)):
+                    for target, weight in (
+                        (gate_up[index, :intermediate], gate),
+                        (gate_up[index, intermediate:], up),
+                        (down[index], down_weight),
+                    ):
                         target.copy_(weight)
                         weight.data = target
         if not _grouped_runs_on(gate_up, down):

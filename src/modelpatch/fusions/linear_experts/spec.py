@@ -36,8 +36,17 @@ DEFAULT_CHILD_NAMES = ("gate_proj", "up_proj", "down_proj")
 EXPERT_CHILD_NAMES: Mapping[str, tuple[str, str, str]] = MappingProxyType(
     {
         **dict.fromkeys(
-            ("deepseek_v4", "kimi_linear", "lfm2_moe", "minimax", "minimax_m2", "minimax_m3_vl",
-             "mistral_large4_text", "mixtral", "phimoe"),
+            (
+                "deepseek_v4",
+                "kimi_linear",
+                "lfm2_moe",
+                "minimax",
+                "minimax_m2",
+                "minimax_m3_vl",
+                "mistral_large4_text",
+                "mixtral",
+                "phimoe",
+            ),
             ("w1", "w3", "w2"),
         ),
         "dots3_note_vision_encoder": ("fc1", "fc3", "fc2"),
