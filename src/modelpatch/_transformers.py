@@ -322,6 +322,15 @@ def weight_conversions_of(quantizer: Any, model: PreTrainedModel) -> Sequence[An
 # --- Tensor parallelism -------------------------------------------------------------------------------------------
 
 
+def tensor_parallel_supported() -> bool:
+    """Whether this transformers has the distributed API modelpatch's tensor-parallel loads drive.
+
+    Checked against 5.23.0: ``PreTrainedModel._resolve_parallel_plans`` and ``prepare_distribute_model`` (5.22 has
+    the second only, with another ``DistributedConfig``).
+    """
+    return hasattr(PreTrainedModel, "_resolve_parallel_plans") and hasattr(PreTrainedModel, "prepare_distribute_model")
+
+
 def register_parallel_style(name: str, style: object) -> None:
     """Make ``style`` (a ``TensorParallelLayer``) the parallel style a TP plan names ``name``, for every model.
 

@@ -28,6 +28,7 @@ from transformers import (
 )
 
 import modelpatch
+from modelpatch._transformers import tensor_parallel_supported
 from modelpatch.loading.parallel import TensorParallelError
 from support.checkpoints import CheckpointSpec, TinyCheckpoint, perturb
 from support.models import TEXT
@@ -73,6 +74,8 @@ def checkpoints(tiny, tmp_path_factory) -> dict[str, TinyCheckpoint]:
 @pytest.fixture(scope="module")
 def tp_run(checkpoints, tmp_path_factory):
     """Runs every case on two ranks once; returns the output directory."""
+    if not tensor_parallel_supported():
+        pytest.skip("this transformers predates the distributed API tensor-parallel loads drive (5.23)")
     out = tmp_path_factory.mktemp("tp")
     cases = []
     for case_id, (name, fusion_config, compare_stock) in CASES.items():
@@ -192,3 +195,10 @@ def test_one_process_loads_unsharded(tiny):
 def test_bad_tensor_parallel_keywords_are_refused(tiny, kwargs, message):
     with pytest.raises(TensorParallelError, match=message):
         modelpatch.from_pretrained(AutoModelForCausalLM, tiny("llama").path, **kwargs)
+
+
+def test_sharded_loads_on_a_transformers_without_the_distributed_api_are_refused_by_name(tiny):
+    if tensor_parallel_supported():
+        pytest.skip("this transformers has the distributed API (the two-rank tests above run)")
+    with pytest.raises(TensorParallelError, match=r"tp_size=2.*transformers 5\.23.*Upgrade transformers"):
+        modelpatch.from_pretrained(AutoModelForCausalLM, tiny("llama").path, tp_plan="auto", tp_size=2)

@@ -44,6 +44,7 @@ from .._transformers import (
     register_parallel_style,
     resolved_tp_plan,
     set_tp_plan,
+    tensor_parallel_supported,
 )
 from ..conversion.operations import Concatenate, MergeModulelist
 from ..conversion.planner import ConversionGroup
@@ -114,10 +115,11 @@ def distributed_config_of(
         raise TensorParallelError(
             f"distributed_config must be a transformers DistributedConfig or a dict, got {distributed_config!r}."
         )
+    # A field this transformers' DistributedConfig lacks (dp_replicate_size before 5.23) asks for nothing.
     others = {
-        name: getattr(distributed_config, name)
+        name: getattr(distributed_config, name, 1)
         for name in ("fsdp_size", "dp_replicate_size", "pp_size", "ep_size")
-        if getattr(distributed_config, name) > 1
+        if (getattr(distributed_config, name, 1) or 1) > 1
     }
     if others:
         raise TensorParallelError(
@@ -125,7 +127,16 @@ def distributed_config_of(
             "load FSDP, pipeline or expert-parallel models with transformers."
         )
     tp_size = distributed_config.tp_size  # an int once the config is built (None is resolved to the world size)
-    return distributed_config if tp_size is not None and tp_size > 1 else None
+    if tp_size is None or tp_size <= 1:
+        return None
+    if not tensor_parallel_supported():
+        import transformers
+
+        raise TensorParallelError(
+            f"Tensor-parallel loading (tp_size={tp_size}) drives the distributed API of transformers 5.23; "
+            f"transformers {transformers.__version__} predates it. Upgrade transformers, or load without tp_plan."
+        )
+    return distributed_config
 
 
 @dataclass
