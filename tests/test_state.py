@@ -1,8 +1,11 @@
-"""modelpatch's versioned record in config.json: what each path writes, how older saves migrate, what is refused."""
+"""modelpatch's versioned record, in config.json (what each path writes, how older saves migrate, what is refused)
+and on the models it builds (one record per model, through copies)."""
 
 from __future__ import annotations
 
+import copy
 import json
+import pickle
 import shutil
 from pathlib import Path
 
@@ -12,7 +15,17 @@ from transformers import LlamaConfig
 
 import modelpatch
 from modelpatch import CheckpointError
-from modelpatch.state import RECORD_KEY, RECORD_VERSION, ConfigRecord, read_record, record_file_layout, write_record
+from modelpatch.state import (
+    MODEL_RECORD_ATTRIBUTE,
+    RECORD_KEY,
+    RECORD_VERSION,
+    ConfigRecord,
+    ModelRecord,
+    model_record,
+    read_record,
+    record_file_layout,
+    write_record,
+)
 
 
 def config_json(directory: Path) -> dict:
@@ -68,6 +81,60 @@ def test_stock_transformers_loads_a_save_that_carries_the_record(tiny, tmp_path)
     stock = ckpt.model_class.from_pretrained(tmp_path / "saved")
     assert module_types(stock) == module_types(ckpt.stock())
     assert_outputs_equal(ckpt.outputs(stock), ckpt.stock_outputs())
+
+
+def modelpatch_attributes(model) -> set[str]:
+    """The names modelpatch set on ``model`` itself (its instance-level save method aside)."""
+    return {name for name in vars(model) if "modelpatch" in name}
+
+
+def test_every_path_keeps_one_record_on_the_model(tiny):
+    ckpt = tiny("llama")
+    loaded = ckpt.load({"qkv": True})  # from_pretrained
+    record = model_record(loaded)
+    assert isinstance(record, ModelRecord) and record.version == RECORD_VERSION
+    assert modelpatch_attributes(loaded) == {MODEL_RECORD_ATTRIBUTE, "modelpatch_report"}
+    assert loaded.modelpatch_report is record.report is modelpatch.get_load_report(loaded)  # the public alias
+    assert record.expected_state and record.base_transforms is not None  # llama's mapping is empty
+
+    built = modelpatch.from_config(ckpt.model_class, ckpt.stock().config, fusion_config={"qkv": True})
+    record = model_record(built)
+    assert modelpatch_attributes(built) == {MODEL_RECORD_ATTRIBUTE}  # no load, no report
+    assert record is not None and record.report is None and record.transforms and record.expected_state
+
+    stock = ckpt.stock()
+    assert model_record(stock) is None
+    modelpatch.fuse(stock, {"qkv": True})  # a model modelpatch did not build gets its record from fuse
+    record = model_record(stock)
+    assert modelpatch_attributes(stock) == {MODEL_RECORD_ATTRIBUTE}
+    assert record is not None and record.transforms and record.base_transforms is not None and record.expected_state
+    modelpatch.unfuse(stock)
+    assert model_record(stock) is record  # updated in place, still one
+
+
+def test_the_record_travels_with_pickle_and_deepcopy(tiny, tmp_path):
+    """A copy saves exactly like the original: the record's transforms are what undo a live fuse."""
+    ckpt = tiny("llama")
+    model = modelpatch.fuse(ckpt.stock(), {"qkv": True, "gate_up": True})
+    loaded = ckpt.load({"qkv": True})
+    for index, clone in enumerate([pickle.loads(pickle.dumps(model)), copy.deepcopy(model)]):
+        assert model_record(clone) is not model_record(model)
+        modelpatch.save_pretrained(clone, tmp_path / str(index))
+        assert_same_files(tmp_path / str(index), ckpt.path)
+    for clone in (pickle.loads(pickle.dumps(loaded)), copy.deepcopy(loaded)):
+        record = model_record(clone)
+        assert record is not None and clone.modelpatch_report is record.report  # still one object, two names
+        assert record.report.converted == loaded.modelpatch_report.converted
+
+
+def test_a_model_record_of_another_version_is_refused(tiny, tmp_path):
+    model = tiny("llama").load({"qkv": True})
+    record = model_record(model)
+    assert record is not None
+    record.version = RECORD_VERSION + 1  # as a model pickled by a newer modelpatch would carry
+    with pytest.raises(TypeError, match=f"{MODEL_RECORD_ATTRIBUTE}.*version {RECORD_VERSION + 1}"):
+        modelpatch.save_pretrained(model, tmp_path / "saved")
+    assert not (tmp_path / "saved").exists()
 
 
 # --- Migration from version 0 -------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 
 from .._transformers import no_split_modules, skip_keys_device_placement
 from ..checkpoint import Checkpoint
-from ..state import OFFLOAD_ATTRIBUTE
+from ..state import ensure_model_record
 from .offload import DiskOffload
 from .plan import LoadPlan
 
@@ -131,7 +131,7 @@ class Dispatch:
             cpu_modules = [name for name, device in self.device_map.items() if device == "cpu"]
             resident = extract_submodules_state_dict(model.state_dict(), cpu_modules) if accelerated else {}
             weights = self.offload.weights(model, resident)
-            object.__setattr__(model, OFFLOAD_ATTRIBUTE, weights)
+            ensure_model_record(model).offloaded = weights
             # accelerate reads an offloaded weight from the mapping it is given, ahead of any index or folder; the
             # empty index only tells it that nothing is to be written.
             options = {"state_dict": weights, "offload_index": {}}

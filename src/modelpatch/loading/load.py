@@ -42,11 +42,9 @@ from ..patching.mapping import PatchMapping
 from ..patching.patcher import Patcher
 from ..patching.scope import PatchScope
 from ..state import (
-    BASE_TRANSFORMS_ATTRIBUTE,
-    EXPECTED_STATE_ATTRIBUTE,
-    REPORT_ATTRIBUTE,
-    TRANSFORMS_ATTRIBUTE,
+    ensure_model_record,
     is_runtime_layout,
+    record_report,
 )
 from .build import (
     build_empty_model,
@@ -507,7 +505,7 @@ def from_pretrained(
         model.generation_config = generation_config
 
     report = LoadReport.from_plan(plan)
-    setattr(model, REPORT_ATTRIBUTE, report)
+    record_report(model, report)
     _record_build(model, plan.expected, _conversions(model, options.patcher, PreparedFusions()))
     logger.info("%s", report.summary())
     if placement is not None:
@@ -613,7 +611,7 @@ def from_config(
     fusions.record(model)
     # What save_pretrained runs backwards to write this never-loaded model in the checkpoint layout: the model
     # type's mapping as adjusted by this build's Patcher and fusions.
-    setattr(model, TRANSFORMS_ATTRIBUTE, tuple(_conversions(model, options.patcher, fusions)))
+    ensure_model_record(model).transforms = tuple(_conversions(model, options.patcher, fusions))
     _record_build(model, model_expectations(model), _conversions(model, options.patcher, PreparedFusions()))
     return model
 
@@ -624,6 +622,7 @@ def _record_build(
     """What every save of ``model`` relies on: the state as built, the transforms without fusions (what
     :func:`modelpatch.unfuse` goes back to), and the stock save method writing the original layout (so Trainer
     checkpoints and ``model.save_pretrained`` give stock-loadable directories)."""
-    object.__setattr__(model, EXPECTED_STATE_ATTRIBUTE, dict(expected))
-    object.__setattr__(model, BASE_TRANSFORMS_ATTRIBUTE, tuple(base_transforms))
+    record = ensure_model_record(model)
+    record.expected_state = dict(expected)
+    record.base_transforms = tuple(base_transforms)
     install_original_format_save(model)

@@ -30,7 +30,7 @@ from transformers import PreTrainedModel
 
 from ..checkpoint import Checkpoint, SafetensorsFile, TensorInfo
 from ..errors import CheckpointError, SaveError
-from ..state import OFFLOAD_ATTRIBUTE
+from ..state import model_record
 from .plan import LoadPlan
 
 logger = logging.getLogger(__name__)
@@ -112,7 +112,8 @@ class OffloadedWeights(Mapping[str, torch.Tensor]):
 
 def offloaded_weights(model: PreTrainedModel) -> OffloadedWeights | None:
     """The offloaded weights of a model modelpatch dispatched with modules on ``"disk"``, else None."""
-    return getattr(model, OFFLOAD_ATTRIBUTE, None)
+    record = model_record(model)
+    return None if record is None else record.offloaded
 
 
 def gather_offloaded(model: PreTrainedModel, state: Mapping[str, Any]) -> dict[str, Any]:

@@ -51,7 +51,7 @@ from ..conversion.planner import ConversionGroup
 from ..errors import ModelPatchError
 from ..fusions.linear_experts.modules import ExpertMLP, LinearExperts
 from ..fusions.projections import FusedLinear, ProjectionSlice
-from ..state import TENSOR_PARALLEL_PARTS_ATTRIBUTE
+from ..state import ensure_model_record, model_record
 from .plan import LoadPlan
 
 logger = logging.getLogger(__name__)
@@ -162,7 +162,7 @@ class TensorParallelSetup:
         tp_plan = resolved_tp_plan(model, mesh.size())
         apply_tensor_parallel(model, mesh, tp_plan)
         parts = _localize_fused(model, tp_plan, mesh.size())
-        object.__setattr__(model, TENSOR_PARALLEL_PARTS_ATTRIBUTE, parts)
+        ensure_model_record(model).tensor_parallel_parts = parts
         return ShardedLoad(model, plan, mesh, parts)
 
 
@@ -411,7 +411,8 @@ class ShardedLoad:
 
 def is_tensor_parallel(model: nn.Module) -> bool:
     """Whether ``model`` was loaded with tensor parallelism (its parameters are shards)."""
-    return getattr(model, TENSOR_PARALLEL_PARTS_ATTRIBUTE, None) is not None
+    record = model_record(model)
+    return record is not None and record.tensor_parallel_parts is not None
 
 
 def gather_state(model: nn.Module, state: Mapping[str, Any]) -> dict[str, Any]:
@@ -419,7 +420,8 @@ def gather_state(model: nn.Module, state: Mapping[str, Any]) -> dict[str, Any]:
 
     A no-op for a model not loaded with tensor parallelism.
     """
-    parts: Mapping[str, tuple[int, ...]] | None = getattr(model, TENSOR_PARALLEL_PARTS_ATTRIBUTE, None)
+    record = model_record(model)
+    parts = None if record is None else record.tensor_parallel_parts
     if parts is None:
         return dict(state)
     group = _tp_group(model)

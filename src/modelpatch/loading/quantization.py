@@ -52,7 +52,7 @@ from ..conversion.operations import ConversionOperation, Fp8BlockDequantize, Tor
 from ..conversion.planner import ConversionPlan, TensorMeta, plan_load
 from ..conversion.transforms import WeightConverter, WeightRenaming, WeightTransform
 from ..errors import LoadPlanError, SaveError
-from ..state import QUANTIZATION_ATTRIBUTE, stored_fusion_config
+from ..state import ensure_model_record, model_record, stored_fusion_config
 from .diagnose import collapse_lines
 from .materialize import release_pages, set_tensor
 from .report import LoadReport
@@ -284,7 +284,7 @@ class Quantization:
         """What stock does last: the quantizer on the model, then its post-processing (config, dequantized state)."""
         model.hf_quantizer = self.quantizer
         self.quantizer.postprocess_model(model)
-        object.__setattr__(model, QUANTIZATION_ATTRIBUTE, QuantizedLoad(self.method, self.dequantizes))
+        ensure_model_record(model).quantization = QuantizedLoad(self.method, self.dequantizes)
 
 
 def quantizer_api_supported() -> bool:
@@ -346,7 +346,8 @@ def quantized_checkpoint(
 
     Raises SaveError, naming the method, for what modelpatch cannot write so that it loads back the same model.
     """
-    record: QuantizedLoad | None = getattr(model, QUANTIZATION_ATTRIBUTE, None)
+    model_state = model_record(model)
+    record: QuantizedLoad | None = None if model_state is None else model_state.quantization
     if record is None:
         return None
     if record.dequantized:

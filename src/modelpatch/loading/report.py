@@ -11,7 +11,7 @@ from torch import nn
 
 from ..conversion.planner import ConversionGroup
 from ..conversion.transforms import WeightTransform
-from ..state import REPORT_ATTRIBUTE
+from ..state import model_record
 
 if TYPE_CHECKING:  # plan.py's users import this module
     from .plan import LoadPlan
@@ -104,4 +104,5 @@ class LoadReport:
 
 def get_load_report(model: nn.Module) -> LoadReport | None:
     """The :class:`LoadReport` of a model loaded by modelpatch, or None."""
-    return getattr(model, REPORT_ATTRIBUTE, None)
+    record = model_record(model)
+    return None if record is None else record.report

@@ -31,9 +31,8 @@ from ..fusions.projections import ProjectionSlice
 from ..patching import registry
 from ..patching.patcher import Patcher
 from ..state import (
-    BASE_TRANSFORMS_ATTRIBUTE,
-    EXPECTED_STATE_ATTRIBUTE,
-    TRANSFORMS_ATTRIBUTE,
+    ensure_model_record,
+    model_record,
     record_fusion_config,
     stored_fusion_config,
 )
@@ -57,8 +56,9 @@ def _check_live(model: Any, what: str) -> None:
 
 def _base_transforms(model: PreTrainedModel) -> list[WeightTransform]:
     """The transforms that map the model's unfused state to its checkpoint layout."""
-    if (base := getattr(model, BASE_TRANSFORMS_ATTRIBUTE, None)) is not None:
-        return list(base)
+    record = model_record(model)
+    if record is not None and record.base_transforms is not None:
+        return list(record.base_transforms)
     return model_conversions(model)
 
 
@@ -188,8 +188,9 @@ def _dismantle(module: nn.Module) -> None:
 
 def _record(model: PreTrainedModel, fusion_config: Mapping[str, Any], transforms: Sequence[WeightTransform]) -> None:
     record_fusion_config(model.config, dict(fusion_config))
-    object.__setattr__(model, TRANSFORMS_ATTRIBUTE, tuple(transforms))
-    object.__setattr__(model, EXPECTED_STATE_ATTRIBUTE, model_expectations(model))
+    record = ensure_model_record(model)
+    record.transforms = tuple(transforms)
+    record.expected_state = model_expectations(model)
     install_original_format_save(model)
 
 
@@ -247,8 +248,9 @@ def fuse(model: PreTrainedModel, fusion_config: Mapping[str, Any]) -> PreTrained
     base = _base_transforms(model)
     _swap(model, target, names, [functools.partial(plan_load, transforms=prepared.transforms)], "fuse")
     finish_fused_modules(model)
-    if getattr(model, BASE_TRANSFORMS_ATTRIBUTE, None) is None:
-        object.__setattr__(model, BASE_TRANSFORMS_ATTRIBUTE, tuple(base))
+    record = ensure_model_record(model)
+    if record.base_transforms is None:
+        record.base_transforms = tuple(base)
     _record(model, normalized, prepared.adjust_conversions(base))
     logger.info("Fused %d modules of %s: %s", len(names), type(model).__name__, sorted(prepared.fused))
     return model
@@ -318,7 +320,7 @@ def patch_model(model: PreTrainedModel, patcher: Patcher) -> PreTrainedModel:
     patched = patcher.adjust_conversions(base)
     steps = [functools.partial(plan_save, transforms=base), functools.partial(plan_load, transforms=patched)]
     patched = _bound(patched, _swap(model, target, names, steps, "patch"))
-    object.__setattr__(model, BASE_TRANSFORMS_ATTRIBUTE, tuple(patched))
+    ensure_model_record(model).base_transforms = tuple(patched)
     _record(model, stored_fusion_config(model.config) or {}, patched)
     logger.info("Patched %d modules of %s", len(names), type(model).__name__)
     return model

@@ -37,7 +37,7 @@ from ..conversion.planner import ConversionPlan, TensorMeta, plan_save
 from ..conversion.registry import model_conversions
 from ..conversion.transforms import WeightTransform
 from ..errors import ConversionError, SaveError
-from ..state import EXPECTED_STATE_ATTRIBUTE, TRANSFORMS_ATTRIBUTE, record_file_layout
+from ..state import model_record, record_file_layout
 from .offload import gather_offloaded
 from .parallel import barrier, gather_state, local_tensor, writes_files
 from .quantization import quantized_checkpoint
@@ -71,7 +71,8 @@ def _check_saveable(model: PreTrainedModel, state: Mapping[str, Any], quantized:
             problems[_module_of(key)].append(
                 f"{key.rpartition('.')[2]} is a {type(tensor.detach()).__name__} (a tensor subclass, e.g. quantized)"
             )
-    expected: Mapping[str, TensorMeta] | None = getattr(model, EXPECTED_STATE_ATTRIBUTE, None)
+    record = model_record(model)
+    expected: Mapping[str, TensorMeta] | None = None if record is None else record.expected_state
     if expected is not None:
         for key, meta in expected.items():
             name = key.rpartition(".")[2]
@@ -177,7 +178,8 @@ def checkpoint_layout(
 def _checkpoint_layout(model: PreTrainedModel, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The checkpoint-layout tensors of ``state`` (see :func:`checkpoint_layout`)."""
     report = get_load_report(model)
-    transforms = getattr(model, TRANSFORMS_ATTRIBUTE, None)
+    record = model_record(model)
+    transforms: Sequence[WeightTransform] | None = None if record is None else record.transforms
     if transforms is None:
         transforms = report.transforms if report is not None else model_conversions(model)
     metas = {k: TensorMeta(tuple(v.shape), v.dtype) for k, v in state.items()}
