@@ -221,10 +221,10 @@ def _peak_growth(source: Path, destination: Path, fusions: dict | None, runtime_
 
 def test_memory_holds_a_group_not_the_checkpoint(tmp_path):
     """Converting a 170 MB checkpoint into the runtime layout and back raises the peak resident memory by far less
-    than its size: one layer's fused gate/up (2 x 2048 x 768 fp32 = 13 MB) and its sources, not the model. (The way
-    back writes chunks of the mapped fused tensors: their pages are released as they are written.) The bound is half
-    the checkpoint: released pages leave the resident set at the kernel's pace, slower on a busy machine (62 MB was
-    seen there, ~30 MB on a quiet one); a conversion holding the model would grow by all of it."""
+    than its size: no tensor of it passes through the process, since the fused q/k/v and gate/up are their parts'
+    bytes one after the other and the way back writes row ranges of the fused tensors, all copied file to file
+    (~1 MB of growth is seen). A conversion computing one layer's fused gate/up in memory would grow by 13 MB
+    (2 x 2048 x 768 fp32) and its source pages; one holding the model by all 170 MB."""
     config = LlamaConfig(
         vocab_size=256,
         hidden_size=768,
@@ -238,6 +238,6 @@ def test_memory_holds_a_group_not_the_checkpoint(tmp_path):
     size = sum(p.stat().st_size for p in (tmp_path / "src").glob("*.safetensors"))
     assert size > 150e6
     grown = _peak_growth(tmp_path / "src", tmp_path / "runtime", {"qkv": True, "gate_up": True}, True)
-    assert grown < size / 2, (grown, size)
+    assert grown < 8e6, (grown, size)
     grown = _peak_growth(tmp_path / "runtime", tmp_path / "back", None, False)
-    assert grown < size / 2, (grown, size)
+    assert grown < 8e6, (grown, size)

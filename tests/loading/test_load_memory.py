@@ -213,6 +213,30 @@ def test_pages_of_converted_sources_are_released(stock_checkpoint, monkeypatch, 
     assert_bitwise_equal(released.state_dict(), kept.state_dict())
 
 
+def test_pages_of_experts_packed_at_load_are_released(stock_checkpoint, monkeypatch, tmp_path):
+    """``linear_experts`` loads a per-expert checkpoint without conversion, then packs the experts' weights into two
+    3-D tensors (a copy): the file pages they were read from do not stay resident (the fused MoE load's peak memory
+    depends on it), and what is dropped is read again from the file if touched."""
+    import shutil
+
+    from modelpatch.fusions.linear_experts import modules
+
+    ckpt = stock_checkpoint("qwen2_moe_wide")
+    released_dir, kept_dir = tmp_path / "released", tmp_path / "kept"
+    shutil.copytree(ckpt.path, released_dir)
+    shutil.copytree(ckpt.path, kept_dir)
+    expert_bytes = sum(t.numel() * t.element_size() for k, t in ckpt.tensors().items() if ".experts." in k)
+    fusions = {"linear_experts": True}
+
+    released = modelpatch.from_pretrained(AutoModelForCausalLM, released_dir, fusion_config=fusions)
+    monkeypatch.setattr(modules, "release_pages", lambda tensor: None)
+    kept = modelpatch.from_pretrained(AutoModelForCausalLM, kept_dir, fusion_config=fusions)
+    assert all(layer.mlp.experts._packed is not None for layer in released.model.layers)
+    assert mapping_rss(kept_dir / "model.safetensors") >= 0.9 * expert_bytes
+    assert mapping_rss(released_dir / "model.safetensors") <= 0.2 * expert_bytes
+    assert_bitwise_equal(released.state_dict(), kept.state_dict())
+
+
 def test_released_pages_are_read_again_when_a_parameter_views_them(stock_checkpoint):
     """A converter whose output is a view of its source (no copy): dropping the pages loses nothing."""
     from modelpatch import Chunk, Concatenate, Patcher, WeightConverter

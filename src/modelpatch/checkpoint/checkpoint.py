@@ -12,6 +12,7 @@ import torch
 
 from modelpatch.errors import CheckpointError
 
+from .file_range import FileRange
 from .json_file import MAX_INDEX_BYTES, read_json
 from .safetensors_file import ClosesOnExit, FileIdentity, SafetensorsFile, TensorInfo
 
@@ -261,6 +262,14 @@ class Checkpoint(ClosesOnExit):
         if source is None:
             raise CheckpointError(f"{info.path}: checkpoint is closed (reading {key!r})")
         return source.tensor(key)
+
+    def file_range(self, key: str) -> FileRange | None:
+        """Where tensor ``key``'s bytes lie in its safetensors file (None for a pickle checkpoint's tensors)."""
+        info = self.info(key)
+        source = self._sources.get(info.path)
+        if source is None:
+            raise CheckpointError(f"{info.path}: checkpoint is closed (reading {key!r})")
+        return source.file_range(key) if isinstance(source, SafetensorsFile) else None
 
     def check_unchanged(self) -> None:
         """Raise :class:`CheckpointError` naming the first file that was rewritten in place since it was opened.

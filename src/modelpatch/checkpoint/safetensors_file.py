@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from modelpatch.checkpoint.file_range import FileRange
+from modelpatch.checkpoint.pages import register_mapping
 from modelpatch.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -252,9 +254,21 @@ class SafetensorsFile(ClosesOnExit):
             mapping = mmap.mmap(self._fd, info.end - start, offset=start, access=mmap.ACCESS_COPY)
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"{self.path}: cannot memory-map tensor {key!r}: {exc}") from exc
+        register_mapping(mapping)
         # frombuffer keeps a reference to the mapping, which is unmapped when the last view of it is gone.
         flat = torch.frombuffer(mapping, dtype=info.dtype, count=info.numel, offset=info.start - start)
         return flat.reshape(info.shape)
+
+    def file_range(self, key: str) -> FileRange:
+        """Where tensor ``key``'s bytes lie in the file, to copy them file to file (valid until :meth:`close`).
+
+        The file is compared with its recorded identity first, as for :meth:`tensor`; a copy made from it must still
+        be followed by :meth:`check_unchanged`, as any read.
+        """
+        info = self._info(key)
+        self.check_unchanged()
+        assert self._fd is not None  # check_unchanged() raised otherwise
+        return FileRange(self.path, self._fd, info.start, info.nbytes)
 
     def check_unchanged(self) -> None:
         """Raise :class:`CheckpointError` naming the file if it was rewritten in place since its header was read.
@@ -278,6 +292,7 @@ class SafetensorsFile(ClosesOnExit):
                 self._mmap = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
             except (OSError, ValueError) as exc:
                 raise CheckpointError(f"{self.path}: cannot memory-map file: {exc}") from exc
+            register_mapping(self._mmap)
         return self._mmap
 
     def close(self) -> None:

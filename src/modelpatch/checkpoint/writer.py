@@ -14,7 +14,7 @@ import shutil
 import stat
 import struct
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from itertools import pairwise
 from pathlib import Path
@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import save, save_file
 
 from modelpatch.checkpoint.checkpoint import SAFE_INDEX, SAFE_SINGLE
+from modelpatch.checkpoint.file_range import FileRange
 from modelpatch.errors import CheckpointError, CheckpointPermissionError
 
 logger = logging.getLogger(__name__)
@@ -107,9 +108,13 @@ def write_checkpoint(
     return _write(directory, tensors, save_shard, extra_files, metadata, max_shard_size)
 
 
-TensorStream = Callable[[list[str]], Iterator[tuple[str, torch.Tensor]]]
-"""``produce(keys)``: yields ``(key, tensor)`` for each of ``keys``, in that order, each tensor computed when its turn
-comes; a tensor is written before the next is asked for, so the producer may release it then."""
+Streamed = torch.Tensor | Sequence[FileRange]
+"""A streamed tensor's data: the tensor, or where its bytes (row-major, little-endian) lie in open files, one range
+after the other, which the writer copies file to file (the producer vouches for shape and dtype)."""
+
+TensorStream = Callable[[list[str]], Iterator[tuple[str, Streamed]]]
+"""``produce(keys)``: yields ``(key, data)`` for each of ``keys``, in that order, each computed when its turn comes;
+one is written before the next is asked for, so the producer may release it then."""
 
 
 def stream_checkpoint(
@@ -126,11 +131,11 @@ def stream_checkpoint(
 
     ``layout`` gives every key's shape and dtype (meta tensors): shards, headers and index are planned from it first,
     then each shard's tensors are asked of ``produce`` in file order and written one after the other, so memory holds
-    one tensor at a time, never a shard. The files are byte for byte what :func:`write_checkpoint` writes for the
-    same tensors (safetensors' own header, in safetensors' own order; safetensors itself writes a metadata dict of
-    several entries in no fixed order). ``written(nbytes)`` is called after each tensor. Atomic as
-    :func:`write_checkpoint`: a failure, or a tensor that differs from its planned shape or dtype, leaves the previous
-    checkpoint in place.
+    one tensor at a time, never a shard; a tensor given as file ranges is copied file to file. The files are byte for
+    byte what :func:`write_checkpoint` writes for the same tensors (safetensors' own header, in safetensors' own
+    order; safetensors itself writes a metadata dict of several entries in no fixed order). ``written(nbytes)`` is
+    called after each tensor. Atomic as :func:`write_checkpoint`: a failure, or a tensor that differs from its planned
+    shape or dtype, leaves the previous checkpoint in place.
     """
 
     def stream_shard(path: Path, shown: Path, keys: list[str], file_metadata: dict[str, str]) -> None:
@@ -144,7 +149,13 @@ def stream_checkpoint(
                     key, tensor = next(produced, (None, None))
                     _check_streamed(shown, expected, key, tensor, layout[expected])
                     assert tensor is not None  # _check_streamed refused a stream that ran out
-                    _write_tensor(f, tensor)
+                    if isinstance(tensor, torch.Tensor):
+                        _write_tensor(f, tensor)
+                    else:
+                        f.flush()
+                        for part in tensor:
+                            part.copy_to(f.fileno())
+                        f.seek(0, os.SEEK_END)  # the copies moved the file's position under the buffered writer
                     if f.tell() - flushed >= _WRITEBACK_BYTES:
                         # The disk writes what is done while the next tensors are computed, instead of all of it
                         # at the fsync below.
@@ -152,7 +163,7 @@ def stream_checkpoint(
                         _start_writeback(f.fileno(), flushed, f.tell() - flushed)
                         flushed = f.tell()
                     if written is not None:
-                        written(tensor.numel() * tensor.element_size())
+                        written(_nbytes(tensor))
                 if next(produced, None) is not None:
                     raise CheckpointError(f"{shown}: the tensor stream yields more tensors than the {len(order)} asked")
                 f.flush()
@@ -245,14 +256,25 @@ def _safetensors_header(
     return order, struct.pack("<Q", len(text)) + text
 
 
-def _check_streamed(
-    shown: Path, expected: str, key: str | None, tensor: torch.Tensor | None, meta: torch.Tensor
-) -> None:
+def _nbytes(data: Streamed) -> int:
+    if isinstance(data, torch.Tensor):
+        return data.numel() * data.element_size()
+    return sum(part.length for part in data)
+
+
+def _check_streamed(shown: Path, expected: str, key: str | None, tensor: Streamed | None, meta: torch.Tensor) -> None:
     """Refuse a streamed tensor that is not the one the header announced (its bytes would be read as another)."""
     if key is None or tensor is None:
         raise CheckpointError(f"{shown}: the tensor stream ended before {expected!r}")
     if key != expected:
         raise CheckpointError(f"{shown}: the tensor stream gave {key!r} where {expected!r} was due")
+    if not isinstance(tensor, torch.Tensor):
+        if _nbytes(tensor) != meta.numel() * meta.element_size():
+            raise CheckpointError(
+                f"{shown}: tensor {key!r} is given as {_nbytes(tensor)} bytes of files, planned as {meta.dtype} "
+                f"{list(meta.shape)} ({meta.numel() * meta.element_size()} bytes)"
+            )
+        return
     if tuple(tensor.shape) != tuple(meta.shape) or tensor.dtype != meta.dtype:
         raise CheckpointError(
             f"{shown}: tensor {key!r} is {tensor.dtype} {list(tensor.shape)}, "

@@ -872,6 +872,18 @@ def run_operations(operations: list[ConversionOperation], slots: list[Slot]) -> 
     return slots
 
 
+def concatenates_rows(operations: Sequence[ConversionOperation], rank: int) -> bool:
+    """Whether the chain only concatenates its tensors of rank ``rank`` along dim 0: the output's bytes (row-major) are
+    then its inputs' bytes one after the other, and can be assembled without computing anything."""
+    return (
+        len(operations) == 1
+        and isinstance(operations[0], Concatenate)
+        and rank > 0
+        and -rank <= operations[0].dim < rank
+        and operations[0].dim % rank == 0
+    )
+
+
 def _all_lists(slots: list[Slot]) -> bool:
     return bool(slots) and all(isinstance(slot, list) and slot for slot in slots)
 

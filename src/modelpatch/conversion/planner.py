@@ -29,6 +29,7 @@ from .operations import (
     Slot,
     bind_operations,
     common_dtype,
+    concatenates_rows,
     run_operations,
 )
 from .transformers_mapping import translate
@@ -95,6 +96,19 @@ class ConversionGroup:
             target_shapes=self.source_shapes,
             dtype=self.dtype,
         )
+
+    def concatenated_rows(self) -> list[str] | None:
+        """The source keys whose bytes, one after the other, are this group's one target's bytes (a concatenation
+        along dim 0), else None."""
+        if (
+            len(self.targets) != 1
+            or not isinstance(self.targets[0], str)
+            or not isinstance(self.target_shapes[0], tuple)
+        ):
+            return None
+        if not concatenates_rows(self.operations, len(self.target_shapes[0])) or None in self.sources:
+            return None
+        return self.source_keys()
 
     def run(self, fetch: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
         """Read this group's sources through ``fetch`` and return its targets."""

@@ -5,7 +5,9 @@ a load would do) says where each of the model's tensors comes from, and the save
 (:func:`~modelpatch.loading.save.checkpoint_layout`) where each written tensor comes from. The writer asks for the
 tensors of each output file in file order; each is computed from memory-mapped source tensors when its turn comes,
 written, and the pages of its sources released. Memory holds one converted group (one layer's q/k/v, say) and
-those of its outputs not written yet, never a shard or the model.
+those of its outputs not written yet, never a shard or the model. A tensor whose bytes are source bytes unchanged
+(read as is, a row range of one, or several concatenated along dim 0: a fused ``qkv_proj``) is not computed at all:
+the writer copies those byte ranges file to file, as ``cp`` does.
 
 The files are those a load followed by :func:`~modelpatch.loading.save.save_pretrained` writes, byte for byte.
 What only a loaded model can give is converted that way, with the reason logged: a quantized checkpoint (its
@@ -25,14 +27,16 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedModel
 
 from ..checkpoint import Checkpoint
-from ..checkpoint.writer import stream_checkpoint
+from ..checkpoint.file_range import FileRange
+from ..checkpoint.pages import release_pages
+from ..checkpoint.writer import Streamed, stream_checkpoint
 from ..conversion.planner import ConversionGroup, ConversionPlan, TensorMeta
 from ..patching.patcher import Patcher
 from . import materialize
 from .config import load_config
 from .diagnose import collapse_indices
 from .load import _load_generation_config, _plan, from_pretrained
-from .materialize import _placed, release_pages
+from .materialize import _placed
 from .options import FusionConfig, LoadOptions
 from .plan import LoadPlan
 from .report import LoadReport
@@ -41,6 +45,18 @@ from .save import checkpoint_layout, config_files, save_pretrained
 logger = logging.getLogger(__name__)
 
 Fetch = Callable[[str], torch.Tensor]
+
+
+class _Rows:
+    """A converted tensor left uncomputed: file-mapped source tensors concatenated along dim 0, which is their bytes one
+    after the other. Written by copying those bytes; computed (:func:`_tensor`) only where an operation reads it."""
+
+    def __init__(self, parts: list[torch.Tensor]) -> None:
+        self.parts = parts
+
+
+def _tensor(value: torch.Tensor | _Rows) -> torch.Tensor:
+    return torch.cat(value.parts) if isinstance(value, _Rows) else value
 
 
 class Conversion:
@@ -147,9 +163,10 @@ class _Tensors:
         self._direct = {k: v for k, v in plan.conversion.direct.items() if k in plan.expected}
         self._groups = {key: group for group in plan.conversion.groups for key in group.target_keys()}
         self._dtypes = {key: meta.dtype for key, meta in plan.expected.items()}
-        # File-mapped source views read since their pages were last released, by storage: an output sharing one is
-        # a view of the mapping too (a chunk of a fused tensor, say), whose pages can be released once written.
-        self._mapped: dict[int, torch.Tensor] = {}
+        # File-mapped source views (and their checkpoint keys) read since their pages were last released, by storage
+        # (one per key): an output sharing one is a view of the mapping too (a chunk of a fused tensor, say), whose
+        # bytes lie in the file as they are in memory.
+        self._mapped: dict[int, tuple[str, torch.Tensor]] = {}
         kept = sorted(set(plan.loaded_keys()) - _left_out(plan))
 
         def meta_of(key: str) -> torch.Tensor:
@@ -160,7 +177,7 @@ class _Tensors:
         if runtime_format:
             self._save = ConversionPlan(direct={key: key for key in kept})
         else:
-            metas = {key: TensorMeta(tuple(t.shape), t.dtype) for key, t in runtime.items()}
+            metas = {key: TensorMeta(tuple(_tensor(t).shape), _tensor(t).dtype) for key, t in runtime.items()}
             self._save = checkpoint_layout(LoadReport.from_plan(plan), plan.transforms, metas)
         self._save_groups = {key: group for group in self._save.groups for key in group.target_keys()}
         self._written_as: dict[str, list[str]] = {}
@@ -169,22 +186,29 @@ class _Tensors:
         self.layout: dict[str, torch.Tensor] = {}
         for output in [*self._save.direct, *self._save_groups]:
             if output not in self.layout:
-                self.layout.update(self._compute(output, set(self._save.direct) | set(self._save_groups), meta_of))
+                computed = self._compute(output, set(self._save.direct) | set(self._save_groups), meta_of)
+                self.layout.update((key, _tensor(value)) for key, value in computed.items())
         self.total_bytes = sum(t.numel() * t.element_size() for t in self.layout.values())
 
-    def produce(self, keys: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    def produce(self, keys: list[str]) -> Iterator[tuple[str, Streamed]]:
         """Each of ``keys`` in turn (a :data:`~modelpatch.checkpoint.writer.TensorStream`): outputs of one group
-        that come later in ``keys`` wait until then; the source pages read are released once a tensor is written."""
-        pending: dict[str, torch.Tensor] = {}
+        that come later in ``keys`` wait until then; source bytes unchanged are given as file ranges, and the source
+        pages read are released once a tensor is written."""
+        pending: dict[str, torch.Tensor | _Rows] = {}
         remaining = set(keys)
         for key in keys:
             if key not in pending:
                 pending.update(self._compute(key, remaining, self._read))
             remaining.discard(key)
-            tensor = pending.pop(key)
-            yield key, tensor
-            if tensor.untyped_storage().data_ptr() in self._mapped:  # written straight from the file's mapping
-                release_pages(tensor)
+            value = pending.pop(key)
+            ranges = self._file_ranges(value)
+            if ranges is not None:
+                yield key, ranges
+            else:
+                tensor = _tensor(value)
+                yield key, tensor
+                if tensor.untyped_storage().data_ptr() in self._mapped:  # written straight from the file's mapping
+                    release_pages(tensor)
             if not pending:  # the sources of the outputs written: nothing waiting reads them any more
                 self._release()
         # A file rewritten in place while it was being read may have given data of two versions.
@@ -192,29 +216,47 @@ class _Tensors:
 
     def _read(self, key: str) -> torch.Tensor:
         tensor = self._checkpoint.tensor(key)
-        if self._checkpoint.info(key).start >= 0:  # a view of the file's private mapping: its pages can be dropped
-            self._mapped[tensor.untyped_storage().data_ptr()] = tensor
+        if self._checkpoint.info(key).start >= 0 and tensor.numel():
+            # A view of the file's private mapping: its pages can be dropped, its bytes copied from the file.
+            self._mapped[tensor.untyped_storage().data_ptr()] = (key, tensor)
         return tensor
 
     def _release(self) -> None:
-        for tensor in self._mapped.values():
+        for _, tensor in self._mapped.values():
             release_pages(tensor)
         self._mapped.clear()
 
-    def _compute(self, output: str, wanted: set[str], fetch: Fetch) -> dict[str, torch.Tensor]:
+    def _file_ranges(self, value: torch.Tensor | _Rows) -> list[FileRange] | None:
+        """Where the bytes of ``value`` lie in the checkpoint's files, when each of its parts is a contiguous view of
+        a source's mapping (operations never write into their inputs, so the mapping still holds the file's bytes)."""
+        ranges = []
+        for part in value.parts if isinstance(value, _Rows) else [value]:
+            origin = self._mapped.get(part.untyped_storage().data_ptr()) if part.device.type == "cpu" else None
+            if origin is None or not part.is_contiguous():
+                return None
+            key, whole = origin
+            file_range = self._checkpoint.file_range(key)
+            if file_range is None:
+                return None
+            ranges.append(file_range.narrow(part.data_ptr() - whole.data_ptr(), part.numel() * part.element_size()))
+        return ranges
+
+    def _compute(self, output: str, wanted: set[str], fetch: Fetch) -> dict[str, torch.Tensor | _Rows]:
         """Output ``output`` and the others its computation gives that are in ``wanted``."""
         group = self._save_groups.get(output)
         if group is not None:
             loaded = self._loaded(group.source_keys(), fetch)
-            return {k: t.contiguous() for k, t in group.run(loaded.__getitem__).items() if k in wanted}
+            outputs = group.run(lambda key: _tensor(loaded[key]))
+            return {k: t.contiguous() for k, t in outputs.items() if k in wanted}
         key = self._save.direct[output]
         siblings = self._groups[key].target_keys() if key in self._groups else [key]
         loaded = self._loaded([k for k in siblings if any(o in wanted for o in self._written_as.get(k, ()))], fetch)
         return {o: tensor for k, tensor in loaded.items() for o in self._written_as[k] if o in wanted}
 
-    def _loaded(self, keys: Iterable[str], fetch: Fetch) -> dict[str, torch.Tensor]:
-        """The model's tensors ``keys`` as a load puts them into it (see materialize.load_into_model)."""
-        out: dict[str, torch.Tensor] = {}
+    def _loaded(self, keys: Iterable[str], fetch: Fetch) -> dict[str, torch.Tensor | _Rows]:
+        """The model's tensors ``keys`` as a load puts them into it (see materialize.load_into_model); a
+        concatenation of file-mapped tensors that the load would not cast is left uncomputed (:class:`_Rows`)."""
+        out: dict[str, torch.Tensor | _Rows] = {}
         wanted = set(keys)
         for key in wanted:
             if key in out:
@@ -224,10 +266,30 @@ class _Tensors:
                 out[key] = _placed(tensor, self._dtypes[key], tensor.device)
                 continue
             group: ConversionGroup = self._groups[key]
+            rows = self._rows(group, fetch)
+            if rows is not None:
+                out[group.target_keys()[0]] = rows
+                continue
             for target, tensor in group.run(fetch).items():
                 if target in wanted:
                     out[target] = _placed(tensor.contiguous(), self._dtypes[target], tensor.device)
         return out
+
+    def _rows(self, group: ConversionGroup, fetch: Fetch) -> _Rows | None:
+        """``group``'s target left uncomputed, when it concatenates file-mapped tensors along dim 0 unchanged."""
+        keys = group.concatenated_rows()
+        if keys is None:
+            return None
+        parts = [fetch(k) for k in keys]
+        dtype = self._dtypes[group.target_keys()[0]]
+        if any(
+            part.untyped_storage().data_ptr() not in self._mapped
+            or part.dtype != parts[0].dtype
+            or (part.is_floating_point() and part.dtype != dtype)  # the load would cast it
+            for part in parts
+        ):
+            return None
+        return _Rows(parts)
 
 
 @contextmanager

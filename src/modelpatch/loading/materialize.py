@@ -9,7 +9,6 @@ are released, or they would stay resident in the mapping and count towards the p
 from __future__ import annotations
 
 import ctypes
-import mmap
 import sys
 from collections.abc import Callable
 
@@ -18,6 +17,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .._transformers import mark_initialized
+from ..checkpoint.pages import release_pages
 from .plan import LoadPlan
 
 # Below this many bytes a load is quick enough that a progress bar is noise.
@@ -44,22 +44,6 @@ def _set_on(module: nn.Module, name: str, key: str, value: torch.Tensor) -> None
         raise KeyError(f"{key} is neither a parameter nor a buffer of the model.")
 
 
-def _find_madvise() -> Callable[[int, int], object] | None:
-    advice = getattr(mmap, "MADV_DONTNEED", None)
-    if advice is None or not sys.platform.startswith("linux"):
-        return None
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
-    return lambda address, length: madvise(address, length, advice)
-
-
-_madvise = _find_madvise()
-
-
 def _find_malloc_trim() -> Callable[[], object] | None:
     if not sys.platform.startswith("linux"):
         return None
@@ -84,22 +68,6 @@ def return_freed_memory() -> None:
     """
     if _malloc_trim is not None:
         _malloc_trim()
-
-
-def release_pages(tensor: torch.Tensor) -> None:
-    """Drop the resident pages lying wholly inside ``tensor``, a consumed view of a *private file* mapping.
-
-    Only for such views: the kernel re-reads a dropped page from the file if it is touched again, so nothing is lost
-    (pages of anonymous memory would come back zeroed). Pages shared with a neighbouring tensor are kept.
-    """
-    if _madvise is None or tensor.device.type != "cpu" or tensor.numel() == 0:
-        return
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
-    last = end // mmap.PAGESIZE * mmap.PAGESIZE
-    if last > first:
-        _madvise(first, last - first)
 
 
 def _placed(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

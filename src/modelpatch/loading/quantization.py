@@ -48,13 +48,14 @@ from .._transformers import (
     weight_conversions_of,
 )
 from .._transformers import core_model_loading as hf
+from ..checkpoint.pages import release_pages
 from ..conversion.operations import ConversionOperation, Fp8BlockDequantize, TorchAoTensor
 from ..conversion.planner import ConversionPlan, TensorMeta, plan_load
 from ..conversion.transforms import WeightConverter, WeightRenaming, WeightTransform
 from ..errors import LoadPlanError, SaveError
 from ..state import ensure_model_record, model_record, stored_fusion_config
 from .diagnose import collapse_lines
-from .materialize import release_pages, set_tensor
+from .materialize import set_tensor
 from .report import LoadReport
 
 # What modelpatch loads, by ``quant_method``. compressed-tensors loads its tensors as they are into the parameters its

@@ -19,6 +19,8 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 from torch.utils.hooks import RemovableHandle
 
+from ...checkpoint.pages import release_pages
+
 # torch.nn.functional.grouped_mm (torch >= 2.10) else torch._grouped_mm (2.9); None: no grouped path at all.
 _GROUPED_MM: Callable[..., torch.Tensor] | None = getattr(
     torch.nn.functional, "grouped_mm", getattr(torch, "_grouped_mm", None)
@@ -170,13 +172,14 @@ class LinearExperts(nn.ModuleList):
 
     # --- the packed layout ---------------------------------------------------------------------------------------
 
-    def pack(self) -> bool:
+    def pack(self, *, release_sources: bool = False) -> bool:
         """Lay the experts' weights out as views of one ``[E, 2I, H]`` and one ``[E, H, I]`` tensor (in place: the
         ``nn.Parameter`` objects stay, only their storage moves), which is what the grouped path reads.
 
         Called after a load, a live fuse and every ``.to()`` / ``.cuda()`` / ``to_empty``; call it again after
         re-assigning an expert weight's ``.data`` by hand. Weights already laid out so (split from a 3-D checkpoint
-        tensor) are adopted without a copy. Returns whether the experts are packed: not while any expert's Linear was
+        tensor) are adopted without a copy. ``release_sources`` (a load: nothing else holds the weights read) drops the
+        resident pages of the checkpoint file each copied weight was read from, expert by expert. Returns whether the experts are packed: not while any expert's Linear was
         replaced (quantized, PEFT), has a bias, or its weights are on the meta device or of mixed dtypes, nor where
         torch has no grouped product for them.
         """
@@ -208,14 +211,18 @@ class LinearExperts(nn.ModuleList):
             down = torch.empty(count, hidden, intermediate, dtype=first.dtype, device=first.device)
             with torch.no_grad():
                 for index, (gate, up, down_weight) in enumerate(weights):
-                    # One expert at a time: its old tensors go as soon as its Parameters point into the new ones.
+                    # One expert at a time: its old tensors go as soon as its Parameters point into the new ones, and
+                    # so do the pages of a checkpoint file they were read from, which would stay resident otherwise.
                     for target, weight in (
                         (gate_up[index, :intermediate], gate),
                         (gate_up[index, intermediate:], up),
                         (down[index], down_weight),
                     ):
                         target.copy_(weight)
+                        old = weight.detach()
                         weight.data = target
+                        if release_sources:
+                            release_pages(old)
         if not _grouped_runs_on(gate_up, down):
             return False
         self._packed = _Packed(

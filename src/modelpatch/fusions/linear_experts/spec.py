@@ -146,9 +146,11 @@ class LinearExpertsFusionSpec(ModuleFusionSpec):
         return transforms
 
     def finish_module(self, module: nn.Module) -> None:
-        """Lay the loaded experts' weights out for the grouped forward (:meth:`LinearExperts.pack`)."""
-        # Called on fused modules only, whose class derives from LinearExperts (see make_fused_class).
-        cast(LinearExperts, module).pack()
+        """Lay the loaded experts' weights out for the grouped forward (:meth:`LinearExperts.pack`), releasing the
+        checkpoint pages they were read from."""
+        # Called on fused modules only, whose class derives from LinearExperts (see make_fused_class), once they hold
+        # the tensors just loaded or converted, which nothing else references yet.
+        cast(LinearExperts, module).pack(release_sources=True)
 
     def make_fused_class(self, original_cls: type[nn.Module]) -> type[nn.Module]:
         spec = self
