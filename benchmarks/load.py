@@ -5,10 +5,12 @@ Two checkpoints are built locally with stock ``save_pretrained`` (bf16, one safe
 * ``llama``: a ~200M-parameter Llama (~400 MB), loaded without any conversion (the zero-copy path);
 * ``moe``: a qwen2_moe-shaped model of a few hundred MB stored per expert, fused to 3-D experts at load.
 
-Each is loaded three ways: stock, modelpatch without fusions, and modelpatch with the case's fusions (``qkv`` +
+Each is loaded four ways: stock, modelpatch without fusions, modelpatch with the case's fusions (``qkv`` +
 ``gate_up`` for llama, whose q/k/v and gate/up weights are then copied into fused Linears; ``linear_experts`` for the
-MoE, whose per-expert tensors then load without conversion). The fused loads are compared with stock's load of the
-same checkpoint, which does not fuse them.
+MoE, whose per-expert tensors then load without conversion and are packed into 3-D tensors), and modelpatch loading
+the same fused model from its runtime-layout checkpoint (written once, outside the clock, as ``modelpatch convert
+--runtime-format`` writes it: what a user loading a fused model again and again keeps). The fused loads are
+compared with stock's load of the original checkpoint, which does not fuse them.
 
 Every measurement runs in a FRESH Python process (one subprocess per measurement) that imports torch, transformers,
 modelpatch and the model's modeling module before the clock starts, so that import time is not load time. Measured:
@@ -100,7 +102,7 @@ QUICK = {
 }
 # What the fused loads enable, per case.
 FUSIONS = {"llama": {"qkv": True, "gate_up": True}, "moe": {"linear_experts": True}}
-IMPLEMENTATIONS = ("stock", "modelpatch", "modelpatch-fused")
+IMPLEMENTATIONS = ("stock", "modelpatch", "modelpatch-fused", "modelpatch-fused-runtime")
 TOKENS = 16
 
 
@@ -156,8 +158,10 @@ def worker(impl: str, case: str, path: str) -> dict:
         model = AutoModelForCausalLM.from_pretrained(path)
     elif impl == "modelpatch":
         model = load(AutoModelForCausalLM, path)
-    else:
+    elif impl == "modelpatch-fused":
         model = load(AutoModelForCausalLM, path, fusion_config=FUSIONS[case])
+    else:  # the fusions are recorded in the runtime layout's config.json
+        model = load(AutoModelForCausalLM, _runtime_path(Path(path)))
     loaded, cpu_loaded = time.perf_counter(), time.process_time()
     after_load = _proc_status()
     with torch.no_grad():
@@ -184,10 +188,17 @@ def worker(impl: str, case: str, path: str) -> dict:
 # ------------------------------------------------------------------------------------------------- the driver
 
 
+def _runtime_path(path: Path) -> Path:
+    return path.with_name(path.name + "-runtime")
+
+
 def build_checkpoints(out: Path, quick: bool) -> dict[str, Path]:
+    """Each case's checkpoint (stock ``save_pretrained``), and next to it its fused runtime-layout checkpoint."""
     import torch
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from modelpatch.loading.convert import plan_conversion
 
     transformers.logging.set_verbosity_error()
     paths = {}
@@ -197,13 +208,17 @@ def build_checkpoints(out: Path, quick: bool) -> dict[str, Path]:
         paths[case] = path
         marker = path / "config.json"
         if marker.is_file() and AutoConfig.from_pretrained(path).to_dict().get("hidden_size") == kwargs["hidden_size"]:
-            continue
-        print(f"building {case} checkpoint in {path} ...", flush=True)
-        torch.manual_seed(0)
-        config = AutoConfig.for_model(model_type, **kwargs)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-        model.save_pretrained(path)
-        del model
+            if (_runtime_path(path) / "config.json").is_file():
+                continue
+        else:
+            print(f"building {case} checkpoint in {path} ...", flush=True)
+            torch.manual_seed(0)
+            config = AutoConfig.for_model(model_type, **kwargs)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+            model.save_pretrained(path)
+            del model
+        with plan_conversion(AutoModelForCausalLM, path, fusion_config=FUSIONS[case]) as conversion:
+            conversion.write(_runtime_path(path), runtime_format=True)
     return paths
 
 
@@ -245,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[tuple[str, str], dict] = {}
     for case, path in paths.items():
         warm_page_cache(path)
+        warm_page_cache(_runtime_path(path))
         runs: dict[str, list[dict]] = {impl: [] for impl in IMPLEMENTATIONS}
         for _ in range(args.repeats):
             for impl in runs:  # interleaved, so drift affects all alike
@@ -275,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
 
     seconds = lambda v: "n/a" if v is None else f"{v:.3f} s"  # noqa: E731
     for case in paths:
-        stock, mine, fused = (results[(case, impl)] for impl in IMPLEMENTATIONS)
+        stock, mine, fused, runtime = (results[(case, impl)] for impl in IMPLEMENTATIONS)
         model_bytes = mine["model_bytes"]
         unfused = case == "llama"
         row(
@@ -358,7 +374,42 @@ def main(argv: list[str] | None = None) -> int:
             1.1,
             None if fused_peak is None else fused_peak / fused["model_bytes"],
         )
-        assert stock["dtype"] == mine["dtype"] == fused["dtype"], (stock["dtype"], mine["dtype"], fused["dtype"])
+        row(
+            case,
+            f"fused ({fusions}) load + first forward vs stock's",
+            stock["load_forward_s"],
+            fused["load_forward_s"],
+            seconds,
+            mins=(stock["load_forward_s_min"], fused["load_forward_s_min"]),
+        )
+        row(
+            case,
+            f"fused ({fusions}) load from its runtime layout vs stock load",
+            stock["load_s"],
+            runtime["load_s"],
+            seconds,
+            1.0,
+            mins=(stock["load_s_min"], runtime["load_s_min"]),
+        )
+        row(
+            case,
+            f"fused ({fusions}) from its runtime layout: load + first forward",
+            stock["load_forward_s"],
+            runtime["load_forward_s"],
+            seconds,
+            mins=(stock["load_forward_s_min"], runtime["load_forward_s_min"]),
+        )
+        runtime_peak = runtime["peak_rss_growth"]
+        row(
+            case,
+            f"fused ({fusions}) from its runtime layout: peak RSS growth / model bytes",
+            None,
+            None,
+            lambda v: "",
+            1.1,
+            None if runtime_peak is None else runtime_peak / runtime["model_bytes"],
+        )
+        assert stock["dtype"] == mine["dtype"] == fused["dtype"] == runtime["dtype"], (stock["dtype"], runtime["dtype"])
         assert mine["fused_experts"] == stock["fused_experts"]
 
     header = ("case", "metric", "stock", "modelpatch", "ratio", "min ratio", "target")
