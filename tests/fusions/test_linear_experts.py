@@ -285,3 +285,170 @@ def test_live_fuse_adopts_the_stock_3d_tensors_without_a_copy(tiny):
     assert isinstance(experts, LinearExperts) and packed is not None
     assert packed.gate_up.untyped_storage().data_ptr() == stock_storage
     assert_outputs_close(ckpt.outputs(model), ckpt.stock_outputs())
+
+
+# --- torch.compile: what changes after compiling is what runs ------------------------------------------------------
+
+NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+class _Graphs:
+    """A ``torch.compile`` backend that runs dynamo's graphs as they are and keeps them."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, graph, example_inputs):
+        self.graphs.append(graph)
+        return graph.forward
+
+
+def _takes_the_grouped_path(graph) -> bool:
+    return any(node.target is torch.ops.modelpatch.grouped_linear.default for node in graph.graph.nodes)
+
+
+def _forward_compiles() -> int:
+    """How many versions of ``LinearExperts.forward`` dynamo compiled (the first one and each recompile)."""
+    return len(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(LinearExperts.forward.__code__))
+
+
+def _tiny_experts():
+    """Four tiny packed experts (a plain-function activation) and a routing that reaches each of them."""
+    torch.manual_seed(0)
+    experts = LinearExperts(4, 8, 4, nn.functional.silu, NAMES, device=None, dtype=None)
+    hidden = torch.randn(6, 8)
+    index = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [1, 3], [2, 0]])
+    return experts, (hidden, index, torch.rand(6, 2))
+
+
+def _each_expert(experts, hidden, index, weights):
+    """The routed experts' outputs weighed and summed, each expert module called on its own."""
+    out = torch.zeros_like(hidden)
+    for token, slot in zip(*torch.where(index < len(experts)), strict=True):
+        out[token] += experts[int(index[token, slot])](hidden[token]) * weights[token, slot]
+    return out
+
+
+def _new_expert(experts):
+    return ExpertMLP(experts.hidden_dim, experts.intermediate_dim, nn.functional.silu, NAMES, None, None)
+
+
+def _set_weight(experts):
+    linear = experts[3].up_proj
+    linear.weight = nn.Parameter(torch.randn_like(linear.weight))
+
+
+def _wrap_forward(experts):
+    # As accelerate's hooks do: a forward set on the instance.
+    expert = experts[2]
+    forward = expert.forward
+    expert.forward = lambda x: forward(x) * 2
+
+
+def _hook(experts):
+    experts[2].gate_proj.register_forward_hook(lambda module, args, out: out * 2)
+
+
+# Each a change that no eager call sees before the compiled model's next call.
+CHANGES = {
+    "Linear set on an expert": lambda experts: setattr(experts[1], "down_proj", nn.Linear(4, 8, bias=False)),
+    "expert assigned into the list": lambda experts: experts.__setitem__(2, _new_expert(experts)),
+    "weight Parameter assigned": _set_weight,
+    "activation set on an expert": lambda experts: setattr(experts[0], "act_fn", torch.tanh),
+    "expert inserted into the list": lambda experts: experts.insert(1, _new_expert(experts)),
+    "forward set on an expert": _wrap_forward,
+    # torch.compile sees hooks registered after compiling only where asked to (skip_nnmodule_hook_guards=False).
+    "forward hook on a Linear": _hook,
+}
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_compiled_experts_run_what_changed_after_compiling(change):
+    """Compiled code guards on the experts' change signal instead of on every Linear: after it ran grouped, a change
+    to the experts is what its next call runs (never the packed weights of before), for one recompile."""
+    experts, args = _tiny_experts()
+    graphs = _Graphs()
+    torch._dynamo.reset()
+    compiled = torch.compile(experts, backend=graphs, dynamic=False)
+    with torch.no_grad(), torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
+        before = compiled(*args)
+        assert len(graphs.graphs) == 1 and _takes_the_grouped_path(graphs.graphs[0])
+        torch.testing.assert_close(before, _each_expert(experts, *args), atol=1e-6, rtol=0)
+
+        CHANGES[change](experts)
+        expected = _each_expert(experts, *args)
+        assert not torch.allclose(expected, before, atol=1e-3), "the change should show in the output"
+        torch.testing.assert_close(compiled(*args), expected, atol=1e-6, rtol=0)
+        torch.testing.assert_close(compiled(*args), expected, atol=1e-6, rtol=0)
+        assert _forward_compiles() == 2
+        # The per-expert path breaks the graph at counts.tolist(): its part of forward, then the rest in pieces.
+        assert len(graphs.graphs) <= 5 and not any(_takes_the_grouped_path(graph) for graph in graphs.graphs[1:])
+
+
+@pytest.mark.parametrize(
+    "change", ["Linear set on an expert", "expert assigned into the list", "weight Parameter assigned"]
+)
+def test_compiled_experts_take_the_grouped_path_again_once_packed(change):
+    """``pack()`` after a change lays out what stands there: the compiled code of the first call runs again, on the
+    new weights, compiling nothing more."""
+    experts, args = _tiny_experts()
+    graphs = _Graphs()
+    torch._dynamo.reset()
+    compiled = torch.compile(experts, backend=graphs, dynamic=False)
+    with torch.no_grad():
+        compiled(*args)
+        CHANGES[change](experts)
+        compiled(*args)
+        compiles = len(graphs.graphs)
+        assert experts.pack()
+        torch.testing.assert_close(compiled(*args), _each_expert(experts, *args), atol=1e-6, rtol=0)
+        assert len(graphs.graphs) == compiles and _forward_compiles() == 2
+
+
+def test_an_eager_call_that_finds_the_layout_intact_rearms_the_compiled_path():
+    """A change that leaves the layout as packed (a Linear set back in its place) costs compiled code a full check
+    of every Linear, until an eager call finds them intact and clears the signal."""
+    experts, args = _tiny_experts()
+    graphs = _Graphs()
+    torch._dynamo.reset()
+    compiled = torch.compile(experts, backend=graphs, dynamic=False)
+    with torch.no_grad():
+        expected = compiled(*args)
+        experts[1].down_proj = experts[1].down_proj
+        assert experts._packed.changed
+        torch.testing.assert_close(compiled(*args), expected, atol=1e-6, rtol=0)
+        assert len(graphs.graphs) == 2 and _takes_the_grouped_path(graphs.graphs[1])
+        assert experts._grouped_weights() is not None and not experts._packed.changed
+        torch.testing.assert_close(compiled(*args), expected, atol=1e-6, rtol=0)
+        assert len(graphs.graphs) == 2 and _forward_compiles() == 2
+
+
+SIGNALLED = {
+    "bias set on a Linear": lambda experts: setattr(experts[0].gate_proj, "bias", nn.Parameter(torch.zeros(4))),
+    "forward set on an expert": lambda experts: setattr(experts[1], "forward", lambda x: x),
+    "activation deleted": lambda experts: delattr(experts[0], "act_fn"),
+    "Linear deleted": lambda experts: delattr(experts[0], "up_proj"),
+    "expert popped": lambda experts: experts.pop(3),
+    "expert appended": lambda experts: experts.append(_new_expert(experts)),
+    "parametrization": lambda experts: nn.utils.parametrize.register_parametrization(
+        experts[0].down_proj, "weight", nn.Identity()
+    ),
+}
+
+
+@pytest.mark.parametrize("change", sorted(SIGNALLED))
+def test_changes_to_packed_experts_are_signalled(change):
+    experts, _ = _tiny_experts()
+    SIGNALLED[change](experts)
+    assert experts._packed.changed
+
+
+def test_nothing_else_is_signalled():
+    """Modules outside the experts, and train() / eval(), leave the signal alone."""
+    experts, _ = _tiny_experts()
+    experts.eval()
+    experts.train()
+    other = nn.Linear(8, 8)
+    other.weight = nn.Parameter(torch.zeros(8, 8))
+    other.child = nn.Linear(8, 8)
+    assert not experts._packed.changed

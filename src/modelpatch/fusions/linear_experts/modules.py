@@ -6,12 +6,27 @@ that layout holds and nothing stands between the experts and their weights (a re
 weight swapped or re-assigned, weights that need gradients), ``forward`` runs every expert at once with grouped
 matrix products over the tokens sorted by expert, as stock transformers' fused experts do; otherwise it calls each
 routed expert module in turn, so whatever stands in an expert's place is what runs.
+
+Eager calls check every expert, Linear, weight and data pointer on each call. Compiled code would turn that check
+into guards on each of them, evaluated on every call, so it relies on a change signal instead: the packed state is
+marked changed by a module or parameter assigned to the experts list, an expert or one of their Linears (torch's
+global registration hooks: how PEFT, quantizers and parametrizations put theirs in place), by any other attribute set
+on an expert (a plain-function activation, an instance ``forward``), and by any deletion from the list or an expert.
+With gradients off, compiled code guards on that one flag; once it is set, compiled code recompiles into the full
+check until an eager call or :meth:`LinearExperts.pack` finds the layout intact again. What takes no registration
+hook (a weight's ``.data`` re-assigned, ``torch.utils.swap_tensors``, a weight set to None, writes straight into a
+module's ``_parameters`` or ``_modules``) is seen by eager calls only: under ``torch.compile`` call ``pack()`` after
+it. Hooks registered after compiling are seen where dynamo guards on hooks at all (as for any module:
+``torch._dynamo.config.skip_nnmodule_hook_guards = False``); a ``forward`` set on a Linear's instance after compiling
+is not seen by compiled code (dynamo does not guard the hook scan's look for it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import cache, partial
 from typing import Any
 
 import torch
@@ -39,6 +54,61 @@ def _grouped_runs_on(*weights: torch.Tensor) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
+# --- the change signal ---------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Watch:
+    """A module that packed experts are made of (the experts list, an expert, an expert's Linear), and the
+    LinearExperts whose packed state it is part of (one, unless modules are shared)."""
+
+    module: weakref.ref[nn.Module]
+    owners: tuple[weakref.ref[LinearExperts], ...]
+
+
+# id(module) -> its watch. Keyed by id, not by module: torch's registration hooks pass every module of the process,
+# and a module class may not be hashable. An entry goes when its module does.
+_WATCHED: dict[int, _Watch] = {}
+
+
+def _forget(key: int, ref: weakref.ref[nn.Module]) -> None:
+    watch = _WATCHED.get(key)
+    if watch is not None and watch.module is ref:
+        del _WATCHED[key]
+
+
+def _watch(modules: Iterable[nn.Module], owner: LinearExperts) -> None:
+    """Have a change to any of ``modules`` mark ``owner``'s packed state changed."""
+    _watch_registrations()
+    for module in modules:
+        key = id(module)
+        watch = _WATCHED.get(key)
+        if watch is None or watch.module() is not module:
+            _WATCHED[key] = _Watch(weakref.ref(module, partial(_forget, key)), (weakref.ref(owner),))
+        elif all(ref() is not owner for ref in watch.owners):
+            watch.owners = (*(ref for ref in watch.owners if ref() is not None), weakref.ref(owner))
+
+
+def _changed(module: nn.Module, *_: object) -> None:
+    """Mark the packed state of the experts ``module`` is part of as changed (nothing for any other module)."""
+    watch = _WATCHED.get(id(module))
+    if watch is None or watch.module() is not module:
+        return
+    for ref in watch.owners:
+        owner = ref()
+        packed = None if owner is None else owner._packed
+        if packed is not None:
+            packed.changed = True
+
+
+@cache
+def _watch_registrations() -> None:
+    """Route torch's global hooks for child modules and parameters assigned to any module to :func:`_changed` (once
+    per process, from the first packed experts on: they cover the Linears, which are torch's own class)."""
+    torch_module.register_module_module_registration_hook(_changed)
+    torch_module.register_module_parameter_registration_hook(_changed)
+
+
 class ExpertMLP(nn.Module):
     """One gated expert: ``down(act(gate(x)) * up(x))``; child names follow the checkpoint's convention."""
 
@@ -55,6 +125,17 @@ class ExpertMLP(nn.Module):
         gate, up, down = (getattr(self, n) for n in self.names)
         return down(self.act_fn(gate(x)) * up(x))
 
+    # Attributes that are neither modules nor parameters (a plain-function activation, ``names``, an instance-level
+    # ``forward``) take no registration hook: the expert signals them itself, as it does deletions.
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name != "training":  # train() / eval(): nothing an expert computes depends on it
+            _changed(self)
+
+    def __delattr__(self, name: str) -> None:
+        super().__delattr__(name)
+        _changed(self)
+
 
 @dataclass
 class _Packed:
@@ -67,13 +148,17 @@ class _Packed:
     # `.data` re-assignment changes while the Parameter stays).
     linears: tuple[tuple[dict[str, nn.Module | None], str, nn.Linear, torch.Tensor, int], ...]
     act_fn: Callable  # the experts' activation (one object for all of them)
+    modules: tuple[nn.Module, ...]  # the experts and their Linears, for the hook scan
     # RemovableHandle.next_id when no hook was found on the experts: every hook registration takes a new handle id,
     # so while it is unchanged the hook scan need not run again.
     hooks_checked_at: int = -1
+    # Set by anything assigned to (or deleted from) the experts, an expert or their Linears since the last full check
+    # (see the module docstring); compiled code guards on it instead of on every Linear.
+    changed: bool = False
 
     def hooked(self) -> bool:
         """Whether a hook (or an instance-level ``forward``) sits on an expert or one of its Linears."""
-        return any(_hooked(expert) for expert in self.experts) or any(_hooked(entry[2]) for entry in self.linears)
+        return any(_hooked(module) for module in self.modules)
 
 
 def _activation(expert: nn.Module) -> Any:
@@ -182,6 +267,13 @@ class LinearExperts(nn.ModuleList):
         resident pages of the checkpoint file each copied weight was read from, expert by expert. Returns whether the experts are packed: not while any expert's Linear was
         replaced (quantized, PEFT), has a bias, or its weights are on the meta device or of mixed dtypes, nor where
         torch has no grouped product for them.
+
+        From here on the experts signal changes (see the module docstring): a module or parameter assigned to the
+        list, an expert or one of their Linears, any attribute set on (or deleted from) an expert, an expert deleted
+        or inserted. Compiled code with gradients off takes the grouped path on that signal alone, so under
+        ``torch.compile`` what takes no registration hook (``.data`` re-assignment, ``torch.utils.swap_tensors``, a
+        weight set to None, writes straight into ``_parameters`` / ``_modules``) needs this call before it is seen;
+        eager calls check every Linear, weight and data pointer each time. Packing also clears the signal.
         """
         self._packed = None
         experts = [expert for expert in self if type(expert) is ExpertMLP]
@@ -225,6 +317,7 @@ class LinearExperts(nn.ModuleList):
                             release_pages(old)
         if not _grouped_runs_on(gate_up, down):
             return False
+        modules = (*experts, *(linear for row in linears for linear in row))
         self._packed = _Packed(
             gate_up,
             down,
@@ -235,7 +328,9 @@ class LinearExperts(nn.ModuleList):
                 for name, linear in zip(expert.names, row, strict=True)
             ),
             act_fn,
+            modules,
         )
+        _watch((self, *modules), self)
         return True
 
     def _apply(self, fn, recurse: bool = True):
@@ -253,6 +348,16 @@ class LinearExperts(nn.ModuleList):
         super().__setstate__(state)
         self.pack()
 
+    # ModuleList's __delitem__ / pop delete through delattr, and insert writes its dict directly: neither takes a
+    # registration hook.
+    def __delattr__(self, name: str) -> None:
+        super().__delattr__(name)
+        _changed(self)
+
+    def insert(self, index: int, module: nn.Module) -> None:
+        super().insert(index, module)
+        _changed(self)
+
     def _grouped_weights(self, hidden_states: torch.Tensor | None = None) -> _Packed | None:
         """The packed weights when the grouped path computes exactly what calling each expert would (and the
         gradients it would), else None."""
@@ -263,6 +368,11 @@ class LinearExperts(nn.ModuleList):
         grad = torch.is_grad_enabled()
         if compiling and grad and hidden_states is not None and hidden_states.requires_grad:
             return None  # the opaque operator compiled code calls has no backward
+        if compiling and not grad and not packed.changed:
+            # Nothing was assigned to the experts since the layout was last found intact: guard on that flag rather
+            # than on each Linear, its weight and the activation (and on the hooks, where dynamo guards on hooks). A
+            # change sets the flag, which recompiles into the full check below.
+            return None if packed.hooked() else packed
         if tuple(self._modules.values()) != packed.experts:
             return None
         for children, name, linear, weight, pointer in packed.linears:
@@ -281,8 +391,10 @@ class LinearExperts(nn.ModuleList):
             # torch.compile guards on what this reads, and writes no state of its own.
             return None if packed.hooked() else packed
         # (A forward wrapped on an instance takes no handle: one wrapped after this scan is seen only with a new hook,
-        # or through the weights accelerate moves along with it.)
-        if packed.hooks_checked_at != RemovableHandle.next_id:
+        # a change signalled, or through the weights accelerate moves along with it.)
+        if packed.changed or packed.hooks_checked_at != RemovableHandle.next_id:
+            # Every Linear was checked above: compiled code may guard on the flag alone again.
+            packed.changed = False
             if packed.hooked():
                 return None
             packed.hooks_checked_at = RemovableHandle.next_id
