@@ -452,3 +452,12 @@ def test_nothing_else_is_signalled():
     other.weight = nn.Parameter(torch.zeros(8, 8))
     other.child = nn.Linear(8, 8)
     assert not experts._packed.changed
+
+
+def test_not_packed_while_the_list_holds_other_than_num_experts():
+    """forward routes ``num_experts`` experts: an inserted one is called by index like the others, never grouped."""
+    experts, args = _tiny_experts()
+    experts.insert(1, _new_expert(experts))
+    assert not experts.pack()
+    with torch.no_grad():
+        torch.testing.assert_close(experts(*args), _each_expert(experts, *args), atol=1e-6, rtol=0)

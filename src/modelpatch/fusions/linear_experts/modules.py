@@ -264,9 +264,10 @@ class LinearExperts(nn.ModuleList):
         Called after a load, a live fuse and every ``.to()`` / ``.cuda()`` / ``to_empty``; call it again after
         re-assigning an expert weight's ``.data`` by hand. Weights already laid out so (split from a 3-D checkpoint
         tensor) are adopted without a copy. ``release_sources`` (a load: nothing else holds the weights read) drops the
-        resident pages of the checkpoint file each copied weight was read from, expert by expert. Returns whether the experts are packed: not while any expert's Linear was
-        replaced (quantized, PEFT), has a bias, or its weights are on the meta device or of mixed dtypes, nor where
-        torch has no grouped product for them.
+        resident pages of the checkpoint file each copied weight was read from, expert by expert. Returns whether the
+        experts are packed: not while any expert's Linear was replaced (quantized, PEFT), has a bias, or its weights
+        are on the meta device or of mixed dtypes, nor while the list holds other than ``num_experts`` experts, nor
+        where torch has no grouped product for them.
 
         From here on the experts signal changes (see the module docstring): a module or parameter assigned to the
         list, an expert or one of their Linears, any attribute set on (or deleted from) an expert, an expert deleted
@@ -277,7 +278,8 @@ class LinearExperts(nn.ModuleList):
         """
         self._packed = None
         experts = [expert for expert in self if type(expert) is ExpertMLP]
-        if not experts or len(experts) != len(self):
+        # (forward routes num_experts experts: the grouped products need one packed expert per route.)
+        if not experts or len(experts) != len(self) or len(self) != self.num_experts:
             return False
         linears: list[list[nn.Linear]] = []
         for expert in experts:
