@@ -35,6 +35,7 @@ from torch.nn.modules import module as torch_module
 from torch.utils.hooks import RemovableHandle
 
 from ...checkpoint.pages import release_pages
+from ..hooks import global_hooks, hooked
 
 # torch.nn.functional.grouped_mm (torch >= 2.10) else torch._grouped_mm (2.9); None: no grouped path at all.
 _GROUPED_MM: Callable[..., torch.Tensor] | None = getattr(
@@ -158,33 +159,12 @@ class _Packed:
 
     def hooked(self) -> bool:
         """Whether a hook (or an instance-level ``forward``) sits on an expert or one of its Linears."""
-        return any(_hooked(module) for module in self.modules)
+        return any(hooked(module) for module in self.modules)
 
 
 def _activation(expert: nn.Module) -> Any:
     # An activation module is a child; a plain function an attribute.
     return expert._modules.get("act_fn") or expert.__dict__.get("act_fn")
-
-
-def _hooked(module: nn.Module) -> bool:
-    """Whether calling ``module`` does more than its ``forward``: hooks, or a forward wrapped on the instance
-    (accelerate's offloading hooks)."""
-    return bool(
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or module._backward_hooks
-        or module._backward_pre_hooks
-        or "forward" in module.__dict__
-    )
-
-
-def _global_hooks() -> bool:
-    return bool(
-        torch_module._global_forward_hooks
-        or torch_module._global_forward_pre_hooks
-        or torch_module._global_backward_hooks
-        or torch_module._global_backward_pre_hooks
-    )
 
 
 def _packable(weights: Sequence[Sequence[torch.Tensor]], shapes: tuple[tuple[int, int], ...]) -> bool:
@@ -364,7 +344,7 @@ class LinearExperts(nn.ModuleList):
         """The packed weights when the grouped path computes exactly what calling each expert would (and the
         gradients it would), else None."""
         packed = self._packed
-        if packed is None or _global_hooks():
+        if packed is None or global_hooks():
             return None
         compiling = torch.compiler.is_compiling()
         grad = torch.is_grad_enabled()
