@@ -5,7 +5,8 @@ materialised with ``to_empty`` and filled tensor by tensor (the model exists onc
 sharded (1 GB shards) by stock ``save_pretrained``.
 
 Measured, each in its own process, in alternating rounds after one warm-up run of each (page cache warm: every
-file was read, the source and the runtime checkpoint fit in RAM):
+file was read, the source and the runtime checkpoint fit in RAM), each after an untimed ``sync`` so that none pays
+for writing back what an earlier one left dirty:
 
 * ``cp -r`` of the checkpoint directory, and ``cp -r`` followed by ``sync`` of the copied files (the converter
   fsyncs every file it writes before swapping the directory in; plain ``cp`` leaves its data in the page cache);
@@ -205,6 +206,9 @@ def main() -> None:
 
         def measure(name: str) -> tuple[float, int, float]:
             shutil.rmtree(targets[name], ignore_errors=True)
+            # Untimed: every command starts with no dirty pages of an earlier one still being written back (plain
+            # `cp` leaves its 4.5 GB dirty, and the disk would be writing them during the next command).
+            subprocess.run(["sync"], check=True)
             if name.startswith("convert"):
                 return _convert(commands[name])
             seconds, rss = _run(commands[name])
@@ -238,8 +242,8 @@ def main() -> None:
             f"{'proper vs cp':>12} {'peak RSS':>9}"
         )
         print(
-            f"\npage cache warm (each command ran once before), {args.rounds} alternating rounds, median; 'proper' "
-            "excludes importing torch and transformers"
+            f"\npage cache warm (each command ran once before), {args.rounds} alternating rounds, median, each "
+            "command started after a `sync`; 'proper' excludes importing torch and transformers"
         )
         cp_seconds = statistics.median(s for s, _, _ in results["cp -r"])
         cp_sync_seconds = statistics.median(s for s, _, _ in results["cp -r + sync"])
