@@ -254,7 +254,8 @@ class SafetensorsFile(ClosesOnExit):
             mapping = mmap.mmap(self._fd, info.end - start, offset=start, access=mmap.ACCESS_COPY)
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"{self.path}: cannot memory-map tensor {key!r}: {exc}") from exc
-        register_mapping(mapping)
+        # Not registered with checkpoint.pages: nothing releases these pages (they go with the mapping), and a disk
+        # offload maps its weights anew at every forward.
         # frombuffer keeps a reference to the mapping, which is unmapped when the last view of it is gone.
         flat = torch.frombuffer(mapping, dtype=info.dtype, count=info.numel, offset=info.start - start)
         return flat.reshape(info.shape)
