@@ -42,6 +42,7 @@ _configured_lock = threading.Lock()
 # Each hook's parameters after ``self``: the one signature the fusion code calls it with.
 _HOOKS = {
     "is_fusable": ("module",),
+    "unfusable_reason": ("module",),
     "make_fused_class": ("original_cls",),
     "make_transforms": ("config", "modules"),
     "finish_module": ("module",),
@@ -97,6 +98,15 @@ class ModuleFusionSpec(ABC):
     @abstractmethod
     def is_fusable(self, module: nn.Module) -> bool:
         """Whether ``module`` (a meta-device instance) can be fused."""
+
+    def unfusable_reason(self, module: nn.Module) -> str | None:
+        """Why ``module`` (a meta-device instance) cannot be fused, or None when it can.
+
+        Discovery reports this reason (class, module path, reason) when it leaves a candidate as it is. Override it
+        to say *what* the family does not know about the module (an extra norm, a bias, a layout); the default only
+        restates :meth:`is_fusable`.
+        """
+        return None if self.is_fusable(module) else f"{type(self).__name__}.is_fusable() is false for it"
 
     @abstractmethod
     def make_fused_class(self, original_cls: type[nn.Module]) -> type[nn.Module]:
