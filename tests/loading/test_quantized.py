@@ -243,6 +243,28 @@ def test_fp8_scale_without_its_weight_is_named(fp8_checkpoint, tmp_path, no_tens
         modelpatch.from_pretrained(AutoModelForCausalLM, path)
 
 
+@pytest.mark.parametrize("missing", ["one", "all"])
+def test_fp8_weights_without_their_scales_are_refused_by_name(fp8_checkpoint, tmp_path, no_tensor_reads, missing):
+    # Without its scale a float8 weight would load as if it were the weight itself (logits 0.4-0.65 off).
+    path = tmp_path / "broken"
+    shutil.copytree(fp8_checkpoint("llama"), path)
+    tensors = load_file(str(path / "model.safetensors"))
+    scales = sorted(key for key in tensors if key.endswith("weight_scale_inv"))
+    dropped = scales[:1] if missing == "one" else scales
+    for key in dropped:
+        del tensors[key]
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(LoadPlanError, match=r"without (its|their) scale") as info:
+        modelpatch.from_pretrained(AutoModelForCausalLM, path)
+    message = str(info.value)
+    assert "weight_scale_inv" in message
+    assert info.value.problems == {"quantized weights without scales": [k.removesuffix("_scale_inv") for k in dropped]}
+    if missing == "one":
+        assert "model.layers.0.mlp.down_proj.weight\n" in message
+    else:
+        assert "model.layers.{0..1}.mlp.down_proj.weight\n" in message
+
+
 # --- torchao ------------------------------------------------------------------------------------------------------
 
 

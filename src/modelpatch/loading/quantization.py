@@ -33,7 +33,7 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -116,6 +116,8 @@ class Quantization:
     quantizer: HfQuantizer
     method: str
     stage: ConversionPlan | None = None  # stage one; its outputs are the checkpoint as stage two sees it
+    # The tensors each quantized parameter is made of besides itself (``weight`` -> ``weight_scale_inv``), for messages.
+    companions: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def dequantizes(self) -> bool:
@@ -155,15 +157,35 @@ class Quantization:
                 lines.extend(f"  - {item}" for item in collapse_lines(items))
             raise LoadPlanError("\n".join(lines), {k: list(v) for k, v in plan.problems.items() if v})
         # A group with none of its companions is a tensor the checkpoint did not quantize (a norm): read it directly.
-        kept = []
+        # Unless it is stored quantized (float8, packed integers): without its scales its values mean nothing, and
+        # reading it as it is gives a model that runs and is wrong.
+        kept, unscaled = [], []
         for group in plan.groups:
             if all(source is None for source in group.sources[1:]):
-                plan.direct[group.target_keys()[0]] = group.source_keys()[0]
+                key = group.source_keys()[0]
+                if checkpoint[key].dtype not in _PLAIN_DTYPES:
+                    unscaled.append(key)
+                plan.direct[group.target_keys()[0]] = key
             else:
                 kept.append(group)
+        if unscaled:
+            raise self._unscaled(unscaled, model)
         plan.groups = kept
         self.stage = plan
         return dict(plan.outputs)
+
+    def _unscaled(self, keys: Sequence[str], model: PreTrainedModel) -> LoadPlanError:
+        """The refusal of quantized weights stored without the tensors that give them their values (their scales)."""
+        companions = sorted({name for names in self.companions.values() for name in names})
+        lines = collapse_lines(keys)
+        return LoadPlanError(
+            f"The {self.method} checkpoint stores {len(keys)} quantized weight(s) without their scales (none of "
+            f"the tensors that go with them, {', '.join(companions)}, is in it): loaded as they are, they would make "
+            f"{type(model).__name__} compute something else. Nothing was loaded.\n"
+            + "\n".join(f"  - {line}" for line in lines)
+            + "\nThe checkpoint is incomplete: download it again, or add the missing scale tensors.",
+            {"quantized weights without scales": list(keys)},
+        )
 
     def _transforms(self, model: PreTrainedModel, dtype: torch.dtype) -> list[WeightTransform]:
         """The quantizer's own conversions (what it adds to a model with none), in modelpatch's vocabulary."""
@@ -189,6 +211,7 @@ class Quantization:
         if len(targets) != 1 or len(operations) != 1:
             raise self._untranslatable(f"WeightConverter {sources} -> {targets} with {operations}")
         (operation,) = operations
+        self.companions[sources[0]] = tuple(sources[1:])
         translated: ConversionOperation
         if isinstance(operation, Fp8Dequantize):
             translated = Fp8BlockDequantize(dtype=dtype, companions=len(sources) - 1)
