@@ -180,15 +180,19 @@ def test_offloaded_model_saves_like_the_loaded_one(stock_checkpoint, tmp_path, f
         assert_tensors_identical(read_tensors(tmp_path / "stock"), expected)
 
 
-def _rewrite_in_place(path):
-    """Flip one byte of the last tensor's data, in the same file (same inode)."""
+def _rewrite_in_place(path, keep_mtime=False):
+    """Flip one byte of the last tensor's data, in the same file (same inode); ``keep_mtime``: then set its
+    modification time back, as ``rsync --inplace -t`` or ``touch -r`` do (the size is unchanged anyway)."""
+    before = os.stat(path)
     with open(path, "r+b") as file:
         file.seek(-1, os.SEEK_END)
         last = file.read(1)
         file.seek(-1, os.SEEK_END)
         file.write(bytes([last[0] ^ 0xFF]))
     stat = os.stat(path)
-    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # whatever the file system's clock says
+    # Else a later modification time, whatever the file system's clock says.
+    mtime = before.st_mtime_ns if keep_mtime else stat.st_mtime_ns + 1_000_000
+    os.utime(path, ns=(stat.st_atime_ns, mtime))
 
 
 def test_checkpoint_rewritten_after_load_fails_the_offloaded_read(stock_checkpoint, tmp_path):
@@ -202,6 +206,20 @@ def test_checkpoint_rewritten_after_load_fails_the_offloaded_read(stock_checkpoi
     with pytest.raises(CheckpointError, match="changed"):
         modelpatch.save_pretrained(model, tmp_path / "saved")
     assert not (tmp_path / "saved").exists()
+
+
+def test_checkpoint_rewritten_with_its_size_and_mtime_restored_fails_the_offloaded_read(stock_checkpoint, tmp_path):
+    # rsync --inplace -t, or a rewrite followed by touch -r: only the status-change time tells.
+    checkpoint = stock_checkpoint("llama")
+    source = shutil.copytree(checkpoint.path, tmp_path / "llama")
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, source, device_map={"": "disk"})
+    _logits(model, checkpoint)
+    file = source / "model.safetensors"
+    before = file.stat()
+    _rewrite_in_place(file, keep_mtime=True)
+    assert (file.stat().st_size, file.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    with pytest.raises(CheckpointError, match=r"Offloaded weight '[\w.]+' cannot be read from .*model\.safetensors"):
+        _logits(model, checkpoint)
 
 
 def test_offload_folder_file_rewritten_fails_the_read(stock_checkpoint, tmp_path):

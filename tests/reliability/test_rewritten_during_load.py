@@ -43,6 +43,15 @@ def _rewrite_in_place(file: Path, content: bytes) -> None:
     assert file.stat().st_ino == inode
 
 
+def _rewrite_keeping_size_and_mtime(file: Path, content: bytes) -> None:
+    """What ``rsync --inplace -t`` or a rewrite followed by ``touch -r`` leaves: other bytes, same size and mtime."""
+    before = file.stat()
+    _rewrite_in_place(file, content)
+    os.utime(file, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = file.stat()
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+
+
 def _run_after(monkeypatch, name: str, action) -> None:
     """Run ``action()`` right after ``modelpatch.loading.load.<name>`` returns during the next load."""
     original = getattr(load_module, name)
@@ -64,6 +73,19 @@ def test_file_rewritten_in_place_during_a_load_is_refused_naming_it(stock, tmp_p
     victim = sorted(directory.glob("*.safetensors"))[-1]
     content = _other_version(victim, tmp_path / "other.safetensors")
     _run_after(monkeypatch, moment, lambda: _rewrite_in_place(victim, content))
+    with pytest.raises(CheckpointError, match="rewrote it in place") as info:
+        modelpatch.from_pretrained(AutoModelForCausalLM, directory)
+    assert str(victim) in str(info.value)
+
+
+@pytest.mark.parametrize("moment", ["plan_model_load", "load_into_model"])
+def test_file_rewritten_with_its_size_and_mtime_restored_is_refused(stock, tmp_path, monkeypatch, moment):
+    """Size and modification time can be set back; the status-change time cannot."""
+    directory = tmp_path / "ckpt"
+    shutil.copytree(stock("llama").path, directory)
+    victim = directory / "model.safetensors"
+    content = _other_version(victim, tmp_path / "other.safetensors")
+    _run_after(monkeypatch, moment, lambda: _rewrite_keeping_size_and_mtime(victim, content))
     with pytest.raises(CheckpointError, match="rewrote it in place") as info:
         modelpatch.from_pretrained(AutoModelForCausalLM, directory)
     assert str(victim) in str(info.value)

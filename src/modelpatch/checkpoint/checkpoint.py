@@ -126,7 +126,7 @@ class Checkpoint(ClosesOnExit):
     """Read-only view of the tensors of a local checkpoint directory.
 
     Safetensors tensors are zero-copy views of memory-mapped files; pickle tensors are loaded with
-    ``torch.load(weights_only=True, mmap=True)``. Each file's identity (device, inode, size, modification time) is
+    ``torch.load(weights_only=True, mmap=True)``. Each file's identity (device, inode, size, modification and status-change times) is
     recorded when its header is read; a file rewritten in place afterwards is refused when its tensors are read
     and by :meth:`check_unchanged`.
     """

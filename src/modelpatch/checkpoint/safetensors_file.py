@@ -117,31 +117,46 @@ class ClosesOnExit:
 
 @dataclass(frozen=True)
 class FileIdentity:
-    """Which file, in which state: device and inode, size and modification time.
+    """Which file, in which state: device and inode, size, modification and status-change times, link count.
 
-    A file rewritten in place (same name, same inode) changes its size or modification time; a file replaced by a
-    rename keeps the identity of the open descriptor, so it is not mistaken for a change.
+    A file rewritten in place (same name, same inode) changes its status-change time (``st_ctime``), which no one can
+    set back, even when its size and modification time are restored afterwards (``rsync --inplace -t``,
+    ``touch -r``). A file replaced by a rename keeps the identity of the open descriptor, so it is not mistaken for
+    a change: the rename (or deletion) changes only the old file's link count and with it its status-change time,
+    so that time is compared only while the link count is the one recorded.
     """
 
     device: int
     inode: int
     size: int
     mtime_ns: int
+    ctime_ns: int
+    links: int
 
     @classmethod
     def of(cls, status: os.stat_result) -> FileIdentity:
-        return cls(status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns)
+        return cls(
+            status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns, status.st_nlink
+        )
 
     def check(self, path: Path, now: os.stat_result) -> None:
         """Raise :class:`CheckpointError` naming ``path`` if ``now`` is not the state this identity recorded."""
         current = FileIdentity.of(now)
-        if current != self:
-            raise CheckpointError(
-                f"{path}: the file changed while the checkpoint was being read (size {self.size} -> {current.size}, "
-                f"mtime_ns {self.mtime_ns} -> {current.mtime_ns}); something rewrote it in place. Nothing was "
-                "returned: load it again once it is complete, and replace checkpoints with a new file or directory "
-                "instead of rewriting them in place"
-            )
+        same_file = (self.device, self.inode, self.size, self.mtime_ns) == (
+            current.device,
+            current.inode,
+            current.size,
+            current.mtime_ns,
+        )
+        if same_file and (self.ctime_ns == current.ctime_ns or self.links != current.links):
+            return
+        raise CheckpointError(
+            f"{path}: the file changed while the checkpoint was being read (size {self.size} -> {current.size}, "
+            f"mtime_ns {self.mtime_ns} -> {current.mtime_ns}, ctime_ns {self.ctime_ns} -> {current.ctime_ns}); "
+            "something rewrote it in place (or changed its permissions or owner, which cannot be told apart). "
+            "Nothing was returned: load it again once it is complete, and replace checkpoints with a new file or "
+            "directory instead of rewriting them in place"
+        )
 
 
 class SafetensorsFile(ClosesOnExit):
