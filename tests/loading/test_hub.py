@@ -161,6 +161,41 @@ def test_unknown_revision_is_a_clear_error(two_revisions):
         modelpatch.from_pretrained(AutoModelForCausalLM, REPO, revision="v2")
 
 
+@pytest.mark.parametrize(
+    "revision", ["../refs/v1", "v1/..", "../../models--org--other/refs/main", "/etc/hostname", "main\x00", "a//b", "."]
+)
+def test_revision_with_path_syntax_is_refused_by_name(two_revisions, stock_checkpoint, revision):
+    # huggingface_hub joins the revision onto refs/ and reads the file it names as the commit.
+    add_snapshot(two_revisions, "org/other", stock_checkpoint("llama").path, COMMIT_B, ("main",))
+    with pytest.raises(CheckpointError, match=r"revision .* of org/tiny is not a branch, tag or commit name") as info:
+        modelpatch.from_pretrained(AutoModelForCausalLM, REPO, revision=revision)
+    assert repr(revision) in str(info.value)
+
+
+def test_revisions_with_slashes_still_resolve(two_revisions):
+    (two_revisions / "models--org--tiny" / "refs" / "feature").mkdir()
+    (two_revisions / "models--org--tiny" / "refs" / "feature" / "x").write_text(COMMIT_B)
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, REPO, revision="feature/x")
+    assert_same_as_stock(model, AutoModelForCausalLM.from_pretrained(REPO, revision="feature/x"))
+
+
+def test_snapshot_directory_linked_into_another_repository_is_refused(two_revisions, stock_checkpoint):
+    # The snapshot folder itself, not a file in it, leads into another repository: its files and blobs are that one's.
+    other = add_snapshot(two_revisions, "org/other", stock_checkpoint("llama_sharded").path, COMMIT_B, ("main",))
+    snapshot = two_revisions / "models--org--tiny" / "snapshots" / COMMIT_B
+    shutil.rmtree(snapshot)
+    snapshot.symlink_to(os.path.relpath(other, snapshot.parent), target_is_directory=True)
+    with pytest.raises(CheckpointError) as info:
+        modelpatch.from_pretrained(AutoModelForCausalLM, REPO, revision="v1")
+    message = str(info.value)
+    assert str(snapshot) in message and str(other) in message and "models--org--tiny" in message
+    # The link stays inside the repository (a snapshot sharing another commit's folder): it is followed.
+    snapshot.unlink()
+    snapshot.symlink_to(COMMIT_A, target_is_directory=True)
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, REPO, revision="v1")
+    assert_same_as_stock(model, AutoModelForCausalLM.from_pretrained(REPO, revision="main"))
+
+
 def test_shard_missing_from_the_cache_is_named(two_revisions):
     snapshot = two_revisions / "models--org--tiny" / "snapshots" / COMMIT_A
     shard = sorted(snapshot.glob("*.safetensors"))[1]

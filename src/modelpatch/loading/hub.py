@@ -33,6 +33,7 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
     RevisionResolutionError,
 )
+from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.utils import validate_repo_id
 
 from ..checkpoint.checkpoint import PICKLE_INDEX, PICKLE_SINGLE, SAFE_INDEX, SAFE_SINGLE
@@ -122,16 +123,30 @@ class _HubRepository:
             raise ValueError(f"force_download=True cannot download {repo_id}: {self._offline_reason()}.")
         self.cache_dir = Path(options.cache_dir if options.cache_dir is not None else constants.HF_HUB_CACHE)
         self.revision = options.revision or constants.DEFAULT_REVISION
+        _check_revision(repo_id, self.revision)
         self._not_cached: list[str] = []  # optional files the cache lacks while the hub could not be asked
 
     def resolve(self, *, weights: bool, allow_pickle: bool, safetensors_only: bool) -> Path:
         commit = self._resolve_revision()
-        directory = self._fetch(CONFIG_NAME, commit).parent
+        directory = self._confined(self._fetch(CONFIG_NAME, commit).parent)
         if weights:
             self._fetch_optional(GENERATION_CONFIG_NAME, commit)
             use_pickle = allow_pickle and not safetensors_only
             self._fetch_weights(commit, allow_pickle=use_pickle, hint_pickle=not safetensors_only)
         logger.info("%s (revision %s) resolved to %s", self.repo_id, self.revision, directory)
+        return directory
+
+    def _confined(self, directory: Path) -> Path:
+        """``directory`` (the snapshot folder, or a subfolder of it), refused when links take it out of this
+        repository's folder of the cache: its files, and the blobs they may link to, would be another repository's."""
+        folder = self.cache_dir / repo_folder_name(repo_id=self.repo_id, repo_type="model")
+        target = directory.resolve()
+        if not target.is_relative_to(folder.resolve()):
+            raise CheckpointError(
+                f"{directory}: the snapshot folder of {self._where()} resolves through a symlink to {target}, outside "
+                f"{folder} (another repository's files, or none of the cache's). Nothing was read. The cache is damaged "
+                f"or was tampered with: delete {directory} and download the repository again."
+            )
         return directory
 
     def _resolve_revision(self) -> str:
@@ -253,6 +268,31 @@ class _HubRepository:
         if isinstance(exc, EntryNotFoundError):
             return CheckpointError(f"{where} does not exist on the hub.")
         return CheckpointError(f"Could not fetch {where}: {exc}")
+
+
+def _check_revision(repo_id: str, revision: str) -> None:
+    """Refuse a revision with path syntax: huggingface_hub joins a revision onto the cache's ``refs/`` folder and
+    reads the file it names as the commit (``../../models--org--other/refs/main``, ``/etc/hostname``).
+
+    Branch and tag names may contain ``/`` (``refs/pr/1``, ``feature/x``), as in git; git refuses the rest too.
+    """
+    parts = revision.split("/")
+    bad = [
+        reason
+        for reason, found in (
+            ("an empty part (a leading, trailing or doubled '/')", not revision or "" in parts),
+            ("a '.' or '..' part", any(part in (".", "..") for part in parts)),
+            ("a backslash", "\\" in revision),
+            ("a control character", any(ord(c) < 32 or ord(c) == 127 for c in revision)),
+        )
+        if found
+    ]
+    if bad:
+        raise CheckpointError(
+            f"revision {revision!r} of {repo_id} is not a branch, tag or commit name: it has {' and '.join(bad)}, "
+            "which would make it a path inside (or outside) the cache rather than a name. Pass a branch, a tag, "
+            "refs/pr/N or a 40-character commit hash."
+        )
 
 
 def _shard_names(index: Path) -> list[str]:
