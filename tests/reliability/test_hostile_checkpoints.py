@@ -196,6 +196,33 @@ def unknown_dtype(d: Path):
     return CheckpointError, [str(file), repr(key), "dtype"]
 
 
+def header_nested_past_the_parsers_recursion_limit(d: Path):
+    file = d / "model.safetensors"
+    header, body = read_header(file)
+    raw = json.dumps(header)[:-1] + ', "__extra__": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    raw_bytes = raw.encode() + b" " * (-len(raw) % 8)
+    file.write_bytes(struct.pack("<Q", len(raw_bytes)) + raw_bytes + body)
+    return CheckpointError, [str(file), "nested"]
+
+
+def unused_bytes_between_tensors(d: Path):
+    """8 bytes no tensor owns before the last tensor: stock's safetensors reader refuses the file."""
+    file = d / "model.safetensors"
+    header, body = read_header(file)
+    last = tensor_keys(header)[-1]
+    begin, end = header[last]["data_offsets"]
+    header[last]["data_offsets"] = [begin + 8, end + 8]
+    write_header(file, header, body[:begin] + b"\0" * 8 + body[begin:])
+    return CheckpointError, [str(file), "belong to no tensor", repr(last)]
+
+
+def unused_bytes_after_the_last_tensor(d: Path):
+    file = d / "model.safetensors"
+    with file.open("ab") as f:
+        f.write(b"\0" * 8)
+    return CheckpointError, [str(file), "at the end of the file belong to no tensor"]
+
+
 def duplicate_header_key(d: Path):
     file = d / "model.safetensors"
     header, body = read_header(file)
@@ -285,6 +312,12 @@ def index_names_a_fifo(d: Path):
     os.mkfifo(d / "pipe.safetensors")
     index = edit_index(d, lambda m: m.update({next(iter(m)): "pipe.safetensors"}))
     return CheckpointError, [str(index), "'pipe.safetensors'"]
+
+
+def index_shard_name_with_nul(d: Path):
+    first = shards(d)[0].name
+    index = edit_index(d, lambda m: m.update({k: first + "\0x" for k, v in m.items() if v == first}))
+    return CheckpointError, [str(index), repr(first + "\0x")]
 
 
 def index_same_key_in_two_shards(d: Path):
@@ -447,6 +480,9 @@ SINGLE_FILE = {
         shape_disagrees_with_bytes,
         unknown_dtype,
         duplicate_header_key,
+        header_nested_past_the_parsers_recursion_limit,
+        unused_bytes_between_tensors,
+        unused_bytes_after_the_last_tensor,
         consistent_header_wrong_shape_for_model,
         renamed_key_leaves_parameter_missing,
         fp8_weights_with_their_scales,
@@ -477,6 +513,7 @@ SHARDED = {
         index_symlink_directory,
         index_symlink_to_device,
         index_names_a_fifo,
+        index_shard_name_with_nul,
         index_same_key_in_two_shards,
         index_maps_key_to_the_wrong_shard,
         index_not_json,

@@ -126,9 +126,9 @@ class Checkpoint(ClosesOnExit):
     """Read-only view of the tensors of a local checkpoint directory.
 
     Safetensors tensors are zero-copy views of memory-mapped files; pickle tensors are loaded with
-    ``torch.load(weights_only=True, mmap=True)``. Each file's identity (device, inode, size, modification and status-change times) is
-    recorded when its header is read; a file rewritten in place afterwards is refused when its tensors are read
-    and by :meth:`check_unchanged`.
+    ``torch.load(weights_only=True, mmap=True)``. Each file's identity (device, inode, size, modification and
+    status-change times) is recorded when its header is read; a file rewritten in place afterwards is refused when its
+    tensors are read and by :meth:`check_unchanged`.
     """
 
     def __init__(
@@ -376,8 +376,10 @@ def _confined_shard(directory: Path, handle: _Directory, index_path: Path, name:
     """Resolve shard ``name`` and make sure it stays inside ``directory`` (no absolute or ``..`` name, no symlink
     escape)."""
     relative = Path(name)
-    if not name or relative.is_absolute() or ".." in relative.parts:
-        raise CheckpointError(f"{index_path}: shard name {name!r} must be a relative path inside the directory")
+    if not name or relative.is_absolute() or ".." in relative.parts or "\0" in name:
+        raise CheckpointError(
+            f"{index_path}: shard name {name!r} must be a relative path inside the directory (no '..' part, no NUL)"
+        )
     path = directory / relative
     _check_symlinks(directory, handle, name, f"{index_path}: shard {name!r}")
     if not handle.is_file(name):

@@ -49,6 +49,19 @@ def read_json(path: Path, max_bytes: int, fd: int | None = None) -> Any:
         raise CheckpointError(f"{path}: cannot read it: {exc}") from exc
     if len(raw) > max_bytes:
         raise CheckpointError(f"{path}: more than the {max_bytes}-byte limit")
+    return parse_json(path, raw)
+
+
+def parse_json(path: Path, raw: bytes, *, unique_keys: bool = False) -> Any:
+    """Parse ``raw``, the content of ``path``, with the depth and integer bounds of :func:`read_json`.
+
+    ``unique_keys``: an object with the same key twice is refused too (JSON parsers keep the last one silently).
+
+    Raises:
+        CheckpointError: naming ``path``, when ``raw`` is not UTF-8 JSON, nests deeper than :data:`MAX_JSON_DEPTH`
+            (however deep: past the parser's own recursion limit too), holds an integer of more than 19 digits or,
+            with ``unique_keys``, a duplicate key.
+    """
 
     def bounded_int(literal: str) -> int:
         if len(literal.lstrip("-")) > _MAX_INTEGER_DIGITS:
@@ -56,7 +69,9 @@ def read_json(path: Path, max_bytes: int, fd: int | None = None) -> Any:
         return int(literal)
 
     try:
-        value = json.loads(raw.decode("utf-8"), parse_int=bounded_int)
+        value = json.loads(
+            raw.decode("utf-8"), parse_int=bounded_int, object_pairs_hook=_unique_keys if unique_keys else None
+        )
     except CheckpointError:
         raise
     except RecursionError:
@@ -65,6 +80,15 @@ def read_json(path: Path, max_bytes: int, fd: int | None = None) -> Any:
         raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
     _check_depth(path, value)
     return value
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"duplicate key {key!r}")
+        result[key] = value
+    return result
 
 
 def _check_depth(path: Path, value: Any) -> None:

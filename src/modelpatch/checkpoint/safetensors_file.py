@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import mmap
@@ -11,14 +10,13 @@ import stat
 import struct
 import weakref
 from dataclasses import dataclass
-from itertools import pairwise
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 import torch
 
 from modelpatch.checkpoint.file_range import FileRange
+from modelpatch.checkpoint.json_file import parse_json
 from modelpatch.checkpoint.pages import register_mapping
 from modelpatch.errors import CheckpointError
 
@@ -85,15 +83,6 @@ class TensorInfo:
     def nbytes(self) -> int:
         """Size of the tensor data in bytes."""
         return self.numel * self.dtype.itemsize
-
-
-def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise ValueError(f"duplicate key {key!r}")
-        result[key] = value
-    return result
 
 
 def _is_int(value: object) -> bool:
@@ -331,10 +320,7 @@ class SafetensorsFile(ClosesOnExit):
 def _parse_header(
     path: Path, raw_header: bytes, data_start: int, data_len: int
 ) -> tuple[dict[str, str], dict[str, TensorInfo]]:
-    try:
-        header = json.loads(raw_header.decode("utf-8"), object_pairs_hook=_reject_duplicate_keys)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise CheckpointError(f"{path}: header is not valid UTF-8 JSON: {exc}") from exc
+    header = parse_json(path, raw_header, unique_keys=True)
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header must be a JSON object, got {type(header).__name__}")
 
@@ -347,7 +333,7 @@ def _parse_header(
     tensors: dict[str, TensorInfo] = {}
     for key, entry in header.items():
         tensors[key] = _parse_entry(path, key, entry, data_start, data_len)
-    _check_no_overlap(path, tensors)
+    _check_layout(path, tensors, data_start, data_len)
     return dict(raw_metadata), tensors
 
 
@@ -384,8 +370,28 @@ def _parse_entry(path: Path, key: str, entry: object, data_start: int, data_len:
     return TensorInfo(key, dtype, tuple(shape), path, data_start + begin, data_start + end)
 
 
-def _check_no_overlap(path: Path, tensors: dict[str, TensorInfo]) -> None:
+def _check_layout(path: Path, tensors: dict[str, TensorInfo], data_start: int, data_len: int) -> None:
+    """The tensors' bytes follow one another from the start of the data section to the end of the file.
+
+    As the safetensors format requires (its own reader refuses anything else): bytes no tensor owns are unexplained
+    content, and two tensors reading the same bytes alias each other.
+    """
     spans = sorted((info.start, info.end, key) for key, info in tensors.items() if info.end > info.start)
-    for (_, prev_end, prev_key), (start, _, key) in pairwise(spans):
-        if start < prev_end:
-            raise CheckpointError(f"{path}: byte ranges of tensors {prev_key!r} and {key!r} overlap")
+    position, previous = data_start, None
+    for start, end, key in spans:
+        if start < position:
+            raise CheckpointError(f"{path}: byte ranges of tensors {previous!r} and {key!r} overlap")
+        if start > position:
+            after = f"after tensor {previous!r}" if previous is not None else "at the start of the data"
+            raise CheckpointError(
+                f"{path}: {start - position} byte(s) {after} belong to no tensor (tensor {key!r} starts at data "
+                f"offset {start - data_start}); a safetensors file stores its tensors back to back. The file is not "
+                "one a safetensors writer produced: get the checkpoint again"
+            )
+        position, previous = end, key
+    if position != data_start + data_len:
+        raise CheckpointError(
+            f"{path}: {data_start + data_len - position} byte(s) at the end of the file belong to no tensor; a "
+            "safetensors file ends with its last tensor. The file is not one a safetensors writer produced: get the "
+            "checkpoint again"
+        )

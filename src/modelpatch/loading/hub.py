@@ -143,9 +143,9 @@ class _HubRepository:
         target = directory.resolve()
         if not target.is_relative_to(folder.resolve()):
             raise CheckpointError(
-                f"{directory}: the snapshot folder of {self._where()} resolves through a symlink to {target}, outside "
-                f"{folder} (another repository's files, or none of the cache's). Nothing was read. The cache is damaged "
-                f"or was tampered with: delete {directory} and download the repository again."
+                f"{directory}: the snapshot folder of {self._where()} resolves through a symlink to {target}, "
+                f"outside {folder} (another repository's files, or none of the cache's). Nothing was read. The cache "
+                f"is damaged or was tampered with: delete {directory} and download the repository again."
             )
         return directory
 

@@ -8,9 +8,10 @@ checkpoint's) has no such place: it is written to ``offload_folder``, and withou
 tensor data is read, naming every such weight.
 
 Every read goes through :class:`~modelpatch.checkpoint.SafetensorsFile`, which compares the file with the identity
-(device, inode, size, modification and status-change times) recorded when its header was validated: a file rewritten in place since
-fails the read, naming the weight, instead of feeding the model other data. The files stay open as long as the
-model, so a checkpoint directory replaced since (a save into it, a hub update) does not change what is read.
+(device, inode, size, modification and status-change times) recorded when its header was validated: a file rewritten
+in place since fails the read, naming the weight, instead of feeding the model other data. The files stay open as
+long as the model, so a checkpoint directory replaced since (a save into it, a hub update) does not change what is
+read.
 """
 
 from __future__ import annotations
