@@ -206,6 +206,31 @@ def test_shard_missing_from_the_cache_is_named(two_revisions):
     assert "not in the cache" in str(info.value)
 
 
+def _replace_index(two_revisions: Path, content: bytes, size: int | None = None) -> Path:
+    """Give the index of ``org/tiny``'s main snapshot ``content`` (in its blob, padded sparsely to ``size``)."""
+    index = two_revisions / "models--org--tiny" / "snapshots" / COMMIT_A / "model.safetensors.index.json"
+    blob = index.resolve()
+    blob.write_bytes(content)
+    if size is not None:
+        os.truncate(blob, size)  # a sparse file: no disk space, and nothing to read unless a reader reads it all
+    return index
+
+
+def test_hub_index_nested_past_the_parsers_recursion_limit_is_named(two_revisions):
+    index = _replace_index(two_revisions, b'{"weight_map": {}, "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    with pytest.raises(CheckpointError, match="nested") as info:
+        modelpatch.from_pretrained(AutoModelForCausalLM, REPO)
+    assert str(index) in str(info.value)
+
+
+def test_hub_index_over_the_size_limit_is_refused_unread(two_revisions):
+    # 1 GiB: parsed whole, it cost 2.5 GB of memory before the bound was checked.
+    index = _replace_index(two_revisions, b'{"weight_map": {}}', size=2**30)
+    with pytest.raises(CheckpointError, match="byte limit") as info:
+        modelpatch.from_pretrained(AutoModelForCausalLM, REPO)
+    assert str(index) in str(info.value)
+
+
 def test_no_weights_in_the_cache(offline_cache, stock_checkpoint, tmp_path):
     source = tmp_path / "config_only"
     source.mkdir()

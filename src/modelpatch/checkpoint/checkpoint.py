@@ -363,6 +363,17 @@ def _read_weight_map(handle: _Directory, index_name: str) -> dict[str, str]:
         fd = handle.open(index_name)
     except OSError as exc:
         raise CheckpointError(f"{index_path}: cannot read it: {exc}") from exc
+    return read_weight_map(index_path, fd)
+
+
+def read_weight_map(index_path: Path, fd: int | None = None) -> dict[str, str]:
+    """The ``weight_map`` of shard index ``index_path`` (read from ``fd``, which is then closed, when given), read
+    with the bounds of :func:`~modelpatch.checkpoint.json_file.read_json` before it is parsed.
+
+    Raises:
+        CheckpointError: naming the index, when it is too large, nests too deeply, is not JSON or has no
+            ``weight_map`` of tensor key to shard file name.
+    """
     index = read_json(index_path, MAX_INDEX_BYTES, fd)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(

@@ -17,7 +17,6 @@ symlinks into the repository's ``blobs/``: the checkpoint reader follows those, 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ from huggingface_hub.errors import (
 from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.utils import validate_repo_id
 
-from ..checkpoint.checkpoint import PICKLE_INDEX, PICKLE_SINGLE, SAFE_INDEX, SAFE_SINGLE
+from ..checkpoint.checkpoint import PICKLE_INDEX, PICKLE_SINGLE, SAFE_INDEX, SAFE_SINGLE, read_weight_map
 from ..errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -296,9 +295,5 @@ def _check_revision(repo_id: str, revision: str) -> None:
 
 
 def _shard_names(index: Path) -> list[str]:
-    """The shard file names an index maps keys to (the checkpoint reader validates the index fully)."""
-    try:
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        return sorted(set(weight_map.values()))
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CheckpointError(f"{index}: not a valid index (a JSON object with a 'weight_map'): {exc}") from None
+    """The shard file names an index maps keys to (read with bounds; the checkpoint reader validates the names)."""
+    return sorted(set(read_weight_map(index).values()))
