@@ -16,6 +16,7 @@ from stock_checkpoints import assert_tensors_identical, config_json, read_tensor
 from transformers import AutoModelForCausalLM
 
 import modelpatch
+from modelpatch.checkpoint import Checkpoint
 from modelpatch.errors import CheckpointError
 from modelpatch.loading.offload import offloaded_weights
 
@@ -128,6 +129,31 @@ def test_converted_weights_need_offload_folder(stock_checkpoint, tmp_path, which
     logits = _logits(model, checkpoint)
     torch.testing.assert_close(logits, _logits(stock_offloaded, checkpoint), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logits, _logits(stock, checkpoint), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["a_file", "below_a_file", "read_only"])
+def test_unusable_offload_folder_is_named_before_any_tensor_is_read(stock_checkpoint, tmp_path, monkeypatch, case):
+    checkpoint = stock_checkpoint("llama")
+    if case == "a_file":
+        folder = tmp_path / "offload"
+        folder.write_text("")
+        expected = r"is not a directory"
+    elif case == "below_a_file":
+        (tmp_path / "file").write_text("")
+        folder = tmp_path / "file" / "offload"
+        expected = rf"lies below {tmp_path / 'file'}, which is not a directory"
+    else:
+        folder = tmp_path / "offload"
+        folder.mkdir(mode=0o555)
+        expected = r"permissions \(dr-xr-xr-x\) do not allow it"
+
+    def refuse(self, key):
+        raise AssertionError(f"tensor {key!r} was read")
+
+    monkeypatch.setattr(Checkpoint, "tensor", refuse)
+    with pytest.raises(CheckpointError, match=expected) as error:
+        _load(checkpoint, fusion_config=FUSED, device_map=PARTIAL, offload_folder=folder)
+    assert str(error.value).startswith(f"{folder}: offload_folder") and "pass another offload_folder" in str(error.value)
 
 
 def test_moe_experts_need_offload_folder_as_in_stock(stock_checkpoint, tmp_path):

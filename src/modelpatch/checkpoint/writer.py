@@ -321,14 +321,30 @@ def _permits(path: Path, status: os.stat_result, wanted: int) -> bool:
     return bits & wanted == wanted
 
 
-def _require(path: Path, wanted: int, why: str) -> None:
+def _require(path: Path, wanted: int, why: str, elsewhere: str = "save somewhere else") -> None:
     """Raise :class:`CheckpointPermissionError` naming ``path`` unless its permissions grant ``wanted``."""
     status = os.stat(path)
     if not _permits(path, status, wanted):
         raise CheckpointPermissionError(
             f"{path}: {why}, but its permissions ({stat.filemode(status.st_mode)}) do not allow it. Make it "
-            "writable (chmod u+rwx) or save somewhere else."
+            f"writable (chmod u+rwx) or {elsewhere}."
         )
+
+
+def require_writable_directory(directory: Path, why: str, elsewhere: str) -> None:
+    """Refuse, naming it, a ``directory`` that files cannot be written into: it is not a directory, lies below a
+    file, or its permissions (or, where it does not exist yet, those of its nearest existing parent, where it would be
+    created) forbid it. Checked before anything is written; ``why`` says what will write there, ``elsewhere`` what
+    to do instead.
+
+    Raises:
+        CheckpointError: naming ``directory`` (a :class:`CheckpointPermissionError` for permissions).
+    """
+    existing = next(p for p in (directory, *directory.parents) if p.exists() or p.is_symlink())
+    if not existing.is_dir():
+        where = "is not a directory" if existing == directory else f"lies below {existing}, which is not a directory"
+        raise CheckpointError(f"{directory}: {why}, but it {where}. Remove that file or {elsewhere}.")
+    _require(existing, _W | _X, f"{why}{'' if existing == directory else f' (creating {directory})'}", elsewhere)
 
 
 def _create_parent(directory: Path) -> None:

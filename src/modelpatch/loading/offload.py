@@ -5,7 +5,8 @@ checkpoint key, renamed at most, and cast to the model's dtype when that differs
 entry names the checkpoint file and the tensor's checkpoint key, and nothing is written. A weight that a conversion
 produces (fused, split, permuted, dequantized) or that the checkpoint does not hold (initialised at load, a pickle
 checkpoint's) has no such place: it is written to ``offload_folder``, and without one the load is refused before any
-tensor data is read, naming every such weight.
+tensor data is read, naming every such weight; so is an ``offload_folder`` that is not a directory, lies below a file
+or whose permissions forbid writing there (a ``CheckpointError`` naming it).
 
 Every read goes through :class:`~modelpatch.checkpoint.SafetensorsFile`, which compares the file with the identity
 (device, inode, size, modification and status-change times) recorded when its header was validated: a file rewritten
@@ -30,6 +31,7 @@ from safetensors.torch import save_file
 from transformers import PreTrainedModel
 
 from ..checkpoint import Checkpoint, SafetensorsFile, TensorInfo
+from ..checkpoint.writer import require_writable_directory
 from ..errors import CheckpointError, SaveError
 from ..state import model_record
 from .plan import LoadPlan
@@ -184,6 +186,13 @@ class DiskOffload:
                 f"them as they are): {', '.join(written)}. Pass offload_folder=... to have them written there. "
                 "Nothing was loaded."
             )
+        if written and offload_folder is not None:
+            # Before any tensor is read: a folder that cannot take the weights would fail the load once it was done.
+            require_writable_directory(
+                Path(offload_folder),
+                f"offload_folder: disk offload writes {len(written)} weight(s) there",
+                "pass another offload_folder",
+            )
         return cls(
             {name: source for name, source in sources.items() if source is not None},
             written,
@@ -214,11 +223,16 @@ class DiskOffload:
         if not self.written:
             return {}
         assert self.folder is not None  # plan() refused the load otherwise
-        self.folder.mkdir(parents=True, exist_ok=True)
         entries = {}
-        for name in self.written:
-            tensor = state[name].detach().contiguous()
-            entries[name] = _Entry(_write_weight(self.folder, name, tensor), name, tensor.dtype)
+        name = None
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            for name in self.written:
+                tensor = state[name].detach().contiguous()
+                entries[name] = _Entry(_write_weight(self.folder, name, tensor), name, tensor.dtype)
+        except OSError as exc:  # the folder changed since the plan checked it, or the disk is full
+            what = f"weight {name!r}" if name is not None else "the folder"
+            raise CheckpointError(f"{self.folder}: disk offload cannot write {what} to offload_folder: {exc}") from exc
         return entries
 
 
