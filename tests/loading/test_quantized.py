@@ -307,6 +307,33 @@ def test_torchao_checkpoint_with_a_fusion_that_would_concatenate_it_is_refused(t
         modelpatch.from_pretrained(AutoModelForCausalLM, torchao_checkpoint, fusion_config={"qkv": True})
 
 
+def _with_quantization_config(source: Path, path: Path, settings: dict) -> Path:
+    shutil.copytree(source, path)
+    raw = json.loads((path / "config.json").read_text())
+    raw["quantization_config"] = settings
+    (path / "config.json").write_text(json.dumps(raw))
+    return path
+
+
+def test_torchao_settings_on_a_full_precision_checkpoint_are_refused_naming_them(
+    plain_llama, tmp_path, no_tensor_reads
+):
+    path = _with_quantization_config(plain_llama, tmp_path / "mislabelled", int8_config().to_dict())
+    with pytest.raises(LoadPlanError, match=r"torchao quantizer cannot prepare LlamaForCausalLM") as info:
+        modelpatch.from_pretrained(AutoModelForCausalLM, path)
+    assert f"the quantization_config of {path / 'config.json'}" in str(info.value)
+    assert "remove the quantization_config" in str(info.value)
+
+
+@pytest.mark.parametrize("quant_type", ["junk", {"default": "junk"}, 5])
+def test_junk_torchao_quant_type_is_refused_naming_the_config(plain_llama, tmp_path, no_tensor_reads, quant_type):
+    settings = {**int8_config().to_dict(), "quant_type": quant_type}
+    path = _with_quantization_config(plain_llama, tmp_path / "junk", settings)
+    with pytest.raises(LoadPlanError, match=r"torchao quantizer refuses this load") as info:
+        modelpatch.from_pretrained(AutoModelForCausalLM, path)
+    assert f"Check the quantization_config of {path / 'config.json'}" in str(info.value)
+
+
 def test_torchao_quantization_at_load_like_stock(plain_llama):
     stock = AutoModelForCausalLM.from_pretrained(plain_llama, quantization_config=int8_config())
     model = modelpatch.from_pretrained(AutoModelForCausalLM, plain_llama, quantization_config=int8_config())
@@ -352,11 +379,7 @@ def test_torchao_quantization_at_load_quantizes_the_fused_projection(plain_llama
 def test_unsupported_methods_are_refused_by_name_before_any_tensor_is_read(
     plain_llama, tmp_path, no_tensor_reads, settings, method
 ):
-    path = tmp_path / "quantized"
-    shutil.copytree(plain_llama, path)
-    raw = json.loads((path / "config.json").read_text())
-    raw["quantization_config"] = settings
-    (path / "config.json").write_text(json.dumps(raw))
+    path = _with_quantization_config(plain_llama, tmp_path / "quantized", settings)
     with pytest.raises(LoadPlanError, match=rf"quantized with it, and modelpatch does not support '{method}'"):
         modelpatch.from_pretrained(AutoModelForCausalLM, path)
 

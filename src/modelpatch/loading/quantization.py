@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,7 +54,7 @@ from ..checkpoint.pages import release_pages
 from ..conversion.operations import ConversionOperation, Fp8BlockDequantize, TorchAoTensor
 from ..conversion.planner import ConversionPlan, TensorMeta, plan_load
 from ..conversion.transforms import WeightConverter, WeightRenaming, WeightTransform
-from ..errors import LoadPlanError, SaveError
+from ..errors import LoadPlanError, ModelPatchError, SaveError
 from ..state import ensure_model_record, model_record, stored_fusion_config
 from .diagnose import collapse_lines
 from .materialize import set_tensor
@@ -96,6 +98,18 @@ def _refusal(message: str, method: str | None) -> LoadPlanError:
     return LoadPlanError(f"{message} Nothing was loaded.", {"quantization": [str(method)]})
 
 
+@contextmanager
+def _quantizer_refusals(method: str | None, what: str, hint: str = "") -> Iterator[None]:
+    """Whatever transformers' quantizer raises about its settings or the checkpoint (it checks them with asserts,
+    ``ValueError``, ``TypeError``, ``KeyError``, ...) as a :class:`LoadPlanError` saying ``what`` it was doing."""
+    try:
+        yield
+    except ModelPatchError:
+        raise
+    except Exception as exc:
+        raise _refusal(f"transformers' {method} quantizer {what}: {str(exc).rstrip('.')}.{hint}", method) from exc
+
+
 def _supported_or_refused(settings: Any, where: str) -> str | None:
     method = _method_of(settings)
     if settings is not None and method not in SUPPORTED_METHODS:
@@ -115,6 +129,7 @@ class Quantization:
 
     quantizer: HfQuantizer
     method: str
+    source: str  # where the settings come from, for messages: "the quantization_config of .../config.json", ...
     stage: ConversionPlan | None = None  # stage one; its outputs are the checkpoint as stage two sees it
     # The tensors each quantized parameter is made of besides itself (``weight`` -> ``weight_scale_inv``), for messages.
     companions: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -129,8 +144,19 @@ class Quantization:
     def preprocess(self, model: PreTrainedModel, *, dtype: torch.dtype, checkpoint_files: Sequence[Any]) -> None:
         """The quantizer's module swaps and checkpoint reading, on the meta model (headers and metadata only)."""
         files = [str(f) for f in checkpoint_files] or None
-        self.quantizer.preprocess_model(
-            model=model, dtype=dtype, device_map=None, checkpoint_files=files, use_kernels=False
+        with self._refusals(f"cannot prepare {type(model).__name__} for this checkpoint"):
+            self.quantizer.preprocess_model(
+                model=model, dtype=dtype, device_map=None, checkpoint_files=files, use_kernels=False
+            )
+
+    def _refusals(self, what: str) -> AbstractContextManager[None]:
+        """:func:`_quantizer_refusals` of a failure that the checkpoint and its settings not going together explain."""
+        return _quantizer_refusals(
+            self.method,
+            f"{what} (with {self.source})",
+            f" The checkpoint's files are not what its quantization settings describe (settings meant for another "
+            f"checkpoint, or a full-precision checkpoint under a {self.method} quantization_config?): remove the "
+            "quantization_config, or load the checkpoint those settings were written with.",
         )
 
     # --- stage one -------------------------------------------------------------------------------------------------
@@ -190,7 +216,9 @@ class Quantization:
     def _transforms(self, model: PreTrainedModel, dtype: torch.dtype) -> list[WeightTransform]:
         """The quantizer's own conversions (what it adds to a model with none), in modelpatch's vocabulary."""
         transforms: list[WeightTransform] = []
-        for transform in weight_conversions_of(self.quantizer, model):
+        with self._refusals("cannot tell which tensors make up the quantized parameters"):
+            conversions = weight_conversions_of(self.quantizer, model)
+        for transform in conversions:
             sources, targets = original_patterns(transform)
             if any("*" in pattern for pattern in [*sources, *targets]):
                 raise self._untranslatable(f"{type(transform).__name__} {sources} -> {targets}")
@@ -329,6 +357,10 @@ def load_quantization(
     method = _supported_or_refused(quantization_config, "quantization_config=") or method
     if method is None:
         return None
+    config_file = Path(config.name_or_path) / "config.json" if config.name_or_path else Path("config.json")
+    source = f"the quantization_config of {config_file}"
+    if quantization_config is not None:
+        source = "quantization_config=" + (f" and {source}" if stored is not None else "")
     if not quantizer_api_supported():
         import transformers
 
@@ -345,11 +377,9 @@ def load_quantization(
             "device= instead.",
             method,
         )
-    try:
+    with _quantizer_refusals(method, "refuses this load", f" Check {source}."):
         quantizer = quantizer_for(config, quantization_config, device_map)
-    except (ValueError, TypeError, RuntimeError, ImportError) as exc:  # its checks raise these, each with a reason
-        raise _refusal(f"transformers' {method} quantizer refuses this load: {exc}", method) from None
-    quantization = Quantization(quantizer, method)
+    quantization = Quantization(quantizer, method, source)
     if method == "compressed-tensors" and getattr(quantizer.quantization_config, "dequantize", False):
         # Refused from the settings, whatever ops this transformers release would use to dequantize at load.
         raise quantization._untranslatable("CompressedTensorsDequantize (dequantize=True)")
