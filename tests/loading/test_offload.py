@@ -248,6 +248,18 @@ def test_checkpoint_rewritten_with_its_size_and_mtime_restored_fails_the_offload
         _logits(model, checkpoint)
 
 
+def test_checkpoint_truncated_after_load_fails_the_offloaded_read_naming_it(stock_checkpoint, tmp_path):
+    # Read from the truncated file, the weights' pages would kill the process with SIGBUS.
+    checkpoint = stock_checkpoint("llama")
+    source = shutil.copytree(checkpoint.path, tmp_path / "llama")
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, source, device_map={"": "disk"})
+    file = source / "model.safetensors"
+    size = file.stat().st_size
+    os.truncate(file, size // 2)
+    with pytest.raises(CheckpointError, match=rf"model\.safetensors: the file was truncated from {size} to {size // 2}"):
+        _logits(model, checkpoint)
+
+
 def test_offload_folder_file_rewritten_fails_the_read(stock_checkpoint, tmp_path):
     checkpoint = stock_checkpoint("llama")
     model = _load(checkpoint, fusion_config=FUSED, device_map=PARTIAL, offload_folder=tmp_path)

@@ -139,6 +139,14 @@ class FileIdentity:
         )
         if same_file and (self.ctime_ns == current.ctime_ns or self.links != current.links):
             return
+        if current.inode == self.inode and current.size < self.size:
+            # Checked before each read: touching mapped pages a truncation removed kills the process (SIGBUS).
+            raise CheckpointError(
+                f"{path}: the file was truncated from {self.size} to {current.size} bytes since its header was read; "
+                "its tensors can no longer be read (a read of the removed part would kill the process with SIGBUS). "
+                "Nothing was read: load the checkpoint again once it is complete, and replace checkpoints with a new "
+                "file or directory instead of rewriting them in place"
+            )
         raise CheckpointError(
             f"{path}: the file changed while the checkpoint was being read (size {self.size} -> {current.size}, "
             f"mtime_ns {self.mtime_ns} -> {current.mtime_ns}, ctime_ns {self.ctime_ns} -> {current.ctime_ns}); "
