@@ -17,7 +17,7 @@ import torch
 from peft import IA3Config, LoraConfig
 
 import modelpatch
-from modelpatch.errors import ModelPatchError, PeftIntegrationError
+from modelpatch.errors import CheckpointError, ModelPatchError, PeftIntegrationError
 from modelpatch.fusions.projections import FusedLinear, ProjectionSlice
 from support.compare import ATOL
 from support.models import VOCAB
@@ -205,6 +205,17 @@ def test_load_adapter_saved_from_stock(tiny, tmp_path, name, fusion_config):
     assert _lora_state(loaded).keys() == _lora_state(stock).keys()
     assert not any(param.requires_grad for param in loaded.parameters())
     _assert_close(_logits(loaded), _logits(stock))
+
+
+def test_adapter_config_nested_past_the_parsers_recursion_limit_is_named(tiny, tmp_path):
+    ckpt = tiny("llama")
+    _random_adapter(ckpt.model_class.from_pretrained(ckpt.path), ALL_PROJECTIONS).save_pretrained(tmp_path)
+    config_file = tmp_path / "adapter_config.json"
+    text = config_file.read_text().rstrip().removesuffix("}")
+    config_file.write_text(text + ', "extra": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(CheckpointError, match="nested") as info:
+        modelpatch.load_adapter(ckpt.load(FUSED), tmp_path)
+    assert str(config_file) in str(info.value)
 
 
 def test_adapter_on_expert_linears_reloads(tiny, tmp_path):

@@ -28,6 +28,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from ..checkpoint.json_file import MAX_CONFIG_BYTES, read_json
 from ..errors import PeftIntegrationError
 from ..fusions.linear_experts.modules import LinearExperts
 from ..fusions.projections import ProjectionSlice
@@ -324,7 +325,7 @@ def load_adapter(
     """
     peft = _import_peft()
     directory = Path(adapter_dir, kwargs.get("subfolder") or "")
-    config = _config_for(peft.PeftConfig.from_pretrained(str(adapter_dir), **kwargs), model)
+    config = _config_for(_saved_config(peft, adapter_dir, directory, kwargs), model)
     expert_linears = set(_expert_linears(model))
     reload = set()
     if expert_linears:
@@ -342,6 +343,15 @@ def load_adapter(
     if reload:
         _load_as_saved(peft_model, directory, adapter_name, reload)
     return peft_model
+
+
+def _saved_config(peft: ModuleType, adapter_dir: str | Path, directory: Path, kwargs: dict[str, Any]) -> PeftConfig:
+    """The adapter's ``PeftConfig``; a local ``adapter_config.json`` is first read with modelpatch's bounds (size,
+    nesting), which PEFT's plain JSON read lacks (100k nested lists are a RecursionError there)."""
+    config_file = directory / "adapter_config.json"
+    if config_file.is_file():
+        read_json(config_file, MAX_CONFIG_BYTES)
+    return peft.PeftConfig.from_pretrained(str(adapter_dir), **kwargs)
 
 
 def _skip_unsaved(config: PeftConfig, model: nn.Module, unsaved: set[str]) -> None:
