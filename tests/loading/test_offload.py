@@ -153,7 +153,8 @@ def test_unusable_offload_folder_is_named_before_any_tensor_is_read(stock_checkp
     monkeypatch.setattr(Checkpoint, "tensor", refuse)
     with pytest.raises(CheckpointError, match=expected) as error:
         _load(checkpoint, fusion_config=FUSED, device_map=PARTIAL, offload_folder=folder)
-    assert str(error.value).startswith(f"{folder}: offload_folder") and "pass another offload_folder" in str(error.value)
+    message = str(error.value)
+    assert message.startswith(f"{folder}: offload_folder") and "pass another offload_folder" in message
 
 
 def test_moe_experts_need_offload_folder_as_in_stock(stock_checkpoint, tmp_path):
@@ -256,7 +257,9 @@ def test_checkpoint_truncated_after_load_fails_the_offloaded_read_naming_it(stoc
     file = source / "model.safetensors"
     size = file.stat().st_size
     os.truncate(file, size // 2)
-    with pytest.raises(CheckpointError, match=rf"model\.safetensors: the file was truncated from {size} to {size // 2}"):
+    with pytest.raises(
+        CheckpointError, match=rf"model\.safetensors: the file was truncated from {size} to {size // 2}"
+    ):
         _logits(model, checkpoint)
 
 
