@@ -207,6 +207,12 @@ def test_offloaded_model_saves_like_the_loaded_one(stock_checkpoint, tmp_path, f
         assert_tensors_identical(read_tensors(tmp_path / "stock"), expected)
 
 
+def _fully_offloaded_copy(checkpoint, tmp_path):
+    """A copy of ``checkpoint`` in ``tmp_path`` and the model loaded from it with every module on ``"disk"``."""
+    source = shutil.copytree(checkpoint.path, tmp_path / checkpoint.path.name)
+    return checkpoint, source, modelpatch.from_pretrained(AutoModelForCausalLM, source, device_map={"": "disk"})
+
+
 def _rewrite_in_place(path, keep_mtime=False):
     """Flip one byte of the last tensor's data, in the same file (same inode); ``keep_mtime``: then set its
     modification time back, as ``rsync --inplace -t`` or ``touch -r`` do (the size is unchanged anyway)."""
@@ -223,9 +229,7 @@ def _rewrite_in_place(path, keep_mtime=False):
 
 
 def test_checkpoint_rewritten_after_load_fails_the_offloaded_read(stock_checkpoint, tmp_path):
-    source = shutil.copytree(stock_checkpoint("llama").path, tmp_path / "llama")
-    checkpoint = stock_checkpoint("llama")
-    model = modelpatch.from_pretrained(AutoModelForCausalLM, source, device_map={"": "disk"})
+    checkpoint, source, model = _fully_offloaded_copy(stock_checkpoint("llama"), tmp_path)
     _logits(model, checkpoint)
     _rewrite_in_place(source / "model.safetensors")
     with pytest.raises(CheckpointError, match=r"Offloaded weight '[\w.]+' cannot be read from .*model\.safetensors"):
@@ -237,9 +241,7 @@ def test_checkpoint_rewritten_after_load_fails_the_offloaded_read(stock_checkpoi
 
 def test_checkpoint_rewritten_with_its_size_and_mtime_restored_fails_the_offloaded_read(stock_checkpoint, tmp_path):
     # rsync --inplace -t, or a rewrite followed by touch -r: only the status-change time tells.
-    checkpoint = stock_checkpoint("llama")
-    source = shutil.copytree(checkpoint.path, tmp_path / "llama")
-    model = modelpatch.from_pretrained(AutoModelForCausalLM, source, device_map={"": "disk"})
+    checkpoint, source, model = _fully_offloaded_copy(stock_checkpoint("llama"), tmp_path)
     _logits(model, checkpoint)
     file = source / "model.safetensors"
     before = file.stat()
@@ -251,9 +253,7 @@ def test_checkpoint_rewritten_with_its_size_and_mtime_restored_fails_the_offload
 
 def test_checkpoint_truncated_after_load_fails_the_offloaded_read_naming_it(stock_checkpoint, tmp_path):
     # Read from the truncated file, the weights' pages would kill the process with SIGBUS.
-    checkpoint = stock_checkpoint("llama")
-    source = shutil.copytree(checkpoint.path, tmp_path / "llama")
-    model = modelpatch.from_pretrained(AutoModelForCausalLM, source, device_map={"": "disk"})
+    checkpoint, source, model = _fully_offloaded_copy(stock_checkpoint("llama"), tmp_path)
     file = source / "model.safetensors"
     size = file.stat().st_size
     os.truncate(file, size // 2)
@@ -273,9 +273,7 @@ def test_offload_folder_file_rewritten_fails_the_read(stock_checkpoint, tmp_path
 
 def test_checkpoint_replaced_after_load_is_not_read(stock_checkpoint, tmp_path):
     # The offloaded reads go through the files opened at load: a new file renamed over the old one changes nothing.
-    checkpoint = stock_checkpoint("llama")
-    source = shutil.copytree(checkpoint.path, tmp_path / "llama")
-    model = modelpatch.from_pretrained(AutoModelForCausalLM, source, device_map={"": "disk"})
+    checkpoint, source, model = _fully_offloaded_copy(stock_checkpoint("llama"), tmp_path)
     expected = _logits(model, checkpoint)
     other = {key: torch.zeros_like(tensor) for key, tensor in read_tensors(source).items()}
     save_file(other, str(tmp_path / "other.safetensors"), metadata={"format": "pt"})
