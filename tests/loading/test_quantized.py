@@ -325,11 +325,14 @@ def test_torchao_settings_on_a_full_precision_checkpoint_are_refused_naming_them
     assert "remove the quantization_config" in str(info.value)
 
 
-@pytest.mark.parametrize("quant_type", ["junk", {"default": "junk"}, 5])
+@pytest.mark.parametrize("quant_type", ["junk", {"default": "junk"}, 5, None])
 def test_junk_torchao_quant_type_is_refused_naming_the_config(plain_llama, tmp_path, no_tensor_reads, quant_type):
     settings = {**int8_config().to_dict(), "quant_type": quant_type}
+    if quant_type is None:
+        del settings["quant_type"]
     path = _with_quantization_config(plain_llama, tmp_path / "junk", settings)
-    with pytest.raises(LoadPlanError, match=r"torchao quantizer refuses this load") as info:
+    expected = "no 'quant_type' in its settings" if quant_type is None else ""
+    with pytest.raises(LoadPlanError, match=rf"torchao quantizer refuses this load: {expected}") as info:
         modelpatch.from_pretrained(AutoModelForCausalLM, path)
     assert f"Check the quantization_config of {path / 'config.json'}" in str(info.value)
 

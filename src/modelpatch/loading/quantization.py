@@ -107,7 +107,8 @@ def _quantizer_refusals(method: str | None, what: str, hint: str = "") -> Iterat
     except ModelPatchError:
         raise
     except Exception as exc:
-        raise _refusal(f"transformers' {method} quantizer {what}: {str(exc).rstrip('.')}.{hint}", method) from exc
+        detail = f"no {exc.args[0]!r} in its settings" if isinstance(exc, KeyError) and exc.args else str(exc)
+        raise _refusal(f"transformers' {method} quantizer {what}: {detail.rstrip('.')}.{hint}", method) from exc
 
 
 def _supported_or_refused(settings: Any, where: str) -> str | None:
