@@ -138,10 +138,9 @@ def test_symlink_inside_directory_allowed(tmp_path: Path) -> None:
     assert Checkpoint.open(directory).tensor("a").tolist() == [1.0]
 
 
-def _hub_snapshot(tmp_path: Path, blob_folder: str) -> Path:
+def _hub_snapshot(tmp_path: Path, blob_folder: str, repo: str = "models--org--name", commit: str = "c" * 40) -> Path:
     """A huggingface_hub cache snapshot whose index and shard link (relatively) to blobs in ``blob_folder``."""
-    repo = tmp_path / "models--org--name"
-    snapshot = repo / "snapshots" / ("c" * 40) / "sub"
+    snapshot = tmp_path / repo / "snapshots" / commit / "sub"
     snapshot.mkdir(parents=True)
     blobs = tmp_path / blob_folder
     blobs.mkdir(parents=True, exist_ok=True)
@@ -163,6 +162,21 @@ def test_hub_snapshot_links_elsewhere_refused(tmp_path: Path, blob_folder: str) 
     with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json: resolves through a symlink"):
         Checkpoint.open(snapshot)
     with Checkpoint.open(snapshot, allow_external_symlinks=True) as checkpoint:
+        assert checkpoint.tensor("a").tolist() == [1.0]
+
+
+def test_hub_snapshot_folder_linked_into_another_repository_refused(tmp_path: Path) -> None:
+    # models--org--name's snapshot folder is a link to models--org--other's: its files and blobs are that one's.
+    other = _hub_snapshot(tmp_path, "models--org--other/blobs", repo="models--org--other").parent
+    snapshots = tmp_path / "models--org--name" / "snapshots"
+    snapshots.mkdir(parents=True)
+    (snapshots / other.name).symlink_to(os.path.relpath(other, snapshots), target_is_directory=True)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json: resolves through a symlink"):
+        Checkpoint.open(snapshots / other.name / "sub")
+    # A snapshot folder linked to another snapshot of its own repository is followed.
+    own = _hub_snapshot(tmp_path, "models--org--name/blobs", commit="d" * 40).parent
+    (snapshots / ("e" * 40)).symlink_to(own.name, target_is_directory=True)
+    with Checkpoint.open(snapshots / ("e" * 40) / "sub") as checkpoint:
         assert checkpoint.tensor("a").tolist() == [1.0]
 
 

@@ -89,16 +89,16 @@ class _Directory:
         (``models--org--name/snapshots/<commit>/``, whose files are links to ``../../blobs/<hash>``), into that
         repository's ``blobs/``. Anything else would make the checkpoint's content depend on files its directory does
         not hold, so it is refused unless ``allow_external_symlinks`` says the caller vouches for such links.
+
+        The repository is the one the path names where it names one, before any link is followed: a snapshot folder
+        that is itself a link into another repository does not make that one's blobs readable.
         """
         if self.allow_external_symlinks:
             return None
         target = (self.path / name).resolve()
         root = self.path.resolve()
-        roots = [root]
-        for folder in (root, *root.parents):
-            if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
-                roots.append(folder.parent.parent / "blobs")
-                break
+        blobs = _repository_blobs(Path(os.path.abspath(self.path))) or _repository_blobs(root)
+        roots = [root] if blobs is None else [root, blobs.resolve()]
         return None if any(target.is_relative_to(allowed) for allowed in roots) else target
 
     def open(self, name: str) -> int:
@@ -120,6 +120,14 @@ class _Directory:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def _repository_blobs(folder: Path) -> Path | None:
+    """The ``blobs/`` of the huggingface_hub cache repository ``folder`` is a snapshot (or lies in one) of, or None."""
+    for inside in (folder, *folder.parents):
+        if inside.parent.name == "snapshots" and inside.parent.parent.name.startswith("models--"):
+            return inside.parent.parent / "blobs"
+    return None
 
 
 class Checkpoint(ClosesOnExit):
