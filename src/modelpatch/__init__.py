@@ -54,6 +54,7 @@ _LAZY: dict[str, str] = {
             "MergeModulelist",
             "SplitModulelist",
             "Transpose",
+            "Unpad",
             "WeightConverter",
             "WeightRenaming",
             "WeightTransform",

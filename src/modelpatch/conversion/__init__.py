@@ -15,6 +15,7 @@ from .operations import (
     SplitExpertGroups,
     SplitModulelist,
     Transpose,
+    Unpad,
 )
 from .planner import ConversionGroup, ConversionPlan, TensorMeta, plan_load, plan_save
 from .registry import (
@@ -50,6 +51,7 @@ __all__ = [
     "SplitModulelist",
     "TensorMeta",
     "Transpose",
+    "Unpad",
     "WeightConverter",
     "WeightRenaming",
     "WeightTransform",

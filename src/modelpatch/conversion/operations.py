@@ -123,6 +123,16 @@ class _PerSlotOperation(ConversionOperation):
     def _tensor(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
 
+def _text_config_count(config: Any, attribute: str, what: str, op: ConversionOperation) -> int:
+    """The positive integer ``attribute`` of the model's text config (the config itself when it has no text part),
+    which ``op`` reads as ``what``."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    value = getattr(text_config, attribute, None)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConversionError(f"{op!r} reads {what} from the config's {attribute!r}, which is {value!r}.")
+    return value
+
+
 class _PartsFromConfig:
     """``configured`` of :class:`Concatenate` and :class:`Chunk`: the number of parts of an indexed slot read from the
     text config's ``parts_attribute`` (transformers' ``num_shards_attribute``)."""
@@ -135,13 +145,7 @@ class _PartsFromConfig:
     def configured(self, config):
         if self.parts_attribute is None or self.parts is not None:
             return self
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        parts = getattr(text_config, self.parts_attribute, None)
-        if not isinstance(parts, int) or parts < 1:
-            raise ConversionError(
-                f"{self!r} reads its number of parts from the config's {self.parts_attribute!r}, which is {parts!r}."
-            )
-        return replace(self, parts=parts)
+        return replace(self, parts=_text_config_count(config, self.parts_attribute, "its number of parts", self))
 
 
 @dataclass(frozen=True)
@@ -633,6 +637,62 @@ class LinearToConv3d(_PerSlotOperation):
 
     def reverse(self):
         return Conv3dToLinear(kernel_shape=self.kernel_shape)
+
+
+@dataclass(frozen=True)
+class Unpad(ConversionOperation):
+    """Keep the first ``size`` entries along ``dim`` of one tensor, dropping the padding a checkpoint stores; with
+    ``inverse``, append zeros up to ``padded_size`` entries (transformers' ``Inkling2UnpadVocab``: an unembedding
+    stored padded to ``vocab_size`` rows, of which the first ``unpadded_vocab_size`` are the model's).
+
+    ``size`` and ``padded_size`` are read from the text config's ``size_attribute`` / ``padded_size_attribute`` by
+    :meth:`configured` when not given. A load records how many entries the checkpoint had, so its reverse pads back
+    to that many. The padding comes back as zeros, as stock writes it: it was never part of the model.
+    """
+
+    dim: int = 0
+    size: int | None = None
+    padded_size: int | None = None
+    size_attribute: str | None = None
+    padded_size_attribute: str | None = None
+    inverse: bool = False
+
+    def configured(self, config):
+        sizes = {}
+        if self.size is None and self.size_attribute is not None:
+            sizes["size"] = _text_config_count(config, self.size_attribute, "the size it keeps", self)
+        if self.padded_size is None and self.padded_size_attribute is not None:
+            sizes["padded_size"] = _text_config_count(config, self.padded_size_attribute, "the padded size", self)
+        return replace(self, **sizes) if sizes else self
+
+    def bind(self, shapes, num_targets):
+        shapes = _require_tensor_slots(shapes, self)
+        if len(shapes) != 1:
+            raise ConversionError(f"{self!r} takes exactly one tensor, got {len(shapes)}.")
+        (shape,) = shapes
+        dim = _norm_dim(self.dim, len(shape), self)
+        out = list(shape)
+        if self.inverse:
+            if self.padded_size is None or self.padded_size < shape[dim]:
+                raise ConversionError(f"{self!r} cannot pad dim {self.dim} of shape {shape} to {self.padded_size}.")
+            bound, out[dim] = replace(self, size=shape[dim]), self.padded_size
+        else:
+            if self.size is None or self.size > shape[dim]:
+                raise ConversionError(f"{self!r} cannot keep {self.size} entries of dim {self.dim} of shape {shape}.")
+            bound, out[dim] = replace(self, padded_size=shape[dim]), self.size
+        return bound, [tuple(out)]
+
+    def apply(self, slots):
+        (tensor,) = slots
+        # Bound: bind checked that the size this direction needs is set.
+        if not self.inverse:
+            return [tensor.narrow(self.dim, 0, int(self.size or 0))]
+        padding = list(tensor.shape)
+        padding[self.dim] = int(self.padded_size or 0) - tensor.shape[self.dim]
+        return [torch.cat([tensor, tensor.new_zeros(padding)], dim=self.dim)]
+
+    def reverse(self):
+        return replace(self, inverse=not self.inverse)
 
 
 _FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz)

@@ -43,7 +43,7 @@ class _Absent:
 
 def _hf(name: str) -> type:
     """``transformers.core_model_loading.<name>``, or :class:`_Absent` on releases before it existed (``Split``,
-    ``Inkling2IndexOffsetWeightRename`` came in later 5.x releases)."""
+    ``Inkling2IndexOffsetWeightRename`` came in later 5.x releases, ``Inkling2UnpadVocab`` in 5.24)."""
     return getattr(hf, name, _Absent)
 
 
@@ -158,6 +158,18 @@ _OPERATIONS: dict[type, Callable[[Any], ops.ConversionOperation]] = {
     hf.LinearToConv3d: lambda op: ops.LinearToConv3d(kernel_shape=(op.in_channels, *op.kernel_size)),
     hf.ErnieFuseAndSplitTextVisionExperts: lambda op: ops.FuseExpertGroups(op.stack_dim, op.concat_dim),
     hf.ErnieSplitAndDecoupleTextVisionExperts: lambda op: ops.SplitExpertGroups(op.stack_dim, op.concat_dim),
+    # The unembedding stored padded to `vocab_size` rows (transformers 5.24); its sizes come from the text config.
+    _hf("Inkling2UnpadVocab"): lambda op: ops.Unpad(
+        0, size_attribute="unpadded_vocab_size", padded_size_attribute="vocab_size", inverse=op.inverse
+    ),
 }
 # Operations that keep one tensor per pattern, so the tensors keep the patterns' names after them.
-_PER_TENSOR = {hf.PermuteForRope, hf.Transpose, hf.Interleave, hf.Conv3dToLinear, hf.LinearToConv3d, hf.MergeModulelist}
+_PER_TENSOR = {
+    hf.PermuteForRope,
+    hf.Transpose,
+    hf.Interleave,
+    hf.Conv3dToLinear,
+    hf.LinearToConv3d,
+    hf.MergeModulelist,
+    _hf("Inkling2UnpadVocab"),
+}
