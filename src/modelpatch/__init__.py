@@ -30,6 +30,7 @@ from .errors import (
     PatchRegistryError,
     RegistryError,
     SaveError,
+    TransformersVersionError,
 )
 
 __version__ = "0.1.0"
@@ -108,6 +109,7 @@ __all__ = [
     "PatchRegistryError",
     "RegistryError",
     "SaveError",
+    "TransformersVersionError",
     *sorted(_LAZY),
 ]
 

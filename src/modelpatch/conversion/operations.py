@@ -123,7 +123,7 @@ class _PerSlotOperation(ConversionOperation):
     def _tensor(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
 
-def _text_config_count(config: Any, attribute: str, what: str, op: ConversionOperation) -> int:
+def _text_config_count(config: Any, attribute: str, what: str, op: object) -> int:
     """The positive integer ``attribute`` of the model's text config (the config itself when it has no text part),
     which ``op`` reads as ``what``."""
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -658,12 +658,12 @@ class Unpad(ConversionOperation):
     inverse: bool = False
 
     def configured(self, config):
-        sizes = {}
-        if self.size is None and self.size_attribute is not None:
-            sizes["size"] = _text_config_count(config, self.size_attribute, "the size it keeps", self)
-        if self.padded_size is None and self.padded_size_attribute is not None:
-            sizes["padded_size"] = _text_config_count(config, self.padded_size_attribute, "the padded size", self)
-        return replace(self, **sizes) if sizes else self
+        size, padded_size = self.size, self.padded_size
+        if size is None and self.size_attribute is not None:
+            size = _text_config_count(config, self.size_attribute, "the size it keeps", self)
+        if padded_size is None and self.padded_size_attribute is not None:
+            padded_size = _text_config_count(config, self.padded_size_attribute, "the padded size", self)
+        return replace(self, size=size, padded_size=padded_size)
 
     def bind(self, shapes, num_targets):
         shapes = _require_tensor_slots(shapes, self)
