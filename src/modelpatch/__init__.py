@@ -45,6 +45,7 @@ _LAZY: dict[str, str] = {
             "GroupWeightRename",
             "IndexOffsetRenaming",
             "Interleave",
+            "LayerPairRenaming",
             "PermuteForRope",
             "PrefixChange",
             "Split",

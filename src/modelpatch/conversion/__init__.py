@@ -25,6 +25,7 @@ from .registry import (
 from .transforms import (
     GroupWeightRename,
     IndexOffsetRenaming,
+    LayerPairRenaming,
     PrefixChange,
     WeightConverter,
     WeightRenaming,
@@ -42,6 +43,7 @@ __all__ = [
     "GroupWeightRename",
     "IndexOffsetRenaming",
     "Interleave",
+    "LayerPairRenaming",
     "LinearToConv3d",
     "MergeModulelist",
     "PermuteForRope",

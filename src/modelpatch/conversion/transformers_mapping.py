@@ -29,6 +29,7 @@ from . import operations as ops
 from .transforms import (
     GroupWeightRename,
     IndexOffsetRenaming,
+    LayerPairRenaming,
     PrefixChange,
     WeightConverter,
     WeightRenaming,
@@ -44,7 +45,8 @@ class _Absent:
 
 def _hf(name: str) -> type:
     """``transformers.core_model_loading.<name>``, or :class:`_Absent` on releases without it (``Split``,
-    ``Inkling2IndexOffsetWeightRename`` came in later 5.x releases, ``Inkling2UnpadVocab`` in 5.24)."""
+    ``Inkling2IndexOffsetWeightRename`` came in later 5.x releases, ``Inkling2UnpadVocab`` and ``LayerPairCollapse`` in
+    5.24)."""
     return getattr(hf, name, _Absent)
 
 
@@ -90,6 +92,8 @@ def _translate_transform(transform: Any, owner: str) -> WeightTransform:
         result = PrefixChange(transform.prefix_to_add, transform.prefix_to_remove, transform.model_prefix)
     elif kind is _hf("GroupWeightRename"):
         result = GroupWeightRename(sources, targets)
+    elif kind is _hf("LayerPairCollapse"):
+        result = LayerPairRenaming()
     elif kind is _hf("Inkling2IndexOffsetWeightRename"):
         result = IndexOffsetRenaming(sources, targets, transform.offset)
     elif kind is _hf("WeightRenaming"):
