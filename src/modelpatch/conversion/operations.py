@@ -59,6 +59,15 @@ def _require_tensor_slots(shapes: list[ShapeSlot], op: ConversionOperation) -> l
     return list(shapes)  # type: ignore[arg-type]
 
 
+def _one_tensor(shapes: list[ShapeSlot], dim: int, op: ConversionOperation) -> tuple[Shape, int]:
+    """The shape of the one tensor an operation takes, and ``dim`` normalised for it."""
+    tensors = _require_tensor_slots(shapes, op)
+    if len(tensors) != 1:
+        raise ConversionError(f"{op!r} takes exactly one tensor, got {len(tensors)}.")
+    (shape,) = tensors
+    return shape, _norm_dim(dim, len(shape), op)
+
+
 class ConversionOperation(ABC):
     """Base class of conversion operations. Subclasses are frozen dataclasses."""
 
@@ -222,11 +231,7 @@ class Chunk(_PartsFromConfig, ConversionOperation):
     parts_attribute: str | None = None
 
     def bind(self, shapes, num_targets):
-        shapes = _require_tensor_slots(shapes, self)
-        if len(shapes) != 1:
-            raise ConversionError(f"{self!r} splits exactly one tensor, got {len(shapes)}.")
-        (shape,) = shapes
-        dim = _norm_dim(self.dim, len(shape), self)
+        shape, dim = _one_tensor(shapes, self.dim, self)
         sizes = self.sizes
         if sizes is None:
             count = self.parts if self.indexed else num_targets
@@ -666,11 +671,7 @@ class Unpad(ConversionOperation):
         return replace(self, size=size, padded_size=padded_size)
 
     def bind(self, shapes, num_targets):
-        shapes = _require_tensor_slots(shapes, self)
-        if len(shapes) != 1:
-            raise ConversionError(f"{self!r} takes exactly one tensor, got {len(shapes)}.")
-        (shape,) = shapes
-        dim = _norm_dim(self.dim, len(shape), self)
+        shape, dim = _one_tensor(shapes, self.dim, self)
         out = list(shape)
         if self.inverse:
             if self.padded_size is None or self.padded_size < shape[dim]:
