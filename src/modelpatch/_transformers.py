@@ -151,8 +151,7 @@ def lookup(module: str, attribute: str, feature: str) -> Any:
 def _missing(name: str, feature: str) -> TransformersVersionError:
     return TransformersVersionError(
         f"transformers {transformers.__version__} lacks {name}, which {feature} needs; "
-        f"supported: transformers{SUPPORTED}. Install a supported release (or check this one with "
-        "scripts/check_transformers_release.py)."
+        f"supported: transformers{SUPPORTED}. Install a supported release: pip install 'transformers{SUPPORTED}'."
     )
 
 
