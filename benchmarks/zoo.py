@@ -205,6 +205,8 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     },
     "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]}},
     "qwen3_omni_moe": {"talker_config": {"text_config": {"shared_expert_intermediate_size": INTERMEDIATE}}},
+    # Its checkpoints store the unembedding padded to vocab_size rows (transformers 5.24 drops the padding on load).
+    "inkling2_text": {"unpadded_vocab_size": VOCAB - 24},
     **{name: {"prediction_length": 4} for name in ("autoformer", "informer", "time_series_transformer")},
     # transformers' own ResNet instead of timm's (not installed here)
     **{

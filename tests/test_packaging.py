@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,3 +126,23 @@ def test_lint_tools_declared_as_ranges_and_pinned_for_ci():
             (pin,) = pins[requirement.name].specifier
             assert pin.operator == "==", f"{name}: {pins[requirement.name]} is not a pin"
             assert requirement.specifier.contains(pin.version), f"{name} pins {pin} outside {requirement}"
+
+
+def test_ci_runs_the_lowest_and_the_newest_supported_transformers():
+    """The declared transformers range is the door's, and CI's two venvs pin its lowest and its newest release: the
+    floor's own release series, and the series just below the (exclusive) ceiling."""
+    from modelpatch import _transformers as door
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (declared,) = [Requirement(r) for r in pyproject if Requirement(r).name == "transformers"]
+    assert declared.specifier == SpecifierSet(door.SUPPORTED)
+    floor = Version(next(s.version for s in declared.specifier if s.operator == ">="))
+    ceiling = Version(next(s.version for s in declared.specifier if s.operator == "<"))
+    pins = {}
+    for name in ("constraints-lowest.txt", "constraints.txt"):
+        lines = (ROOT / ".ci" / name).read_text().splitlines()
+        (pin,) = [Requirement(line) for line in lines if line.startswith("transformers==")]
+        pins[name] = Version(next(iter(pin.specifier)).version)
+        assert pins[name] in declared.specifier, f"{name} pins transformers {pins[name]} outside {declared}"
+    assert pins["constraints-lowest.txt"].release[:2] == floor.release[:2]
+    assert pins["constraints.txt"].release[:2] == (ceiling.major, ceiling.minor - 1)

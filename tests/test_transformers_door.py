@@ -5,18 +5,24 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import re
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
+from packaging.requirements import Requirement
+from packaging.version import Version
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.core_model_loading import WeightRenaming
 from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
 import modelpatch
+from modelpatch import TransformersVersionError
 from modelpatch import _transformers as door
 
+ROOT = Path(__file__).resolve().parents[1]
 SOURCE = Path(modelpatch.__file__).parent
 DOOR = SOURCE / "_transformers.py"
 
@@ -85,16 +91,115 @@ def test_no_module_but_the_door_uses_transformers_private_api():
 def test_the_scan_finds_private_uses():
     # What the door itself does is what the scan must catch anywhere else.
     found = _violations(DOOR)
-    assert any("._from_config" in v for v in found) and any("from transformers.models.auto" in v for v in found)
+    assert any("._from_config" in v for v in found) and any("._model_mapping" in v for v in found)
     assert any("'_can_record_outputs'" in v for v in found) and any(".get_init_context" in v for v in found)
 
 
-def test_every_door_function_names_the_release_it_was_checked_against():
+def _pins(name: str) -> dict[str, Version]:
+    lines = (ROOT / ".ci" / name).read_text().splitlines()
+    return {
+        Requirement(line).name.lower(): Version(next(iter(Requirement(line).specifier)).version)
+        for line in lines
+        if line.strip() and not line.startswith("#")
+    }
+
+
+def test_the_door_claims_the_releases_ci_runs():
+    """CHECKED is the lowest and the newest release CI runs (the pins of .ci/constraints-lowest.txt and
+    .ci/constraints.txt): moving CI to another release means auditing the door and saying so here."""
+    lowest, newest = _pins("constraints-lowest.txt")["transformers"], _pins("constraints.txt")["transformers"]
+    assert door.CHECKED == (str(lowest), str(newest))
+    assert door.supports(str(lowest)) and door.supports(str(newest))
+
+
+def _functions(tree: ast.Module) -> list[ast.FunctionDef]:
+    return [node for node in tree.body if isinstance(node, ast.FunctionDef) and not node.name.startswith("__")]
+
+
+def _required_paths(node: ast.AST) -> list[str]:
+    """The PRIVATE_API paths a function passes to ``require`` / ``available`` (string literals)."""
+    return [
+        arg.value
+        for call in ast.walk(node)
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in {"require", "available"}
+        for arg in call.args
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str)
+    ]
+
+
+def test_every_door_function_names_the_releases_it_was_checked_against():
+    """Every function that reaches a private name says which releases it was checked against, ending at the newest
+    release CI runs and starting no lower than the lowest."""
     tree = ast.parse(DOOR.read_text())
-    functions = [node for node in tree.body if isinstance(node, ast.FunctionDef) and not node.name.startswith("__")]
-    assert functions
-    unchecked = [f.name for f in functions if "Checked against 5.23" not in (ast.get_docstring(f) or "")]
+    functions = [f for f in _functions(tree) if _required_paths(f) or _violations_in(f)]
+    assert len(functions) > 25
+    lowest, newest = (Version(v) for v in door.CHECKED)
+    unchecked = []
+    for function in functions:
+        claim = re.search(r"Checked against (\d+\.\d+\.\d+)–(\d+\.\d+\.\d+)", ast.get_docstring(function) or "")
+        if claim is None or Version(claim[2]) != newest or Version(claim[1]) < lowest:
+            unchecked.append(function.name)
     assert unchecked == []
+
+
+def _violations_in(node: ast.AST) -> list[str]:
+    return [
+        sub.attr if isinstance(sub, ast.Attribute) else sub.value
+        for sub in ast.walk(node)
+        if (isinstance(sub, ast.Attribute) and sub.attr in PRIVATE_NAMES | INTERNAL_NAMES)
+        or (isinstance(sub, ast.Constant) and sub.value in PRIVATE_NAMES | INTERNAL_NAMES)
+    ]
+
+
+def test_every_private_name_the_door_uses_is_listed():
+    """What the door requires is in PRIVATE_API, and every private name it touches is listed there (or is one of
+    the instance markers no class declares)."""
+    tree = ast.parse(DOOR.read_text())
+    required = _required_paths(tree)
+    assert required and set(required) <= door.PRIVATE_API.keys()
+    listed = {path.rpartition(".")[2].rpartition(":")[2] for path in door.PRIVATE_API} | set(door.INSTANCE_ATTRIBUTES)
+    unlisted = {name for function in _functions(tree) for name in _violations_in(function)} - listed
+    assert unlisted == set()
+
+
+def test_every_private_name_the_door_lists_is_in_this_transformers():
+    """Each name exists from the release PRIVATE_API says it came in; before it (within the supported range), it is
+    really absent. On a release outside the range, what this lists is what the door would refuse."""
+    installed = Version(transformers.__version__)
+    missing, claimed_too_late = [], []
+    for path, (since, _) in door.PRIVATE_API.items():
+        if installed >= Version(since):
+            if not door.available(path):
+                missing.append(path)
+        elif door.supports(str(installed)) and door.available(path):
+            claimed_too_late.append(path)
+    assert missing == [] and claimed_too_late == []
+    for path in door.INSTANCE_ATTRIBUTES:
+        assert not hasattr(PreTrainedModel, path)  # set on instances only: exercised below instead
+
+
+def test_a_name_this_transformers_lacks_is_refused_by_name():
+    """The door's lookup, given names the installed transformers really does not have, raises modelpatch's error
+    naming the release, the name, the feature that needs it and the supported range (not an AttributeError)."""
+    expected = (
+        f"transformers {transformers.__version__} lacks transformers.modeling_utils.PreTrainedModel._no_such_internal"
+        ", which building a model needs; supported: transformers>=5.22,<5.25"
+    )
+    with pytest.raises(TransformersVersionError, match=re.escape(expected)):
+        door.lookup("transformers.modeling_utils", "PreTrainedModel._no_such_internal", "building a model")
+    with pytest.raises(TransformersVersionError, match=r"lacks transformers\.no_such_module, which conversions need"):
+        door.lookup("transformers.no_such_module", "", "conversions")
+    assert issubclass(TransformersVersionError, modelpatch.ModelPatchError)
+    # A name the installed release lacks among the door's own (5.22 has no _resolve_parallel_plans): refused too.
+    for path, (_, feature) in door.PRIVATE_API.items():
+        if not door.available(path):
+            with pytest.raises(TransformersVersionError, match=re.escape(feature)):
+                door.require(path)
+
+
+def test_the_supported_range():
+    assert door.supports("5.22.0") and door.supports("5.24.0") and door.supports("5.24.3")
+    assert not door.supports("5.21.9") and not door.supports("5.25.0") and not door.supports("5.25.0.dev0")
 
 
 def tiny_llama_config() -> LlamaConfig:
@@ -125,5 +230,7 @@ def test_door_functions_agree_with_stock():
     assert door.auto_model_class(transformers.AutoModelForImageClassification, config) is None
     assert {"LlamaForCausalLM", "LlamaModel"} <= set(door.model_class_names_for("llama"))
     assert "legacy" in door.conversion_mapping_cache() and "mixtral" in door.conversion_mapping_cache()
+    assert [type(t).__name__ for t in door.conversion_mapping_of("mixtral")][0] == "WeightRenaming"
+    assert door.conversion_mapping_of("llama") is None and not door.user_registered_in_transformers("mixtral")
     renaming = WeightRenaming("mlp.experts.*.w1.weight", "mlp.experts.*.gate_proj.weight")
     assert door.original_patterns(renaming) == (["mlp.experts.*.w1.weight"], ["mlp.experts.*.gate_proj.weight"])

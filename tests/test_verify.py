@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import LlamaForCausalLM, Qwen2VLForConditionalGeneration
 
 import modelpatch
-from modelpatch.verify import default_inputs
+from modelpatch.verify import Timing, VerificationReport, default_inputs
 from support.models import tiny_config
 
 
@@ -69,3 +71,17 @@ def test_default_inputs_need_a_transformers_model():
         modelpatch.verify(reference, candidate)
     report = modelpatch.verify(reference, reference, {"input": torch.randn(2, 4)}, rounds=0)
     assert report.passed
+
+
+def _report(reference: Timing, candidate: Timing) -> VerificationReport:
+    return VerificationReport(outputs=(), atol=1e-5, rtol=1e-4, reference_timing=reference, candidate_timing=candidate)
+
+
+def test_a_speed_ratio_is_printed_only_when_the_rounds_tell_the_models_apart():
+    """The demo printed "0.25x" beside PASSED with a spread of ±1635%: a ratio inside the noise is not reported."""
+    noisy = _report(Timing(0.001, 0.0009, 0.0011, 30), Timing(0.004, 0.0008, 0.07, 30))
+    assert not noisy.speed_measured
+    assert "speed ratio not measurable" in str(noisy) and "0.25x" not in str(noisy)
+    apart = _report(Timing(0.004, 0.0039, 0.0041, 30), Timing(0.001, 0.0009, 0.0011, 30))
+    assert apart.speed_measured and "speed ratio 4.00x" in str(apart)
+    assert not _report(Timing(math.nan, math.nan, math.nan, 0), Timing(math.nan, math.nan, math.nan, 0)).speed_measured

@@ -30,6 +30,7 @@ from .errors import (
     PatchRegistryError,
     RegistryError,
     SaveError,
+    TransformersVersionError,
 )
 
 __version__ = "0.1.0"
@@ -44,6 +45,7 @@ _LAZY: dict[str, str] = {
             "GroupWeightRename",
             "IndexOffsetRenaming",
             "Interleave",
+            "LayerPairRenaming",
             "PermuteForRope",
             "PrefixChange",
             "Split",
@@ -54,6 +56,7 @@ _LAZY: dict[str, str] = {
             "MergeModulelist",
             "SplitModulelist",
             "Transpose",
+            "Unpad",
             "WeightConverter",
             "WeightRenaming",
             "WeightTransform",
@@ -107,6 +110,7 @@ __all__ = [
     "PatchRegistryError",
     "RegistryError",
     "SaveError",
+    "TransformersVersionError",
     *sorted(_LAZY),
 ]
 

@@ -40,6 +40,11 @@ class CheckpointPermissionError(CheckpointError, PermissionError):
     """
 
 
+class TransformersVersionError(ModelPatchError, RuntimeError):
+    """The installed transformers lacks a private name a modelpatch feature relies on (a release newer or older than
+    the supported range). The message names the release, the missing name, the feature and the supported range."""
+
+
 class ConversionError(ModelPatchError, ValueError):
     """A weight conversion cannot be planned or applied (incompatible shapes, incomplete groups, ...)."""
 

@@ -72,6 +72,13 @@ class VerificationReport:
         """Reference time / candidate time (above 1: the candidate is faster)."""
         return self.reference_seconds / self.candidate_seconds if self.candidate_seconds else math.inf
 
+    @property
+    def speed_measured(self) -> bool:
+        """Whether the timings tell the two models apart: every round of one was faster than every round of the
+        other. When the rounds' ranges overlap, the ratio of the medians is noise and is not reported."""
+        ref, cand = self.reference_timing, self.candidate_timing
+        return ref.runs > 0 and cand.runs > 0 and (ref.high < cand.low or cand.high < ref.low)
+
     def __str__(self) -> str:
         width = max([len("output"), *(len(o.name) for o in self.outputs)])
         lines = [f"{'output':<{width}}  {'shape':<18} {'max abs':>10} {'max rel':>10}  ok"]
@@ -82,10 +89,11 @@ class VerificationReport:
             )
         lines.extend(f"{name:<{width}}  missing from the candidate's outputs  NO" for name in self.missing)
         ref, cand = self.reference_timing, self.candidate_timing
+        ratio = f"{self.speedup:.2f}x" if self.speed_measured else "not measurable (the rounds' ranges overlap)"
         lines.append(
             f"forward: reference {ref.median * 1e3:.3g} ms (±{ref.spread * 50:.0f}%), "
             f"candidate {cand.median * 1e3:.3g} ms "
-            f"(±{cand.spread * 50:.0f}%): speed ratio {self.speedup:.2f}x over {ref.runs} + {cand.runs} runs"
+            f"(±{cand.spread * 50:.0f}%): speed ratio {ratio} over {ref.runs} + {cand.runs} runs"
         )
         lines.append(f"{'PASSED' if self.passed else 'FAILED'} (atol={self.atol:g}, rtol={self.rtol:g})")
         return "\n".join(lines)

@@ -23,6 +23,7 @@ from modelpatch import (
     SplitExpertGroups,
     SplitModulelist,
     Transpose,
+    Unpad,
 )
 from modelpatch.conversion.operations import (
     bind_operations,
@@ -320,6 +321,39 @@ def test_parts_of_an_indexed_slot_come_from_the_config():
     assert reverse.bind([(6, 2)], 1)[1] == [[(2, 2)] * 3]
     with pytest.raises(ConversionError, match="split_ngram_parts"):
         declared.configured(object())
+
+
+@given(st.integers(1, 5), st.integers(0, 4), st.integers(1, 3), st.sampled_from(DTYPES[:4]), seeds)
+@PROPERTY
+def test_unpad_roundtrip_and_matches_transformers(kept, padding, columns, dtype, seed):
+    """Dropping a zero padding and restoring it is exact; both directions compute what transformers' op does."""
+    stock_op = getattr(pytest.importorskip("transformers.core_model_loading"), "Inkling2UnpadVocab", None)
+    if stock_op is None:
+        pytest.skip("this transformers has no Inkling2UnpadVocab (5.24 added it)")
+    from transformers import Inkling2TextConfig
+
+    config = Inkling2TextConfig(vocab_size=kept + padding, unpadded_vocab_size=kept)
+    padded = torch.cat([random_tensor((kept, columns), dtype, seed), torch.zeros(padding, columns, dtype=dtype)])
+    declared = Unpad(size_attribute="unpadded_vocab_size", padded_size_attribute="vocab_size").configured(config)
+    assert (declared.size, declared.padded_size) == (kept, kept + padding)
+    _, (unpadded,) = roundtrip([declared], [padded], 1)
+    # transformers casts to the dtype of the parameter it fills: a real module's, of the same dtype here.
+    model = torch.nn.Linear(columns, kept, bias=False, dtype=dtype)
+    loaded = _stock(stock_op(), {"w": padded}, ["w"], ["w"], config=config, model=model, full_layer_name="weight")
+    assert same(unpadded, loaded["w"])
+    saved = _stock(stock_op(inverse=True), {"w": unpadded}, ["w"], ["w"], config=config)
+    assert same(padded, saved["w"])
+
+
+def test_unpad_records_the_checkpoint_size_and_refuses_what_it_cannot_do():
+    bound, (shape,) = Unpad(dim=1, size=3).bind([(2, 5)], 1)
+    assert shape == (2, 3) and bound.reverse() == Unpad(dim=1, size=3, padded_size=5, inverse=True)
+    with pytest.raises(ConversionError, match="cannot keep 6"):
+        Unpad(size=6).bind([(5, 2)], 1)
+    with pytest.raises(ConversionError, match="cannot pad"):
+        Unpad(padded_size=4, inverse=True).bind([(5, 2)], 1)
+    with pytest.raises(ConversionError, match="unpadded_vocab_size"):
+        Unpad(size_attribute="unpadded_vocab_size").configured(object())
 
 
 def test_grouped_query_concatenate_reverses_to_128_64_64():

@@ -15,6 +15,7 @@ from .operations import (
     SplitExpertGroups,
     SplitModulelist,
     Transpose,
+    Unpad,
 )
 from .planner import ConversionGroup, ConversionPlan, TensorMeta, plan_load, plan_save
 from .registry import (
@@ -24,6 +25,7 @@ from .registry import (
 from .transforms import (
     GroupWeightRename,
     IndexOffsetRenaming,
+    LayerPairRenaming,
     PrefixChange,
     WeightConverter,
     WeightRenaming,
@@ -41,6 +43,7 @@ __all__ = [
     "GroupWeightRename",
     "IndexOffsetRenaming",
     "Interleave",
+    "LayerPairRenaming",
     "LinearToConv3d",
     "MergeModulelist",
     "PermuteForRope",
@@ -50,6 +53,7 @@ __all__ = [
     "SplitModulelist",
     "TensorMeta",
     "Transpose",
+    "Unpad",
     "WeightConverter",
     "WeightRenaming",
     "WeightTransform",

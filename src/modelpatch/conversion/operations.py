@@ -59,6 +59,15 @@ def _require_tensor_slots(shapes: list[ShapeSlot], op: ConversionOperation) -> l
     return list(shapes)  # type: ignore[arg-type]
 
 
+def _one_tensor(shapes: list[ShapeSlot], dim: int, op: ConversionOperation) -> tuple[Shape, int]:
+    """The shape of the one tensor an operation takes, and ``dim`` normalised for it."""
+    tensors = _require_tensor_slots(shapes, op)
+    if len(tensors) != 1:
+        raise ConversionError(f"{op!r} takes exactly one tensor, got {len(tensors)}.")
+    (shape,) = tensors
+    return shape, _norm_dim(dim, len(shape), op)
+
+
 class ConversionOperation(ABC):
     """Base class of conversion operations. Subclasses are frozen dataclasses."""
 
@@ -123,6 +132,16 @@ class _PerSlotOperation(ConversionOperation):
     def _tensor(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
 
+def _text_config_count(config: Any, attribute: str, what: str, op: object) -> int:
+    """The positive integer ``attribute`` of the model's text config (the config itself when it has no text part),
+    which ``op`` reads as ``what``."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    value = getattr(text_config, attribute, None)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConversionError(f"{op!r} reads {what} from the config's {attribute!r}, which is {value!r}.")
+    return value
+
+
 class _PartsFromConfig:
     """``configured`` of :class:`Concatenate` and :class:`Chunk`: the number of parts of an indexed slot read from the
     text config's ``parts_attribute`` (transformers' ``num_shards_attribute``)."""
@@ -135,13 +154,7 @@ class _PartsFromConfig:
     def configured(self, config):
         if self.parts_attribute is None or self.parts is not None:
             return self
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        parts = getattr(text_config, self.parts_attribute, None)
-        if not isinstance(parts, int) or parts < 1:
-            raise ConversionError(
-                f"{self!r} reads its number of parts from the config's {self.parts_attribute!r}, which is {parts!r}."
-            )
-        return replace(self, parts=parts)
+        return replace(self, parts=_text_config_count(config, self.parts_attribute, "its number of parts", self))
 
 
 @dataclass(frozen=True)
@@ -218,11 +231,7 @@ class Chunk(_PartsFromConfig, ConversionOperation):
     parts_attribute: str | None = None
 
     def bind(self, shapes, num_targets):
-        shapes = _require_tensor_slots(shapes, self)
-        if len(shapes) != 1:
-            raise ConversionError(f"{self!r} splits exactly one tensor, got {len(shapes)}.")
-        (shape,) = shapes
-        dim = _norm_dim(self.dim, len(shape), self)
+        shape, dim = _one_tensor(shapes, self.dim, self)
         sizes = self.sizes
         if sizes is None:
             count = self.parts if self.indexed else num_targets
@@ -633,6 +642,58 @@ class LinearToConv3d(_PerSlotOperation):
 
     def reverse(self):
         return Conv3dToLinear(kernel_shape=self.kernel_shape)
+
+
+@dataclass(frozen=True)
+class Unpad(ConversionOperation):
+    """Keep the first ``size`` entries along ``dim`` of one tensor, dropping the padding a checkpoint stores; with
+    ``inverse``, append zeros up to ``padded_size`` entries (transformers' ``Inkling2UnpadVocab``: an unembedding
+    stored padded to ``vocab_size`` rows, of which the first ``unpadded_vocab_size`` are the model's).
+
+    ``size`` and ``padded_size`` are read from the text config's ``size_attribute`` / ``padded_size_attribute`` by
+    :meth:`configured` when not given. A load records how many entries the checkpoint had, so its reverse pads back
+    to that many. The padding comes back as zeros, as stock writes it: it was never part of the model.
+    """
+
+    dim: int = 0
+    size: int | None = None
+    padded_size: int | None = None
+    size_attribute: str | None = None
+    padded_size_attribute: str | None = None
+    inverse: bool = False
+
+    def configured(self, config):
+        size, padded_size = self.size, self.padded_size
+        if size is None and self.size_attribute is not None:
+            size = _text_config_count(config, self.size_attribute, "the size it keeps", self)
+        if padded_size is None and self.padded_size_attribute is not None:
+            padded_size = _text_config_count(config, self.padded_size_attribute, "the padded size", self)
+        return replace(self, size=size, padded_size=padded_size)
+
+    def bind(self, shapes, num_targets):
+        shape, dim = _one_tensor(shapes, self.dim, self)
+        out = list(shape)
+        if self.inverse:
+            if self.padded_size is None or self.padded_size < shape[dim]:
+                raise ConversionError(f"{self!r} cannot pad dim {self.dim} of shape {shape} to {self.padded_size}.")
+            bound, out[dim] = replace(self, size=shape[dim]), self.padded_size
+        else:
+            if self.size is None or self.size > shape[dim]:
+                raise ConversionError(f"{self!r} cannot keep {self.size} entries of dim {self.dim} of shape {shape}.")
+            bound, out[dim] = replace(self, padded_size=shape[dim]), self.size
+        return bound, [tuple(out)]
+
+    def apply(self, slots):
+        (tensor,) = slots
+        # Bound: bind checked that the size this direction needs is set.
+        if not self.inverse:
+            return [tensor.narrow(self.dim, 0, int(self.size or 0))]
+        padding = list(tensor.shape)
+        padding[self.dim] = int(self.padded_size or 0) - tensor.shape[self.dim]
+        return [torch.cat([tensor, tensor.new_zeros(padding)], dim=self.dim)]
+
+    def reverse(self):
+        return replace(self, inverse=not self.inverse)
 
 
 _FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz)

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from torch import nn
 from transformers import PreTrainedModel
 
+from .._transformers import user_registered_in_transformers
 from ..errors import ConversionError, ConversionRegistryError
 from ..registry import Registry
 from . import transformers_mapping
@@ -73,7 +74,7 @@ def registered_model_types() -> list[str]:
 
 
 def _user_registered(key: str) -> bool:
-    return key in conversion_registry.snapshot() or transformers_mapping.user_registered_in_transformers(key)
+    return key in conversion_registry.snapshot() or user_registered_in_transformers(key)
 
 
 def legacy_conversions() -> list[WeightTransform]:

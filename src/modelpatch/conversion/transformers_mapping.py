@@ -5,10 +5,12 @@ This is the one module that works with transformers' conversion machinery (``tra
 it reads (the registry's cache, the ``_original_*_patterns`` of its transforms) come through
 :mod:`modelpatch._transformers`. Moving to another transformers release means auditing this file and that one.
 
-The registry of transformers is read live, at lookup time: its ~250 built-in entries (model types, class names and
+The registry of transformers is read live, at lookup time: its ~260 built-in entries (model types, class names and
 ``"legacy"``) and whatever was registered there since. Every transform and operation is translated one to one; one
-that has no translation raises :class:`ConversionError` naming it and the mapping it belongs to, rather than loading
-something else than stock would.
+that has no translation (a class a newer release added, say) raises :class:`ConversionError` naming it and the
+mapping it belongs to, rather than loading something else than stock would. transformers' classes are looked up by
+name (:func:`_hf`), so a release that lacks or renamed one changes which mappings translate, never whether this
+module imports. Checked against transformers 5.22.2–5.24.0.
 """
 
 from __future__ import annotations
@@ -16,14 +18,18 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from .._transformers import conversion_mapping as hf_mapping
-from .._transformers import conversion_mapping_cache, original_patterns
+from .._transformers import (
+    conversion_mapping_cache,
+    conversion_mapping_of,
+    original_patterns,
+)
 from .._transformers import core_model_loading as hf
 from ..errors import ConversionError
 from . import operations as ops
 from .transforms import (
     GroupWeightRename,
     IndexOffsetRenaming,
+    LayerPairRenaming,
     PrefixChange,
     WeightConverter,
     WeightRenaming,
@@ -32,19 +38,21 @@ from .transforms import (
 
 LEGACY = "legacy"
 
-# transformers' transforms are accepted wherever modelpatch's are (a Patcher's extra conversions, a fusion's
-# transforms): they pass isinstance checks, and planning translates them (:func:`translate`) before using them.
-WeightTransform.register(hf.WeightTransform)
-
 
 class _Absent:
     """Stands for a transformers class this release does not have (it never matches an object)."""
 
 
 def _hf(name: str) -> type:
-    """``transformers.core_model_loading.<name>``, or :class:`_Absent` on releases before it existed (``Split``,
-    ``Inkling2IndexOffsetWeightRename`` came in later 5.x releases)."""
+    """``transformers.core_model_loading.<name>``, or :class:`_Absent` on releases without it (``Split``,
+    ``Inkling2IndexOffsetWeightRename`` came in later 5.x releases, ``Inkling2UnpadVocab`` and ``LayerPairCollapse`` in
+    5.24)."""
     return getattr(hf, name, _Absent)
+
+
+# transformers' transforms are accepted wherever modelpatch's are (a Patcher's extra conversions, a fusion's
+# transforms): they pass isinstance checks, and planning translates them (:func:`translate`) before using them.
+WeightTransform.register(_hf("WeightTransform"))
 
 
 def builtin_keys() -> set[str]:
@@ -54,13 +62,8 @@ def builtin_keys() -> set[str]:
 
 def builtin_mapping(key: str) -> list[WeightTransform] | None:
     """transformers' mapping for ``key`` (a model type or class name), translated; None when it has none."""
-    items = hf_mapping.get_checkpoint_conversion_mapping(key)
+    items = conversion_mapping_of(key)
     return None if items is None else translate(items, key)
-
-
-def user_registered_in_transformers(key: str) -> bool:
-    """Whether ``key`` was registered through transformers' own ``register_checkpoint_conversion_mapping``."""
-    return key in hf_mapping.USER_REGISTERED_MAPPINGS
 
 
 def translate(items: Iterable[Any], owner: str) -> list[WeightTransform]:
@@ -72,7 +75,7 @@ def translate(items: Iterable[Any], owner: str) -> list[WeightTransform]:
     """
     translated = []
     for item in items:
-        if isinstance(item, hf.WeightTransform):  # first: it is a virtual WeightTransform too (below)
+        if isinstance(item, _hf("WeightTransform")):  # first: it is a virtual WeightTransform too (below)
             translated.append(_translate_transform(item, owner))
         elif isinstance(item, WeightTransform):
             translated.append(item)
@@ -85,16 +88,18 @@ def _translate_transform(transform: Any, owner: str) -> WeightTransform:
     kind = type(transform)
     sources, targets = original_patterns(transform)  # what its constructor took, and what ours takes
     result: WeightTransform
-    if kind is hf.PrefixChange:
+    if kind is _hf("PrefixChange"):
         result = PrefixChange(transform.prefix_to_add, transform.prefix_to_remove, transform.model_prefix)
-    elif kind is hf.GroupWeightRename:
+    elif kind is _hf("GroupWeightRename"):
         result = GroupWeightRename(sources, targets)
+    elif kind is _hf("LayerPairCollapse"):
+        result = LayerPairRenaming()
     elif kind is _hf("Inkling2IndexOffsetWeightRename"):
         result = IndexOffsetRenaming(sources, targets, transform.offset)
-    elif kind is hf.WeightRenaming:
+    elif kind is _hf("WeightRenaming"):
         # transformers reads a renaming with several targets through its first (its reverse, say).
         result = WeightRenaming(sources, targets[:1])
-    elif kind is hf.WeightConverter:
+    elif kind is _hf("WeightConverter"):
         result = WeightConverter(sources, targets, _translate_operations(transform.operations, sources, targets, owner))
     else:
         raise ConversionError(f"Cannot translate transformers' {kind.__name__} in the conversion mapping of {owner!r}.")
@@ -113,14 +118,14 @@ def _translate_operations(
     translated: list[ops.ConversionOperation] = []
     for operation in operations:
         kind = type(operation)
-        if kind is hf.PermuteForRope:
+        if kind is _hf("PermuteForRope"):
             translated.append(_permute_for_rope(operation, names))
-        elif kind is hf.VisionFuseAndPermuteForRope:
+        elif kind is _hf("VisionFuseAndPermuteForRope"):
             translated += [
                 _permute_for_rope(operation.permute_op, names),
                 ops.Concatenate(operation.dim, equal_parts=True),
             ]
-        elif kind is hf.VisionUnfuseAndPermuteForRope:
+        elif kind is _hf("VisionUnfuseAndPermuteForRope"):
             translated += [ops.Chunk(operation.dim), _permute_for_rope(operation.permute_op, list(targets))]
         elif kind in _OPERATIONS:
             translated.append(_OPERATIONS[kind](operation))
@@ -147,17 +152,32 @@ def _parts(operation: Any) -> dict[str, Any]:
 _OPERATIONS: dict[type, Callable[[Any], ops.ConversionOperation]] = {
     # Concatenate reverses as an equal Chunk in transformers; ours records the real sizes when it loads, and falls
     # back to equal parts (what stock writes) only for a model that was never loaded.
-    hf.Concatenate: lambda op: ops.Concatenate(op.dim, equal_parts=True, **_parts(op)),
-    hf.Chunk: lambda op: ops.Chunk(op.dim, **_parts(op)),
+    _hf("Concatenate"): lambda op: ops.Concatenate(op.dim, equal_parts=True, **_parts(op)),
+    _hf("Chunk"): lambda op: ops.Chunk(op.dim, **_parts(op)),
     _hf("Split"): lambda op: ops.Split(op.dim),
-    hf.MergeModulelist: lambda op: ops.MergeModulelist(op.dim),
-    hf.SplitModulelist: lambda op: ops.SplitModulelist(op.dim),
-    hf.Transpose: lambda op: ops.Transpose(op.dim0, op.dim1, check_dims=op.check_dims),
-    hf.Interleave: lambda op: ops.Interleave(op.dim, op.inverse),
-    hf.Conv3dToLinear: lambda op: ops.Conv3dToLinear(kernel_shape=(op.in_channels, *op.kernel_size)),
-    hf.LinearToConv3d: lambda op: ops.LinearToConv3d(kernel_shape=(op.in_channels, *op.kernel_size)),
-    hf.ErnieFuseAndSplitTextVisionExperts: lambda op: ops.FuseExpertGroups(op.stack_dim, op.concat_dim),
-    hf.ErnieSplitAndDecoupleTextVisionExperts: lambda op: ops.SplitExpertGroups(op.stack_dim, op.concat_dim),
+    _hf("MergeModulelist"): lambda op: ops.MergeModulelist(op.dim),
+    _hf("SplitModulelist"): lambda op: ops.SplitModulelist(op.dim),
+    _hf("Transpose"): lambda op: ops.Transpose(op.dim0, op.dim1, check_dims=op.check_dims),
+    _hf("Interleave"): lambda op: ops.Interleave(op.dim, op.inverse),
+    _hf("Conv3dToLinear"): lambda op: ops.Conv3dToLinear(kernel_shape=(op.in_channels, *op.kernel_size)),
+    _hf("LinearToConv3d"): lambda op: ops.LinearToConv3d(kernel_shape=(op.in_channels, *op.kernel_size)),
+    _hf("ErnieFuseAndSplitTextVisionExperts"): lambda op: ops.FuseExpertGroups(op.stack_dim, op.concat_dim),
+    _hf("ErnieSplitAndDecoupleTextVisionExperts"): lambda op: ops.SplitExpertGroups(op.stack_dim, op.concat_dim),
+    # The unembedding stored padded to `vocab_size` rows (transformers 5.24); its sizes come from the text config.
+    _hf("Inkling2UnpadVocab"): lambda op: ops.Unpad(
+        0, size_attribute="unpadded_vocab_size", padded_size_attribute="vocab_size", inverse=op.inverse
+    ),
 }
 # Operations that keep one tensor per pattern, so the tensors keep the patterns' names after them.
-_PER_TENSOR = {hf.PermuteForRope, hf.Transpose, hf.Interleave, hf.Conv3dToLinear, hf.LinearToConv3d, hf.MergeModulelist}
+_PER_TENSOR = {
+    _hf(name)
+    for name in (
+        "PermuteForRope",
+        "Transpose",
+        "Interleave",
+        "Conv3dToLinear",
+        "LinearToConv3d",
+        "MergeModulelist",
+        "Inkling2UnpadVocab",
+    )
+}

@@ -1,6 +1,7 @@
 """Declarative weight transforms with transformers 5.23's key-pattern syntax.
 
-``WeightRenaming`` (with its ``GroupWeightRename``, ``PrefixChange`` and ``IndexOffsetRenaming`` forms) renames keys;
+``WeightRenaming`` (with its ``GroupWeightRename``, ``PrefixChange``, ``IndexOffsetRenaming`` and ``LayerPairRenaming``
+forms) renames keys;
 ``WeightConverter`` turns groups of keys into other keys through operations. docs/conversions.md states the pattern
 rules; in short:
 
@@ -357,6 +358,49 @@ class IndexOffsetRenaming(WeightRenaming):
 
     def _key(self) -> tuple:
         return (*super()._key(), self.offset)
+
+
+class LayerPairRenaming(WeightRenaming):
+    """Decoder layers a checkpoint stores as pairs of blocks, the attention ``layers.{2i}.mixer`` and the MLP
+    ``layers.{2i+1}.mixer`` with their residual rates ``attn_alpha`` / ``mlp_alpha``, renamed to the model's
+    ``layers.{i}.self_attn`` / ``mlp`` / ``lambda_1`` / ``lambda_2`` (transformers' ``LayerPairCollapse``);
+    ``split=True`` renames back, the attention's rate into the even block and the MLP's into the odd one.
+
+    It describes another layout of the same keys, so it is ``alternative``: a model loaded from that layout saves
+    back to it, one never loaded saves the model's layout (as stock, whose reverse leaves the keys alone).
+    """
+
+    # The model's name of each block -> (its position in the pair, the checkpoint's name).
+    _BLOCKS = {
+        "self_attn": (0, "mixer"),
+        "mlp": (1, "mixer"),
+        "lambda_1": (0, "attn_alpha"),
+        "lambda_2": (1, "mlp_alpha"),
+    }
+    _RATES = {"attn_alpha": "lambda_1", "mlp_alpha": "lambda_2"}
+
+    def __init__(self, split: bool = False):
+        self.split = split
+        names = self._BLOCKS if split else ("mixer", *self._RATES)
+        super().__init__(rf"layers\.(\d+)\.({'|'.join(names)})(?=\.|$)", r"layers.\1", alternative=True)
+
+    def rename(self, key: str) -> str | None:
+        found = self.match_source(key)
+        if found is None:
+            return None
+        index, name = int(found.match.group(1)), found.match.group(2)
+        if self.split:
+            position, stored = self._BLOCKS[name]
+            return found.replace(f"layers.{2 * index + position}.{stored}")
+        return found.replace(f"layers.{index // 2}.{self._RATES.get(name, ('self_attn', 'mlp')[index % 2])}")
+
+    def inverse(self) -> LayerPairRenaming:
+        inverse = LayerPairRenaming(split=not self.split)
+        inverse.scope = self.scope
+        return inverse
+
+    def __repr__(self) -> str:
+        return f"LayerPairRenaming(split={self.split}{self._repr_extra().replace(', alternative=True', '')})"
 
 
 class PrefixChange(WeightRenaming):

@@ -19,6 +19,7 @@ What modelpatch adds is what its restructured modules need:
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -32,8 +33,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 from transformers import DistributedConfig, PreTrainedModel
 
+from .. import _transformers
 from .._transformers import (
-    PackedColwiseParallel,
     apply_tensor_parallel,
     device_mesh_of,
     generic_module_name,
@@ -64,25 +65,33 @@ class TensorParallelError(ModelPatchError, ValueError):
     """A tensor-parallel load that cannot be done as asked (the message names the module or keyword)."""
 
 
-class ColwisePartsParallel(PackedColwiseParallel):
-    """Colwise sharding of a :class:`FusedLinear`, part by part: rank ``r`` holds ``[part_0_r; part_1_r; ...]``.
+@functools.cache
+def _register_colwise_parts() -> None:
+    """Register the part-by-part colwise style under :data:`COLWISE_PARTS`, at the first tensor-parallel load.
 
-    The input is replicated and the output is this rank's rows of every part, in part order: what the projection
-    slices split with the local part sizes. The parameters hold those rows as plain tensors (see the module
-    docstring); the forward hooks are transformers' packed-colwise ones.
+    Its base is transformers' ``PackedColwiseParallel``, looked up then: on a transformers without it, tensor-parallel
+    loads are refused by name and every other load is unaffected.
     """
 
-    def shard_param(self, module: FusedLinear, param: str, mesh: DeviceMesh) -> None:
-        meta = module._parameters.get(param)
-        if meta is None:
-            return
-        rows = sum(size // mesh.size() for size in module.part_sizes)
-        module._parameters[param] = nn.Parameter(
-            torch.empty((rows, *meta.shape[1:]), dtype=meta.dtype, device="meta"), requires_grad=meta.requires_grad
-        )
+    class ColwisePartsParallel(_transformers.PackedColwiseParallel):
+        """Colwise sharding of a :class:`FusedLinear`, part by part: rank ``r`` holds ``[part_0_r; part_1_r; ...]``.
 
+        The input is replicated and the output is this rank's rows of every part, in part order: what the projection
+        slices split with the local part sizes. The parameters hold those rows as plain tensors (see the module
+        docstring); the forward hooks are transformers' packed-colwise ones.
+        """
 
-register_parallel_style(COLWISE_PARTS, ColwisePartsParallel())
+        def shard_param(self, module: FusedLinear, param: str, mesh: DeviceMesh) -> None:
+            meta = module._parameters.get(param)
+            if meta is None:
+                return
+            rows = sum(size // mesh.size() for size in module.part_sizes)
+            module._parameters[param] = nn.Parameter(
+                torch.empty((rows, *meta.shape[1:]), dtype=meta.dtype, device="meta"),
+                requires_grad=meta.requires_grad,
+            )
+
+    register_parallel_style(COLWISE_PARTS, ColwisePartsParallel())
 
 
 def distributed_config_of(
@@ -173,6 +182,7 @@ def prepare(distributed_config: DistributedConfig | None) -> TensorParallelSetup
     prepared = prepare_distributed(distributed_config)
     if prepared is None:
         return None
+    _register_colwise_parts()
     mesh_manager, device = prepared
     return TensorParallelSetup(distributed_config, mesh_manager, device)
 

@@ -36,20 +36,18 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
+from .. import _transformers
+from .._transformers import core_model_loading as hf
 from .._transformers import (
-    Fp8Dequantize,
-    HfQuantizer,
-    TorchAoDeserialize,
     original_patterns,
     quantizer_for,
     weight_conversions_of,
 )
-from .._transformers import core_model_loading as hf
 from ..checkpoint.pages import release_pages
 from ..conversion.operations import ConversionOperation, Fp8BlockDequantize, TorchAoTensor
 from ..conversion.planner import ConversionPlan, TensorMeta, plan_load
@@ -59,6 +57,9 @@ from ..state import ensure_model_record, model_record, stored_fusion_config
 from .diagnose import collapse_lines
 from .materialize import set_tensor
 from .report import LoadReport
+
+if TYPE_CHECKING:
+    from .._transformers import HfQuantizer
 
 # What modelpatch loads, by ``quant_method``. compressed-tensors loads its tensors as they are into the parameters its
 # ``preprocess_model`` adds (their dequantizing op, ``dequantize=True``, has no translation and is refused by name).
@@ -242,9 +243,9 @@ class Quantization:
         (operation,) = operations
         self.companions[sources[0]] = tuple(sources[1:])
         translated: ConversionOperation
-        if isinstance(operation, Fp8Dequantize):
+        if isinstance(operation, _transformers.Fp8Dequantize):
             translated = Fp8BlockDequantize(dtype=dtype, companions=len(sources) - 1)
-        elif isinstance(operation, TorchAoDeserialize):
+        elif isinstance(operation, _transformers.TorchAoDeserialize):
             translated = TorchAoTensor(metadata=dict(getattr(self.quantizer, "metadata", None) or {}))
         else:
             raise self._untranslatable(type(operation).__name__)
@@ -343,7 +344,7 @@ class Quantization:
 def quantizer_api_supported() -> bool:
     """Whether this transformers' quantizers have the API modelpatch drives (5.23's): conversions are rewritten
     knowing the model's parameters. Earlier 5.x releases rewrite them without the model, with other semantics."""
-    return "model" in inspect.signature(HfQuantizer.update_weight_conversions).parameters
+    return "model" in inspect.signature(_transformers.HfQuantizer.update_weight_conversions).parameters
 
 
 def load_quantization(

@@ -1,0 +1,86 @@
+"""transformers' conversion registry, translated: every entry of the installed release translates or is refused by
+name, and the transforms a release added load its checkpoints as stock does."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import transformers
+
+import modelpatch
+from modelpatch import ConversionError, LayerPairRenaming, WeightTransform
+from modelpatch.conversion import transformers_mapping
+from support.compare import assert_bitwise_equal
+from support.files import read_tensors, rewrite_checkpoint
+
+# Operations of transformers that modelpatch does not translate yet: the mappings holding them are refused by name
+# (Inkling2Loop's original checkpoints: NVFP4 / MXFP8 experts dequantized on load, its message queries merged).
+NOT_TRANSLATED = {"Inkling2LoopDequantizeExperts", "Inkling2LoopMergeMessageQueries"}
+
+
+def test_every_builtin_mapping_translates_or_is_refused_by_name():
+    refused = {}
+    for key in sorted(transformers_mapping.builtin_keys()):
+        try:
+            translated = transformers_mapping.builtin_mapping(key)
+        except ConversionError as error:
+            refused[key] = str(error)
+            continue
+        assert translated is not None and all(isinstance(t, WeightTransform) for t in translated), key
+    for key, message in refused.items():
+        named = re.search(
+            r"Cannot translate transformers' (?:operation )?(\w+) in the conversion mapping of '(.+)'", message
+        )
+        assert named is not None and named[1] in NOT_TRANSLATED and named[2] == key, message
+
+
+def test_layer_pair_renaming_names_and_inverse():
+    renaming = LayerPairRenaming()
+    assert renaming.alternative
+    pairs = {
+        "backbone.layers.2.mixer.q_proj.weight": "backbone.layers.1.self_attn.q_proj.weight",
+        "backbone.layers.3.mixer.up_proj.weight": "backbone.layers.1.mlp.up_proj.weight",
+        "backbone.layers.2.attn_alpha": "backbone.layers.1.lambda_1",
+        "backbone.layers.3.mlp_alpha": "backbone.layers.1.lambda_2",
+    }
+    for stored, runtime in pairs.items():
+        assert renaming.rename(stored) == runtime and renaming.inverse().rename(runtime) == stored
+    assert renaming.rename("backbone.layers.2.mixers.weight") is None
+    assert renaming.rename("backbone.layers.1.self_attn.q_proj.weight") is None
+
+
+def _two_blocks(tensors: dict[str, torch.Tensor]) -> None:
+    """The stock-saved (one block per layer) tensors renamed into the two-block layout."""
+    split = LayerPairRenaming(split=True)
+    for key in list(tensors):
+        renamed = split.rename(key)
+        if renamed is not None:
+            tensors[renamed] = tensors.pop(key)
+
+
+def test_a_two_block_checkpoint_loads_as_stock_and_saves_back(tmp_path):
+    """transformers 5.24's Dory checkpoints store each decoder layer as two blocks (its LayerPairCollapse)."""
+    if not hasattr(transformers, "DoryForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no Dory (5.24 added it)")
+    config = transformers.DoryConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=64,
+    )
+    torch.manual_seed(0)
+    transformers.DoryForCausalLM(config).save_pretrained(tmp_path / "stock")
+    source = rewrite_checkpoint(tmp_path / "stock", tmp_path / "two-blocks", _two_blocks)
+    stored = read_tensors(source)
+    assert any(".mixer." in key for key in stored) and any(key.endswith("mlp_alpha") for key in stored)
+
+    stock = transformers.DoryForCausalLM.from_pretrained(source)
+    patched = modelpatch.AutoModelForCausalLM.from_pretrained(source)
+    assert_bitwise_equal(patched.state_dict(), stock.state_dict())
+    patched.save_pretrained(tmp_path / "saved")
+    assert_bitwise_equal(read_tensors(tmp_path / "saved"), stored)
