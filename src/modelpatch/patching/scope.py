@@ -44,6 +44,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from ..errors import PatchError
 from . import registry
 from .candidates import is_patch_candidate, is_patchable_module
 from .mapping import PatchMapping
@@ -221,7 +222,7 @@ def _dispatching_new(cls, *args, **kwargs):
             wrapping = next((b for b in building if b.original is cls), None)
             if wrapping is None and not _inside_own_init(resolution, sys._getframe(1)):
                 resolution.scope.replaced[cls.__name__] = (resolution.key, resolution.replacement)
-                return _build_replacement(cls, resolution.replacement, building, args, kwargs)
+                return _build_replacement(cls, resolution.replacement, resolution.key, building, args, kwargs)
             if wrapping is not None:
                 wrapping.wraps_original = True
     if _saved_new is not None:
@@ -254,7 +255,14 @@ def _inside_own_init(resolution: _Resolution, frame) -> bool:
     return False
 
 
-def _build_replacement(cls, replacement, building, args, kwargs):
+def _describe_arguments(args: tuple, kwargs: dict) -> str:
+    described = [type(arg).__name__ for arg in args] + [
+        f"{name}={type(value).__name__}" for name, value in kwargs.items()
+    ]
+    return ", ".join(described) or "no arguments"
+
+
+def _build_replacement(cls, replacement, key, building, args, kwargs):
     logger.debug("Building %s instead of %s", replacement.__qualname__, cls.__qualname__)
     if issubclass(replacement, cls):
         # type.__call__ will run replacement.__init__ on the returned instance.
@@ -264,6 +272,15 @@ def _build_replacement(cls, replacement, building, args, kwargs):
     token = _building.set((*building, build))
     try:
         instance = replacement(*args, **kwargs)
+    except PatchError:
+        raise  # a patch inside the replacement's own construction, named there
+    except Exception as exc:  # whatever the replacement's constructor raises: the patch is what is wrong
+        raise PatchError(
+            f"The patch {key!r} replaces {cls.__qualname__} by {replacement.__module__}.{replacement.__qualname__}, "
+            f"which cannot be built with the arguments {cls.__qualname__} is built with "
+            f"({_describe_arguments(args, kwargs)}): {type(exc).__name__}: {exc}. A replacement takes the replaced "
+            "class's constructor arguments."
+        ) from exc
     finally:
         _building.reset(token)
     register_replacement_for_recorders(cls, replacement, wraps_original=build.wraps_original)
