@@ -185,9 +185,12 @@ def test_fusing_one_model_from_two_threads_fuses_it_once(tiny):
     assert_outputs_close(ckpt.outputs(model), ckpt.stock_outputs())
 
 
-def test_a_forward_running_while_another_thread_unfuses_finishes_with_the_same_result(tiny):
+# float32 on CPU: each projection slice multiplies by its rows; bfloat16: the first slice runs the fused layer and its
+# siblings take their parts of that output (kept on the owner).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_forward_running_while_another_thread_unfuses_finishes_with_the_same_result(tiny, dtype):
     ckpt = tiny("llama")
-    model = ckpt.load(FUSIONS["llama"]).eval()
+    model = ckpt.load(FUSIONS["llama"], dtype=dtype).eval()
     inputs = ckpt.inputs()
     with torch.no_grad():
         expected = model(**inputs).logits
@@ -215,4 +218,5 @@ def test_a_forward_running_while_another_thread_unfuses_finishes_with_the_same_r
     thread.join()
     (result,) = results
     assert isinstance(result, torch.Tensor), result
-    torch.testing.assert_close(result, expected, atol=1e-5, rtol=1e-4)
+    tolerance = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 5e-2, "rtol": 5e-2}
+    torch.testing.assert_close(result, expected, **tolerance)
