@@ -220,3 +220,39 @@ def test_a_forward_running_while_another_thread_unfuses_finishes_with_the_same_r
     assert isinstance(result, torch.Tensor), result
     tolerance = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 5e-2, "rtol": 5e-2}
     torch.testing.assert_close(result, expected, **tolerance)
+
+
+class ScaledOutputMLP(torch.nn.Module):
+    """Not a LlamaMLP: the same function, built from LlamaMLP's arguments, under other child names."""
+
+    def __init__(self, config):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaMLP
+
+        self.inner = LlamaMLP(config)
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def test_patch_model_carries_the_hooks_of_the_modules_it_replaces(tiny):
+    """The replacement is called where the replaced module was: its hooks apply; those inside it, at paths the
+    replacement does not have, are refused."""
+    ckpt = tiny("llama")
+    stock = ckpt.model_class.from_pretrained(ckpt.path)
+    steer(stock, ["model.layers.0.mlp", "model.layers.1.mlp"])
+    model = ckpt.model_class.from_pretrained(ckpt.path)
+    handles = steer(model, ["model.layers.0.mlp", "model.layers.1.mlp"])
+    patcher = modelpatch.Patcher(
+        {"LlamaMLP": ScaledOutputMLP},
+        extra_weight_conversions=[modelpatch.WeightRenaming(r"\.mlp\.(?!inner\.)", ".mlp.inner.")],
+    )
+    inner = model.model.layers[0].mlp.down_proj.register_forward_hook(lambda *args: None)
+    _refused(model, lambda m: modelpatch.patch_model(m, patcher), "model.layers.0.mlp.down_proj (forward hook)")
+    inner.remove()
+    modelpatch.patch_model(model, patcher)
+    assert type(model.model.layers[1].mlp) is ScaledOutputMLP
+    assert_outputs_close(ckpt.outputs(model), ckpt.outputs(stock))
+    for handle in handles:
+        handle.remove()
+    assert_outputs_close(ckpt.outputs(model), ckpt.stock_outputs())
