@@ -222,7 +222,7 @@ def test_a_forward_running_while_another_thread_unfuses_finishes_with_the_same_r
     torch.testing.assert_close(result, expected, **tolerance)
 
 
-class ScaledOutputMLP(torch.nn.Module):
+class WrappingLlamaMLP(torch.nn.Module):
     """Not a LlamaMLP: the same function, built from LlamaMLP's arguments, under other child names."""
 
     def __init__(self, config):
@@ -244,14 +244,14 @@ def test_patch_model_carries_the_hooks_of_the_modules_it_replaces(tiny):
     model = ckpt.model_class.from_pretrained(ckpt.path)
     handles = steer(model, ["model.layers.0.mlp", "model.layers.1.mlp"])
     patcher = modelpatch.Patcher(
-        {"LlamaMLP": ScaledOutputMLP},
+        {"LlamaMLP": WrappingLlamaMLP},
         extra_weight_conversions=[modelpatch.WeightRenaming(r"\.mlp\.(?!inner\.)", ".mlp.inner.")],
     )
     inner = model.model.layers[0].mlp.down_proj.register_forward_hook(lambda *args: None)
     _refused(model, lambda m: modelpatch.patch_model(m, patcher), "model.layers.0.mlp.down_proj (forward hook)")
     inner.remove()
     modelpatch.patch_model(model, patcher)
-    assert type(model.model.layers[1].mlp) is ScaledOutputMLP
+    assert type(model.model.layers[1].mlp) is WrappingLlamaMLP
     assert_outputs_close(ckpt.outputs(model), ckpt.outputs(stock))
     for handle in handles:
         handle.remove()
