@@ -546,6 +546,19 @@ def register_parallel_style(name: str, style: object) -> None:
     require("transformers.distributed.parallel_utils:ALL_PARALLEL_STYLES").register(name, style)
 
 
+def parallel_style_names() -> frozenset[str]:
+    """The names a TP plan may give as styles: every parallel style registered (transformers' and modelpatch's).
+
+    Checked against 5.23.0: ``transformers.distributed.parallel_utils.ALL_PARALLEL_STYLES`` (a ``GeneralInterface``),
+    filled when ``transformers.distributed.tensor_parallel`` and ``expert_parallel`` are imported.
+    """
+    importlib.import_module("transformers.distributed.tensor_parallel")
+    importlib.import_module("transformers.distributed.expert_parallel")
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+
+    return frozenset(ALL_PARALLEL_STYLES.valid_keys())
+
+
 def generic_module_name(name: str) -> str:
     """``name`` with its layer numbers replaced by ``*`` (``model.layers.*.mlp``), as TP plans name modules.
 

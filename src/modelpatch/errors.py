@@ -29,6 +29,11 @@ class PatchRegistryError(RegistryError):
     """A patch mapping was rejected: bad pattern, duplicate key, unknown key."""
 
 
+class PatchError(ModelPatchError, TypeError):
+    """A class patch cannot be applied: its replacement fails to build with the arguments of the class it replaces
+    (the message names both classes and the patch key; the replacement's own error is the cause)."""
+
+
 class CheckpointError(ModelPatchError, ValueError):
     """A checkpoint on disk is missing, malformed, truncated, or tries to reach outside its directory."""
 

@@ -180,6 +180,17 @@ def _time_both(
     return ref, cand
 
 
+def check_tolerances(atol: float, rtol: float) -> None:
+    """Refuse tolerances that make every comparison pass (infinite) or fail (negative, NaN).
+
+    Raises:
+        ValueError: naming the tolerance and its value.
+    """
+    for name, value in (("atol", atol), ("rtol", rtol)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}.")
+
+
 def verify(
     reference: nn.Module,
     candidate: nn.Module,
@@ -200,7 +211,11 @@ def verify(
         rounds: Alternating timing rounds per model (``torch.utils.benchmark``, after a warm-up); the report gives
             the median over all runs and the spread between rounds. 0 skips timing.
         min_run_time: Seconds each round runs at least.
+
+    Raises:
+        ValueError: ``atol`` or ``rtol`` is negative, NaN or infinite.
     """
+    check_tolerances(atol, rtol)
     if inputs is None:
         if not isinstance(reference, PreTrainedModel):
             raise TypeError(

@@ -6,13 +6,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+import modelpatch
 from support.compare import assert_same_files
+from support.files import snapshot
 
 
 def edit_config(directory: Path, **changes) -> None:
@@ -89,6 +93,12 @@ BAD_SOURCES = {
     "config too large": (lambda d: _write_over(d, "config.json", "{" + " " * (16 * 2**20) + "}"), "limit", ALL),
     "config nested": (lambda d: edit_config(d, extra=json.loads("[" * 40 + "]" * 40)), "nested", ALL),
     "config huge count": (lambda d: edit_config(d, num_hidden_layers=300_000_000), "num_hidden_layers", ALL),
+    # Refused from the checkpoint's keys before the model is built: building 100000 layers took minutes.
+    "config more layers than the checkpoint": (
+        lambda d: edit_config(d, num_hidden_layers=100_000),
+        "num_hidden_layers = 100000, but no tensor key of the checkpoint has an index above 1",
+        ALL,
+    ),
     "config zero heads": (lambda d: edit_config(d, num_attention_heads=0), "config.json", ALL),
     "config negative size": (lambda d: edit_config(d, intermediate_size=-3), "negative dimension", ALL),
     "weights header": (lambda d: _write_over(d, "model.safetensors", "\xff" * 64), "model.safetensors", ALL),
@@ -132,3 +142,67 @@ def test_verify_of_a_patch_that_crashes_is_a_failed_verification(cli, source):
     code, out, err = cli("verify", source, "--patch", "LlamaMLP=cli_patches:CrashingMLP")
     assert code == 1, err
     assert "FAILED" in out and "patched model fails" in out and "Traceback" not in out + err
+
+
+def _one_line(code: int, err: str, *needles: str) -> None:
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err
+
+
+def test_a_patch_whose_replacement_cannot_be_built_from_the_original_arguments(cli, source):
+    code, _, err = cli("plan", source, "--patch", "LlamaMLP=torch.nn:Linear")
+    _one_line(code, err, "'LlamaMLP' replaces LlamaMLP by torch.nn.modules.linear.Linear", "(LlamaConfig)", "TypeError")
+
+
+def test_demo_keep_that_cannot_be_a_directory(cli, tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("mine")
+    for keep in (a_file, a_file / "below"):
+        code, _, err = cli("demo", "--keep", keep)
+        _one_line(code, err, f"--keep {keep}: cannot make that directory")
+    assert a_file.read_text() == "mine"
+
+
+@pytest.mark.parametrize("option, value", [("--atol", "-1"), ("--atol", "nan"), ("--rtol", "inf"), ("--rtol", "-0.5")])
+def test_verify_tolerances_that_pass_or_fail_everything_are_refused(cli, source, option, value):
+    code, out, err = cli("verify", source, option, value)
+    _one_line(code, err, f"{option} must be a finite number >= 0")
+    assert out == ""
+
+
+def test_convert_into_a_directory_containing_the_source_or_inside_it_is_refused(cli, tmp_path, llama_checkpoint):
+    parent = tmp_path / "parent"
+    source = parent / "src"
+    shutil.copytree(llama_checkpoint, source)
+    (parent / "notes.txt").write_text("unrelated")
+    before = snapshot(parent)
+    code, _, err = cli("convert", source, parent, "--force")
+    _one_line(code, err, f"DST {parent} contains SRC")
+    code, _, err = cli("convert", source, source / "converted")
+    _one_line(code, err, "lies inside SRC")
+    assert snapshot(parent) == before and sorted(os.listdir(parent)) == ["notes.txt", "src"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["inspect", "{missing}"],
+        ["plan", "{missing}"],
+        ["convert", "{missing}", "{tmp}/dst"],
+        ["verify", "{source}", "--rtol", "inf"],
+        ["demo", "--keep", "{source}/config.json"],
+    ],
+    ids=lambda args: args[0],
+)
+def test_stderr_of_a_fresh_process_is_the_error_line_alone(source, tmp_path, args):
+    """Importing torch and transformers (torchao kernels that do not load, torch deprecation notes) printed warnings
+    before every command's error."""
+    values = {"missing": tmp_path / "missing", "tmp": tmp_path, "source": source}
+    env = {**os.environ, "PYTHONPATH": str(Path(modelpatch.__file__).parents[1])}
+    command = [sys.executable, "-m", "modelpatch.cli", *(arg.format(**values) for arg in args)]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(f"modelpatch {args[0]}: error: "), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr

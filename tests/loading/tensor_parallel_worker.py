@@ -81,6 +81,15 @@ def main() -> None:
         torch.save(record, out / f"{case['id']}_rank{rank}.pt")
         model.save_pretrained(out / f"{case['id']}_stock_save")
         modelpatch.save_pretrained(model, out / f"{case['id']}_modelpatch_save")
+    # Loads that must be refused on every rank before anything is read: the message each rank got.
+    refusals = []
+    for refusal in job.get("refusals", []):
+        try:
+            modelpatch.from_pretrained(transformers.AutoModelForCausalLM, refusal["path"], tp_plan=refusal["tp_plan"])
+            refusals.append("loaded")
+        except parallel.TensorParallelError as exc:
+            refusals.append(str(exc))
+    (out / f"refusals_rank{dist.get_rank()}.json").write_text(json.dumps(refusals))
     dist.destroy_process_group()
 
 

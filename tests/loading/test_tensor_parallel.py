@@ -47,6 +47,10 @@ CASES = {
 }
 
 
+# A tp_plan rule naming no module (q_proj misspelt): transformers warns and shards without it.
+PLAN_TYPO = "model.layers.*.self_attn.qq_proj"
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -91,7 +95,8 @@ def tp_run(checkpoints, tmp_path_factory):
             )
         )
     job = out / "job.json"
-    job.write_text(json.dumps({"out": str(out), "cases": cases}))
+    refusals = [{"path": str(checkpoints["llama"].path), "tp_plan": {PLAN_TYPO: "colwise"}}]
+    job.write_text(json.dumps({"out": str(out), "cases": cases, "refusals": refusals}))
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join(
@@ -174,6 +179,12 @@ def test_experts_shard_like_stock_experts(tp_run):
     assert params[f"{expert}.down_proj.weight"][1:] == ("(Shard(dim=1),)", (32, 8))
 
 
+def test_plan_rules_naming_nothing_are_refused_on_every_rank(tp_run):
+    for rank in range(RANKS):
+        (message,) = json.loads((tp_run / f"refusals_rank{rank}.json").read_text())
+        assert f"tp_plan rules ['{PLAN_TYPO}'] name no module or parameter of LlamaForCausalLM" in message
+
+
 def test_one_process_loads_unsharded(tiny):
     """As in transformers: tp_plan='auto' outside torchrun (world size 1) shards nothing."""
     checkpoint = tiny("llama")
@@ -190,6 +201,25 @@ def test_one_process_loads_unsharded(tiny):
         ({"tp_plan": "auto", "distributed_config": DistributedConfig(tp_size=2)}, "not both"),
         ({"distributed_config": DistributedConfig(tp_size=1, fsdp_size=2)}, "'fsdp_size': 2"),
         ({"distributed_config": "tp"}, "must be a transformers DistributedConfig"),
+        ({"tp_plan": 123}, r"tp_plan must be 'auto' or a dict of \{module pattern: parallel style\}, got 123 \(int\)"),
+        ({"tp_plan": ["colwise"]}, r"tp_plan must be 'auto' or a dict .*\(list\)"),
+        (
+            {"tp_plan": {"model.layers.*.self_attn.q_proj": "colwize"}},
+            r"unknown parallel styles: \{'model.layers.\*.self_attn.q_proj': 'colwize'\}.*colwise",
+        ),
+        (
+            {"distributed_config": {"tp_plan": {"model.layers.*.mlp.up_proj": "rowwize"}}},
+            r"distributed_config.tp_plan names unknown parallel styles",
+        ),
+        (
+            {"tp_plan": "auto", "tp_size": 64},
+            r"tp_size=64 needs 64 processes, but this one was launched with world size 1",
+        ),
+        ({"tp_plan": "auto", "tp_size": 0}, "tp_size must be a positive integer, got 0"),
+        ({"distributed_config": {"tp_plan": "auto", "enable_expert_parallel": True}}, "asks for expert parallelism"),
+        ({"distributed_config": {"tp_plan": "auto", "enable_sequence_parallel": True}}, "sequence parallelism"),
+        ({"distributed_config": DistributedConfig(tp_plan="auto", enable_sequence_parallel=True)}, "sequence parallel"),
+        ({"distributed_config": {"tp_plan": "auto", "tp_sise": 2}}, "distributed_config has no field 'tp_sise'"),
     ],
 )
 def test_bad_tensor_parallel_keywords_are_refused(tiny, kwargs, message):

@@ -479,6 +479,29 @@ def test_wrapper_in_a_pattern_scope_still_gets_the_original_inside():
     assert type(attention) is WrappedLlamaAttention and type(attention.inner) is LlamaAttention
 
 
+class DelegatingLlamaMLP(LlamaMLP):
+    """A LlamaMLP that runs an inner original one: a wrapper that subclasses the class it wraps."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.inner = LlamaMLP(config)
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def test_a_subclass_wrapper_gets_the_original_inside_its_own_construction():
+    """Its __init__ runs after the dispatcher returned (type.__call__ runs it): it recursed into itself forever."""
+    modelpatch.register_patch_mapping({"LlamaMLP": DelegatingLlamaMLP})
+    with modelpatch.apply_patches():
+        model = _tiny_llama()
+    for layer in model.layers:
+        assert type(layer.mlp) is DelegatingLlamaMLP and type(layer.mlp.inner) is LlamaMLP
+    modelpatch.clear_patch_mapping()
+    patched = modelpatch.from_config(LlamaModel, llama_config(), patcher=Patcher({"LlamaMLP": DelegatingLlamaMLP}))
+    assert {(type(layer.mlp), type(layer.mlp.inner)) for layer in patched.layers} == {(DelegatingLlamaMLP, LlamaMLP)}
+
+
 def test_argless_construction_is_never_replaced():
     modelpatch.register_patch_mapping({"BertModel": PlainModuleWithDefaults, ".*": PlainModuleWithDefaults})
     with modelpatch.apply_patches():

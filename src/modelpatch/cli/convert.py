@@ -48,8 +48,15 @@ def run(args: argparse.Namespace) -> int:
     destination = Path(args.dst)
     if destination.exists() and not args.force:
         raise UsageError(f"{destination} exists; pass --force to overwrite it.")
-    if destination.resolve() == source.resolve():
+    resolved_source, resolved_destination = source.resolve(), destination.resolve()
+    if resolved_destination == resolved_source:
         raise UsageError("SRC and DST are the same directory.")
+    # DST is replaced as a whole (--force): one that contains SRC would be replaced by a copy holding SRC and every
+    # file beside it; one inside SRC would be written into the checkpoint being read.
+    if resolved_source.is_relative_to(resolved_destination):
+        raise UsageError(f"DST {destination} contains SRC ({resolved_source}): pick a directory outside it.")
+    if resolved_destination.is_relative_to(resolved_source):
+        raise UsageError(f"DST {destination} lies inside SRC ({resolved_source}): pick a directory outside it.")
     model_class = model_class_for(config, args.model_class)
     fusions = parse_fusions(args.fusion)
     if is_runtime_layout(config):

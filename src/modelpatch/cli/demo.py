@@ -12,6 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .arguments import UsageError
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
@@ -63,6 +65,10 @@ def run(args: argparse.Namespace) -> int:
 
     with tempfile.TemporaryDirectory(prefix="modelpatch-demo-") as scratch:
         root = Path(args.keep or scratch)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a file there or above it, no permission, ...
+            raise UsageError(f"--keep {args.keep}: cannot make that directory ({exc.strerror or exc}).") from None
         ok = True
         for index, (title, model_class, config, fusions) in enumerate(demo_models()):
             source, saved = root / f"{config.model_type}-source", root / f"{config.model_type}-saved"

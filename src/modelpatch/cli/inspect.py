@@ -43,7 +43,7 @@ def _describe(args: argparse.Namespace) -> list[str]:
     from ..checkpoint import Checkpoint
     from ..fusions import available_fusions, get_fusion
     from ..fusions.apply import discover
-    from ..loading.build import build_empty_model, config_build_errors
+    from ..loading.build import build_empty_model, check_layer_count, config_build_errors
     from ..loading.config import resolve_model_class
     from ..state import is_runtime_layout, stored_fusion_config
     from .common import model_class_for, open_checkpoint
@@ -55,6 +55,8 @@ def _describe(args: argparse.Namespace) -> list[str]:
         dtypes = Counter(str(checkpoint.info(k).dtype).removeprefix("torch.") for k in keys)
         layout = Counter(_INDEX.sub("*", k) for k in keys)
         files, total_bytes = len(checkpoint.files), checkpoint.total_bytes
+    # A config with more layers than the checkpoint holds would take long to build, for a model it cannot load.
+    check_layer_count(model_class, config, keys, directory / "config.json", torch.float32)
     with config_build_errors(directory / "config.json", model_class):
         model = build_empty_model(model_class, config, torch.float32, [])
 

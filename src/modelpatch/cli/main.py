@@ -16,6 +16,9 @@ import importlib
 import logging
 import os
 import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from .. import __version__
 from ..errors import ModelPatchError
@@ -62,6 +65,29 @@ def import_modules(names: list[str]) -> None:
             raise UsageError(f"cannot import --import module {name!r}: {type(exc).__name__}: {message}") from None
 
 
+# What the commands import when they run, imported first and quietly (see _quiet).
+_LIBRARIES = ("torch", "transformers", "modelpatch.cli.common", "modelpatch.loading.load", "modelpatch.verify")
+
+
+@contextmanager
+def _quiet(enabled: bool) -> Iterator[None]:
+    """No warnings and no log records below ERROR for the block: importing torch, transformers and the libraries
+    they import (torchao's kernels that do not load on this machine, torch's deprecation notes) would print them
+    before every command's own output or one-line error. Only around those imports: the ``--import`` modules and
+    what the commands run warn as usual."""
+    if not enabled:
+        yield
+        return
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(previous)
+
+
 def _configure_logging(verbose: bool) -> None:
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
@@ -79,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # --help and --version (0), or a usage error argparse has printed (2)
         return exc.code if isinstance(exc.code, int) else EXIT_OK
+    with _quiet(not args.verbose):
+        for library in _LIBRARIES:
+            importlib.import_module(library)
     _configure_logging(args.verbose)
     try:
         import_modules([*args.imports, *args.command_imports])

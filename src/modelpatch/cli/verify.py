@@ -43,9 +43,13 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..loading import from_pretrained
-    from ..verify import default_inputs, verify
+    from ..verify import check_tolerances, default_inputs, verify
     from .common import model_class_for, open_checkpoint, parse_fusions, parse_patches
 
+    try:
+        check_tolerances(args.atol, args.rtol)
+    except ValueError as exc:
+        raise UsageError(f"--{exc}") from None
     directory, config = open_checkpoint(args, args.path)
     model_class = model_class_for(config, args.model_class)
     patcher, fusions = parse_patches(args.patch), parse_fusions(args.fusion)

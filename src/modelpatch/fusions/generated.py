@@ -60,7 +60,11 @@ def make_class(prefix: str, original: type, namespace: dict[str, Any], base: typ
 
 def fused_origin(module: Any) -> tuple[type, Any] | None:
     """``(original class, spec)`` when ``module`` is an instance of a class a fusion generated, else None."""
-    cls = type(module)
+    return fused_class_origin(type(module))
+
+
+def fused_class_origin(cls: type) -> tuple[type, Any] | None:
+    """``(original class, spec)`` when ``cls`` is a class a fusion generated, else None."""
     if cls.__module__ != __name__ or ORIGINAL_CLASS_ATTRIBUTE not in cls.__dict__:
         return None
     return cls.__dict__[ORIGINAL_CLASS_ATTRIBUTE], cls.__dict__[SPEC_ATTRIBUTE]

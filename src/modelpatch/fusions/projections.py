@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from typing import cast
+from types import SimpleNamespace
+from typing import ClassVar, cast
 
 import torch
 from torch import nn
@@ -58,6 +59,10 @@ class ProjectionSlice(nn.Module):
         part_sizes: Output sizes of all parts, in order.
         index: Which part this slice is.
     """
+
+    # Called where the Linear it replaced was called, with the same input, returning that Linear's output: a hook
+    # registered on that Linear keeps its meaning here (modelpatch.fuse / unfuse carry hooks over between the two).
+    stands_in_for: ClassVar[tuple[type[nn.Module], ...]] = (nn.Linear,)
 
     def __init__(self, owner: nn.Module, fused_name: str, part_sizes: Sequence[int], index: int, in_features: int):
         super().__init__()
@@ -113,6 +118,16 @@ class ProjectionSlice(nn.Module):
 
     def extra_repr(self) -> str:
         return f"part {self.index} of {self.fused_name}, out_features={self.out_features}"
+
+    def release_owner(self) -> None:
+        """Break the owner <-> slice reference cycle of a fused module being discarded, so that reference counting
+        frees its tensors at once: the slice keeps only what its ``forward`` reads of the owner (the fused layer and
+        the pending parts), so a forward still running on the discarded module in another thread computes as before.
+        """
+        fused = self.owner.__dict__["_modules"].get(self.fused_name)
+        object.__setattr__(
+            self, "owner", SimpleNamespace(_modules={self.fused_name: fused}, **{self.fused_name: fused})
+        )
 
 
 def _plain(fused: nn.Module) -> bool:

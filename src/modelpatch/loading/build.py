@@ -19,10 +19,11 @@ return a meta tensor untouched (see :func:`_skip_meta_initialisation`); a real t
 from __future__ import annotations
 
 import contextvars
+import copy
 import functools
 import re
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from .._transformers import fp32_module_patterns, init_contexts, initialized_from_config, patch_registry_module
-from ..errors import CheckpointError, ModelPatchError
+from ..errors import CheckpointError, LoadPlanError, ModelPatchError
 from ..patching.mapping import PatchMapping
 from ..patching.scope import PatchScope, patch_scope
 
@@ -234,3 +235,41 @@ def config_build_errors(config_file: Path, model_class: type) -> Iterator[None]:
         raise CheckpointError(
             f"{config_file}: transformers cannot build {model_class.__name__} from it ({type(exc).__name__}: {exc})"
         ) from exc
+
+
+def check_layer_count(
+    model_class: type, config: PretrainedConfig, keys: Iterable[str], config_file: Path, dtype: torch.dtype
+) -> None:
+    """Refuse a config with more layers than the checkpoint holds before the model is built: a meta build takes time
+    in proportion to the layers (minutes for ``num_hidden_layers: 100000``) only to report their tensors missing.
+
+    Every layer of a transformers model is an item of a module list, so its index is a segment of its tensors' keys,
+    whatever renaming the checkpoint needs. When no key has an index as high as the config's last layer, two small
+    builds (one layer, two layers) tell whether each layer holds tensors of its own (ALBERT's shared layers do not).
+
+    Raises:
+        LoadPlanError: the checkpoint cannot hold that many layers.
+    """
+    text_config = config.get_text_config()
+    count = getattr(text_config, "num_hidden_layers", None)
+    if not isinstance(count, int) or count < 2:
+        return
+    highest = max((int(part) for key in keys for part in key.split(".") if part.isdigit()), default=-1)
+    if count - 1 <= highest:
+        return
+    sizes = []
+    for layers in (1, 2):
+        probe = copy.deepcopy(config)
+        probe.get_text_config().num_hidden_layers = layers
+        try:
+            sizes.append(len(build_empty_model(model_class, probe, dtype, []).state_dict()))
+        except Exception:  # a config that cannot be built this small: the full build reports what is wrong
+            return
+    if sizes[0] == sizes[1]:
+        return
+    raise LoadPlanError(
+        f"{config_file}: num_hidden_layers = {count}, but no tensor key of the checkpoint has an index above "
+        f"{highest}: it holds at most {highest + 1} layers. Fix num_hidden_layers in config.json, or pass "
+        "new_parameters=[...] (regex patterns) for the layers to initialise freshly.",
+        {"missing from the checkpoint": [f"layers {highest + 1}..{count - 1}"]},
+    )

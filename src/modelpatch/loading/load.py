@@ -50,6 +50,7 @@ from .build import (
     build_empty_model,
     build_empty_model_patched,
     build_initialized_model,
+    check_layer_count,
     config_build_errors,
     keep_in_fp32,
     model_state_lock,
@@ -173,6 +174,8 @@ def _plan(
     if quantization is not None:
         resolved_dtype = quantization.update_dtype(resolved_dtype)
     _set_config_dtype(config, resolved_dtype)
+    if not options.new_parameters:
+        check_layer_count(concrete, config, metas, directory / "config.json", resolved_dtype)
     try:
         setup = _load_setup(concrete, config, options, resolved_dtype)
         fusions, layers = setup.fusions, setup.layers.ordered()

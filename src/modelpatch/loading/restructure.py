@@ -7,6 +7,17 @@ the fusion's weight transforms (forward to fuse, the exact reverse to unfuse), o
 is at most one converted group. Tensors no transform touches (``o_proj``, norms) move over as the same
 ``nn.Parameter`` objects, so optimizers and tied references keep working. What a save needs is recorded, so
 :func:`modelpatch.save_pretrained` and ``model.save_pretrained`` still write the original checkpoint layout.
+
+Hooks registered on the modules replaced (an activation-steering forward hook on ``mlp``, transformers' own output
+recorders) move to the modules that stand in their place where they keep their meaning: the replaced module itself
+(its replacement is called where it was, with the same arguments, and computes the same function), and each module
+inside it whose counterpart is called the same way (the same class, or a stand-in such as the projection slice that
+stands where ``q_proj`` was). Their handles keep working. A hook that would lose its meaning (one on ``qkv_proj`` when
+unfusing, a tensor hook on a weight that is converted into a new tensor) is refused by name before anything changes.
+
+A model is restructured by one call at a time (a second ``fuse`` from another thread waits, then finds the model
+fused); a forward running meanwhile in another thread computes with the old modules or the new ones, each the same
+function.
 """
 
 from __future__ import annotations
@@ -14,11 +25,14 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _WrappedHook
 from transformers import PreTrainedModel
 
 from ..conversion.planner import ConversionGroup, ConversionPlan, TensorMeta, plan_load, plan_save
@@ -26,7 +40,7 @@ from ..conversion.registry import model_conversions
 from ..conversion.transforms import WeightConverter, WeightTransform
 from ..errors import FusionError
 from ..fusions.apply import normalize_fusion_config, prepare_fusions, resolve_fusion_config, spec_transforms
-from ..fusions.generated import finish_fused_modules, fused_origin
+from ..fusions.generated import finish_fused_modules, fused_class_origin, fused_origin
 from ..fusions.projections import ProjectionSlice
 from ..patching import registry
 from ..patching.patcher import Patcher
@@ -42,6 +56,30 @@ from .plan import model_expectations
 from .save import install_original_format_save
 
 logger = logging.getLogger(__name__)
+
+
+_Function = TypeVar("_Function", bound=Callable[..., Any])
+
+_locks_guard = threading.Lock()
+_locks: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
+
+
+def _one_at_a_time(function: _Function) -> _Function:
+    """Run ``function(model, ...)`` holding ``model``'s restructuring lock: a second call from another thread waits,
+    then sees the model as the first call left it (already fused: the same FusionError as a call made after it)."""
+
+    @functools.wraps(function)
+    def locked(model: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(model, nn.Module):
+            return function(model, *args, **kwargs)  # refused by name there
+        with _locks_guard:
+            lock = _locks.get(model)
+            if lock is None:
+                lock = _locks[model] = threading.RLock()
+        with lock:
+            return function(model, *args, **kwargs)
+
+    return cast(_Function, locked)
 
 
 def _check_live(model: Any, what: str) -> None:
@@ -80,6 +118,113 @@ def _module_state(model: nn.Module, name: str) -> dict[str, torch.Tensor]:
 
 Step = Callable[[Mapping[str, TensorMeta]], ConversionPlan]
 
+# torch's per-module hook dicts, with what the error messages call them: those run around a call, and those run
+# around state-dict saves and loads. The ``_with_kwargs`` / ``_always_called`` dicts are flags of forward hooks.
+_CALL_HOOKS = {
+    "_forward_pre_hooks": "forward pre-hook",
+    "_forward_pre_hooks_with_kwargs": "",
+    "_forward_hooks": "forward hook",
+    "_forward_hooks_with_kwargs": "",
+    "_forward_hooks_always_called": "",
+    "_backward_pre_hooks": "backward pre-hook",
+    "_backward_hooks": "backward hook",
+}
+_STATE_HOOKS = {
+    "_state_dict_pre_hooks": "state-dict pre-hook",
+    "_state_dict_hooks": "state-dict hook",
+    "_load_state_dict_pre_hooks": "load-state-dict pre-hook",
+    "_load_state_dict_post_hooks": "load-state-dict post-hook",
+}
+
+
+def _hook_kinds(module: nn.Module, table: Mapping[str, str]) -> list[str]:
+    return [label for attribute, label in table.items() if label and getattr(module, attribute)]
+
+
+def _same_constructor(a: type, b: type) -> bool:
+    """Whether instances of ``a`` and ``b`` are built by the same code: the same class, or a fused class and the
+    class it replaced (whose ``__init__`` it runs)."""
+    return a is b or any(
+        origin is not None and origin[0] is other
+        for origin, other in ((fused_class_origin(a), b), (fused_class_origin(b), a))
+    )
+
+
+def _called_alike(live: nn.Module, new: nn.Module) -> bool:
+    """Whether ``new`` is called where ``live`` was, with the same arguments, returning what it returned."""
+    a, b = type(live), type(new)
+    return _same_constructor(a, b) or a in getattr(b, "stands_in_for", ()) or b in getattr(a, "stands_in_for", ())
+
+
+def _state_layout(module: nn.Module) -> dict[str, tuple[int, ...]]:
+    return {key: tuple(tensor.shape) for key, tensor in module.state_dict(keep_vars=True).items()}
+
+
+def _hook_moves(
+    live: nn.Module, new: nn.Module, name: str, verb: str
+) -> tuple[list[tuple[nn.Module, nn.Module]], list[str]]:
+    """The hooked modules inside ``live`` (module ``name``) and those of ``new`` their hooks move to; and, for each
+    hook that would lose its meaning in ``new``, the module and why.
+
+    The replaced module itself is called where it was, with the same arguments, and computes the same function: its
+    call hooks always keep their meaning. A module inside it keeps them when ``new`` has a module at the same path
+    that is called alike; state-dict hooks need the same state (keys and shapes) there.
+    """
+    targets = dict(new.named_modules(remove_duplicate=False))
+    moves: list[tuple[nn.Module, nn.Module]] = []
+    problems: list[str] = []
+    for path, module in live.named_modules():
+        call, state = _hook_kinds(module, _CALL_HOOKS), _hook_kinds(module, _STATE_HOOKS)
+        forward = "forward" in module.__dict__
+        if not (call or state or forward):
+            continue
+        target = targets.get(path)
+        if forward:
+            why = "its forward is set on the instance (it would keep calling the replaced module)"
+        elif target is None:
+            why = f"the {verb}d model has no module there"
+        elif call and path and not _called_alike(module, target):
+            why = f"a {type(target).__name__} stands there, not called as the {type(module).__name__} was"
+        elif state and _state_layout(module) != _state_layout(target):
+            why = f"the {type(target).__name__} that stands there holds other tensors"
+        else:
+            moves.append((module, target))
+            continue
+        kinds = ", ".join([*call, *state] or ["a forward set on the instance"])
+        problems.append(f"{name}.{path} ({kinds}): {why}" if path else f"{name} ({kinds}): {why}")
+    return moves, problems
+
+
+def _move_hooks(live: nn.Module, new: nn.Module) -> None:
+    """Give ``new`` the hook dicts of ``live`` (the very objects, so that the hooks' handles remove them from
+    ``new``). Hooks ``new`` registered itself when built are kept unless ``live`` was built by the same code (then
+    ``live`` holds their twins)."""
+    same = _same_constructor(type(live), type(new))
+    for attribute in (*_CALL_HOOKS, *_STATE_HOOKS):
+        hooks, own = getattr(live, attribute), getattr(new, attribute)
+        if not hooks:
+            continue
+        if not same:
+            for key, hook in own.items():
+                hooks.setdefault(key, hook)
+        new.__dict__[attribute] = hooks
+    for hook in new._load_state_dict_pre_hooks.values():
+        # register_load_state_dict_pre_hook binds its hook to the module by weak reference.
+        if isinstance(hook, _WrappedHook) and hook.with_module and hook.module() is live:
+            hook.module = weakref.ref(new)
+    if live._backward_hooks or live._backward_pre_hooks:
+        new._is_full_backward_hook = live._is_full_backward_hook
+
+
+def _tensor_hook_problems(tensors: Mapping[str, torch.Tensor], kept: set[str], verb: str) -> list[str]:
+    """Tensors with hooks of their own (``register_hook``, ``register_post_accumulate_grad_hook``) that the
+    restructuring converts into new tensors, which would not have them."""
+    return [
+        f"{key} (a tensor hook): {verb} converts it into a new tensor"
+        for key, tensor in tensors.items()
+        if key not in kept and (tensor._backward_hooks or getattr(tensor, "_post_accumulate_grad_hooks", None))
+    ]
+
 
 def _run_plan(
     plan: ConversionPlan, tensors: Mapping[str, torch.Tensor], grads: Mapping[str, bool]
@@ -106,16 +251,24 @@ def _swap(
     so the memory a restructuring adds is one converted module.
     """
     plans = []
+    hook_moves: list[tuple[nn.Module, nn.Module]] = []
+    hook_problems: list[str] = []
     for name in names:
-        metas = {key: TensorMeta(tuple(t.shape), t.dtype) for key, t in _module_state(model, name).items()}
+        state = _module_state(model, name)
+        metas = {key: TensorMeta(tuple(t.shape), t.dtype) for key, t in state.items()}
         module_plans = []
         problems: list[str] = []
+        passed = {key: key for key in metas}  # output key -> the source key whose tensor it is, unconverted
         for step in steps:
             plan = step(metas)
             problems.extend(item for items in plan.problems.values() for item in items)
             module_plans.append(plan)
             metas = plan.outputs
+            passed = {out: passed[source] for out, source in plan.direct.items() if source in passed}
         new = target.get_submodule(name)
+        moves, hooked = _hook_moves(model.get_submodule(name), new, name, verb)
+        hook_moves += moves
+        hook_problems += hooked + _tensor_hook_problems(state, set(passed.values()), verb)
         expected = {
             f"{name}.{key}": TensorMeta(tuple(t.shape), t.dtype) for key, t in new.state_dict(keep_vars=True).items()
         }
@@ -131,6 +284,14 @@ def _swap(
                 f"{'; ' + '; '.join(problems) if problems else ''}). The model was left unchanged."
             )
         plans.append((name, module_plans))
+    if hook_problems:
+        raise FusionError(
+            f"Cannot {verb} {type(model).__name__}: hooks are registered where the {verb}d model would not keep "
+            f"their meaning: {'; '.join(hook_problems)}. Remove them (handle.remove()), {verb}, and register them "
+            f"again on the modules that stand there then. The model was left unchanged."
+        )
+    for live, new in hook_moves:
+        _move_hooks(live, new)
 
     last_groups = [group for _, module_plans in plans for group in module_plans[-1].groups]
     with torch.no_grad():
@@ -180,10 +341,10 @@ def _bound(transforms: Sequence[WeightTransform], groups: Sequence[ConversionGro
 
 def _dismantle(module: nn.Module) -> None:
     """Break the owner <-> slice reference cycles of a replaced fused module, so that reference counting frees its
-    tensors at once rather than at the next garbage collection (the module is not usable afterwards)."""
+    tensors at once rather than at the next garbage collection (a forward still running on it finishes)."""
     for child in module.modules():
         if isinstance(child, ProjectionSlice):
-            object.__setattr__(child, "owner", None)
+            child.release_owner()
 
 
 def _record(model: PreTrainedModel, fusion_config: Mapping[str, Any], transforms: Sequence[WeightTransform]) -> None:
@@ -204,6 +365,7 @@ def _fused_modules(model: nn.Module) -> dict[str, tuple[type, Any]]:
     return found
 
 
+@_one_at_a_time
 def fuse(model: PreTrainedModel, fusion_config: Mapping[str, Any]) -> PreTrainedModel:
     """Restructure ``model`` in place with ``fusion_config`` (``{"qkv": True, ...}``), as a load with it would.
 
@@ -256,6 +418,7 @@ def fuse(model: PreTrainedModel, fusion_config: Mapping[str, Any]) -> PreTrained
     return model
 
 
+@_one_at_a_time
 def unfuse(model: PreTrainedModel) -> PreTrainedModel:
     """Restore the stock structure of a fused ``model`` in place (fused by :func:`fuse` or at load).
 
@@ -288,6 +451,7 @@ def unfuse(model: PreTrainedModel) -> PreTrainedModel:
     return model
 
 
+@_one_at_a_time
 def patch_model(model: PreTrainedModel, patcher: Patcher) -> PreTrainedModel:
     """Apply ``patcher``'s class replacements to a model already in memory, converting weights as a load would.
 

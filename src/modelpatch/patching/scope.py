@@ -14,7 +14,8 @@ replacement instead. Module globals and class objects are never modified, so:
   name constructs it (``from torch.nn import LayerNorm`` in Qwen2-VL): where transformers' own ``apply_patches``,
   which rebinds module globals, would replace it. Such a module's ``nn.LayerNorm(...)`` is replaced too;
 * a replacement that wraps the module it replaces (``self.inner = LlamaAttention(config, layer_idx)`` inside the
-  replacement's ``__init__``) gets the original class there instead of recursing into itself;
+  replacement's ``__init__``, a subclass of it or not) gets the original class there instead of recursing into
+  itself;
 * nothing is scanned on entry: a class is resolved the first time it is constructed in a scope (then cached),
   and classes whose modeling module is imported inside the scope are covered too.
 
@@ -36,12 +37,14 @@ import contextvars
 import logging
 import sys
 import threading
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
+from ..errors import PatchError
 from . import registry
 from .candidates import is_patch_candidate, is_patchable_module
 from .mapping import PatchMapping
@@ -72,10 +75,16 @@ class PatchScope:
 class _Resolution:
     """How a class resolves in one set of open scopes: the winning scope, key and replacement."""
 
-    __slots__ = ("scope", "key", "replacement", "imported", "matching", "recorded")
+    __slots__ = ("scope", "key", "replacement", "imported", "matching", "recorded", "init_codes")
 
     def __init__(
-        self, scope: PatchScope, key: str, replacement: type, imported: bool, matching: tuple[PatchScope, ...]
+        self,
+        cls: type,
+        scope: PatchScope,
+        key: str,
+        replacement: type,
+        imported: bool,
+        matching: tuple[PatchScope, ...],
     ):
         self.scope = scope
         self.key = key
@@ -85,6 +94,18 @@ class _Resolution:
         # Every open scope with a key matching the class (they all record it in ``matched``).
         self.matching = matching
         self.recorded = False
+        # The code of the ``__init__`` methods a subclass replacement runs before reaching the replaced class's own.
+        self.init_codes = (
+            frozenset(
+                init.__code__
+                for klass in replacement.__mro__
+                if klass is not cls
+                and issubclass(klass, cls)
+                and isinstance(init := klass.__dict__.get("__init__"), types.FunctionType)
+            )
+            if issubclass(replacement, cls)
+            else frozenset()
+        )
 
 
 # Replaced by a new object each time a scope ends, so that every context notices, at its next dispatch, that one of
@@ -126,7 +147,7 @@ class _ActiveScopes:
                     winner = (scope, *found)
         if winner is None or winner[2] is cls:
             return None
-        return _Resolution(*winner, imported=not is_patch_candidate(cls), matching=tuple(matching))
+        return _Resolution(cls, *winner, imported=not is_patch_candidate(cls), matching=tuple(matching))
 
 
 def _active_scopes(scopes: tuple[PatchScope, ...]) -> _ActiveScopes | None:
@@ -199,10 +220,11 @@ def _dispatching_new(cls, *args, **kwargs):
                 resolution.recorded = True
             building = _building.get()
             wrapping = next((b for b in building if b.original is cls), None)
-            if wrapping is None:
+            if wrapping is None and not _inside_own_init(resolution, sys._getframe(1)):
                 resolution.scope.replaced[cls.__name__] = (resolution.key, resolution.replacement)
-                return _build_replacement(cls, resolution.replacement, building, args, kwargs)
-            wrapping.wraps_original = True
+                return _build_replacement(cls, resolution.replacement, resolution.key, building, args, kwargs)
+            if wrapping is not None:
+                wrapping.wraps_original = True
     if _saved_new is not None:
         return _saved_new(cls, *args, **kwargs)
     # What ``cls(...)`` would have used without the dispatcher: the next ``__new__`` after nn.Module in its MRO
@@ -213,7 +235,34 @@ def _dispatching_new(cls, *args, **kwargs):
     return new(cls, *args, **kwargs)
 
 
-def _build_replacement(cls, replacement, building, args, kwargs):
+def _inside_own_init(resolution: _Resolution, frame) -> bool:
+    """Whether ``frame`` or a caller of it runs the ``__init__`` of an instance of ``resolution``'s replacement, a
+    subclass of the class it replaces.
+
+    Such a replacement is built by ``type.__call__``, which runs its ``__init__`` after the dispatcher returned (no
+    context marks that construction, as one marks a non-subclass replacement's): its stack frames do. A replacement
+    that wraps the class it replaces (``super().__init__(config); self.inner = LlamaMLP(config)``) must get the
+    original there, not itself again, forever.
+    """
+    codes = resolution.init_codes
+    if not codes:
+        return False
+    while frame is not None:
+        code = frame.f_code
+        if code in codes and isinstance(frame.f_locals.get(code.co_varnames[0]), resolution.replacement):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _describe_arguments(args: tuple, kwargs: dict) -> str:
+    described = [type(arg).__name__ for arg in args] + [
+        f"{name}={type(value).__name__}" for name, value in kwargs.items()
+    ]
+    return ", ".join(described) or "no arguments"
+
+
+def _build_replacement(cls, replacement, key, building, args, kwargs):
     logger.debug("Building %s instead of %s", replacement.__qualname__, cls.__qualname__)
     if issubclass(replacement, cls):
         # type.__call__ will run replacement.__init__ on the returned instance.
@@ -223,6 +272,15 @@ def _build_replacement(cls, replacement, building, args, kwargs):
     token = _building.set((*building, build))
     try:
         instance = replacement(*args, **kwargs)
+    except PatchError:
+        raise  # a patch inside the replacement's own construction, named there
+    except Exception as exc:  # whatever the replacement's constructor raises: the patch is what is wrong
+        raise PatchError(
+            f"The patch {key!r} replaces {cls.__qualname__} by {replacement.__module__}.{replacement.__qualname__}, "
+            f"which cannot be built with the arguments {cls.__qualname__} is built with "
+            f"({_describe_arguments(args, kwargs)}): {type(exc).__name__}: {exc}. A replacement takes the replaced "
+            "class's constructor arguments."
+        ) from exc
     finally:
         _building.reset(token)
     register_replacement_for_recorders(cls, replacement, wraps_original=build.wraps_original)

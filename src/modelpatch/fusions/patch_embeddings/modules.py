@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -28,6 +29,10 @@ class Conv3dAsLinear(nn.Linear):
     ``[N, out, 1, 1, 1]`` like the convolution; called with flattened patches (``[N, C*T*H*W]``) it is the plain
     Linear. Any other input falls back to the convolution with the same weights.
     """
+
+    # Called where the Conv3d was, with the same input, returning its output: a hook registered on the Conv3d keeps
+    # its meaning here (modelpatch.fuse / unfuse carry hooks over between the two).
+    stands_in_for: ClassVar[tuple[type[nn.Module], ...]] = (nn.Conv3d,)
 
     def __init__(self, conv: nn.Conv3d):
         super().__init__(
