@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import inspect
 import io
 import json
 import logging
@@ -66,6 +67,10 @@ from transformers.models.auto.configuration_auto import (
 
 import modelpatch
 from modelpatch.conversion import transformers_mapping
+from modelpatch.fusions.generated import SPEC_ATTRIBUTE
+from modelpatch.fusions.patch_embeddings.modules import Conv3dAsLinear, is_patch_conv
+from modelpatch.fusions.registry import get_fusion
+from modelpatch.verify import default_inputs
 
 MAX_PARAMETERS = 50_000_000
 VOCAB = 128
@@ -621,14 +626,259 @@ def _quiet():
             logging.getLogger(name).setLevel(level)
 
 
+# ----------------------------------------------------------------------------------------------- fusion mode
+
+FUSIONS: dict[str, Any] = {"qkv": True, "gate_up": True, "linear_experts": True, "patch_embeddings": True}
+# Outputs within this of stock's (|a - b| <= ATOL + RTOL * |b|, float32) count as ``close``: what reordering the
+# sums of one matmul gives, far below what a wrong weight gives.
+ATOL, RTOL = 1e-5, 1e-4
+
+
+@dataclass
+class FusionResult:
+    """One model type under ``fusion_config=FUSIONS`` (its primary class: the task class, else the base model).
+
+    ``status``: ``fused`` (every candidate fused), ``partly fused``, ``no candidates``, ``refused`` (modelpatch's
+    load raised although the type loads unfused), ``failed`` (a later step raised) or ``not buildable``.
+    ``forward``: ``bitwise``, ``close`` (within ATOL / RTOL), ``differs`` or ``not run: <why>``; ``save``:
+    ``bitwise`` or what differs.
+    """
+
+    model_type: str
+    status: str
+    reason: str = ""
+    name: str = ""
+    candidates: dict[str, int] = field(default_factory=dict)
+    fused: dict[str, int] = field(default_factory=dict)
+    forward: str = ""
+    max_difference: float = 0.0
+    save: str = ""
+    seconds: float = 0.0
+
+
+def _children(module: torch.nn.Module, names: Iterable[str]) -> list[torch.nn.Linear] | None:
+    found = [module._modules.get(n) for n in names]
+    linears = [m for m in found if isinstance(m, torch.nn.Linear)]
+    return linears if len(linears) == len(found) and len({m.in_features for m in linears}) == 1 else None
+
+
+def _is_candidate(family: str, module: torch.nn.Module) -> bool:
+    """Whether ``module`` is what ``family`` looks for, by structure alone (whether it can be fused aside)."""
+    if family == "qkv":
+        return any(_children(module, names) for names in (("q_proj", "k_proj", "v_proj"), ("query", "key", "value")))
+    if family == "gate_up":
+        return _children(module, ("gate_proj", "up_proj")) is not None
+    if family == "linear_experts":
+        return all(
+            isinstance(p := module._parameters.get(n), torch.nn.Parameter) and p.dim() == 3
+            for n in ("gate_up_proj", "down_proj")
+        )
+    if family == "patch_embeddings":
+        return is_patch_conv(module)
+    raise ValueError(f"unknown fusion family {family!r}")
+
+
+def fusion_candidates(model: torch.nn.Module) -> dict[str, int]:
+    """Candidate modules per family in a stock ``model``."""
+    return {family: sum(_is_candidate(family, m) for m in model.modules()) for family in FUSIONS}
+
+
+def fused_modules(model: torch.nn.Module) -> dict[str, int]:
+    """Modules per family that a fusion replaced in ``model`` (for patch embeddings: the convolutions replaced)."""
+    counts = dict.fromkeys(FUSIONS, 0)
+    kinds = {type(get_fusion(family)): family for family in FUSIONS}
+    for module in model.modules():
+        if isinstance(module, Conv3dAsLinear):
+            counts["patch_embeddings"] += 1
+        elif (family := kinds.get(type(getattr(type(module), SPEC_ATTRIBUTE, None)))) not in (None, "patch_embeddings"):
+            counts[family] += 1
+    return counts
+
+
+def dummy_inputs(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """The model's own dummy inputs: token ids (with an image for Qwen-VL-style models, see
+    :func:`modelpatch.verify.default_inputs`), decoder ids for encoder-decoders; pixels for vision models and a
+    waveform for audio models that take no token ids."""
+    parameters = inspect.signature(model.forward).parameters
+    config = model.config
+    if "input_ids" in parameters:
+        inputs = default_inputs(model, seq_len=8)
+        if "decoder_input_ids" in parameters:
+            inputs["decoder_input_ids"] = inputs["input_ids"][:, :4]
+        return inputs
+    generator = torch.Generator().manual_seed(0)
+    if "pixel_values" in parameters:
+        vision = getattr(config, "vision_config", None) or config
+        size = getattr(vision, "image_size", 32)
+        size = size if isinstance(size, int) else size[0] if isinstance(size, (list, tuple)) else 32
+        channels = getattr(vision, "num_channels", 3)
+        return {"pixel_values": torch.randn(1, channels, size, size, generator=generator)}
+    if "input_values" in parameters:
+        return {"input_values": torch.randn(1, 4000, generator=generator)}
+    raise ValueError(f"no dummy inputs for {type(model).__name__}({', '.join(list(parameters)[:3])}, ...)")
+
+
+def _output_tensors(output: Any, prefix: str = "output") -> dict[str, torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return {prefix: output} if output.is_floating_point() else {}
+    items = (
+        output.items() if isinstance(output, dict) else enumerate(output) if isinstance(output, (list, tuple)) else ()
+    )
+    found: dict[str, torch.Tensor] = {}
+    for key, value in items:
+        found.update(_output_tensors(value, f"{prefix}.{key}"))
+    return found
+
+
+def _forward(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)  # models that sample in their forward (noise, masks) sample the same
+    with torch.no_grad():
+        return _output_tensors(model(**inputs))
+
+
+def compare_outputs(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> tuple[str, float]:
+    """``bitwise``, ``close`` or ``differs: <first output>``, and the largest absolute difference."""
+    if actual.keys() != expected.keys():
+        return f"differs: outputs {sorted(actual.keys() ^ expected.keys())[:2]}", float("inf")
+    verdict, largest = "bitwise", 0.0
+    for key, e in expected.items():
+        a = actual[key]
+        if a.shape != e.shape:
+            return f"differs: {key} {list(a.shape)} vs stock {list(e.shape)}", float("inf")
+        if torch.equal(_bits(a), _bits(e)):
+            continue
+        a64, e64 = a.double(), e.double()
+        finite = torch.isfinite(e64)
+        largest = max(largest, float((a64 - e64)[finite].abs().max()) if finite.any() else 0.0)
+        if not torch.allclose(a64, e64, atol=ATOL, rtol=RTOL, equal_nan=True):
+            return f"differs: {key}", largest
+        verdict = "close"
+    return verdict, largest
+
+
+def _primary_classes(model_type: str, registry_classes: dict[str, list[str]] | None) -> list[str]:
+    names = classes_for(model_type, registry_classes)
+    return names[1:2] + names[:1] + names[2:]
+
+
+def check_fusions(model_type: str, registry_classes: dict[str, list[str]] | None = None) -> FusionResult:
+    """Load ``model_type``'s primary class with :data:`FUSIONS`; compare it with stock (see :class:`FusionResult`)."""
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"zoo-fusions-{model_type}-") as work, _quiet():
+        result = FusionResult(model_type, "not buildable", "no model class")
+        for name in _primary_classes(model_type, registry_classes):
+            try:
+                result = _check_class_fusions(model_type, name, Path(work))
+            except Exception as exc:
+                result = FusionResult(model_type, "failed", "unexpected: " + _short(exc) + " @ " + _where(exc), name)
+            if result.status != "not buildable":
+                break
+    result.seconds = round(time.perf_counter() - start, 1)
+    return result
+
+
+def _check_class_fusions(model_type: str, name: str, work: Path) -> FusionResult:
+    result = FusionResult(model_type, "not buildable", name=name)
+    try:
+        cls = getattr(transformers, name)
+        source = work / f"{name}-stock-saved"
+        _build(cls).save_pretrained(source)
+        stock, info = cls.from_pretrained(source, output_loading_info=True)
+    except Exception as exc:
+        result.reason = _short(exc)
+        return result
+    stock.eval()
+    missing = sorted(info.get("missing_keys", []))
+    result.candidates = fusion_candidates(stock)
+    try:
+        patched = modelpatch.from_pretrained(
+            cls,
+            source,
+            fusion_config=FUSIONS,
+            new_parameters=[re.escape(k) + "$" for k in missing],
+            unexpected_keys="ignore",
+        )
+    except Exception as exc:
+        result.status, result.reason = "refused", _short(exc)
+        return result
+    patched.eval()
+    result.fused = fused_modules(patched)
+    total, done = sum(result.candidates.values()), sum(result.fused.values())
+    result.status = "no candidates" if not total else "fused" if done >= total else "partly fused"
+    try:
+        inputs = dummy_inputs(stock)
+        expected = _forward(stock, inputs)
+    except Exception as exc:
+        result.forward = "not run: stock: " + _short(exc)
+    else:
+        try:
+            result.forward, result.max_difference = compare_outputs(_forward(patched, inputs), expected)
+        except Exception as exc:
+            result.forward = "differs: modelpatch's forward raised " + _short(exc)
+    saved = work / f"{name}-modelpatch-saved"
+    try:
+        modelpatch.save_pretrained(patched, saved)
+        result.save = first_difference(read_tensors(saved), read_tensors(source), skip=missing) or "bitwise"
+    except Exception as exc:
+        result.save = "modelpatch.save_pretrained: " + _short(exc)
+    if result.save != "bitwise" or result.forward.startswith("differs"):
+        result.status, result.reason = "failed", f"forward {result.forward}; save {result.save}"
+    return result
+
+
+def _fusion_line(result: FusionResult) -> str:
+    counts = " ".join(
+        f"{family}={result.fused.get(family, 0)}/{count}" for family, count in result.candidates.items() if count
+    )
+    text = f"{result.model_type}: {result.status}"
+    if result.name:
+        text += f" [{result.name}]"
+    if counts:
+        text += f" {counts}"
+    if result.forward:
+        text += f" forward {result.forward}" + (f" ({result.max_difference:.2g})" if result.max_difference else "")
+    if result.save:
+        text += f" save {result.save}"
+    if result.reason and result.status in ("refused", "not buildable"):
+        text += f" -- {result.reason}"
+    return f"{text} {result.seconds}s"
+
+
+def fusion_summary(results: list[FusionResult]) -> str:
+    """The totals in the terms of issue 19."""
+    loaded = [r for r in results if r.status not in ("not buildable", "refused") and r.fused]
+    with_candidates = [r for r in results if sum(r.candidates.values())]
+    fully = [
+        r
+        for r in with_candidates
+        if r.status != "refused" and all(r.fused.get(f, 0) >= c for f, c in r.candidates.items())
+    ]
+    families = "  ".join(
+        f"{family} {sum(r.fused.get(family, 0) for r in loaded)}/{sum(r.candidates.get(family, 0) for r in results)}"
+        for family in FUSIONS
+    )
+    forward = {v: sum(r.forward.startswith(v) for r in loaded) for v in ("bitwise", "close", "differs", "not run")}
+    return (
+        f"types tried: {len(results)}  with candidates: {len(with_candidates)}  fully fused: {len(fully)}  "
+        f"refused: {sum(r.status == 'refused' for r in results)}  "
+        f"failed: {sum(r.status == 'failed' for r in results)}  "
+        f"not buildable: {sum(r.status == 'not buildable' for r in results)}\n"
+        f"modules fused / candidates: {families}\n"
+        f"forward vs stock: bitwise {forward['bitwise']}  close {forward['close']}  differs {forward['differs']}  "
+        f"not run {forward['not run']}  (of {len(loaded)} types loaded with something fused)\n"
+        f"save bitwise: {sum(r.save == 'bitwise' for r in loaded)} of {len(loaded)}"
+    )
+
+
 # ------------------------------------------------------------------------------------------------ the sweep
 
 
-def _worker() -> None:
+def _worker(fusions: bool) -> None:
     """Read model types from stdin, one per line; write one JSON result per line."""
     registry_classes = _registry_classes()
+    check = check_fusions if fusions else check_type
     for line in sys.stdin:
-        result = check_type(line.strip(), registry_classes)
+        result = check(line.strip(), registry_classes)
         sys.stdout.write(json.dumps(asdict(result)) + "\n")
         sys.stdout.flush()
 
@@ -636,7 +886,8 @@ def _worker() -> None:
 class _Worker:
     """A worker process; :meth:`run` gives it one type and waits at most ``timeout`` seconds."""
 
-    def __init__(self) -> None:
+    def __init__(self, fusions: bool) -> None:
+        self.fusions = fusions
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join(
@@ -644,7 +895,7 @@ class _Worker:
             ),
         }
         self.process = subprocess.Popen(
-            [sys.executable, __file__, "--worker"],
+            [sys.executable, __file__, "--worker", *(["--fusions"] if fusions else [])],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -652,7 +903,7 @@ class _Worker:
             env=env,
         )
 
-    def run(self, model_type: str, timeout: float) -> TypeResult | None:
+    def run(self, model_type: str, timeout: float) -> TypeResult | FusionResult | None:
         assert self.process.stdin and self.process.stdout
         self.process.stdin.write(model_type + "\n")
         self.process.stdin.flush()
@@ -664,6 +915,8 @@ class _Worker:
         if not line:
             return None
         data = json.loads(line)
+        if self.fusions:
+            return FusionResult(**data)
         data["classes"] = [ClassResult(**c) for c in data["classes"]]
         return TypeResult(**data)
 
@@ -672,12 +925,14 @@ class _Worker:
         self.process.wait()
 
 
-def sweep(types: list[str], jobs: int = 1, timeout: float = 600.0, progress: bool = True) -> list[TypeResult]:
-    """Check ``types`` in ``jobs`` worker processes."""
+def sweep(
+    types: list[str], jobs: int = 1, timeout: float = 600.0, progress: bool = True, fusions: bool = False
+) -> list[Any]:
+    """Check ``types`` in ``jobs`` worker processes (``fusions``: :func:`check_fusions`, else :func:`check_type`)."""
     pending, results, lock = list(types), {}, threading.Lock()
 
     def run() -> None:
-        worker = _Worker()
+        worker = _Worker(fusions)
         while True:
             with lock:
                 if not pending:
@@ -688,12 +943,12 @@ def sweep(types: list[str], jobs: int = 1, timeout: float = 600.0, progress: boo
                 code = worker.process.poll()
                 worker.stop()
                 reason = f"worker exited with {code}" if code is not None else f"timed out after {timeout:.0f}s"
-                result = TypeResult(model_type, "failed", reason)
-                worker = _Worker()
+                result = (FusionResult if fusions else TypeResult)(model_type, "failed", reason)
+                worker = _Worker(fusions)
             with lock:
                 results[model_type] = result
                 if progress:
-                    print(_line(result), flush=True)
+                    print(_fusion_line(result) if fusions else _line(result), flush=True)
         worker.stop()
 
     threads = [threading.Thread(target=run) for _ in range(max(1, jobs))]
@@ -736,14 +991,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="worker processes")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per model type")
     parser.add_argument("--json", type=Path, help="write every result here")
+    parser.add_argument(
+        "--fusions", action="store_true", help="load with every fusion (FUSIONS) and compare forward and save to stock"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        _worker()
+        _worker(args.fusions)
         return 0
     types = args.types.split(",") if args.types else model_types()
-    results = sweep(types, args.jobs, args.timeout)
-    print(summary(results))
+    results = sweep(types, args.jobs, args.timeout, fusions=args.fusions)
+    print(fusion_summary(results) if args.fusions else summary(results))
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in results], indent=1))
     return 0 if not any(r.status == "failed" for r in results) else 1

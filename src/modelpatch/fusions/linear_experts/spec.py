@@ -12,10 +12,15 @@ those into the per-expert keys; the load records the split, so a default save wr
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import hashlib
+import inspect
 import re
+import textwrap
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from functools import cache
 from types import MappingProxyType
 from typing import cast
 
@@ -23,11 +28,12 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from ...conversion.operations import Chunk, SplitModulelist
+from ...conversion.operations import Chunk, Interleave, SplitModulelist, Transpose
 from ...conversion.transforms import WeightConverter, WeightTransform
+from ...errors import FusionError
 from ..generated import make_class
 from ..spec import FusionOptions, ModuleFusionSpec
-from .modules import LinearExperts
+from .modules import ExpertGate, LinearExperts
 
 DEFAULT_CHILD_NAMES = ("gate_proj", "up_proj", "down_proj")
 
@@ -83,23 +89,146 @@ def expert_child_names(model_type: str | None) -> tuple[str, str, str]:
     return EXPERT_CHILD_NAMES.get(model_type or "", DEFAULT_CHILD_NAMES)
 
 
-def _is_fused_experts(module: nn.Module) -> bool:
-    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    return (
-        isinstance(gate_up, nn.Parameter)
-        and isinstance(down, nn.Parameter)
-        and gate_up.dim() == 3
-        and down.dim() == 3
-        and gate_up.shape[0] == down.shape[0]
-        and gate_up.shape[1] == 2 * down.shape[2]
-        and gate_up.shape[2] == down.shape[1]
-        and getattr(module, "gate_up_proj_bias", None) is None
-        and callable(getattr(module, "act_fn", None))
-    )
+@dataclasses.dataclass(frozen=True)
+class ExpertsLayout:
+    """How a stock experts class computes, as far as this family knows it.
+
+    Attributes:
+        forward: What its forward is (for messages).
+        transposed: Its weights are stored ``[E, in, out]`` (``x @ w``), not ``[E, out, in]`` (``linear(x, w)``).
+        bias: It holds ``gate_up_proj_bias [E, 2I]`` and ``down_proj_bias [E, H]`` and adds them.
+        gate: ``"act"``: ``act_fn(gate) * up`` over the two halves of the gate/up product; ``"chunked"`` /
+            ``"interleaved"``: the class's own ``_apply_gate`` on the whole product, whose gate and up columns come
+            in two halves / alternate.
+    """
+
+    forward: str
+    transposed: bool = False
+    bias: bool = False
+    gate: str = "act"
+
+
+# The forwards this family reproduces exactly, by a digest of their syntax tree (see ``forward_digest``): each routes
+# every token's top-k slots to experts (a slot index equal to the number of experts is padding), computes the expert's
+# gated MLP and adds the outputs weighted by the routing weights, in the activations' dtype. Checked against
+# transformers 5.23's source; any other forward (another release's edits included) is left unfused.
+KNOWN_FORWARDS: Mapping[str, ExpertsLayout] = MappingProxyType(
+    {
+        "8c2a27b096596aab": ExpertsLayout(
+            "transformers' experts forward (MixtralExperts, Qwen3MoeExperts and 52 more)"
+        ),
+        "1363fbc4d8f57062": ExpertsLayout(
+            "transformers' experts forward through the class's _apply_gate (DeepseekV4Experts, Glm5NextTextExperts, "
+            "HYV4Experts, MiniMaxM3VLExperts, Step3p7Experts, BeamExperts)",
+            gate="chunked",
+        ),
+        "f3b0cd681c9caaa3": ExpertsLayout(
+            "GptOssExperts' forward (transposed weights with biases, gate and up columns interleaved)",
+            transposed=True,
+            bias=True,
+            gate="interleaved",
+        ),
+    }
+)
+# Forwards known to compute something the per-expert MLPs do not, and what.
+UNKNOWN_FORWARDS: Mapping[str, str] = MappingProxyType(
+    {
+        "af11e60e00785271": "it runs every expert densely over tokens already dispatched to it (a batched product "
+        "over [experts, tokens, hidden], Llama 4), not the routed tokens",
+        "29f99cbea14936bf": "it routes some slots to weightless identity ('zero') experts (LongCat-Flash)",
+        "4e61cd02164d7fac": "it accumulates the experts' outputs in float32 whatever the weights' dtype (Inkling 2)",
+        "0fae9eb264a4b24e": "it computes every projection in float32 whatever the weights' dtype "
+        "(OpenAI privacy filter)",
+        "ae981ba801472819": "its checkpoint stores the transposed 3-D weights under other names (Aria's fc1/fc2), "
+        "which the per-expert split does not follow",
+        "0a3c35a9501d7b38": "it applies a norm to each expert's output (MuSE Spark)",
+    }
+)
+_WEIGHTS = ("gate_up_proj", "down_proj")
+_BIASES = ("gate_up_proj_bias", "down_proj_bias")
+
+
+@cache
+def forward_digest(cls: type[nn.Module]) -> str | None:
+    """A digest of the syntax tree of ``cls.forward`` as written (under transformers' experts-implementation
+    wrapper), docstring aside: equal for forwards that are the same code whatever their formatting; None when its
+    source cannot be read."""
+    function = inspect.unwrap(cls.forward)
+    try:
+        node = ast.parse(textwrap.dedent(inspect.getsource(function))).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return None
+    body = getattr(node, "body", [])
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        node.body = body[1:]  # type: ignore[attr-defined]
+    return hashlib.sha256(ast.dump(node).encode()).hexdigest()[:16]
+
+
+def _weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    found = [module._parameters.get(name) for name in _WEIGHTS]
+    if all(isinstance(p, nn.Parameter) and p.dim() == 3 for p in found):
+        return cast(torch.Tensor, found[0]), cast(torch.Tensor, found[1])
+    return None
+
+
+def experts_sizes(module: nn.Module, layout: ExpertsLayout) -> tuple[int, int, int]:
+    """(experts, hidden, intermediate) of a stock experts module of ``layout``."""
+    gate_up, _ = cast(tuple[torch.Tensor, torch.Tensor], _weights(module))
+    experts, rows, columns = gate_up.shape
+    hidden, double = (rows, columns) if layout.transposed else (columns, rows)
+    return experts, hidden, double // 2
+
+
+def experts_layout(module: nn.Module) -> ExpertsLayout | str:
+    """The layout of a stock experts module, or why the per-expert MLPs would not compute what it computes."""
+    weights = _weights(module)
+    if weights is None:
+        return "it holds no 3-D gate_up_proj and down_proj parameters"
+    digest = forward_digest(type(module))
+    layout = KNOWN_FORWARDS.get(digest or "")
+    if layout is None:
+        note = UNKNOWN_FORWARDS.get(digest or "", "it is not one this family knows computes the same")
+        return f"its forward ({type(module).__qualname__}.forward): {note}"
+    carried = {*_WEIGHTS, *(_BIASES if layout.bias else ())}
+    state = [name for name, _ in (*module.named_parameters(), *module.named_buffers()) if name not in carried]
+    if state:
+        return f"it holds {', '.join(state)} besides its experts' weights, which the per-expert MLPs have no place for"
+    experts, hidden, intermediate = experts_sizes(module, layout)
+    gate_up, down = weights
+    expected = [(experts, hidden, 2 * intermediate), (experts, intermediate, hidden)]
+    if not layout.transposed:
+        expected = [(e, b, a) for e, a, b in expected]
+    biases = [module._parameters.get(name) for name in _BIASES] if layout.bias else [None, None]
+    bias_sizes = (2 * intermediate, hidden) if layout.bias else (None, None)
+    if [tuple(gate_up.shape), tuple(down.shape)] != expected or any(
+        size is not None and (b is None or tuple(b.shape) != (experts, size))
+        for b, size in zip(biases, bias_sizes, strict=True)
+    ):
+        return (
+            f"gate_up_proj {list(gate_up.shape)} and down_proj {list(down.shape)} are not the layout its forward reads"
+        )
+    if layout.gate == "act" and not callable(getattr(module, "act_fn", None)):
+        return "it has no act_fn"
+    return layout
+
+
+def expert_gate(module: nn.Module, layout: ExpertsLayout) -> ExpertGate | None:
+    """The :class:`ExpertGate` of a stock experts module whose forward gates through its own ``_apply_gate``: that
+    function with the module's plain attributes and activation (tensors are the experts' weights, carried apart)."""
+    if layout.gate == "act":
+        return None
+    state = {k: v for k, v in vars(module).items() if not k.startswith("_") and k != "training"}
+    state.update(module._modules)
+    return ExpertGate(type(module)._apply_gate, state, interleaved=layout.gate == "interleaved")
 
 
 class LinearExpertsFusionSpec(ModuleFusionSpec):
-    filtered_conversion_patterns = (r"experts\.gate_up_proj$", r"experts\.down_proj$")
+    filtered_conversion_patterns = (
+        r"experts\.gate_up_proj$",
+        r"experts\.down_proj$",
+        r"experts\.gate_up_proj_bias$",
+        r"experts\.down_proj_bias$",
+    )
     options_class = LinearExpertsOptions
 
     def child_names(self, model_type: str | None) -> tuple[str, str, str]:
@@ -110,7 +239,11 @@ class LinearExpertsFusionSpec(ModuleFusionSpec):
         return expert_child_names(model_type)
 
     def is_fusable(self, module: nn.Module) -> bool:
-        return _is_fused_experts(module)
+        return isinstance(experts_layout(module), ExpertsLayout)
+
+    def unfusable_reason(self, module: nn.Module) -> str | None:
+        found = experts_layout(module)
+        return None if isinstance(found, ExpertsLayout) else found
 
     def make_transforms(self, config: PretrainedConfig, modules: Mapping[str, nn.Module]) -> list[WeightTransform]:
         """3-D expert keys -> per-expert keys: ``<experts>.gate_up_proj [E, 2I, H]`` is chunked into its gate rows
@@ -124,25 +257,49 @@ class LinearExpertsFusionSpec(ModuleFusionSpec):
         """
         # The experts are built with the text config, which is what the fused class reads its child names from.
         gate, up, down = self.child_names(config.get_text_config().model_type)
-        counts: dict[str, set[int]] = defaultdict(set)
+        groups: dict[tuple[str, ExpertsLayout], set[int]] = defaultdict(set)
         for name, module in modules.items():
-            # nn.Module annotates attributes as Tensor | Module: the stock experts' gate_up_proj is a 3-D parameter.
-            counts[name.rpartition(".")[2]].add(cast(torch.Tensor, module.gate_up_proj).shape[0])
+            layout = cast(ExpertsLayout, experts_layout(module))  # discovery fused only modules of a known layout
+            groups[name.rpartition(".")[2], layout].add(experts_sizes(module, layout)[0])
+        anchors = [anchor for anchor, _ in groups]
+        if len(set(anchors)) != len(anchors):
+            raise FusionError(
+                f"linear_experts: experts named {sorted(a for a in anchors if anchors.count(a) > 1)[0]!r} come in "
+                "different layouts in one model, which their checkpoint keys cannot tell apart; load without the "
+                "linear_experts fusion."
+            )
         transforms: list[WeightTransform] = []
-        for anchor, found in sorted(counts.items()):
+        for (anchor, layout), found in sorted(groups.items(), key=lambda item: item[0][0]):
             # The number of experts is declared (always one per model in transformers), so a 3-D tensor holding more
             # experts is a plan error rather than unused per-expert keys; the model's shapes catch any other misfit.
             split = SplitModulelist(dim=0, count=found.pop() if len(found) == 1 else None)
             experts = rf"(?<![^.]){re.escape(anchor)}"
+            # [E, in, out] weights become [E, out, in] first; interleaved gate/up rows (columns, stored) two halves.
+            transpose = [Transpose(dim0=1, dim1=2)] if layout.transposed else []
+            halves = [Interleave(dim=1)] if layout.gate == "interleaved" else []
             transforms += [
                 WeightConverter(
                     rf"{experts}\.gate_up_proj$",
                     [f"{anchor}.*.{gate}.weight", f"{anchor}.*.{up}.weight"],
-                    [Chunk(dim=1), split],
+                    [*transpose, *halves, Chunk(dim=1), split],
                     alternative=True,
                 ),
-                WeightConverter(rf"{experts}\.down_proj$", f"{anchor}.*.{down}.weight", [split], alternative=True),
+                WeightConverter(
+                    rf"{experts}\.down_proj$", f"{anchor}.*.{down}.weight", [*transpose, split], alternative=True
+                ),
             ]
+            if layout.bias:
+                transforms += [
+                    WeightConverter(
+                        rf"{experts}\.gate_up_proj_bias$",
+                        [f"{anchor}.*.{gate}.bias", f"{anchor}.*.{up}.bias"],
+                        [*halves, Chunk(dim=1), split],
+                        alternative=True,
+                    ),
+                    WeightConverter(
+                        rf"{experts}\.down_proj_bias$", f"{anchor}.*.{down}.bias", [split], alternative=True
+                    ),
+                ]
         return transforms
 
     def finish_module(self, module: nn.Module) -> None:
@@ -160,17 +317,19 @@ class LinearExpertsFusionSpec(ModuleFusionSpec):
             reference = object.__new__(original_cls)
             with torch.device("meta"):
                 original_cls.__init__(reference, config, *args, **kwargs)
-            gate_up_proj = cast(torch.Tensor, reference.gate_up_proj)  # a 3-D parameter (see make_transforms)
-            experts, double_intermediate, hidden = gate_up_proj.shape
+            layout = cast(ExpertsLayout, experts_layout(reference))  # discovery fused only known layouts
+            experts, hidden, intermediate = experts_sizes(reference, layout)
             LinearExperts.__init__(
                 self,
                 experts,
                 hidden,
-                double_intermediate // 2,
-                cast(Callable[[torch.Tensor], torch.Tensor], reference.act_fn),
+                intermediate,
+                getattr(reference, "act_fn", None) if layout.gate == "act" else None,
                 spec.child_names(getattr(config, "model_type", None)),
                 device=None,
-                dtype=gate_up_proj.dtype,
+                dtype=cast(torch.Tensor, reference.gate_up_proj).dtype,
+                bias=layout.bias,
+                gate_fn=expert_gate(reference, layout),
             )
 
         return make_class("Linear", original_cls, {"__init__": __init__}, base=LinearExperts, spec=self)
