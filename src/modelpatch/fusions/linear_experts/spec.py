@@ -141,11 +141,11 @@ UNKNOWN_FORWARDS: Mapping[str, str] = MappingProxyType(
         "(OpenAI privacy filter)",
         "ae981ba801472819": "its checkpoint stores the transposed 3-D weights under other names (Aria's fc1/fc2), "
         "which the per-expert split does not follow",
-        "0a3c35a9501d7b38": "it applies a norm to each expert's output (MuSE Spark)",
     }
 )
 _WEIGHTS = ("gate_up_proj", "down_proj")
 _BIASES = ("gate_up_proj_bias", "down_proj_bias")
+_CARRIED = {*_WEIGHTS, *_BIASES}
 
 
 @cache
@@ -184,15 +184,16 @@ def experts_layout(module: nn.Module) -> ExpertsLayout | str:
     weights = _weights(module)
     if weights is None:
         return "it holds no 3-D gate_up_proj and down_proj parameters"
+    state = [name for name, _ in (*module.named_parameters(), *module.named_buffers()) if name not in _CARRIED]
+    if state:
+        return f"it holds {', '.join(state)} besides its experts' weights, which the per-expert MLPs have no place for"
     digest = forward_digest(type(module))
     layout = KNOWN_FORWARDS.get(digest or "")
     if layout is None:
         note = UNKNOWN_FORWARDS.get(digest or "", "it is not one this family knows computes the same")
         return f"its forward ({type(module).__qualname__}.forward): {note}"
-    carried = {*_WEIGHTS, *(_BIASES if layout.bias else ())}
-    state = [name for name, _ in (*module.named_parameters(), *module.named_buffers()) if name not in carried]
-    if state:
-        return f"it holds {', '.join(state)} besides its experts' weights, which the per-expert MLPs have no place for"
+    if not layout.bias and (biases := [name for name in _BIASES if module._parameters.get(name) is not None]):
+        return f"it holds {', '.join(biases)}, which its forward does not add"
     experts, hidden, intermediate = experts_sizes(module, layout)
     gate_up, down = weights
     expected = [(experts, hidden, 2 * intermediate), (experts, intermediate, hidden)]
