@@ -678,43 +678,50 @@ def _is_candidate(family: str, module: torch.nn.Module) -> bool:
     raise ValueError(f"unknown fusion family {family!r}")
 
 
-def fusion_candidates(model: torch.nn.Module) -> dict[str, int]:
+def fusion_candidates(model: torch.nn.Module, families: Iterable[str] = FUSIONS) -> dict[str, int]:
     """Candidate modules per family in a stock ``model``."""
-    return {family: sum(_is_candidate(family, m) for m in model.modules()) for family in FUSIONS}
+    return {family: sum(_is_candidate(family, m) for m in model.modules()) for family in families}
 
 
-def fused_modules(model: torch.nn.Module) -> dict[str, int]:
+def fused_modules(model: torch.nn.Module, families: Iterable[str] = FUSIONS) -> dict[str, int]:
     """Modules per family that a fusion replaced in ``model`` (for patch embeddings: the convolutions replaced)."""
-    counts = dict.fromkeys(FUSIONS, 0)
-    kinds = {type(get_fusion(family)): family for family in FUSIONS}
+    counts = dict.fromkeys(families, 0)
+    kinds = {type(get_fusion(family)): family for family in counts}
     for module in model.modules():
-        if isinstance(module, Conv3dAsLinear):
+        if isinstance(module, Conv3dAsLinear) and "patch_embeddings" in counts:
             counts["patch_embeddings"] += 1
         elif (family := kinds.get(type(getattr(type(module), SPEC_ATTRIBUTE, None)))) not in (None, "patch_embeddings"):
             counts[family] += 1
     return counts
 
 
-def dummy_inputs(model: PreTrainedModel) -> dict[str, torch.Tensor]:
-    """The model's own dummy inputs: token ids (with an image for Qwen-VL-style models, see
-    :func:`modelpatch.verify.default_inputs`), decoder ids for encoder-decoders; pixels for vision models and a
-    waveform for audio models that take no token ids."""
+def dummy_inputs(model: PreTrainedModel) -> list[dict[str, Any]]:
+    """The model's own dummy inputs, in order of preference: token ids with an image for Qwen-VL-style models (see
+    :func:`modelpatch.verify.default_inputs`) and decoder ids for encoder-decoders, then the token ids alone; pixels
+    for vision models and a waveform for audio models that take no token ids. No cache: some models' caches cannot
+    serve a first forward without generation's set-up."""
     parameters = inspect.signature(model.forward).parameters
     config = model.config
+    extra: dict[str, Any] = {"use_cache": False} if "use_cache" in parameters else {}
     if "input_ids" in parameters:
-        inputs = default_inputs(model, seq_len=8)
+        try:
+            inputs = default_inputs(model, seq_len=8)
+        except Exception:  # an image it cannot size: the token ids alone
+            vocab = int(getattr(config.get_text_config(), "vocab_size", None) or VOCAB)
+            inputs = {"input_ids": torch.randint(3, vocab, (1, 8), generator=torch.Generator().manual_seed(0))}
         if "decoder_input_ids" in parameters:
             inputs["decoder_input_ids"] = inputs["input_ids"][:, :4]
-        return inputs
+        text = {k: v for k, v in inputs.items() if k in ("input_ids", "decoder_input_ids")}
+        return [{**inputs, **extra}] + ([{**text, **extra}] if text.keys() != inputs.keys() else [])
     generator = torch.Generator().manual_seed(0)
     if "pixel_values" in parameters:
         vision = getattr(config, "vision_config", None) or config
         size = getattr(vision, "image_size", 32)
         size = size if isinstance(size, int) else size[0] if isinstance(size, (list, tuple)) else 32
         channels = getattr(vision, "num_channels", 3)
-        return {"pixel_values": torch.randn(1, channels, size, size, generator=generator)}
+        return [{"pixel_values": torch.randn(1, channels, size, size, generator=generator), **extra}]
     if "input_values" in parameters:
-        return {"input_values": torch.randn(1, 4000, generator=generator)}
+        return [{"input_values": torch.randn(1, 4000, generator=generator), **extra}]
     raise ValueError(f"no dummy inputs for {type(model).__name__}({', '.join(list(parameters)[:3])}, ...)")
 
 
@@ -730,10 +737,21 @@ def _output_tensors(output: Any, prefix: str = "output") -> dict[str, torch.Tens
     return found
 
 
-def _forward(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _forward(model: torch.nn.Module, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)  # models that sample in their forward (noise, masks) sample the same
     with torch.no_grad():
         return _output_tensors(model(**inputs))
+
+
+def _stock_forward(model: PreTrainedModel) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The first of the model's dummy inputs its stock forward runs on, and its outputs (else the first error)."""
+    failure: Exception | None = None
+    for inputs in dummy_inputs(model):
+        try:
+            return inputs, _forward(model, inputs)
+        except Exception as exc:
+            failure = failure or exc
+    raise failure or ValueError("no dummy inputs")
 
 
 def compare_outputs(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> tuple[str, float]:
@@ -761,14 +779,18 @@ def _primary_classes(model_type: str, registry_classes: dict[str, list[str]] | N
     return names[1:2] + names[:1] + names[2:]
 
 
-def check_fusions(model_type: str, registry_classes: dict[str, list[str]] | None = None) -> FusionResult:
-    """Load ``model_type``'s primary class with :data:`FUSIONS`; compare it with stock (see :class:`FusionResult`)."""
+def check_fusions(
+    model_type: str, registry_classes: dict[str, list[str]] | None = None, families: Iterable[str] = FUSIONS
+) -> FusionResult:
+    """Load ``model_type``'s primary class with ``families`` fused (default: :data:`FUSIONS`); compare it with stock
+    (see :class:`FusionResult`)."""
+    families = tuple(families)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"zoo-fusions-{model_type}-") as work, _quiet():
         result = FusionResult(model_type, "not buildable", "no model class")
         for name in _primary_classes(model_type, registry_classes):
             try:
-                result = _check_class_fusions(model_type, name, Path(work))
+                result = _check_class_fusions(model_type, name, Path(work), families)
             except Exception as exc:
                 result = FusionResult(model_type, "failed", "unexpected: " + _short(exc) + " @ " + _where(exc), name)
             if result.status != "not buildable":
@@ -777,7 +799,7 @@ def check_fusions(model_type: str, registry_classes: dict[str, list[str]] | None
     return result
 
 
-def _check_class_fusions(model_type: str, name: str, work: Path) -> FusionResult:
+def _check_class_fusions(model_type: str, name: str, work: Path, families: tuple[str, ...]) -> FusionResult:
     result = FusionResult(model_type, "not buildable", name=name)
     try:
         cls = getattr(transformers, name)
@@ -789,12 +811,12 @@ def _check_class_fusions(model_type: str, name: str, work: Path) -> FusionResult
         return result
     stock.eval()
     missing = sorted(info.get("missing_keys", []))
-    result.candidates = fusion_candidates(stock)
+    result.candidates = fusion_candidates(stock, families)
     try:
         patched = modelpatch.from_pretrained(
             cls,
             source,
-            fusion_config=FUSIONS,
+            fusion_config=dict.fromkeys(families, True),
             new_parameters=[re.escape(k) + "$" for k in missing],
             unexpected_keys="ignore",
         )
@@ -802,12 +824,11 @@ def _check_class_fusions(model_type: str, name: str, work: Path) -> FusionResult
         result.status, result.reason = "refused", _short(exc)
         return result
     patched.eval()
-    result.fused = fused_modules(patched)
+    result.fused = fused_modules(patched, families)
     total, done = sum(result.candidates.values()), sum(result.fused.values())
     result.status = "no candidates" if not total else "fused" if done >= total else "partly fused"
     try:
-        inputs = dummy_inputs(stock)
-        expected = _forward(stock, inputs)
+        inputs, expected = _stock_forward(stock)
     except Exception as exc:
         result.forward = "not run: stock: " + _short(exc)
     else:
@@ -845,40 +866,43 @@ def _fusion_line(result: FusionResult) -> str:
 
 
 def fusion_summary(results: list[FusionResult]) -> str:
-    """The totals in the terms of issue 19."""
-    loaded = [r for r in results if r.status not in ("not buildable", "refused") and r.fused]
+    """The totals in the terms of issue 19. Forward and save verdicts count the types loaded with at least one module
+    fused (the others are the stock model)."""
+    loaded = [r for r in results if r.fused]  # set once modelpatch's load succeeded
+    fused = [r for r in loaded if sum(r.fused.values())]
     with_candidates = [r for r in results if sum(r.candidates.values())]
-    fully = [
-        r
-        for r in with_candidates
-        if r.status != "refused" and all(r.fused.get(f, 0) >= c for f, c in r.candidates.items())
-    ]
+    fully = [r for r in with_candidates if r.fused and all(r.fused[f] >= c for f, c in r.candidates.items())]
+    names = list(dict.fromkeys(f for r in results for f in r.candidates))
     families = "  ".join(
         f"{family} {sum(r.fused.get(family, 0) for r in loaded)}/{sum(r.candidates.get(family, 0) for r in results)}"
-        for family in FUSIONS
+        for family in names
     )
-    forward = {v: sum(r.forward.startswith(v) for r in loaded) for v in ("bitwise", "close", "differs", "not run")}
+    forward = {v: sum(r.forward.startswith(v) for r in fused) for v in ("bitwise", "close", "differs", "not run")}
     return (
         f"types tried: {len(results)}  with candidates: {len(with_candidates)}  fully fused: {len(fully)}  "
         f"refused: {sum(r.status == 'refused' for r in results)}  "
         f"failed: {sum(r.status == 'failed' for r in results)}  "
         f"not buildable: {sum(r.status == 'not buildable' for r in results)}\n"
         f"modules fused / candidates: {families}\n"
-        f"forward vs stock: bitwise {forward['bitwise']}  close {forward['close']}  differs {forward['differs']}  "
-        f"not run {forward['not run']}  (of {len(loaded)} types loaded with something fused)\n"
-        f"save bitwise: {sum(r.save == 'bitwise' for r in loaded)} of {len(loaded)}"
+        f"forward vs stock, of the {len(fused)} types loaded with something fused: bitwise {forward['bitwise']}  "
+        f"close {forward['close']}  differs {forward['differs']}  not run {forward['not run']}\n"
+        f"save bitwise: {sum(r.save == 'bitwise' for r in fused)} of those {len(fused)}"
     )
 
 
 # ------------------------------------------------------------------------------------------------ the sweep
 
 
-def _worker(fusions: bool) -> None:
+def _worker(fusions: tuple[str, ...]) -> None:
     """Read model types from stdin, one per line; write one JSON result per line."""
     registry_classes = _registry_classes()
-    check = check_fusions if fusions else check_type
     for line in sys.stdin:
-        result = check(line.strip(), registry_classes)
+        model_type = line.strip()
+        result = (
+            check_fusions(model_type, registry_classes, fusions)
+            if fusions
+            else check_type(model_type, registry_classes)
+        )
         sys.stdout.write(json.dumps(asdict(result)) + "\n")
         sys.stdout.flush()
 
@@ -886,7 +910,7 @@ def _worker(fusions: bool) -> None:
 class _Worker:
     """A worker process; :meth:`run` gives it one type and waits at most ``timeout`` seconds."""
 
-    def __init__(self, fusions: bool) -> None:
+    def __init__(self, fusions: tuple[str, ...]) -> None:
         self.fusions = fusions
         env = {
             **os.environ,
@@ -895,7 +919,7 @@ class _Worker:
             ),
         }
         self.process = subprocess.Popen(
-            [sys.executable, __file__, "--worker", *(["--fusions"] if fusions else [])],
+            [sys.executable, __file__, "--worker", *(["--fusions", ",".join(fusions)] if fusions else [])],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -926,9 +950,11 @@ class _Worker:
 
 
 def sweep(
-    types: list[str], jobs: int = 1, timeout: float = 600.0, progress: bool = True, fusions: bool = False
+    types: list[str], jobs: int = 1, timeout: float = 600.0, progress: bool = True, fusions: Iterable[str] = ()
 ) -> list[Any]:
-    """Check ``types`` in ``jobs`` worker processes (``fusions``: :func:`check_fusions`, else :func:`check_type`)."""
+    """Check ``types`` in ``jobs`` worker processes: :func:`check_fusions` with the ``fusions`` families if any, else
+    :func:`check_type`."""
+    fusions = tuple(fusions)
     pending, results, lock = list(types), {}, threading.Lock()
 
     def run() -> None:
@@ -992,15 +1018,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per model type")
     parser.add_argument("--json", type=Path, help="write every result here")
     parser.add_argument(
-        "--fusions", action="store_true", help="load with every fusion (FUSIONS) and compare forward and save to stock"
+        "--fusions",
+        nargs="?",
+        const=",".join(FUSIONS),
+        help="load with these fusions (comma-separated; alone: all four) and compare forward and save to stock",
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        _worker(args.fusions)
+        _worker(tuple(args.fusions.split(",")) if args.fusions else ())
         return 0
     types = args.types.split(",") if args.types else model_types()
-    results = sweep(types, args.jobs, args.timeout, fusions=args.fusions)
+    fusions = tuple(args.fusions.split(",")) if args.fusions else ()
+    results = sweep(types, args.jobs, args.timeout, fusions=fusions)
     print(fusion_summary(results) if args.fusions else summary(results))
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in results], indent=1))

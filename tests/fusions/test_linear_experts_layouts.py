@@ -3,8 +3,10 @@ computes (forward within fp32 tolerance, default save bitwise the source, stock 
 ones it cannot fuse exactly are left as they are, with the reason.
 
 Fused beyond transformers' plain experts forward: experts gating through their own ``_apply_gate`` (a clamped SwiGLU:
-DeepSeek-V4, HY-V4; GPT-OSS's ``(up + 1) * glu`` without an ``act_fn``: MiniMax-M3-VL), and GPT-OSS's transposed
-weights with biases and interleaved gate/up columns. The gate limits are lowered so that the clamps bite. Tiny
+DeepSeek-V4, HY-V4; GPT-OSS's ``(up + 1) * glu`` without an ``act_fn``: MiniMax-M3-VL), GPT-OSS's transposed
+weights with biases and interleaved gate/up columns, Aria's transposed weights, and checkpoints that store the 3-D
+weights under other names (Aria's ``fc1`` / ``fc2``, GraniteMoE's ``input_linear`` / ``output_linear``), which the save
+writes back. The gate limits are lowered so that the clamps bite. Tiny
 models come from the zoo sweep's configs (``benchmarks/zoo.py``), the same ones the fusion sweep checks.
 """
 
@@ -38,6 +40,8 @@ FUSED = {
     "HYV4ForCausalLM": 0.02,  # its own _apply_gate, no act_fn
     "MiniMaxM3VLForCausalLM": 0.02,  # GPT-OSS's gate on [gate; up] halves
     "MixtralForCausalLM": None,  # transformers' plain experts forward
+    "AriaTextForCausalLM": None,  # transposed [E, in, out] weights, stored as experts.fc1 / fc2
+    "GraniteMoeForCausalLM": None,  # stored as input_linear / output_linear
 }
 # class -> words of the reason its experts are left unfused
 UNFUSED = {
@@ -62,8 +66,7 @@ def _checkpoint(name: str, root: Path, limit: float | None = None) -> tuple[type
 
 def _outputs(model: nn.Module) -> dict[str, torch.Tensor]:
     model.eval()
-    inputs = zoo.dummy_inputs(model)
-    return zoo._forward(model, inputs)
+    return zoo._forward(model, zoo.dummy_inputs(model)[0])
 
 
 def _experts(model: nn.Module) -> list[nn.Module]:

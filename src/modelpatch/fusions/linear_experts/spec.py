@@ -29,7 +29,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ...conversion.operations import Chunk, Interleave, SplitModulelist, Transpose
-from ...conversion.transforms import WeightConverter, WeightTransform
+from ...conversion.registry import get_checkpoint_conversion_mapping
+from ...conversion.transforms import WeightConverter, WeightRenaming, WeightTransform
 from ...errors import FusionError
 from ..generated import make_class
 from ..spec import FusionOptions, ModuleFusionSpec
@@ -49,6 +50,7 @@ EXPERT_CHILD_NAMES: Mapping[str, tuple[str, str, str]] = MappingProxyType(
                 "minimax",
                 "minimax_m2",
                 "minimax_m3_vl",
+                "minimax_m3_vl_text",
                 "mistral_large4_text",
                 "mixtral",
                 "phimoe",
@@ -122,6 +124,7 @@ KNOWN_FORWARDS: Mapping[str, ExpertsLayout] = MappingProxyType(
             "HYV4Experts, MiniMaxM3VLExperts, Step3p7Experts, BeamExperts)",
             gate="chunked",
         ),
+        "ae981ba801472819": ExpertsLayout("AriaExperts' forward (transposed weights)", transposed=True),
         "f3b0cd681c9caaa3": ExpertsLayout(
             "GptOssExperts' forward (transposed weights with biases, gate and up columns interleaved)",
             transposed=True,
@@ -139,8 +142,6 @@ UNKNOWN_FORWARDS: Mapping[str, str] = MappingProxyType(
         "4e61cd02164d7fac": "it accumulates the experts' outputs in float32 whatever the weights' dtype (Inkling 2)",
         "0fae9eb264a4b24e": "it computes every projection in float32 whatever the weights' dtype "
         "(OpenAI privacy filter)",
-        "ae981ba801472819": "its checkpoint stores the transposed 3-D weights under other names (Aria's fc1/fc2), "
-        "which the per-expert split does not follow",
     }
 )
 _WEIGHTS = ("gate_up_proj", "down_proj")
@@ -213,6 +214,24 @@ def experts_layout(module: nn.Module) -> ExpertsLayout | str:
     return layout
 
 
+def _legacy_names(config: PretrainedConfig) -> dict[str, list[tuple[str, str]]]:
+    """The model type's renamings of the 3-D experts weights from another checkpoint name (Aria's ``experts.fc1``,
+    GraniteMoE's ``input_linear``), as ``{weight: [(checkpoint key pattern, runtime prefix of the experts)]}``.
+
+    The family's filter drops those renamings with the model type's experts conversions (they target the experts'
+    3-D names); the family's own converters read those checkpoint names instead, so the save writes them back.
+    """
+    found: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    for model_type in dict.fromkeys((config.model_type, config.get_text_config().model_type)):
+        for transform in get_checkpoint_conversion_mapping(model_type) or []:
+            sources, targets = transform.source_patterns, transform.target_patterns
+            if type(transform) is not WeightRenaming or len(sources) != 1 or len(targets) != 1:
+                continue
+            if match := re.fullmatch(r"(.*\.)?(gate_up_proj|down_proj)", targets[0]):
+                found[match[2]].append((sources[0], match[1] or ""))
+    return found
+
+
 def expert_gate(module: nn.Module, layout: ExpertsLayout) -> ExpertGate | None:
     """The :class:`ExpertGate` of a stock experts module whose forward gates through its own ``_apply_gate``: that
     function with the module's plain attributes and activation (tensors are the experts' weights, carried apart)."""
@@ -269,37 +288,35 @@ class LinearExpertsFusionSpec(ModuleFusionSpec):
                 "different layouts in one model, which their checkpoint keys cannot tell apart; load without the "
                 "linear_experts fusion."
             )
+        legacy = _legacy_names(config)
         transforms: list[WeightTransform] = []
         for (anchor, layout), found in sorted(groups.items(), key=lambda item: item[0][0]):
             # The number of experts is declared (always one per model in transformers), so a 3-D tensor holding more
             # experts is a plan error rather than unused per-expert keys; the model's shapes catch any other misfit.
             split = SplitModulelist(dim=0, count=found.pop() if len(found) == 1 else None)
-            experts = rf"(?<![^.]){re.escape(anchor)}"
             # [E, in, out] weights become [E, out, in] first; interleaved gate/up rows (columns, stored) two halves.
             transpose = [Transpose(dim0=1, dim1=2)] if layout.transposed else []
             halves = [Interleave(dim=1)] if layout.gate == "interleaved" else []
-            transforms += [
-                WeightConverter(
-                    rf"{experts}\.gate_up_proj$",
-                    [f"{anchor}.*.{gate}.weight", f"{anchor}.*.{up}.weight"],
-                    [*transpose, *halves, Chunk(dim=1), split],
-                    alternative=True,
+            own = rf"(?<![^.]){re.escape(anchor)}\."
+            for weight, operations, targets in (
+                ("gate_up_proj", [*transpose, *halves, Chunk(dim=1), split], (f"{gate}.weight", f"{up}.weight")),
+                ("down_proj", [*transpose, split], (f"{down}.weight",)),
+                *(
+                    (
+                        ("gate_up_proj_bias", [*halves, Chunk(dim=1), split], (f"{gate}.bias", f"{up}.bias")),
+                        ("down_proj_bias", [split], (f"{down}.bias",)),
+                    )
+                    if layout.bias
+                    else ()
                 ),
-                WeightConverter(
-                    rf"{experts}\.down_proj$", f"{anchor}.*.{down}.weight", [*transpose, split], alternative=True
-                ),
-            ]
-            if layout.bias:
+            ):
+                sources = [(rf"{own}{weight}$", f"{anchor}.")]
+                sources += [
+                    (source, prefix) for source, prefix in legacy.get(weight, []) if prefix.endswith(f"{anchor}.")
+                ]
                 transforms += [
-                    WeightConverter(
-                        rf"{experts}\.gate_up_proj_bias$",
-                        [f"{anchor}.*.{gate}.bias", f"{anchor}.*.{up}.bias"],
-                        [*halves, Chunk(dim=1), split],
-                        alternative=True,
-                    ),
-                    WeightConverter(
-                        rf"{experts}\.down_proj_bias$", f"{anchor}.*.{down}.bias", [split], alternative=True
-                    ),
+                    WeightConverter(source, [f"{prefix}*.{t}" for t in targets], operations, alternative=True)
+                    for source, prefix in sources
                 ]
         return transforms
 
