@@ -201,6 +201,8 @@ _DEPTHS: dict[str, int] = {
 _LAYER_KEYS = {key for key, value in _DEPTHS.items() if value == LAYERS}
 # Types whose default config does not describe a model (sizes left None) or hides a size in the modeling code:
 # what they need on top of the generic shrinking, as ``{attribute: value}`` or ``{sub-config: {attribute: value}}``.
+_MROPE_TEXT = ("glm4v_text", "glm_image_text", "glm_ocr_text", "qwen2_5_vl_text", "qwen2_vl_text")
+_MROPE_COMPOSITE = ("glm46v", "glm4v", "glm_image", "glm_ocr", "glmga", "qwen2_5_vl", "qwen2_vl")
 _OVERRIDES: dict[str, dict[str, Any]] = {
     "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
@@ -211,6 +213,13 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]}},
     "qwen3_omni_moe": {"talker_config": {"text_config": {"shared_expert_intermediate_size": INTERMEDIATE}}},
     **{name: {"prediction_length": 4} for name in ("autoformer", "informer", "time_series_transformer")},
+    # Multimodal RoPE sections the modeling code defaults to (Qwen2-VL's [16, 24, 24]) when the config names none:
+    # sections that add up to half the small head dim (GLM-4V-MoE rotates half of it).
+    **{name: {"rope_parameters": {"mrope_section": [2, 3, 3]}} for name in _MROPE_TEXT},
+    **{name: {"text_config": {"rope_parameters": {"mrope_section": [2, 3, 3]}}} for name in _MROPE_COMPOSITE},
+    "colqwen2": {"vlm_config": {"text_config": {"rope_parameters": {"mrope_section": [2, 3, 3]}}}},
+    "glm4v_moe_text": {"rope_parameters": {"mrope_section": [1, 2, 1]}},
+    "glm4v_moe": {"text_config": {"rope_parameters": {"mrope_section": [1, 2, 1]}}},
     # transformers' own ResNet instead of timm's (not installed here)
     **{
         name: {
@@ -714,12 +723,15 @@ def dummy_inputs(model: PreTrainedModel) -> list[dict[str, Any]]:
         text = {k: v for k, v in inputs.items() if k in ("input_ids", "decoder_input_ids")}
         return [{**inputs, **extra}] + ([{**text, **extra}] if text.keys() != inputs.keys() else [])
     generator = torch.Generator().manual_seed(0)
-    if "pixel_values" in parameters:
+    pixels = next((name for name in ("pixel_values", "pixel_values_videos") if name in parameters), None)
+    if pixels:
         vision = getattr(config, "vision_config", None) or config
         size = getattr(vision, "image_size", 32)
         size = size if isinstance(size, int) else size[0] if isinstance(size, (list, tuple)) else 32
-        channels = getattr(vision, "num_channels", 3)
-        return [{"pixel_values": torch.randn(1, channels, size, size, generator=generator), **extra}]
+        shape = (getattr(vision, "num_channels", 3), size, size)
+        frames = getattr(vision, "num_frames", None) or getattr(vision, "frames_per_clip", None)
+        shape = (frames, *shape) if isinstance(frames, int) else shape  # a video: [frames, channels, height, width]
+        return [{pixels: torch.randn(1, *shape, generator=generator), **extra}]
     if "input_values" in parameters:
         return [{"input_values": torch.randn(1, 4000, generator=generator), **extra}]
     raise ValueError(f"no dummy inputs for {type(model).__name__}({', '.join(list(parameters)[:3])}, ...)")

@@ -12,8 +12,6 @@ models come from the zoo sweep's configs (``benchmarks/zoo.py``), the same ones 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,12 +23,9 @@ import modelpatch
 from modelpatch.fusions.linear_experts.modules import ExpertGate, LinearExperts
 from modelpatch.fusions.registry import get_fusion
 from support.compare import assert_bitwise_equal, assert_outputs_close, assert_outputs_equal, assert_same_files
+from support.zoo import load_zoo
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "zoo.py"
-_spec = importlib.util.spec_from_file_location("zoo", _PATH)
-zoo = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("zoo", zoo)
-_spec.loader.exec_module(zoo)
+zoo = load_zoo()
 
 FUSION = {"linear_experts": True}
 # class -> the gate limit that makes its clamp bite on the test inputs (None: no clamp)
