@@ -43,6 +43,7 @@ UNFUSED = {
     "MuseSparkTextModel": "post_expert_norm",
     "Llama4ForCausalLM": "densely",
     "OpenAIPrivacyFilterForTokenClassification": "float32",
+    "Ernie4_5_VLMoeForConditionalGeneration": "expert groups",
 }
 
 
@@ -95,8 +96,9 @@ def test_fused_layouts_compute_and_save_what_stock_does(tmp_path, name):
 
 @pytest.mark.parametrize("name", sorted(UNFUSED))
 def test_experts_it_cannot_fuse_exactly_stay_as_they_are(tmp_path, name):
-    """MuSE Spark's per-expert output norm, Llama 4's dense forward, the privacy filter's float32 projections: the
-    experts keep their stock class (nothing dropped: the save is the source), with the reason."""
+    """MuSE Spark's per-expert output norm, Llama 4's dense forward, the privacy filter's float32 projections, Ernie
+    4.5 VL's checkpoint of grouped experts: the experts keep their stock class (nothing dropped: the save is the
+    source; the load does not refuse), with the reason."""
     cls, source = _checkpoint(name, tmp_path)
     stock = cls.from_pretrained(source)
     model = modelpatch.from_pretrained(cls, source, fusion_config=FUSION)

@@ -144,6 +144,14 @@ UNKNOWN_FORWARDS: Mapping[str, str] = MappingProxyType(
         "(OpenAI privacy filter)",
     }
 )
+# Experts classes whose forward this family knows but whose checkpoints it cannot split per expert, and why.
+UNSPLIT_CHECKPOINTS: Mapping[str, str] = MappingProxyType(
+    {
+        "transformers.models.ernie4_5_vl_moe.modeling_ernie4_5_vl_moe.Ernie4_5_VLMoeMoeExperts": "its checkpoint "
+        "holds the text and the vision experts as one list (Ernie 4.5 VL's expert groups), which the per-expert keys "
+        "of each group do not follow",
+    }
+)
 _WEIGHTS = ("gate_up_proj", "down_proj")
 _BIASES = ("gate_up_proj_bias", "down_proj_bias")
 _CARRIED = {*_WEIGHTS, *_BIASES}
@@ -193,6 +201,8 @@ def experts_layout(module: nn.Module) -> ExpertsLayout | str:
     if layout is None:
         note = UNKNOWN_FORWARDS.get(digest or "", "it is not one this family knows computes the same")
         return f"its forward ({type(module).__qualname__}.forward): {note}"
+    if (unsplit := UNSPLIT_CHECKPOINTS.get(f"{type(module).__module__}.{type(module).__qualname__}")) is not None:
+        return unsplit
     if not layout.bias and (biases := [name for name in _BIASES if module._parameters.get(name) is not None]):
         return f"it holds {', '.join(biases)}, which its forward does not add"
     experts, hidden, intermediate = experts_sizes(module, layout)
