@@ -68,7 +68,7 @@ from transformers.models.auto.configuration_auto import (
 import modelpatch
 from modelpatch.conversion import transformers_mapping
 from modelpatch.fusions.generated import SPEC_ATTRIBUTE
-from modelpatch.fusions.patch_embeddings.modules import Conv3dAsLinear, is_patch_conv
+from modelpatch.fusions.patch_embeddings.modules import Conv3dAsLinear
 from modelpatch.fusions.registry import get_fusion
 from modelpatch.verify import default_inputs
 
@@ -682,8 +682,8 @@ def _is_candidate(family: str, module: torch.nn.Module) -> bool:
             isinstance(p := module._parameters.get(n), torch.nn.Parameter) and p.dim() == 3
             for n in ("gate_up_proj", "down_proj")
         )
-    if family == "patch_embeddings":
-        return is_patch_conv(module)
+    if family == "patch_embeddings":  # whether it also tiles (no padding, ...) is the family's to say
+        return isinstance(module, torch.nn.Conv3d) and tuple(module.kernel_size) == tuple(module.stride)
     raise ValueError(f"unknown fusion family {family!r}")
 
 
