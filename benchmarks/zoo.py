@@ -17,15 +17,27 @@ itself round-trips (its load is clean, gives back the model it saved, and its se
 reported next to each class; where stock's load loses the saved model and modelpatch's gives it back bit for bit
 (saving the checkpoint stock wrote), the class is ``exact`` and counts as passing.
 
+**Fusion mode** (``--fusions``): each type's primary class (its task class, else its base model) is loaded with
+``fusion_config={"qkv": True, "gate_up": True, "linear_experts": True, "patch_embeddings": True}`` (or the families
+named) and compared with stock: candidate modules found per family (by structure: ``q_proj``/``k_proj``/``v_proj``
+or ``query``/``key``/``value`` Linears of one input size, ``gate_proj``/``up_proj`` Linears, 3-D ``gate_up_proj`` /
+``down_proj`` parameters, a ``Conv3d`` with kernel == stride), modules fused per family, the forward on the model's
+own dummy inputs (``bitwise``, ``close``: within fp32 tolerance, ``differs``, or ``not run`` where stock's own forward
+fails on them), whether ``modelpatch.save_pretrained`` writes the files stock wrote bit for bit, and loads that
+``refused``. The totals at the end are those of issue 19.
+
 Usage::
 
     python benchmarks/zoo.py                          # every model type (tens of minutes on 2 cores)
     python benchmarks/zoo.py --types mixtral,llava    # a subset
     python benchmarks/zoo.py --jobs 2 --json out.json
+    python benchmarks/zoo.py --fusions --jobs 1 --json /tmp/zoo-fusions.json   # the fusion sweep (~10 min)
+    python benchmarks/zoo.py --fusions linear_experts --types gpt_oss,aria     # some families, some types
 
 Types run in worker processes (``--jobs`` of them), each type under ``--timeout`` seconds; a type that crashes or
 hangs its worker is reported as failed and the worker is replaced. The functions (``check_type`` and below) also run
-in-process: ``tests/conversion/test_zoo_slice.py`` calls them on a representative slice.
+in-process: ``tests/conversion/test_zoo_slice.py`` calls them on a representative slice, and
+``tests/fusions/test_zoo_fusions.py`` calls ``check_fusions`` on another.
 """
 
 # ruff: noqa: BLE001 -- the sweep records whatever any model raises, and goes on with the next one.
