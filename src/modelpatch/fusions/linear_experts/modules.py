@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache, partial
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -168,7 +168,8 @@ class ExpertMLP(nn.Module):
         gate, up, down = (getattr(self, n) for n in self.names)
         if self.gate_fn is not None:
             return down(self.gate_fn(gate(x), up(x)))
-        return down(self.act_fn(gate(x)) * up(x))
+        act_fn = cast(Callable[[torch.Tensor], torch.Tensor], self.act_fn)  # set whenever gate_fn is not
+        return down(act_fn(gate(x)) * up(x))
 
     # Attributes that are neither modules nor parameters (a plain-function activation, ``names``, an instance-level
     # ``forward``) take no registration hook: the expert signals them itself, as it does deletions.

@@ -18,11 +18,11 @@ import hashlib
 import inspect
 import re
 import textwrap
+import weakref
 from collections import defaultdict
 from collections.abc import Mapping
-from functools import cache
 from types import MappingProxyType
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -157,20 +157,25 @@ _BIASES = ("gate_up_proj_bias", "down_proj_bias")
 _CARRIED = {*_WEIGHTS, *_BIASES}
 
 
-@cache
+# Per class, computed once; a class that goes (one made in a test, say) takes its entry with it.
+_DIGESTS: weakref.WeakKeyDictionary[type[nn.Module], str | None] = weakref.WeakKeyDictionary()
+
+
 def forward_digest(cls: type[nn.Module]) -> str | None:
     """A digest of the syntax tree of ``cls.forward`` as written (under transformers' experts-implementation
     wrapper), docstring aside: equal for forwards that are the same code whatever their formatting; None when its
     source cannot be read."""
-    function = inspect.unwrap(cls.forward)
-    try:
-        node = ast.parse(textwrap.dedent(inspect.getsource(function))).body[0]
-    except (OSError, TypeError, SyntaxError, IndexError):
-        return None
-    body = getattr(node, "body", [])
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-        node.body = body[1:]  # type: ignore[attr-defined]
-    return hashlib.sha256(ast.dump(node).encode()).hexdigest()[:16]
+    if cls not in _DIGESTS:
+        try:
+            node = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(cls.forward)))).body[0]
+        except (OSError, TypeError, SyntaxError, IndexError):
+            _DIGESTS[cls] = None
+        else:
+            body = getattr(node, "body", [])
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                node.body = body[1:]  # type: ignore[attr-defined]
+            _DIGESTS[cls] = hashlib.sha256(ast.dump(node).encode()).hexdigest()[:16]
+    return _DIGESTS[cls]
 
 
 def _weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -203,8 +208,8 @@ def experts_layout(module: nn.Module) -> ExpertsLayout | str:
         return f"its forward ({type(module).__qualname__}.forward): {note}"
     if (unsplit := UNSPLIT_CHECKPOINTS.get(f"{type(module).__module__}.{type(module).__qualname__}")) is not None:
         return unsplit
-    if not layout.bias and (biases := [name for name in _BIASES if module._parameters.get(name) is not None]):
-        return f"it holds {', '.join(biases)}, which its forward does not add"
+    if not layout.bias and (unused := [name for name in _BIASES if module._parameters.get(name) is not None]):
+        return f"it holds {', '.join(unused)}, which its forward does not add"
     experts, hidden, intermediate = experts_sizes(module, layout)
     gate_up, down = weights
     expected = [(experts, hidden, 2 * intermediate), (experts, intermediate, hidden)]
@@ -249,7 +254,8 @@ def expert_gate(module: nn.Module, layout: ExpertsLayout) -> ExpertGate | None:
         return None
     state = {k: v for k, v in vars(module).items() if not k.startswith("_") and k != "training"}
     state.update(module._modules)
-    return ExpertGate(type(module)._apply_gate, state, interleaved=layout.gate == "interleaved")
+    apply_gate = cast(Any, type(module))._apply_gate  # the known forwards that gate through it (see KNOWN_FORWARDS)
+    return ExpertGate(apply_gate, state, interleaved=layout.gate == "interleaved")
 
 
 class LinearExpertsFusionSpec(ModuleFusionSpec):
