@@ -148,3 +148,20 @@ def test_the_gate_sees_the_stock_column_order(interleaved):
     stock_order = torch.stack([gate, up], dim=-1).flatten(-2) if interleaved else torch.cat([gate, up], dim=-1)
     assert torch.equal(seen[0], stock_order) and torch.equal(seen[1], stock_order)
     assert torch.equal(separate, packed)
+
+
+def test_live_fuse_and_unfuse_of_gpt_oss_experts():
+    """A model in memory: ``modelpatch.fuse`` runs the same transforms (transpose, de-interleave, split; biases too),
+    the fused forward matches, and ``unfuse`` gives back the stock tensors bit for bit."""
+    model = zoo._build(transformers.GptOssForCausalLM)
+    model.config.get_text_config().swiglu_limit = 0.02
+    for module in _experts(model):
+        module.limit = 0.02
+    expected = _outputs(model)
+    state = {key: tensor.clone() for key, tensor in model.state_dict().items()}
+
+    modelpatch.fuse(model, FUSION)
+    assert all(isinstance(m, LinearExperts) for m in _experts(model))
+    assert_outputs_close(_outputs(model), expected)
+    modelpatch.unfuse(model)
+    assert_bitwise_equal(model.state_dict(), state)
