@@ -110,22 +110,24 @@ class ExpertsLayout:
     gate: str = "act"
 
 
-# The forwards this family reproduces exactly, by a digest of their syntax tree (see ``forward_digest``): each routes
+# The forwards this family reproduces exactly, by a digest of their syntax trees (see ``forward_digest``): each routes
 # every token's top-k slots to experts (a slot index equal to the number of experts is padding), computes the expert's
 # gated MLP and adds the outputs weighted by the routing weights, in the activations' dtype. Checked against
 # transformers 5.23's source; any other forward (another release's edits included) is left unfused.
 KNOWN_FORWARDS: Mapping[str, ExpertsLayout] = MappingProxyType(
     {
-        "8c2a27b096596aab": ExpertsLayout(
+        "99df4e1ccc981d2f": ExpertsLayout(
             "transformers' experts forward (MixtralExperts, Qwen3MoeExperts and 52 more)"
         ),
-        "1363fbc4d8f57062": ExpertsLayout(
+        "0773b87dbdb0d496": ExpertsLayout(
             "transformers' experts forward through the class's _apply_gate (DeepseekV4Experts, Glm5NextTextExperts, "
-            "HYV4Experts, MiniMaxM3VLExperts, Step3p7Experts, BeamExperts)",
+            "HYV4Experts, MiniMaxM3VLExperts, BeamExperts)",
             gate="chunked",
         ),
-        "ae981ba801472819": ExpertsLayout("AriaExperts' forward (transposed weights)", transposed=True),
-        "f3b0cd681c9caaa3": ExpertsLayout(
+        # the same forward without the experts-implementation dispatcher
+        "1363fbc4d8f57062": ExpertsLayout("Step3p7Experts' forward, through its _apply_gate", gate="chunked"),
+        "a13f1e9723000b27": ExpertsLayout("AriaExperts' forward (transposed weights)", transposed=True),
+        "c5aa725a4d8d97bf": ExpertsLayout(
             "GptOssExperts' forward (transposed weights with biases, gate and up columns interleaved)",
             transposed=True,
             bias=True,
@@ -139,8 +141,8 @@ UNKNOWN_FORWARDS: Mapping[str, str] = MappingProxyType(
         "af11e60e00785271": "it runs every expert densely over tokens already dispatched to it (a batched product "
         "over [experts, tokens, hidden], Llama 4), not the routed tokens",
         "29f99cbea14936bf": "it routes some slots to weightless identity ('zero') experts (LongCat-Flash)",
-        "4e61cd02164d7fac": "it accumulates the experts' outputs in float32 whatever the weights' dtype (Inkling 2)",
-        "0fae9eb264a4b24e": "it computes every projection in float32 whatever the weights' dtype "
+        "0d4fec9d7587187c": "it accumulates the experts' outputs in float32 whatever the weights' dtype (Inkling 2)",
+        "2cccab569b573c17": "it computes every projection in float32 whatever the weights' dtype "
         "(OpenAI privacy filter)",
     }
 )
@@ -162,19 +164,24 @@ _DIGESTS: weakref.WeakKeyDictionary[type[nn.Module], str | None] = weakref.WeakK
 
 
 def forward_digest(cls: type[nn.Module]) -> str | None:
-    """A digest of the syntax tree of ``cls.forward`` as written (under transformers' experts-implementation
-    wrapper), docstring aside: equal for forwards that are the same code whatever their formatting; None when its
-    source cannot be read."""
+    """A digest of the syntax trees of ``cls.forward`` and of every function it wraps (transformers' experts-
+    implementation dispatcher wraps the forward as written), docstrings aside: equal for the same code whatever its
+    formatting; None when a source cannot be read."""
     if cls not in _DIGESTS:
+        trees: list[str] = []
+        function: Any = cls.forward
         try:
-            node = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(cls.forward)))).body[0]
+            while function is not None:
+                node = ast.parse(textwrap.dedent(inspect.getsource(function))).body[0]
+                body = getattr(node, "body", [])
+                if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                    node.body = body[1:]  # type: ignore[attr-defined]
+                trees.append(ast.dump(node))
+                function = getattr(function, "__wrapped__", None)
         except (OSError, TypeError, SyntaxError, IndexError):
             _DIGESTS[cls] = None
         else:
-            body = getattr(node, "body", [])
-            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-                node.body = body[1:]  # type: ignore[attr-defined]
-            _DIGESTS[cls] = hashlib.sha256(ast.dump(node).encode()).hexdigest()[:16]
+            _DIGESTS[cls] = hashlib.sha256("\n".join(trees).encode()).hexdigest()[:16]
     return _DIGESTS[cls]
 
 
