@@ -5,8 +5,8 @@ ones it cannot fuse exactly are left as they are, with the reason.
 Fused beyond transformers' plain experts forward: experts gating through their own ``_apply_gate`` (a clamped SwiGLU:
 DeepSeek-V4, HY-V4; GPT-OSS's ``(up + 1) * glu`` without an ``act_fn``: MiniMax-M3-VL), GPT-OSS's transposed
 weights with biases and interleaved gate/up columns, Aria's transposed weights, and checkpoints that store the 3-D
-weights under other names (Aria's ``fc1`` / ``fc2``, GraniteMoE's ``input_linear`` / ``output_linear``), which the save
-writes back. The gate limits are lowered so that the clamps bite. Tiny
+weights under other names (Aria's ``fc1`` / ``fc2``, GraniteMoE's ``input_linear`` / ``output_linear``, Inkling's
+interleaved ``w13_weight``), which the save writes back. The gate limits are lowered so that the clamps bite. Tiny
 models come from the zoo sweep's configs (``benchmarks/zoo.py``), the same ones the fusion sweep checks.
 """
 
@@ -37,6 +37,7 @@ FUSED = {
     "MixtralForCausalLM": None,  # transformers' plain experts forward
     "AriaTextForCausalLM": None,  # transposed [E, in, out] weights, stored as experts.fc1 / fc2
     "GraniteMoeForCausalLM": None,  # stored as input_linear / output_linear
+    "InklingForConditionalGeneration": None,  # stored interleaved as experts.w13_weight, a VLM
 }
 # class -> words of the reason its experts are left unfused
 UNFUSED = {

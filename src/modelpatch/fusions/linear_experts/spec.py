@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from ...conversion.operations import Chunk, Interleave, SplitModulelist, Transpose
+from ...conversion.operations import Chunk, ConversionOperation, Interleave, SplitModulelist, Transpose
 from ...conversion.registry import get_checkpoint_conversion_mapping
 from ...conversion.transforms import WeightConverter, WeightRenaming, WeightTransform
 from ...errors import FusionError
@@ -236,21 +236,33 @@ def experts_layout(module: nn.Module) -> ExpertsLayout | str:
     return layout
 
 
-def _legacy_names(config: PretrainedConfig) -> dict[str, list[tuple[str, str]]]:
-    """The model type's renamings of the 3-D experts weights from another checkpoint name (Aria's ``experts.fc1``,
-    GraniteMoE's ``input_linear``), as ``{weight: [(checkpoint key pattern, runtime prefix of the experts)]}``.
+def _legacy_names(config: PretrainedConfig) -> dict[str, list[tuple[str, str, list[ConversionOperation]]]]:
+    """The model type's conversions of the 3-D experts weights from another checkpoint name (Aria's ``experts.fc1``,
+    GraniteMoE's ``input_linear``, Inkling's interleaved ``w13_weight``), as ``{weight: [(checkpoint key pattern,
+    runtime prefix of the experts, the operations it applies on the way)]}``: renamings, and one-to-one converters
+    of transposes and interleavings (permutations, reversed exactly).
 
-    The family's filter drops those renamings with the model type's experts conversions (they target the experts'
-    3-D names); the family's own converters read those checkpoint names instead, so the save writes them back.
+    The family's filter drops those conversions with the model type's other experts conversions (they target the
+    experts' 3-D names); the family's own converters read those checkpoint names instead, so the save writes them
+    back.
     """
-    found: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    found: dict[str, list[tuple[str, str, list[ConversionOperation]]]] = defaultdict(list)
     for model_type in dict.fromkeys((config.model_type, config.get_text_config().model_type)):
         for transform in get_checkpoint_conversion_mapping(model_type) or []:
             sources, targets = transform.source_patterns, transform.target_patterns
-            if type(transform) is not WeightRenaming or len(sources) != 1 or len(targets) != 1:
+            if len(sources) != 1 or len(targets) != 1:
                 continue
-            if match := re.fullmatch(r"(.*\.)?(gate_up_proj|down_proj)", targets[0]):
-                found[match[2]].append((sources[0], match[1] or ""))
+            if type(transform) is WeightRenaming:
+                operations: list[ConversionOperation] = []
+            elif isinstance(transform, WeightConverter) and all(
+                type(op) in (Interleave, Transpose) and not getattr(op, "check_dims", False)
+                for op in transform.operations
+            ):
+                operations = list(transform.operations)
+            else:
+                continue
+            if match := re.fullmatch(r"((?:\w+\.)*)(gate_up_proj|down_proj)", targets[0]):
+                found[match[2]].append((sources[0], match[1], operations))
     return found
 
 
@@ -333,13 +345,13 @@ class LinearExpertsFusionSpec(ModuleFusionSpec):
                     else ()
                 ),
             ):
-                sources = [(rf"{own}{weight}$", f"{anchor}.")]
-                sources += [
-                    (source, prefix) for source, prefix in legacy.get(weight, []) if prefix.endswith(f"{anchor}.")
-                ]
+                sources: list[tuple[str, str, list[ConversionOperation]]] = [(rf"{own}{weight}$", f"{anchor}.", [])]
+                sources += [entry for entry in legacy.get(weight, []) if entry[1].endswith(f"{anchor}.")]
                 transforms += [
-                    WeightConverter(source, [f"{prefix}*.{t}" for t in targets], operations, alternative=True)
-                    for source, prefix in sources
+                    WeightConverter(
+                        source, [f"{prefix}*.{t}" for t in targets], [*first, *operations], alternative=True
+                    )
+                    for source, prefix, first in sources
                 ]
         return transforms
 
