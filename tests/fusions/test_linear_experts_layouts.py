@@ -4,7 +4,8 @@ ones it cannot fuse exactly are left as they are, with the reason.
 
 Fused beyond transformers' plain experts forward: experts gating through their own ``_apply_gate`` (a clamped SwiGLU:
 DeepSeek-V4, HY-V4; GPT-OSS's ``(up + 1) * glu`` without an ``act_fn``: MiniMax-M3-VL), GPT-OSS's transposed
-weights with biases and interleaved gate/up columns, Aria's transposed weights, and checkpoints that store the 3-D
+weights with biases and interleaved gate/up columns, Aria's transposed weights, Llama 4's experts (each over the tokens
+already dispatched to it), and checkpoints that store the 3-D
 weights under other names (Aria's ``fc1`` / ``fc2``, GraniteMoE's ``input_linear`` / ``output_linear``, Inkling's
 interleaved ``w13_weight``), which the save writes back. The gate limits are lowered so that the clamps bite. Tiny
 models come from the zoo sweep's configs (``benchmarks/zoo.py``), the same ones the fusion sweep checks.
@@ -38,13 +39,14 @@ FUSED = {
     "AriaTextForCausalLM": None,  # transposed [E, in, out] weights, stored as experts.fc1 / fc2
     "GraniteMoeForCausalLM": None,  # stored as input_linear / output_linear
     "InklingForConditionalGeneration": None,  # stored interleaved as experts.w13_weight, a VLM
+    "Llama4ForCausalLM": None,  # transposed, every expert over the tokens already dispatched to it
 }
 # class -> words of the reason its experts are left unfused
 UNFUSED = {
     "MuseSparkTextModel": "post_expert_norm",
-    "Llama4ForCausalLM": "densely",
     "OpenAIPrivacyFilterForTokenClassification": "float32",
     "Ernie4_5_VLMoeForConditionalGeneration": "expert groups",
+    "Inkling2ForCausalLM": "float32",
 }
 
 
@@ -97,8 +99,8 @@ def test_fused_layouts_compute_and_save_what_stock_does(tmp_path, name):
 
 @pytest.mark.parametrize("name", sorted(UNFUSED))
 def test_experts_it_cannot_fuse_exactly_stay_as_they_are(tmp_path, name):
-    """MuSE Spark's per-expert output norm, Llama 4's dense forward, the privacy filter's float32 projections, Ernie
-    4.5 VL's checkpoint of grouped experts: the experts keep their stock class (nothing dropped: the save is the
+    """MuSE Spark's per-expert output norm, the privacy filter's float32 projections, Ernie 4.5 VL's checkpoint of
+    grouped experts: the experts keep their stock class (nothing dropped: the save is the
     source; the load does not refuse), with the reason."""
     cls, source = _checkpoint(name, tmp_path)
     stock = cls.from_pretrained(source)
@@ -166,3 +168,16 @@ def test_live_fuse_and_unfuse_of_gpt_oss_experts():
     assert_outputs_close(_outputs(model), expected)
     modelpatch.unfuse(model)
     assert_bitwise_equal(model.state_dict(), state)
+
+
+def test_llama4_experts_called_one_by_one_compute_the_same(tmp_path):
+    """With a hook on an expert's Linear (what PEFT or accelerate put there), Llama 4's fused experts call each
+    expert module on its slice of tokens instead of the batched products: the same outputs."""
+    cls, source = _checkpoint("Llama4ForCausalLM", tmp_path)
+    fused = modelpatch.from_pretrained(cls, source, fusion_config=FUSION)
+    batched = _outputs(fused)
+    calls = []
+    experts = _experts(fused)[0]
+    experts[1].gate_proj.register_forward_hook(lambda *args: calls.append(1))
+    assert_outputs_close(_outputs(fused), batched)
+    assert calls

@@ -471,6 +471,19 @@ class LinearExperts(nn.ModuleList):
         per_slot = torch.empty_like(out).index_copy_(0, order, out)
         return per_slot.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
 
+    def forward_dispatched(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Every expert over its own slice of ``hidden_states`` (``[E * T, H]``: the tokens already dispatched to
+        each expert and weighted by their router scores, as Llama 4's experts take them), ``[E * T, H]`` out."""
+        x = hidden_states.view(self.num_experts, -1, self.hidden_dim)
+        packed = self._grouped_weights(hidden_states)
+        if packed is not None and packed.gate_fn is None:
+            # One batched product per projection, as stock's: the packed weights are [E, out, in].
+            gate, up = torch.bmm(x, packed.gate_up.transpose(1, 2)).chunk(2, dim=-1)
+            out = torch.bmm(packed.act_fn(gate) * up, packed.down.transpose(1, 2))
+        else:
+            out = torch.stack([expert(x[index]) for index, expert in enumerate(self)])
+        return out.view(-1, self.hidden_dim)
+
     def _grouped_forward(self, packed: _Packed, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
         gate_up = _grouped(x.to(packed.gate_up.dtype), packed.gate_up, offsets)

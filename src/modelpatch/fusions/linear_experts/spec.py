@@ -102,17 +102,21 @@ class ExpertsLayout:
         gate: ``"act"``: ``act_fn(gate) * up`` over the two halves of the gate/up product; ``"chunked"`` /
             ``"interleaved"``: the class's own ``_apply_gate`` on the whole product, whose gate and up columns come
             in two halves / alternate.
+        dispatched: Its forward takes the tokens already dispatched to every expert (``[E * T, H]``, Llama 4) and
+            runs each expert over its own slice (:meth:`LinearExperts.forward_dispatched`), instead of routing them.
     """
 
     forward: str
     transposed: bool = False
     bias: bool = False
     gate: str = "act"
+    dispatched: bool = False
 
 
 # The forwards this family reproduces exactly, by a digest of their syntax trees (see ``forward_digest``): each routes
 # every token's top-k slots to experts (a slot index equal to the number of experts is padding), computes the expert's
-# gated MLP and adds the outputs weighted by the routing weights, in the activations' dtype. Checked against
+# gated MLP and adds the outputs weighted by the routing weights, in the activations' dtype (Llama 4's: runs each
+# expert's gated MLP over the tokens already dispatched to it). Checked against
 # transformers 5.23's source; any other forward (another release's edits included) is left unfused.
 KNOWN_FORWARDS: Mapping[str, ExpertsLayout] = MappingProxyType(
     {
@@ -127,6 +131,11 @@ KNOWN_FORWARDS: Mapping[str, ExpertsLayout] = MappingProxyType(
         # the same forward without the experts-implementation dispatcher
         "1363fbc4d8f57062": ExpertsLayout("Step3p7Experts' forward, through its _apply_gate", gate="chunked"),
         "a13f1e9723000b27": ExpertsLayout("AriaExperts' forward (transposed weights)", transposed=True),
+        "af11e60e00785271": ExpertsLayout(
+            "Llama4TextExperts' forward (transposed weights, every expert over the tokens dispatched to it)",
+            transposed=True,
+            dispatched=True,
+        ),
         "c5aa725a4d8d97bf": ExpertsLayout(
             "GptOssExperts' forward (transposed weights with biases, gate and up columns interleaved)",
             transposed=True,
@@ -138,8 +147,6 @@ KNOWN_FORWARDS: Mapping[str, ExpertsLayout] = MappingProxyType(
 # Forwards known to compute something the per-expert MLPs do not, and what.
 UNKNOWN_FORWARDS: Mapping[str, str] = MappingProxyType(
     {
-        "af11e60e00785271": "it runs every expert densely over tokens already dispatched to it (a batched product "
-        "over [experts, tokens, hidden], Llama 4), not the routed tokens",
         "29f99cbea14936bf": "it routes some slots to weightless identity ('zero') experts (LongCat-Flash)",
         "0d4fec9d7587187c": "it accumulates the experts' outputs in float32 whatever the weights' dtype (Inkling 2)",
         "2cccab569b573c17": "it computes every projection in float32 whatever the weights' dtype "
@@ -385,4 +392,8 @@ class LinearExpertsFusionSpec(ModuleFusionSpec):
                 gate_fn=expert_gate(reference, layout),
             )
 
-        return make_class("Linear", original_cls, {"__init__": __init__}, base=LinearExperts, spec=self)
+        namespace: dict[str, Any] = {"__init__": __init__}
+        layout = KNOWN_FORWARDS.get(forward_digest(original_cls) or "")
+        if layout is not None and layout.dispatched:
+            namespace["forward"] = LinearExperts.forward_dispatched
+        return make_class("Linear", original_cls, namespace, base=LinearExperts, spec=self)
