@@ -17,15 +17,27 @@ itself round-trips (its load is clean, gives back the model it saved, and its se
 reported next to each class; where stock's load loses the saved model and modelpatch's gives it back bit for bit
 (saving the checkpoint stock wrote), the class is ``exact`` and counts as passing.
 
+**Fusion mode** (``--fusions``): each type's primary class (its task class, else its base model) is loaded with
+``fusion_config={"qkv": True, "gate_up": True, "linear_experts": True, "patch_embeddings": True}`` (or the families
+named) and compared with stock: candidate modules found per family (by structure: ``q_proj``/``k_proj``/``v_proj``
+or ``query``/``key``/``value`` Linears of one input size, ``gate_proj``/``up_proj`` Linears, 3-D ``gate_up_proj`` /
+``down_proj`` parameters, a ``Conv3d`` with kernel == stride), modules fused per family, the forward on the model's
+own dummy inputs (``bitwise``, ``close``: within fp32 tolerance, ``differs``, or ``not run`` where stock's own forward
+fails on them), whether ``modelpatch.save_pretrained`` writes the files stock wrote bit for bit, and loads that
+``refused``. The totals at the end are those of issue 19.
+
 Usage::
 
     python benchmarks/zoo.py                          # every model type (tens of minutes on 2 cores)
     python benchmarks/zoo.py --types mixtral,llava    # a subset
     python benchmarks/zoo.py --jobs 2 --json out.json
+    python benchmarks/zoo.py --fusions --jobs 1 --json /tmp/zoo-fusions.json   # the fusion sweep (~10 min)
+    python benchmarks/zoo.py --fusions linear_experts --types gpt_oss,aria     # some families, some types
 
 Types run in worker processes (``--jobs`` of them), each type under ``--timeout`` seconds; a type that crashes or
 hangs its worker is reported as failed and the worker is replaced. The functions (``check_type`` and below) also run
-in-process: ``tests/conversion/test_zoo_slice.py`` calls them on a representative slice.
+in-process: ``tests/conversion/test_zoo_slice.py`` calls them on a representative slice, and
+``tests/fusions/test_zoo_fusions.py`` calls ``check_fusions`` on another.
 """
 
 # ruff: noqa: BLE001 -- the sweep records whatever any model raises, and goes on with the next one.
@@ -34,6 +46,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import inspect
 import io
 import json
 import logging
@@ -66,6 +79,10 @@ from transformers.models.auto.configuration_auto import (
 
 import modelpatch
 from modelpatch.conversion import transformers_mapping
+from modelpatch.fusions.generated import SPEC_ATTRIBUTE
+from modelpatch.fusions.patch_embeddings.modules import Conv3dAsLinear
+from modelpatch.fusions.registry import get_fusion
+from modelpatch.verify import default_inputs
 
 MAX_PARAMETERS = 50_000_000
 VOCAB = 128
@@ -196,6 +213,8 @@ _DEPTHS: dict[str, int] = {
 _LAYER_KEYS = {key for key, value in _DEPTHS.items() if value == LAYERS}
 # Types whose default config does not describe a model (sizes left None) or hides a size in the modeling code:
 # what they need on top of the generic shrinking, as ``{attribute: value}`` or ``{sub-config: {attribute: value}}``.
+_MROPE_TEXT = ("glm4v_text", "glm_image_text", "glm_ocr_text", "qwen2_5_vl_text", "qwen2_vl_text")
+_MROPE_COMPOSITE = ("glm46v", "glm4v", "glm_image", "glm_ocr", "glmga", "qwen2_5_vl", "qwen2_vl")
 _OVERRIDES: dict[str, dict[str, Any]] = {
     "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
@@ -208,6 +227,13 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     # Its checkpoints store the unembedding padded to vocab_size rows (transformers 5.24 drops the padding on load).
     "inkling2_text": {"unpadded_vocab_size": VOCAB - 24},
     **{name: {"prediction_length": 4} for name in ("autoformer", "informer", "time_series_transformer")},
+    # Multimodal RoPE sections the modeling code defaults to (Qwen2-VL's [16, 24, 24]) when the config names none:
+    # sections that add up to half the small head dim (GLM-4V-MoE rotates half of it).
+    **{name: {"rope_parameters": {"mrope_section": [2, 3, 3]}} for name in _MROPE_TEXT},
+    **{name: {"text_config": {"rope_parameters": {"mrope_section": [2, 3, 3]}}} for name in _MROPE_COMPOSITE},
+    "colqwen2": {"vlm_config": {"text_config": {"rope_parameters": {"mrope_section": [2, 3, 3]}}}},
+    "glm4v_moe_text": {"rope_parameters": {"mrope_section": [1, 2, 1]}},
+    "glm4v_moe": {"text_config": {"rope_parameters": {"mrope_section": [1, 2, 1]}}},
     # transformers' own ResNet instead of timm's (not installed here)
     **{
         name: {
@@ -623,14 +649,286 @@ def _quiet():
             logging.getLogger(name).setLevel(level)
 
 
+# ----------------------------------------------------------------------------------------------- fusion mode
+
+FUSIONS: dict[str, Any] = {"qkv": True, "gate_up": True, "linear_experts": True, "patch_embeddings": True}
+# Outputs within this of stock's (|a - b| <= ATOL + RTOL * |b|, float32) count as ``close``: what reordering the
+# sums of one matmul gives, far below what a wrong weight gives.
+ATOL, RTOL = 1e-5, 1e-4
+
+
+@dataclass
+class FusionResult:
+    """One model type under ``fusion_config=FUSIONS`` (its primary class: the task class, else the base model).
+
+    ``status``: ``fused`` (every candidate fused), ``partly fused``, ``no candidates``, ``refused`` (modelpatch's
+    load raised although the type loads unfused), ``failed`` (a later step raised) or ``not buildable``.
+    ``forward``: ``bitwise``, ``close`` (within ATOL / RTOL), ``differs`` or ``not run: <why>``; ``save``:
+    ``bitwise`` or what differs.
+    """
+
+    model_type: str
+    status: str
+    reason: str = ""
+    name: str = ""
+    candidates: dict[str, int] = field(default_factory=dict)
+    fused: dict[str, int] = field(default_factory=dict)
+    forward: str = ""
+    max_difference: float = 0.0
+    save: str = ""
+    seconds: float = 0.0
+
+
+def _children(module: torch.nn.Module, names: Iterable[str]) -> list[torch.nn.Linear] | None:
+    found = [module._modules.get(n) for n in names]
+    linears = [m for m in found if isinstance(m, torch.nn.Linear)]
+    return linears if len(linears) == len(found) and len({m.in_features for m in linears}) == 1 else None
+
+
+def _is_candidate(family: str, module: torch.nn.Module) -> bool:
+    """Whether ``module`` is what ``family`` looks for, by structure alone (whether it can be fused aside)."""
+    if family == "qkv":
+        return any(_children(module, names) for names in (("q_proj", "k_proj", "v_proj"), ("query", "key", "value")))
+    if family == "gate_up":
+        return _children(module, ("gate_proj", "up_proj")) is not None
+    if family == "linear_experts":
+        return all(
+            isinstance(p := module._parameters.get(n), torch.nn.Parameter) and p.dim() == 3
+            for n in ("gate_up_proj", "down_proj")
+        )
+    if family == "patch_embeddings":  # whether it also tiles (no padding, ...) is the family's to say
+        return isinstance(module, torch.nn.Conv3d) and tuple(module.kernel_size) == tuple(module.stride)
+    raise ValueError(f"unknown fusion family {family!r}")
+
+
+def fusion_candidates(model: torch.nn.Module, families: Iterable[str] = FUSIONS) -> dict[str, int]:
+    """Candidate modules per family in a stock ``model``."""
+    return {family: sum(_is_candidate(family, m) for m in model.modules()) for family in families}
+
+
+def fused_modules(model: torch.nn.Module, families: Iterable[str] = FUSIONS) -> dict[str, int]:
+    """Modules per family that a fusion replaced in ``model`` (for patch embeddings: the convolutions replaced)."""
+    counts = dict.fromkeys(families, 0)
+    kinds = {type(get_fusion(family)): family for family in counts}
+    for module in model.modules():
+        if isinstance(module, Conv3dAsLinear) and "patch_embeddings" in counts:
+            counts["patch_embeddings"] += 1
+        elif (family := kinds.get(type(getattr(type(module), SPEC_ATTRIBUTE, None)))) not in (None, "patch_embeddings"):
+            counts[family] += 1
+    return counts
+
+
+def dummy_inputs(model: PreTrainedModel) -> list[dict[str, Any]]:
+    """The model's own dummy inputs, in order of preference: token ids with an image for Qwen-VL-style models (see
+    :func:`modelpatch.verify.default_inputs`) and decoder ids for encoder-decoders, then the token ids alone; pixels
+    for vision models and a waveform for audio models that take no token ids. No cache: some models' caches cannot
+    serve a first forward without generation's set-up."""
+    parameters = inspect.signature(model.forward).parameters
+    config = model.config
+    extra: dict[str, Any] = {"use_cache": False} if "use_cache" in parameters else {}
+    if "input_ids" in parameters:
+        try:
+            inputs = default_inputs(model, seq_len=8)
+        except Exception:  # an image it cannot size: the token ids alone
+            vocab = int(getattr(config.get_text_config(), "vocab_size", None) or VOCAB)
+            inputs = {"input_ids": torch.randint(3, vocab, (1, 8), generator=torch.Generator().manual_seed(0))}
+        if "decoder_input_ids" in parameters:
+            inputs["decoder_input_ids"] = inputs["input_ids"][:, :4]
+        text = {k: v for k, v in inputs.items() if k in ("input_ids", "decoder_input_ids")}
+        return [{**inputs, **extra}] + ([{**text, **extra}] if text.keys() != inputs.keys() else [])
+    generator = torch.Generator().manual_seed(0)
+    pixels = next((name for name in ("pixel_values", "pixel_values_videos") if name in parameters), None)
+    if pixels:
+        vision = getattr(config, "vision_config", None) or config
+        size = getattr(vision, "image_size", 32)
+        size = size if isinstance(size, int) else size[0] if isinstance(size, (list, tuple)) else 32
+        shape = (getattr(vision, "num_channels", 3), size, size)
+        frames = getattr(vision, "num_frames", None) or getattr(vision, "frames_per_clip", None)
+        shape = (frames, *shape) if isinstance(frames, int) else shape  # a video: [frames, channels, height, width]
+        return [{pixels: torch.randn(1, *shape, generator=generator), **extra}]
+    if "input_values" in parameters:
+        return [{"input_values": torch.randn(1, 4000, generator=generator), **extra}]
+    raise ValueError(f"no dummy inputs for {type(model).__name__}({', '.join(list(parameters)[:3])}, ...)")
+
+
+def _output_tensors(output: Any, prefix: str = "output") -> dict[str, torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return {prefix: output} if output.is_floating_point() else {}
+    items = (
+        output.items() if isinstance(output, dict) else enumerate(output) if isinstance(output, (list, tuple)) else ()
+    )
+    found: dict[str, torch.Tensor] = {}
+    for key, value in items:
+        found.update(_output_tensors(value, f"{prefix}.{key}"))
+    return found
+
+
+def _forward(model: torch.nn.Module, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)  # models that sample in their forward (noise, masks) sample the same
+    with torch.no_grad():
+        return _output_tensors(model(**inputs))
+
+
+def _stock_forward(model: PreTrainedModel) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The first of the model's dummy inputs its stock forward runs on, and its outputs (else the first error)."""
+    failure: Exception | None = None
+    for inputs in dummy_inputs(model):
+        try:
+            return inputs, _forward(model, inputs)
+        except Exception as exc:
+            failure = failure or exc
+    raise failure or ValueError("no dummy inputs")
+
+
+def compare_outputs(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> tuple[str, float]:
+    """``bitwise``, ``close`` or ``differs: <first output>``, and the largest absolute difference."""
+    if actual.keys() != expected.keys():
+        return f"differs: outputs {sorted(actual.keys() ^ expected.keys())[:2]}", float("inf")
+    verdict, largest = "bitwise", 0.0
+    for key, e in expected.items():
+        a = actual[key]
+        if a.shape != e.shape:
+            return f"differs: {key} {list(a.shape)} vs stock {list(e.shape)}", float("inf")
+        if torch.equal(_bits(a), _bits(e)):
+            continue
+        a64, e64 = a.double(), e.double()
+        finite = torch.isfinite(e64)
+        largest = max(largest, float((a64 - e64)[finite].abs().max()) if finite.any() else 0.0)
+        if not torch.allclose(a64, e64, atol=ATOL, rtol=RTOL, equal_nan=True):
+            return f"differs: {key}", largest
+        verdict = "close"
+    return verdict, largest
+
+
+def _primary_classes(model_type: str, registry_classes: dict[str, list[str]] | None) -> list[str]:
+    names = classes_for(model_type, registry_classes)
+    return names[1:2] + names[:1] + names[2:]
+
+
+def check_fusions(
+    model_type: str, registry_classes: dict[str, list[str]] | None = None, families: Iterable[str] = FUSIONS
+) -> FusionResult:
+    """Load ``model_type``'s primary class with ``families`` fused (default: :data:`FUSIONS`); compare it with stock
+    (see :class:`FusionResult`)."""
+    families = tuple(families)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"zoo-fusions-{model_type}-") as work, _quiet():
+        result = FusionResult(model_type, "not buildable", "no model class")
+        for name in _primary_classes(model_type, registry_classes):
+            try:
+                result = _check_class_fusions(model_type, name, Path(work), families)
+            except Exception as exc:
+                result = FusionResult(model_type, "failed", "unexpected: " + _short(exc) + " @ " + _where(exc), name)
+            if result.status != "not buildable":
+                break
+    result.seconds = round(time.perf_counter() - start, 1)
+    return result
+
+
+def _check_class_fusions(model_type: str, name: str, work: Path, families: tuple[str, ...]) -> FusionResult:
+    result = FusionResult(model_type, "not buildable", name=name)
+    try:
+        cls = getattr(transformers, name)
+        source = work / f"{name}-stock-saved"
+        _build(cls).save_pretrained(source)
+        stock, info = cls.from_pretrained(source, output_loading_info=True)
+    except Exception as exc:
+        result.reason = _short(exc)
+        return result
+    stock.eval()
+    missing = sorted(info.get("missing_keys", []))
+    result.candidates = fusion_candidates(stock, families)
+    try:
+        patched = modelpatch.from_pretrained(
+            cls,
+            source,
+            fusion_config=dict.fromkeys(families, True),
+            new_parameters=[re.escape(k) + "$" for k in missing],
+            unexpected_keys="ignore",
+        )
+    except Exception as exc:
+        result.status, result.reason = "refused", _short(exc)
+        return result
+    patched.eval()
+    result.fused = fused_modules(patched, families)
+    total, done = sum(result.candidates.values()), sum(result.fused.values())
+    result.status = "no candidates" if not total else "fused" if done >= total else "partly fused"
+    try:
+        inputs, expected = _stock_forward(stock)
+    except Exception as exc:
+        result.forward = "not run: stock: " + _short(exc)
+    else:
+        try:
+            result.forward, result.max_difference = compare_outputs(_forward(patched, inputs), expected)
+        except Exception as exc:
+            result.forward = "differs: modelpatch's forward raised " + _short(exc)
+    saved = work / f"{name}-modelpatch-saved"
+    try:
+        modelpatch.save_pretrained(patched, saved)
+        result.save = first_difference(read_tensors(saved), read_tensors(source), skip=missing) or "bitwise"
+    except Exception as exc:
+        result.save = "modelpatch.save_pretrained: " + _short(exc)
+    if result.save != "bitwise" or result.forward.startswith("differs"):
+        result.status, result.reason = "failed", f"forward {result.forward}; save {result.save}"
+    return result
+
+
+def _fusion_line(result: FusionResult) -> str:
+    counts = " ".join(
+        f"{family}={result.fused.get(family, 0)}/{count}" for family, count in result.candidates.items() if count
+    )
+    text = f"{result.model_type}: {result.status}"
+    if result.name:
+        text += f" [{result.name}]"
+    if counts:
+        text += f" {counts}"
+    if result.forward:
+        text += f" forward {result.forward}" + (f" ({result.max_difference:.2g})" if result.max_difference else "")
+    if result.save:
+        text += f" save {result.save}"
+    if result.reason and result.status in ("refused", "not buildable"):
+        text += f" -- {result.reason}"
+    return f"{text} {result.seconds}s"
+
+
+def fusion_summary(results: list[FusionResult]) -> str:
+    """The totals in the terms of issue 19. Forward and save verdicts count the types loaded with at least one module
+    fused (the others are the stock model)."""
+    loaded = [r for r in results if r.fused]  # set once modelpatch's load succeeded
+    fused = [r for r in loaded if sum(r.fused.values())]
+    with_candidates = [r for r in results if sum(r.candidates.values())]
+    fully = [r for r in with_candidates if r.fused and all(r.fused[f] >= c for f, c in r.candidates.items())]
+    names = list(dict.fromkeys(f for r in results for f in r.candidates))
+    families = "  ".join(
+        f"{family} {sum(r.fused.get(family, 0) for r in loaded)}/{sum(r.candidates.get(family, 0) for r in results)}"
+        for family in names
+    )
+    forward = {v: sum(r.forward.startswith(v) for r in fused) for v in ("bitwise", "close", "differs", "not run")}
+    return (
+        f"types tried: {len(results)}  with candidates: {len(with_candidates)}  fully fused: {len(fully)}  "
+        f"refused: {sum(r.status == 'refused' for r in results)}  "
+        f"failed: {sum(r.status == 'failed' for r in results)}  "
+        f"not buildable: {sum(r.status == 'not buildable' for r in results)}\n"
+        f"modules fused / candidates: {families}\n"
+        f"forward vs stock, of the {len(fused)} types loaded with something fused: bitwise {forward['bitwise']}  "
+        f"close {forward['close']}  differs {forward['differs']}  not run {forward['not run']}\n"
+        f"save bitwise: {sum(r.save == 'bitwise' for r in fused)} of those {len(fused)}"
+    )
+
+
 # ------------------------------------------------------------------------------------------------ the sweep
 
 
-def _worker() -> None:
+def _worker(fusions: tuple[str, ...]) -> None:
     """Read model types from stdin, one per line; write one JSON result per line."""
     registry_classes = _registry_classes()
     for line in sys.stdin:
-        result = check_type(line.strip(), registry_classes)
+        model_type = line.strip()
+        result = (
+            check_fusions(model_type, registry_classes, fusions)
+            if fusions
+            else check_type(model_type, registry_classes)
+        )
         sys.stdout.write(json.dumps(asdict(result)) + "\n")
         sys.stdout.flush()
 
@@ -638,7 +936,8 @@ def _worker() -> None:
 class _Worker:
     """A worker process; :meth:`run` gives it one type and waits at most ``timeout`` seconds."""
 
-    def __init__(self) -> None:
+    def __init__(self, fusions: tuple[str, ...]) -> None:
+        self.fusions = fusions
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join(
@@ -646,7 +945,7 @@ class _Worker:
             ),
         }
         self.process = subprocess.Popen(
-            [sys.executable, __file__, "--worker"],
+            [sys.executable, __file__, "--worker", *(["--fusions", ",".join(fusions)] if fusions else [])],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -654,7 +953,7 @@ class _Worker:
             env=env,
         )
 
-    def run(self, model_type: str, timeout: float) -> TypeResult | None:
+    def run(self, model_type: str, timeout: float) -> TypeResult | FusionResult | None:
         assert self.process.stdin and self.process.stdout
         self.process.stdin.write(model_type + "\n")
         self.process.stdin.flush()
@@ -666,6 +965,8 @@ class _Worker:
         if not line:
             return None
         data = json.loads(line)
+        if self.fusions:
+            return FusionResult(**data)
         data["classes"] = [ClassResult(**c) for c in data["classes"]]
         return TypeResult(**data)
 
@@ -674,12 +975,16 @@ class _Worker:
         self.process.wait()
 
 
-def sweep(types: list[str], jobs: int = 1, timeout: float = 600.0, progress: bool = True) -> list[TypeResult]:
-    """Check ``types`` in ``jobs`` worker processes."""
+def sweep(
+    types: list[str], jobs: int = 1, timeout: float = 600.0, progress: bool = True, fusions: Iterable[str] = ()
+) -> list[Any]:
+    """Check ``types`` in ``jobs`` worker processes: :func:`check_fusions` with the ``fusions`` families if any, else
+    :func:`check_type`."""
+    fusions = tuple(fusions)
     pending, results, lock = list(types), {}, threading.Lock()
 
     def run() -> None:
-        worker = _Worker()
+        worker = _Worker(fusions)
         while True:
             with lock:
                 if not pending:
@@ -690,12 +995,12 @@ def sweep(types: list[str], jobs: int = 1, timeout: float = 600.0, progress: boo
                 code = worker.process.poll()
                 worker.stop()
                 reason = f"worker exited with {code}" if code is not None else f"timed out after {timeout:.0f}s"
-                result = TypeResult(model_type, "failed", reason)
-                worker = _Worker()
+                result = (FusionResult if fusions else TypeResult)(model_type, "failed", reason)
+                worker = _Worker(fusions)
             with lock:
                 results[model_type] = result
                 if progress:
-                    print(_line(result), flush=True)
+                    print(_fusion_line(result) if fusions else _line(result), flush=True)
         worker.stop()
 
     threads = [threading.Thread(target=run) for _ in range(max(1, jobs))]
@@ -738,14 +1043,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="worker processes")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per model type")
     parser.add_argument("--json", type=Path, help="write every result here")
+    parser.add_argument(
+        "--fusions",
+        nargs="?",
+        const=",".join(FUSIONS),
+        help="load with these fusions (comma-separated; alone: all four) and compare forward and save to stock",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        _worker()
+        _worker(tuple(args.fusions.split(",")) if args.fusions else ())
         return 0
     types = args.types.split(",") if args.types else model_types()
-    results = sweep(types, args.jobs, args.timeout)
-    print(summary(results))
+    fusions = tuple(args.fusions.split(",")) if args.fusions else ()
+    results = sweep(types, args.jobs, args.timeout, fusions=fusions)
+    print(fusion_summary(results) if args.fusions else summary(results))
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in results], indent=1))
     return 0 if not any(r.status == "failed" for r in results) else 1

@@ -9,21 +9,14 @@ mappings of sub-models, prefix changes), plus plain bert, gpt2 and t5.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import transformers
 
 import modelpatch
 from modelpatch import MergeModulelist, WeightConverter
+from support.zoo import load_zoo
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "zoo.py"
-_spec = importlib.util.spec_from_file_location("zoo", _PATH)
-zoo = importlib.util.module_from_spec(_spec)
-sys.modules["zoo"] = zoo
-_spec.loader.exec_module(zoo)
+zoo = load_zoo()
 
 # model type: whether its load must convert groups of tensors (experts merged, q/k/v split, ...).
 SLICE = {

@@ -14,6 +14,7 @@ import modelpatch
 from modelpatch.fusions import PatchEmbeddingsFusionSpec
 from modelpatch.fusions.apply import discover
 from modelpatch.fusions.patch_embeddings.modules import Conv3dAsLinear, is_patch_conv
+from modelpatch.fusions.registry import get_fusion
 
 VLMS = ["qwen2_vl", "qwen2_vl_runtime", "qwen2_5_vl", "qwen3_vl"]
 
@@ -152,3 +153,24 @@ def test_both_qwen2_vl_key_layouts(tiny, tmp_path, name, key):
     out = tmp_path / "runtime"
     modelpatch.save_pretrained(model, out, save_original_format=False)
     assert checkpoint_shapes(out)["model.visual.patch_embed.proj.weight"] == (32, 1176)
+
+
+@pytest.mark.parametrize(
+    ("conv", "words"),
+    [
+        (nn.Conv3d(3, 8, (2, 4, 4), stride=(2, 4, 4)), None),
+        (nn.Conv3d(3, 8, (2, 4, 4), stride=(1, 4, 4)), "stride"),
+        (nn.Conv3d(3, 8, (2, 4, 4), stride=(2, 4, 4), padding=1), "padding"),
+        (nn.Conv3d(3, 9, (2, 4, 4), stride=(2, 4, 4), groups=3, bias=False), "groups"),
+        (nn.Conv2d(3, 8, 4, stride=4), "no Conv3d"),
+    ],
+)
+def test_unfusable_reason_names_what_is_not_a_patch_tiling(conv, words):
+    """Only a Conv3d that tiles its input into non-overlapping patches runs as a Linear; for any other the family
+    says what differs (discovery reports it with the module left as it is)."""
+    holder = nn.Module()
+    holder.proj = conv
+    spec = get_fusion("patch_embeddings")
+    reason = spec.unfusable_reason(holder)
+    assert spec.is_fusable(holder) is (words is None)
+    assert reason is None if words is None else words in reason, reason

@@ -27,7 +27,8 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache, partial
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -110,21 +111,65 @@ def _watch_registrations() -> None:
     torch_module.register_module_parameter_registration_hook(_changed)
 
 
-class ExpertMLP(nn.Module):
-    """One gated expert: ``down(act(gate(x)) * up(x))``; child names follow the checkpoint's convention."""
+class ExpertGate:
+    """The gate of experts whose stock class computes it in a method of its own (``_apply_gate``: a clamped SwiGLU,
+    GPT-OSS's ``(up + 1) * glu``): that method, run on what it reads from the stock module (its limits, its
+    activation), fed the gate and up outputs in the order the stock weights give them.
 
-    def __init__(self, hidden: int, intermediate: int, act_fn: Callable, names: tuple[str, str, str], device, dtype):
+    ``interleaved``: the stock weights alternate gate and up rows (GPT-OSS), which the experts' Linears hold apart.
+    """
+
+    def __init__(self, function: Callable[[Any, torch.Tensor], torch.Tensor], state: dict[str, Any], interleaved: bool):
+        self.function = function
+        self.state = SimpleNamespace(**state)
+        self.interleaved = interleaved
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The gated hidden state from one expert's gate and up outputs."""
+        parts = (gate, up)
+        joined = torch.stack(parts, dim=-1).flatten(-2) if self.interleaved else torch.cat(parts, dim=-1)
+        return self.function(self.state, joined)
+
+    def packed(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The gated hidden state from the packed product (every gate output, then every up output)."""
+        if self.interleaved:
+            gate_up = gate_up.unflatten(-1, (2, -1)).transpose(-2, -1).flatten(-2)
+        return self.function(self.state, gate_up)
+
+    def __repr__(self) -> str:
+        return f"ExpertGate({getattr(self.function, '__qualname__', self.function)!r}, interleaved={self.interleaved})"
+
+
+class ExpertMLP(nn.Module):
+    """One gated expert: ``down(act(gate(x)) * up(x))``, or ``down(gate_fn(gate(x), up(x)))`` with an
+    :class:`ExpertGate`; child names follow the checkpoint's convention."""
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        act_fn: Callable | None,
+        names: tuple[str, str, str],
+        device,
+        dtype,
+        bias: bool = False,
+        gate_fn: ExpertGate | None = None,
+    ):
         super().__init__()
         self.names = names
         gate, up, down = names
-        setattr(self, gate, nn.Linear(hidden, intermediate, bias=False, device=device, dtype=dtype))
-        setattr(self, up, nn.Linear(hidden, intermediate, bias=False, device=device, dtype=dtype))
-        setattr(self, down, nn.Linear(intermediate, hidden, bias=False, device=device, dtype=dtype))
+        setattr(self, gate, nn.Linear(hidden, intermediate, bias=bias, device=device, dtype=dtype))
+        setattr(self, up, nn.Linear(hidden, intermediate, bias=bias, device=device, dtype=dtype))
+        setattr(self, down, nn.Linear(intermediate, hidden, bias=bias, device=device, dtype=dtype))
         self.act_fn = act_fn
+        self.gate_fn = gate_fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = (getattr(self, n) for n in self.names)
-        return down(self.act_fn(gate(x)) * up(x))
+        if self.gate_fn is not None:
+            return down(self.gate_fn(gate(x), up(x)))
+        act_fn = cast(Callable[[torch.Tensor], torch.Tensor], self.act_fn)  # set whenever gate_fn is not
+        return down(act_fn(gate(x)) * up(x))
 
     # Attributes that are neither modules nor parameters (a plain-function activation, ``names``, an instance-level
     # ``forward``) take no registration hook: the expert signals them itself, as it does deletions.
@@ -149,6 +194,7 @@ class _Packed:
     # `.data` re-assignment changes while the Parameter stays).
     linears: tuple[tuple[dict[str, nn.Module | None], str, nn.Linear, torch.Tensor, int], ...]
     act_fn: Callable  # the experts' activation (one object for all of them)
+    gate_fn: ExpertGate | None  # their gate, where the stock class has its own (one object for all of them)
     modules: tuple[nn.Module, ...]  # the experts and their Linears, for the hook scan
     # RemovableHandle.next_id when no hook was found on the experts: every hook registration takes a new handle id,
     # so while it is unchanged the hook scan need not run again.
@@ -165,6 +211,10 @@ class _Packed:
 def _activation(expert: nn.Module) -> Any:
     # An activation module is a child; a plain function an attribute.
     return expert._modules.get("act_fn") or expert.__dict__.get("act_fn")
+
+
+def _gate(expert: nn.Module) -> Any:
+    return expert.__dict__.get("gate_fn")
 
 
 def _packable(weights: Sequence[Sequence[torch.Tensor]], shapes: tuple[tuple[int, int], ...]) -> bool:
@@ -227,8 +277,21 @@ class LinearExperts(nn.ModuleList):
     top-k expert outputs by its routing weights, as the fused experts of transformers do. A ``top_k_index`` equal to
     ``num_experts`` marks an unused slot (some routers pad with it): it contributes nothing."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, act_fn: Callable, names, device, dtype):
-        super().__init__(ExpertMLP(hidden, intermediate, act_fn, names, device, dtype) for _ in range(num_experts))
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        act_fn: Callable | None,
+        names,
+        device,
+        dtype,
+        bias: bool = False,
+        gate_fn: ExpertGate | None = None,
+    ):
+        super().__init__(
+            ExpertMLP(hidden, intermediate, act_fn, names, device, dtype, bias, gate_fn) for _ in range(num_experts)
+        )
         self.num_experts = num_experts
         self.hidden_dim = hidden
         self.intermediate_dim = intermediate
@@ -272,9 +335,9 @@ class LinearExperts(nn.ModuleList):
             linears.append(row)
         weights = [tuple(lin.weight for lin in row) for row in linears]
         hidden, intermediate = self.hidden_dim, self.intermediate_dim
-        act_fn = _activation(self[0])
+        act_fn, gate_fn = _activation(self[0]), _gate(self[0])
         shapes = ((intermediate, hidden), (intermediate, hidden), (hidden, intermediate))
-        if any(_activation(expert) is not act_fn for expert in self) or not _packable(weights, shapes):
+        if any(_activation(e) is not act_fn or _gate(e) is not gate_fn for e in self) or not _packable(weights, shapes):
             return False
         count = len(weights)
         gate_up = _one_tensor([(g, u) for g, u, _ in weights], (count, 2 * intermediate, hidden))
@@ -310,6 +373,7 @@ class LinearExperts(nn.ModuleList):
                 for name, linear in zip(expert.names, row, strict=True)
             ),
             act_fn,
+            gate_fn,
             modules,
         )
         _watch((self, *modules), self)
@@ -367,7 +431,7 @@ class LinearExperts(nn.ModuleList):
                 return None
             if not compiling and current.data_ptr() != pointer:
                 return None
-        if any(_activation(expert) is not packed.act_fn for expert in packed.experts):
+        if any(_activation(e) is not packed.act_fn or _gate(e) is not packed.gate_fn for e in packed.experts):
             return None
         if compiling:
             # torch.compile guards on what this reads, and writes no state of its own.
@@ -407,9 +471,25 @@ class LinearExperts(nn.ModuleList):
         per_slot = torch.empty_like(out).index_copy_(0, order, out)
         return per_slot.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
 
+    def forward_dispatched(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Every expert over its own slice of ``hidden_states`` (``[E * T, H]``: the tokens already dispatched to
+        each expert and weighted by their router scores, as Llama 4's experts take them), ``[E * T, H]`` out."""
+        x = hidden_states.view(self.num_experts, -1, self.hidden_dim)
+        packed = self._grouped_weights(hidden_states)
+        if packed is not None and packed.gate_fn is None:
+            # One batched product per projection, as stock's: the packed weights are [E, out, in].
+            gate, up = torch.bmm(x, packed.gate_up.transpose(1, 2)).chunk(2, dim=-1)
+            out = torch.bmm(packed.act_fn(gate) * up, packed.down.transpose(1, 2))
+        else:
+            out = torch.stack([expert(x[index]) for index, expert in enumerate(self)])
+        return out.view(-1, self.hidden_dim)
+
     def _grouped_forward(self, packed: _Packed, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        gate, up = _grouped(x.to(packed.gate_up.dtype), packed.gate_up, offsets).chunk(2, dim=-1)
+        gate_up = _grouped(x.to(packed.gate_up.dtype), packed.gate_up, offsets)
+        if packed.gate_fn is not None:
+            return _grouped(packed.gate_fn.packed(gate_up), packed.down, offsets)
+        gate, up = gate_up.chunk(2, dim=-1)
         return _grouped(packed.act_fn(gate) * up, packed.down, offsets)
 
     def _expert_by_expert(

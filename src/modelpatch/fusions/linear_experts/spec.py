@@ -12,22 +12,29 @@ those into the per-expert keys; the load records the split, so a default save wr
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import hashlib
+import inspect
 import re
+import textwrap
+import weakref
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from ...conversion.operations import Chunk, SplitModulelist
-from ...conversion.transforms import WeightConverter, WeightTransform
+from ...conversion.operations import Chunk, ConversionOperation, Interleave, SplitModulelist, Transpose
+from ...conversion.registry import get_checkpoint_conversion_mapping
+from ...conversion.transforms import WeightConverter, WeightRenaming, WeightTransform
+from ...errors import FusionError
 from ..generated import make_class
 from ..spec import FusionOptions, ModuleFusionSpec
-from .modules import LinearExperts
+from .modules import ExpertGate, LinearExperts
 
 DEFAULT_CHILD_NAMES = ("gate_proj", "up_proj", "down_proj")
 
@@ -43,6 +50,7 @@ EXPERT_CHILD_NAMES: Mapping[str, tuple[str, str, str]] = MappingProxyType(
                 "minimax",
                 "minimax_m2",
                 "minimax_m3_vl",
+                "minimax_m3_vl_text",
                 "mistral_large4_text",
                 "mixtral",
                 "phimoe",
@@ -83,23 +91,206 @@ def expert_child_names(model_type: str | None) -> tuple[str, str, str]:
     return EXPERT_CHILD_NAMES.get(model_type or "", DEFAULT_CHILD_NAMES)
 
 
-def _is_fused_experts(module: nn.Module) -> bool:
-    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    return (
-        isinstance(gate_up, nn.Parameter)
-        and isinstance(down, nn.Parameter)
-        and gate_up.dim() == 3
-        and down.dim() == 3
-        and gate_up.shape[0] == down.shape[0]
-        and gate_up.shape[1] == 2 * down.shape[2]
-        and gate_up.shape[2] == down.shape[1]
-        and getattr(module, "gate_up_proj_bias", None) is None
-        and callable(getattr(module, "act_fn", None))
-    )
+@dataclasses.dataclass(frozen=True)
+class ExpertsLayout:
+    """How a stock experts class computes, as far as this family knows it.
+
+    Attributes:
+        forward: What its forward is (for messages).
+        transposed: Its weights are stored ``[E, in, out]`` (``x @ w``), not ``[E, out, in]`` (``linear(x, w)``).
+        bias: It holds ``gate_up_proj_bias [E, 2I]`` and ``down_proj_bias [E, H]`` and adds them.
+        gate: ``"act"``: ``act_fn(gate) * up`` over the two halves of the gate/up product; ``"chunked"`` /
+            ``"interleaved"``: the class's own ``_apply_gate`` on the whole product, whose gate and up columns come
+            in two halves / alternate.
+        dispatched: Its forward takes the tokens already dispatched to every expert (``[E * T, H]``, Llama 4) and
+            runs each expert over its own slice (:meth:`LinearExperts.forward_dispatched`), instead of routing them.
+    """
+
+    forward: str
+    transposed: bool = False
+    bias: bool = False
+    gate: str = "act"
+    dispatched: bool = False
+
+
+# The forwards this family reproduces exactly, by a digest of their syntax trees (see ``forward_digest``): each routes
+# every token's top-k slots to experts (a slot index equal to the number of experts is padding), computes the expert's
+# gated MLP and adds the outputs weighted by the routing weights, in the activations' dtype (Llama 4's: runs each
+# expert's gated MLP over the tokens already dispatched to it). Checked against
+# transformers 5.23's source; any other forward (another release's edits included) is left unfused.
+KNOWN_FORWARDS: Mapping[str, ExpertsLayout] = MappingProxyType(
+    {
+        "99df4e1ccc981d2f": ExpertsLayout(
+            "transformers' experts forward (MixtralExperts, Qwen3MoeExperts and 52 more)"
+        ),
+        "0773b87dbdb0d496": ExpertsLayout(
+            "transformers' experts forward through the class's _apply_gate (DeepseekV4Experts, Glm5NextTextExperts, "
+            "HYV4Experts, MiniMaxM3VLExperts, BeamExperts)",
+            gate="chunked",
+        ),
+        # the same forward without the experts-implementation dispatcher
+        "1363fbc4d8f57062": ExpertsLayout("Step3p7Experts' forward, through its _apply_gate", gate="chunked"),
+        "a13f1e9723000b27": ExpertsLayout("AriaExperts' forward (transposed weights)", transposed=True),
+        "af11e60e00785271": ExpertsLayout(
+            "Llama4TextExperts' forward (transposed weights, every expert over the tokens dispatched to it)",
+            transposed=True,
+            dispatched=True,
+        ),
+        "c5aa725a4d8d97bf": ExpertsLayout(
+            "GptOssExperts' forward (transposed weights with biases, gate and up columns interleaved)",
+            transposed=True,
+            bias=True,
+            gate="interleaved",
+        ),
+    }
+)
+# Forwards known to compute something the per-expert MLPs do not, and what.
+UNKNOWN_FORWARDS: Mapping[str, str] = MappingProxyType(
+    {
+        "29f99cbea14936bf": "it routes some slots to weightless identity ('zero') experts (LongCat-Flash)",
+        "0d4fec9d7587187c": "it accumulates the experts' outputs in float32 whatever the weights' dtype (Inkling 2)",
+        "2cccab569b573c17": "it computes every projection in float32 whatever the weights' dtype "
+        "(OpenAI privacy filter)",
+    }
+)
+# Experts classes whose forward this family knows but whose checkpoints it cannot split per expert, and why.
+UNSPLIT_CHECKPOINTS: Mapping[str, str] = MappingProxyType(
+    {
+        "transformers.models.ernie4_5_vl_moe.modeling_ernie4_5_vl_moe.Ernie4_5_VLMoeMoeExperts": "its checkpoint "
+        "holds the text and the vision experts as one list (Ernie 4.5 VL's expert groups), which the per-expert keys "
+        "of each group do not follow",
+    }
+)
+_WEIGHTS = ("gate_up_proj", "down_proj")
+_BIASES = ("gate_up_proj_bias", "down_proj_bias")
+_CARRIED = {*_WEIGHTS, *_BIASES}
+
+
+# Per class, computed once; a class that goes (one made in a test, say) takes its entry with it.
+_DIGESTS: weakref.WeakKeyDictionary[type[nn.Module], str | None] = weakref.WeakKeyDictionary()
+
+
+def forward_digest(cls: type[nn.Module]) -> str | None:
+    """A digest of the syntax trees of ``cls.forward`` and of every function it wraps (transformers' experts-
+    implementation dispatcher wraps the forward as written), docstrings aside: equal for the same code whatever its
+    formatting; None when a source cannot be read."""
+    if cls not in _DIGESTS:
+        trees: list[str] = []
+        function: Any = cls.forward
+        try:
+            while function is not None:
+                node = ast.parse(textwrap.dedent(inspect.getsource(function))).body[0]
+                body = getattr(node, "body", [])
+                if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                    node.body = body[1:]  # type: ignore[attr-defined]
+                trees.append(ast.dump(node))
+                function = getattr(function, "__wrapped__", None)
+        except (OSError, TypeError, SyntaxError, IndexError):
+            _DIGESTS[cls] = None
+        else:
+            _DIGESTS[cls] = hashlib.sha256("\n".join(trees).encode()).hexdigest()[:16]
+    return _DIGESTS[cls]
+
+
+def _weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    found = [module._parameters.get(name) for name in _WEIGHTS]
+    if all(isinstance(p, nn.Parameter) and p.dim() == 3 for p in found):
+        return cast(torch.Tensor, found[0]), cast(torch.Tensor, found[1])
+    return None
+
+
+def experts_sizes(module: nn.Module, layout: ExpertsLayout) -> tuple[int, int, int]:
+    """(experts, hidden, intermediate) of a stock experts module of ``layout``."""
+    gate_up, _ = cast(tuple[torch.Tensor, torch.Tensor], _weights(module))
+    experts, rows, columns = gate_up.shape
+    hidden, double = (rows, columns) if layout.transposed else (columns, rows)
+    return experts, hidden, double // 2
+
+
+def experts_layout(module: nn.Module) -> ExpertsLayout | str:
+    """The layout of a stock experts module, or why the per-expert MLPs would not compute what it computes."""
+    weights = _weights(module)
+    if weights is None:
+        return "it holds no 3-D gate_up_proj and down_proj parameters"
+    state = [name for name, _ in (*module.named_parameters(), *module.named_buffers()) if name not in _CARRIED]
+    if state:
+        return f"it holds {', '.join(state)} besides its experts' weights, which the per-expert MLPs have no place for"
+    digest = forward_digest(type(module))
+    layout = KNOWN_FORWARDS.get(digest or "")
+    if layout is None:
+        note = UNKNOWN_FORWARDS.get(digest or "", "it is not one this family knows computes the same")
+        return f"its forward ({type(module).__qualname__}.forward): {note}"
+    if (unsplit := UNSPLIT_CHECKPOINTS.get(f"{type(module).__module__}.{type(module).__qualname__}")) is not None:
+        return unsplit
+    if not layout.bias and (unused := [name for name in _BIASES if module._parameters.get(name) is not None]):
+        return f"it holds {', '.join(unused)}, which its forward does not add"
+    experts, hidden, intermediate = experts_sizes(module, layout)
+    gate_up, down = weights
+    expected = [(experts, hidden, 2 * intermediate), (experts, intermediate, hidden)]
+    if not layout.transposed:
+        expected = [(e, b, a) for e, a, b in expected]
+    biases = [module._parameters.get(name) for name in _BIASES] if layout.bias else [None, None]
+    bias_sizes = (2 * intermediate, hidden) if layout.bias else (None, None)
+    if [tuple(gate_up.shape), tuple(down.shape)] != expected or any(
+        size is not None and (b is None or tuple(b.shape) != (experts, size))
+        for b, size in zip(biases, bias_sizes, strict=True)
+    ):
+        return (
+            f"gate_up_proj {list(gate_up.shape)} and down_proj {list(down.shape)} are not the layout its forward reads"
+        )
+    if layout.gate == "act" and not callable(getattr(module, "act_fn", None)):
+        return "it has no act_fn"
+    return layout
+
+
+def _legacy_names(config: PretrainedConfig) -> dict[str, list[tuple[str, str, list[ConversionOperation]]]]:
+    """The model type's conversions of the 3-D experts weights from another checkpoint name (Aria's ``experts.fc1``,
+    GraniteMoE's ``input_linear``, Inkling's interleaved ``w13_weight``), as ``{weight: [(checkpoint key pattern,
+    runtime prefix of the experts, the operations it applies on the way)]}``: renamings, and one-to-one converters
+    of transposes and interleavings (permutations, reversed exactly).
+
+    The family's filter drops those conversions with the model type's other experts conversions (they target the
+    experts' 3-D names); the family's own converters read those checkpoint names instead, so the save writes them
+    back.
+    """
+    found: dict[str, list[tuple[str, str, list[ConversionOperation]]]] = defaultdict(list)
+    for model_type in dict.fromkeys((config.model_type, config.get_text_config().model_type)):
+        for transform in get_checkpoint_conversion_mapping(model_type) or []:
+            sources, targets = transform.source_patterns, transform.target_patterns
+            if len(sources) != 1 or len(targets) != 1:
+                continue
+            if type(transform) is WeightRenaming:
+                operations: list[ConversionOperation] = []
+            elif isinstance(transform, WeightConverter) and all(
+                type(op) in (Interleave, Transpose) and not getattr(op, "check_dims", False)
+                for op in transform.operations
+            ):
+                operations = list(transform.operations)
+            else:
+                continue
+            if match := re.fullmatch(r"((?:\w+\.)*)(gate_up_proj|down_proj)", targets[0]):
+                found[match[2]].append((sources[0], match[1], operations))
+    return found
+
+
+def expert_gate(module: nn.Module, layout: ExpertsLayout) -> ExpertGate | None:
+    """The :class:`ExpertGate` of a stock experts module whose forward gates through its own ``_apply_gate``: that
+    function with the module's plain attributes and activation (tensors are the experts' weights, carried apart)."""
+    if layout.gate == "act":
+        return None
+    state = {k: v for k, v in vars(module).items() if not k.startswith("_") and k != "training"}
+    state.update(module._modules)
+    apply_gate = cast(Any, type(module))._apply_gate  # the known forwards that gate through it (see KNOWN_FORWARDS)
+    return ExpertGate(apply_gate, state, interleaved=layout.gate == "interleaved")
 
 
 class LinearExpertsFusionSpec(ModuleFusionSpec):
-    filtered_conversion_patterns = (r"experts\.gate_up_proj$", r"experts\.down_proj$")
+    filtered_conversion_patterns = (
+        r"experts\.gate_up_proj$",
+        r"experts\.down_proj$",
+        r"experts\.gate_up_proj_bias$",
+        r"experts\.down_proj_bias$",
+    )
     options_class = LinearExpertsOptions
 
     def child_names(self, model_type: str | None) -> tuple[str, str, str]:
@@ -110,7 +301,11 @@ class LinearExpertsFusionSpec(ModuleFusionSpec):
         return expert_child_names(model_type)
 
     def is_fusable(self, module: nn.Module) -> bool:
-        return _is_fused_experts(module)
+        return isinstance(experts_layout(module), ExpertsLayout)
+
+    def unfusable_reason(self, module: nn.Module) -> str | None:
+        found = experts_layout(module)
+        return None if isinstance(found, ExpertsLayout) else found
 
     def make_transforms(self, config: PretrainedConfig, modules: Mapping[str, nn.Module]) -> list[WeightTransform]:
         """3-D expert keys -> per-expert keys: ``<experts>.gate_up_proj [E, 2I, H]`` is chunked into its gate rows
@@ -124,25 +319,47 @@ class LinearExpertsFusionSpec(ModuleFusionSpec):
         """
         # The experts are built with the text config, which is what the fused class reads its child names from.
         gate, up, down = self.child_names(config.get_text_config().model_type)
-        counts: dict[str, set[int]] = defaultdict(set)
+        groups: dict[tuple[str, ExpertsLayout], set[int]] = defaultdict(set)
         for name, module in modules.items():
-            # nn.Module annotates attributes as Tensor | Module: the stock experts' gate_up_proj is a 3-D parameter.
-            counts[name.rpartition(".")[2]].add(cast(torch.Tensor, module.gate_up_proj).shape[0])
+            layout = cast(ExpertsLayout, experts_layout(module))  # discovery fused only modules of a known layout
+            groups[name.rpartition(".")[2], layout].add(experts_sizes(module, layout)[0])
+        anchors = [anchor for anchor, _ in groups]
+        if len(set(anchors)) != len(anchors):
+            raise FusionError(
+                f"linear_experts: experts named {sorted(a for a in anchors if anchors.count(a) > 1)[0]!r} come in "
+                "different layouts in one model, which their checkpoint keys cannot tell apart; load without the "
+                "linear_experts fusion."
+            )
+        legacy = _legacy_names(config)
         transforms: list[WeightTransform] = []
-        for anchor, found in sorted(counts.items()):
+        for (anchor, layout), found in sorted(groups.items(), key=lambda item: item[0][0]):
             # The number of experts is declared (always one per model in transformers), so a 3-D tensor holding more
             # experts is a plan error rather than unused per-expert keys; the model's shapes catch any other misfit.
             split = SplitModulelist(dim=0, count=found.pop() if len(found) == 1 else None)
-            experts = rf"(?<![^.]){re.escape(anchor)}"
-            transforms += [
-                WeightConverter(
-                    rf"{experts}\.gate_up_proj$",
-                    [f"{anchor}.*.{gate}.weight", f"{anchor}.*.{up}.weight"],
-                    [Chunk(dim=1), split],
-                    alternative=True,
+            # [E, in, out] weights become [E, out, in] first; interleaved gate/up rows (columns, stored) two halves.
+            transpose = [Transpose(dim0=1, dim1=2)] if layout.transposed else []
+            halves = [Interleave(dim=1)] if layout.gate == "interleaved" else []
+            own = rf"(?<![^.]){re.escape(anchor)}\."
+            for weight, operations, targets in (
+                ("gate_up_proj", [*transpose, *halves, Chunk(dim=1), split], (f"{gate}.weight", f"{up}.weight")),
+                ("down_proj", [*transpose, split], (f"{down}.weight",)),
+                *(
+                    (
+                        ("gate_up_proj_bias", [*halves, Chunk(dim=1), split], (f"{gate}.bias", f"{up}.bias")),
+                        ("down_proj_bias", [split], (f"{down}.bias",)),
+                    )
+                    if layout.bias
+                    else ()
                 ),
-                WeightConverter(rf"{experts}\.down_proj$", f"{anchor}.*.{down}.weight", [split], alternative=True),
-            ]
+            ):
+                sources: list[tuple[str, str, list[ConversionOperation]]] = [(rf"{own}{weight}$", f"{anchor}.", [])]
+                sources += [entry for entry in legacy.get(weight, []) if entry[1].endswith(f"{anchor}.")]
+                transforms += [
+                    WeightConverter(
+                        source, [f"{prefix}*.{t}" for t in targets], [*first, *operations], alternative=True
+                    )
+                    for source, prefix, first in sources
+                ]
         return transforms
 
     def finish_module(self, module: nn.Module) -> None:
@@ -160,17 +377,23 @@ class LinearExpertsFusionSpec(ModuleFusionSpec):
             reference = object.__new__(original_cls)
             with torch.device("meta"):
                 original_cls.__init__(reference, config, *args, **kwargs)
-            gate_up_proj = cast(torch.Tensor, reference.gate_up_proj)  # a 3-D parameter (see make_transforms)
-            experts, double_intermediate, hidden = gate_up_proj.shape
+            layout = cast(ExpertsLayout, experts_layout(reference))  # discovery fused only known layouts
+            experts, hidden, intermediate = experts_sizes(reference, layout)
             LinearExperts.__init__(
                 self,
                 experts,
                 hidden,
-                double_intermediate // 2,
-                cast(Callable[[torch.Tensor], torch.Tensor], reference.act_fn),
+                intermediate,
+                getattr(reference, "act_fn", None) if layout.gate == "act" else None,
                 spec.child_names(getattr(config, "model_type", None)),
                 device=None,
-                dtype=gate_up_proj.dtype,
+                dtype=cast(torch.Tensor, reference.gate_up_proj).dtype,
+                bias=layout.bias,
+                gate_fn=expert_gate(reference, layout),
             )
 
-        return make_class("Linear", original_cls, {"__init__": __init__}, base=LinearExperts, spec=self)
+        namespace: dict[str, Any] = {"__init__": __init__}
+        layout = KNOWN_FORWARDS.get(forward_digest(original_cls) or "")
+        if layout is not None and layout.dispatched:
+            namespace["forward"] = LinearExperts.forward_dispatched
+        return make_class("Linear", original_cls, namespace, base=LinearExperts, spec=self)

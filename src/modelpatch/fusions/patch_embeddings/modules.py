@@ -10,16 +10,26 @@ from torch import nn
 from torch.nn import functional as F
 
 
+def patch_conv_mismatch(conv: nn.Module) -> str | None:
+    """Why ``conv`` is not a Conv3d that tiles its input into non-overlapping patches (kernel == stride, no padding,
+    dilation or groups), or None when it is."""
+    if type(conv) is not nn.Conv3d:
+        return f"{type(conv).__name__} is not a plain Conv3d"
+    for name, value, expected in (
+        ("stride", tuple(conv.stride), tuple(conv.kernel_size)),
+        ("padding", conv.padding if isinstance(conv.padding, str) else tuple(conv.padding), (0, 0, 0)),
+        ("dilation", tuple(conv.dilation), (1, 1, 1)),
+        ("groups", conv.groups, 1),
+        ("padding_mode", conv.padding_mode, "zeros"),
+    ):
+        if value != expected:
+            return f"its {name} is {value}, not {expected} (kernel {tuple(conv.kernel_size)})"
+    return None
+
+
 def is_patch_conv(conv: nn.Module) -> bool:
     """A Conv3d that tiles its input into non-overlapping patches: kernel == stride, no padding, dilation or groups."""
-    return (
-        type(conv) is nn.Conv3d
-        and tuple(conv.kernel_size) == tuple(conv.stride)
-        and tuple(conv.padding) == (0, 0, 0)
-        and tuple(conv.dilation) == (1, 1, 1)
-        and conv.groups == 1
-        and conv.padding_mode == "zeros"
-    )
+    return patch_conv_mismatch(conv) is None
 
 
 class Conv3dAsLinear(nn.Linear):

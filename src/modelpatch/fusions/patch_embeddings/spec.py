@@ -14,7 +14,7 @@ from ...conversion.operations import Conv3dToLinear
 from ...conversion.transforms import WeightConverter, WeightTransform
 from ..generated import make_class
 from ..spec import ModuleFusionSpec
-from .modules import Conv3dAsLinear, FlattenedPatches, is_patch_conv
+from .modules import Conv3dAsLinear, FlattenedPatches, is_patch_conv, patch_conv_mismatch
 
 # The fused patch embedding whose forward runs in this context (modules are reentrant across threads, so no flag on
 # the instance).
@@ -28,6 +28,14 @@ def _patch_convs(module: nn.Module) -> list[str]:
 class PatchEmbeddingsFusionSpec(ModuleFusionSpec):
     def is_fusable(self, module: nn.Module) -> bool:
         return bool(_patch_convs(module))
+
+    def unfusable_reason(self, module: nn.Module) -> str | None:
+        if _patch_convs(module):
+            return None
+        convs = {name: child for name, child in module.named_children() if isinstance(child, nn.Conv3d)}
+        if not convs:
+            return "it holds no Conv3d"
+        return "; ".join(f"its Conv3d {name!r}: {patch_conv_mismatch(conv)}" for name, conv in convs.items())
 
     def make_fused_class(self, original_cls: type[nn.Module]) -> type[nn.Module]:
         def __init__(self, *args, **kwargs):
