@@ -201,6 +201,11 @@ def discover(
     for module_name, module in model.named_modules(remove_duplicate=False):
         aliases[id(module)].append(module_name)
     tied = tied or {}
+    # A fusion maps a class by its name: another class of the same name (another modeling module's) would be built as
+    # the fused class too.
+    namesakes: dict[str, set[type]] = defaultdict(set)
+    for cls in instances:
+        namesakes[cls.__name__].add(cls)
     found = Discovery(modules={name: {} for name in specs}, unfused={name: [] for name in specs})
     owner: dict[str, str] = {}
     for name, spec in specs.items():
@@ -217,11 +222,16 @@ def discover(
             blocker = None
             if fusable and not spec.per_instance and len(fusable) < len(members):
                 path = next(p for p, _ in members if reasons[p] is not None)
-                blocker = f"its instance {path!r} is not fusable ({reasons[path]}), and every instance of a fused class is"
+                blocker = (
+                    f"its instance {path!r} is not fusable ({reasons[path]}), and every instance of a fused class is"
+                )
             if fusable and spec.per_instance and targets:
                 outside = [p for p, m in members if not any(t.search(p) for t in targets) and spec.is_fusable(m)]
                 if outside:
                     blocker = f"its instance {outside[0]!r} is outside the fusion's target_modules_patterns"
+            if fusable and len(namesakes[cls.__name__]) > 1:
+                others = sorted(c.__module__ for c in namesakes[cls.__name__] if c is not cls)
+                blocker = f"a class of the same name from {others[0]} is built too, and a fusion maps classes by name"
             for path, module in fusable:
                 if blocker is not None:
                     break
@@ -239,7 +249,7 @@ def discover(
                 )
             owner[cls.__name__] = name
             found.mapping[cls.__name__] = spec.make_fused_class(cls)
-            for path, module in fusable:
+            for _, module in fusable:
                 for alias in aliases[id(module)]:
                     found.modules[name][alias] = module
     return found
@@ -393,5 +403,6 @@ def prepare_fusions(
         ("the registered conversion mapping", t) for t in registered if patcher is None or not patcher.filters_out(t)
     ]
     _check_shadowed_conversions(fusion_transforms, user_transforms, list(model.state_dict()))
-    prepared.mapping = PatchMapping.from_items(found.mapping.items())
+    # Anchored keys: a patch key is also a pattern, and ``PixtralAttention`` would match ``PixtralAttentionLayer``.
+    prepared.mapping = PatchMapping.from_items((f"^{re.escape(k)}$", v) for k, v in found.mapping.items())
     return prepared

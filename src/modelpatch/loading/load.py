@@ -17,6 +17,7 @@ Data flow of a load:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import logging
 import os
@@ -34,9 +35,9 @@ from ..checkpoint.json_file import MAX_CONFIG_BYTES, read_json
 from ..conversion.planner import TensorMeta
 from ..conversion.registry import model_conversions
 from ..conversion.transforms import WeightTransform
-from ..errors import CheckpointError, ModelPatchError
+from ..errors import CheckpointError, FusionError, LoadPlanError, ModelPatchError
 from ..fusions.apply import PreparedFusions, has_enabled_fusions, prepare_fusions, resolve_fusion_config
-from ..fusions.generated import finish_fused_modules
+from ..fusions.generated import finish_fused_modules, fused_origin
 from ..patching import registry
 from ..patching.mapping import PatchMapping
 from ..patching.patcher import Patcher
@@ -151,6 +152,10 @@ def _conversions(model: PreTrainedModel, patcher: Patcher | None, fusions: Prepa
     return patcher.adjust_conversions(transforms) if patcher is not None else transforms
 
 
+class _FusionsStepAside(Exception):
+    """The load's fusions do not apply to this model and checkpoint as discovery found them (why: the message)."""
+
+
 def _plan(
     model_class: type,
     name_or_path: str | os.PathLike[str],
@@ -158,7 +163,34 @@ def _plan(
     checkpoint: Checkpoint,
     options: LoadOptions,
 ) -> LoadPlan:
-    """Build the model of a load on the meta device and plan where each of its tensors comes from."""
+    """Build the model of a load on the meta device and plan where each of its tensors comes from.
+
+    A fusion steps aside rather than refuse a load that loads without it: when the fused model cannot be built as
+    discovery found it, or the checkpoint does not plan into it, the load is planned again without fusions (said at
+    INFO), unless a fusion asked to be ``strict``.
+    """
+    try:
+        return _plan_once(model_class, name_or_path, config, checkpoint, options)
+    except _FusionsStepAside as aside:
+        requested = resolve_fusion_config(config, options.fusion_config)
+        if any(isinstance(value, Mapping) and value.get("strict") for value in requested.values()):
+            raise FusionError(f"Fusions {sorted(n for n, v in requested.items() if v)} (strict): {aside}") from None
+        logger.info("Loading %s without fusions: %s", getattr(model_class, "__name__", model_class), aside)
+        unfused = dataclasses.replace(options, fusion_config=dict.fromkeys(requested, False))
+        return _plan_once(model_class, name_or_path, config, checkpoint, unfused)
+
+
+def _fused_paths(model: PreTrainedModel) -> set[str]:
+    return {name for name, module in model.named_modules() if fused_origin(module) is not None}
+
+
+def _plan_once(
+    model_class: type,
+    name_or_path: str | os.PathLike[str],
+    config: PretrainedConfig,
+    checkpoint: Checkpoint,
+    options: LoadOptions,
+) -> LoadPlan:
     directory = checkpoint.directory
     config = copy.deepcopy(config)
     # An unsupported quantization method is refused by name here, before anything is built or read.
@@ -186,6 +218,8 @@ def _plan(
             )
             model, scope = build_empty_model_patched(concrete, config, resolved_dtype, layers, prepare)
     except Exception as exc:
+        if fusions.fused and not isinstance(exc, ModelPatchError) and not is_runtime_layout(config):
+            raise _FusionsStepAside(f"the fused model does not build ({type(exc).__name__}: {exc})") from exc
         if not isinstance(exc, ModelPatchError):
             # The config's fault if the stock model cannot be built either, with transformers' default attention
             # and experts implementations; otherwise a replacement's or a keyword's error, raised as is.
@@ -195,6 +229,12 @@ def _plan(
             with config_build_errors(directory / "config.json", concrete):
                 build_empty_model(concrete, stock_config, resolved_dtype, [])
         raise
+    planned = {path for paths in fusions.fused.values() for path in paths}
+    if fusions.fused and not is_runtime_layout(config) and (built := _fused_paths(model)) != planned:
+        # The fused classes decide per instance as discovery did on the unfused build; a model whose modules change
+        # after they are built would make them differ.
+        differing = sorted(built ^ planned)
+        raise _FusionsStepAside(f"the fused build fuses other modules than discovery found ({differing[:3]})")
     replaced = _check_patches(concrete, scope, options.patcher, setup.layers.registry)
     keep_in_fp32(model, resolved_dtype)
     transforms = _conversions(model, options.patcher, fusions)
@@ -204,22 +244,27 @@ def _plan(
     if quantization is not None:
         parameters = quantization.plan_checkpoint(model, metas, resolved_dtype)
         quantization.check_conversions([] if runtime_layout else transforms)
-    return plan_model_load(
-        model,
-        directory,
-        metas,
-        transforms,
-        options,
-        fusions=fusions,
-        runtime_layout=runtime_layout,
-        replaced=replaced,
-        quantization=quantization,
-        parameters=parameters,
-        # Explaining missing keys by the classes the patches replaced needs a stock build: only on error.
-        replacements=(lambda: _replacements(model, concrete, config, resolved_dtype, layers, fusions))
-        if any(layers)
-        else None,
-    )
+    try:
+        return plan_model_load(
+            model,
+            directory,
+            metas,
+            transforms,
+            options,
+            fusions=fusions,
+            runtime_layout=runtime_layout,
+            replaced=replaced,
+            quantization=quantization,
+            parameters=parameters,
+            # Explaining missing keys by the classes the patches replaced needs a stock build: only on error.
+            replacements=(lambda: _replacements(model, concrete, config, resolved_dtype, layers, fusions))
+            if any(layers)
+            else None,
+        )
+    except LoadPlanError as exc:
+        if not fusions.fused or runtime_layout:
+            raise
+        raise _FusionsStepAside(f"the checkpoint does not load into the fused model ({exc})") from exc
 
 
 def _replacements(
