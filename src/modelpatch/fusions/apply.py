@@ -25,7 +25,7 @@ from ..patching.mapping import PatchMapping
 from ..patching.patcher import Patcher
 from ..state import is_runtime_layout, record_fusion_config, stored_fusion_config
 from .registry import available_fusions, get_fusion
-from .spec import ModuleFusionSpec
+from .spec import ModuleFusionSpec, ModulesToFuse
 
 logger = logging.getLogger(__name__)
 
@@ -112,20 +112,9 @@ def _stored_fusions(config: PretrainedConfig) -> Any:
 def spec_transforms(
     spec: ModuleFusionSpec, config: PretrainedConfig, modules: Mapping[str, nn.Module], base_model_prefix: str = ""
 ) -> list[WeightTransform]:
-    """``spec.make_transforms`` for ``modules`` (unfused instances by name).
-
-    With ``base_model_prefix``, each module is also given under its name with that prefix removed (or added): the
-    checkpoint of a base model loaded into a task model, or the other way round, names it so before the planner adds
-    or strips the prefix, as stock does. A variant that is some other module's name is not given.
-    """
-    if not base_model_prefix:
-        return spec.make_transforms(config, modules)
-    head = f"{base_model_prefix}."
-    variants = dict(modules)
-    for name, module in modules.items():
-        other = name[len(head) :] if name.startswith(head) else head + name
-        variants.setdefault(other, module)
-    return spec.make_transforms(config, variants)
+    """``spec.make_transforms`` for ``modules`` (unfused instances by name) of a model whose ``base_model_prefix``
+    is given (see :class:`ModulesToFuse`)."""
+    return spec.make_transforms(config, ModulesToFuse(modules, base_model_prefix))
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from ..conversion.operations import Concatenate
 from ..conversion.transforms import WeightConverter, WeightTransform
 from .generated import make_class
 from .hooks import global_hooks, hooked
-from .spec import ModuleFusionSpec
+from .spec import ModuleFusionSpec, ModulesToFuse
 
 # Attribute of the owner module holding the fused output not yet taken by every slice, per fused layer name.
 _PENDING_ATTRIBUTE = "_modelpatch_pending_parts"
@@ -277,10 +277,15 @@ class FusedProjectionsSpec(ModuleFusionSpec):
         of that layout: ``<path>.q_proj`` / ``k_proj`` / ``v_proj`` -> ``<path>.qkv_proj``. Two towers (or layers) of
         one model with other sizes get a converter each, so neither's tensors are cut to the other's sizes."""
         layouts: dict[tuple[tuple[str, ...], str, tuple[int, ...]], list[str]] = defaultdict(list)
+        spellings = modules if isinstance(modules, ModulesToFuse) else ModulesToFuse(modules)
+        taken = set(modules)
         for module_name, module in modules.items():
             names, fused_name = self._group_of(module)  # type: ignore[misc]
             sizes = tuple(getattr(module, n).out_features for n in names)
-            layouts[(names, fused_name, sizes)].append(module_name)
+            # Another spelling of the name in a checkpoint, unless it is some other module's own name.
+            layouts[(names, fused_name, sizes)] += [
+                n for n in spellings.key_space_names(module_name) if n == module_name or n not in taken
+            ]
         transforms: list[WeightTransform] = []
         for (names, fused_name, sizes), paths in sorted(layouts.items(), key=lambda item: sorted(item[1])[0]):
             scope = _key_space_pattern(paths)

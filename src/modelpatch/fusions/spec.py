@@ -9,12 +9,33 @@ import inspect
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 from torch import nn
 from transformers import PretrainedConfig
 
 from ..conversion.transforms import WeightTransform
+
+
+class ModulesToFuse(dict[str, nn.Module]):
+    """What :meth:`ModuleFusionSpec.make_transforms` gets: the dotted runtime name of each module to fuse -> its
+    meta-device instance, and the root model's ``base_model_prefix`` (a checkpoint may name every module with that
+    prefix removed or added, as stock loads allow)."""
+
+    def __init__(self, modules: Mapping[str, nn.Module] = MappingProxyType({}), base_model_prefix: str = ""):
+        super().__init__(modules)
+        self.base_model_prefix = base_model_prefix
+
+    def key_space_names(self, name: str) -> list[str]:
+        """``name`` and its other spelling in a checkpoint: without the base model's prefix, or with it."""
+        prefix = self.base_model_prefix
+        if not prefix:
+            return [name]
+        return [
+            name,
+            name[len(prefix) + 1 :] if name.startswith(f"{prefix}.") else f"{prefix}.{name}" if name else prefix,
+        ]
 
 
 @dataclasses.dataclass(frozen=True)

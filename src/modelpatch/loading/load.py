@@ -37,7 +37,7 @@ from ..conversion.registry import model_conversions
 from ..conversion.transforms import WeightTransform
 from ..errors import CheckpointError, FusionError, LoadPlanError, ModelPatchError
 from ..fusions.apply import PreparedFusions, has_enabled_fusions, prepare_fusions, resolve_fusion_config
-from ..fusions.generated import finish_fused_modules, fused_origin
+from ..fusions.generated import finish_fused_modules
 from ..patching import registry
 from ..patching.mapping import PatchMapping
 from ..patching.patcher import Patcher
@@ -175,13 +175,35 @@ def _plan(
         requested = resolve_fusion_config(config, options.fusion_config)
         if any(isinstance(value, Mapping) and value.get("strict") for value in requested.values()):
             raise FusionError(f"Fusions {sorted(n for n, v in requested.items() if v)} (strict): {aside}") from None
-        logger.info("Loading %s without fusions: %s", getattr(model_class, "__name__", model_class), aside)
         unfused = dataclasses.replace(options, fusion_config=dict.fromkeys(requested, False))
-        return _plan_once(model_class, name_or_path, config, checkpoint, unfused)
+        try:
+            plan = _plan_once(model_class, name_or_path, config, checkpoint, unfused)
+        except LoadPlanError:
+            # The checkpoint does not load without the fusions either: the error is the fused load's, as asked for.
+            if isinstance(aside.__cause__, LoadPlanError):
+                raise aside.__cause__ from None
+            raise
+        logger.info("Loading %s without fusions: %s", getattr(model_class, "__name__", model_class), aside)
+        return plan
 
 
-def _fused_paths(model: PreTrainedModel) -> set[str]:
-    return {name for name, module in model.named_modules() if fused_origin(module) is not None}
+def _differing_decisions(model: PreTrainedModel, unfused: PreTrainedModel, fusions: PreparedFusions) -> list[str]:
+    """The modules of a fused class's original that the fused build fused where discovery did not, or the other way
+    round. Fused classes that decide per instance decide as discovery did on the unfused build; a model whose modules
+    change after they are built could make them differ."""
+    planned = {path for paths in fusions.fused.values() for path in paths}
+    differing = []
+    for path, module in unfused.named_modules():
+        if fusions.mapping.match(type(module).__name__) is None:
+            continue
+        try:
+            built = model.get_submodule(path)
+        except AttributeError:
+            differing.append(path)
+            continue
+        if (type(built) is not type(module)) != (path in planned):
+            differing.append(path)
+    return differing
 
 
 def _plan_once(
@@ -205,6 +227,7 @@ def _plan_once(
     if quantization is not None:
         resolved_dtype = quantization.update_dtype(resolved_dtype)
     _set_config_dtype(config, resolved_dtype)
+    fusions = PreparedFusions()
     try:
         setup = _load_setup(concrete, config, options, resolved_dtype)
         fusions, layers = setup.fusions, setup.layers.ordered()
@@ -218,8 +241,6 @@ def _plan_once(
             )
             model, scope = build_empty_model_patched(concrete, config, resolved_dtype, layers, prepare)
     except Exception as exc:
-        if fusions.fused and not isinstance(exc, ModelPatchError) and not is_runtime_layout(config):
-            raise _FusionsStepAside(f"the fused model does not build ({type(exc).__name__}: {exc})") from exc
         if not isinstance(exc, ModelPatchError):
             # The config's fault if the stock model cannot be built either, with transformers' default attention
             # and experts implementations; otherwise a replacement's or a keyword's error, raised as is.
@@ -229,12 +250,9 @@ def _plan_once(
             with config_build_errors(directory / "config.json", concrete):
                 build_empty_model(concrete, stock_config, resolved_dtype, [])
         raise
-    planned = {path for paths in fusions.fused.values() for path in paths}
-    if fusions.fused and not is_runtime_layout(config) and (built := _fused_paths(model)) != planned:
-        # The fused classes decide per instance as discovery did on the unfused build; a model whose modules change
-        # after they are built would make them differ.
-        differing = sorted(built ^ planned)
-        raise _FusionsStepAside(f"the fused build fuses other modules than discovery found ({differing[:3]})")
+    if setup.unfused is not None and fusions.fused and not is_runtime_layout(config):
+        if differing := _differing_decisions(model, setup.unfused[0], fusions):
+            raise _FusionsStepAside(f"the fused build fuses other modules than discovery found ({differing[:3]})")
     replaced = _check_patches(concrete, scope, options.patcher, setup.layers.registry)
     keep_in_fp32(model, resolved_dtype)
     transforms = _conversions(model, options.patcher, fusions)
