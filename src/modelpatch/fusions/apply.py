@@ -10,7 +10,7 @@ import copy
 import logging
 import re
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +21,7 @@ from .._transformers import tied_weight_keys
 from ..conversion.registry import model_conversions
 from ..conversion.transforms import WeightConverter, WeightTransform
 from ..errors import FusionError
+from ..patching.candidates import is_patch_candidate
 from ..patching.mapping import PatchMapping
 from ..patching.patcher import Patcher
 from ..state import is_runtime_layout, record_fusion_config, stored_fusion_config
@@ -171,6 +172,7 @@ def discover(
     specs: Mapping[str, ModuleFusionSpec],
     conversions: Sequence[WeightTransform] = (),
     tied: Mapping[str, str] | None = None,
+    replaceable: Callable[[type], bool] | None = None,
 ) -> Discovery:
     """Map each fusable class of ``model`` (a meta-device instance) to its fused class, per spec, and say why each
     candidate left as it is is left.
@@ -180,7 +182,8 @@ def discover(
     class; otherwise a class is fused only when *every* instance of it is a candidate and fusable. Either way, a
     class is left whole when an instance that would be fused is outside ``target_modules_patterns``, holds a tensor
     tied to another, or a tensor that ``conversions`` (the model's own) produce from another checkpoint layout:
-    transforms are scoped to module paths, and those instances could not load.
+    transforms are scoped to module paths, and those instances could not load. So is a class for which
+    ``replaceable`` (a load: whether its constructions are dispatched) is false.
     """
     instances: dict[type, list[tuple[str, nn.Module]]] = defaultdict(list)
     for module_name, module in model.named_modules():
@@ -218,6 +221,11 @@ def discover(
                 outside = [p for p, m in members if not any(t.search(p) for t in targets) and spec.is_fusable(m)]
                 if outside:
                     blocker = f"its instance {outside[0]!r} is outside the fusion's target_modules_patterns"
+            if fusable and replaceable is not None and not replaceable(cls):
+                blocker = (
+                    f"its class is defined in {cls.__module__}, outside the modeling modules whose constructions a "
+                    "load replaces (register_patchable_namespace adds a namespace)"
+                )
             if fusable and len(namesakes[cls.__name__]) > 1:
                 others = sorted(c.__module__ for c in namesakes[cls.__name__] if c is not cls)
                 blocker = f"a class of the same name from {others[0]} is built too, and a fusion maps classes by name"
@@ -368,7 +376,7 @@ def prepare_fusions(
     if not enabled:
         return prepared
     conversions = model_conversions(model)
-    found = discover(model, enabled, conversions, tied_weight_keys(model))
+    found = discover(model, enabled, conversions, tied_weight_keys(model), is_patch_candidate)
     modules = found.modules
     for name, spec in enabled.items():
         _report_unfused(name, spec, found, type(model).__name__)
