@@ -21,10 +21,11 @@ import transformers
 from torch import nn
 
 import modelpatch
-from modelpatch import FusionError
+from modelpatch import FusionError, register_fusion
+from modelpatch.fusions import QKVFusionSpec
 from modelpatch.fusions.generated import fused_origin
 from modelpatch.fusions.projections import FusedLinear
-from support.compare import assert_same_files
+from support.compare import assert_outputs_close, assert_same_files
 from support.files import read_tensors
 
 _PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "zoo.py"
@@ -187,3 +188,27 @@ def test_one_class_in_two_layouts_fuses_where_it_can(written):
     assert type(layer.cross_attn_image).__module__.startswith("transformers.")
     assert fused_origin(layer.self_attn) is not None
     assert type(layer.self_attn).__mro__[1] is type(layer.cross_attn_image)
+
+
+class _NoConversions(QKVFusionSpec):
+    """A fusion whose converters do not fit the checkpoint: it makes none."""
+
+    prefix = "UnconvertedQKVFused"
+
+    def make_transforms(self, config, modules):
+        return []
+
+
+def test_a_fusion_the_checkpoint_does_not_plan_into_steps_aside(tiny, caplog):
+    """The fused model's keys are not in the checkpoint, while the stock model's are: the load is the stock model's,
+    said at INFO; ``strict`` refuses instead, naming why."""
+    register_fusion("unconverted_qkv", _NoConversions())
+    ckpt = tiny("llama")
+    with caplog.at_level(logging.INFO, logger="modelpatch.loading.load"):
+        model = ckpt.load({"unconverted_qkv": True})
+    assert _fused(model) == []
+    assert "Loading LlamaForCausalLM without fusions: the checkpoint does not load into the fused model" in caplog.text
+    assert "model.layers.{0..1}.self_attn.qkv_proj.weight" in caplog.text
+    assert_outputs_close(ckpt.outputs(model), ckpt.stock_outputs())
+    with pytest.raises(FusionError, match=r"Fusions \['unconverted_qkv'\] \(strict\): the checkpoint does not load"):
+        ckpt.load({"unconverted_qkv": {"strict": True}})

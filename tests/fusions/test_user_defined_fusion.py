@@ -22,7 +22,6 @@ Then ``register_fusion("swiglu", SwiGLUFusionSpec())`` and load with ``fusion_co
 from __future__ import annotations
 
 import logging
-
 import pickle
 
 import pytest

@@ -170,7 +170,7 @@ def _class_path(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _forward_misuse(cls: type, names: Sequence[str]) -> str | None:
+def _forward_misuse(cls: type[nn.Module], names: Sequence[str]) -> str | None:
     """How ``cls.forward`` uses one of ``names`` otherwise than a slice stands in for it (calling it, reading its
     weight, bias or sizes), or None. A forward whose source cannot be read is not known."""
     try:

@@ -170,14 +170,14 @@ def _plan(
     INFO), unless a fusion asked to be ``strict``.
     """
     try:
-        return _plan_once(model_class, name_or_path, config, checkpoint, options)
+        return _plan_once(options, checkpoint, config, model_class, name_or_path)
     except _FusionsStepAside as aside:
         requested = resolve_fusion_config(config, options.fusion_config)
         if any(isinstance(value, Mapping) and value.get("strict") for value in requested.values()):
             raise FusionError(f"Fusions {sorted(n for n, v in requested.items() if v)} (strict): {aside}") from None
         unfused = dataclasses.replace(options, fusion_config=dict.fromkeys(requested, False))
         try:
-            plan = _plan_once(model_class, name_or_path, config, checkpoint, unfused)
+            plan = _plan_once(unfused, checkpoint, config, model_class, name_or_path)
         except LoadPlanError:
             # The checkpoint does not load without the fusions either: the error is the fused load's, as asked for.
             if isinstance(aside.__cause__, LoadPlanError):
@@ -207,12 +207,13 @@ def _differing_decisions(model: PreTrainedModel, unfused: PreTrainedModel, fusio
 
 
 def _plan_once(
+    options: LoadOptions,
+    checkpoint: Checkpoint,
+    config: PretrainedConfig,
     model_class: type,
     name_or_path: str | os.PathLike[str],
-    config: PretrainedConfig,
-    checkpoint: Checkpoint,
-    options: LoadOptions,
 ) -> LoadPlan:
+    """One try of :func:`_plan` with ``options``."""
     directory = checkpoint.directory
     config = copy.deepcopy(config)
     # An unsupported quantization method is refused by name here, before anything is built or read.
