@@ -376,7 +376,15 @@ def prepare_fusions(
     if not enabled:
         return prepared
     conversions = model_conversions(model)
-    found = discover(model, enabled, conversions, tied_weight_keys(model), is_patch_candidate)
+    # A replacement the other layers build is left to _check_patch_conflicts, which says what to drop.
+    replacements = frozenset().union(*(layer.replacements() for layer in base_layers))
+    found = discover(
+        model,
+        enabled,
+        conversions,
+        tied_weight_keys(model),
+        lambda cls: is_patch_candidate(cls) or cls in replacements,
+    )
     modules = found.modules
     for name, spec in enabled.items():
         _report_unfused(name, spec, found, type(model).__name__)

@@ -18,6 +18,7 @@ to the layer it was made from.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from collections import defaultdict
@@ -170,11 +171,12 @@ def _class_path(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _forward_misuse(cls: type[nn.Module], names: Sequence[str]) -> str | None:
+@functools.cache  # one read of a class's source per process, not one per instance
+def _forward_misuse(cls: type, names: tuple[str, ...]) -> str | None:
     """How ``cls.forward`` uses one of ``names`` otherwise than a slice stands in for it (calling it, reading its
     weight, bias or sizes), or None. A forward whose source cannot be read is not known."""
     try:
-        source = inspect.getsource(cls.forward)
+        source = inspect.getsource(cast(type[nn.Module], cls).forward)
     except (OSError, TypeError):
         return f"the source of {cls.__qualname__}.forward is not available to check how it uses {'/'.join(names)}"
     for name in names:
@@ -209,7 +211,8 @@ def _projection_mismatch(module: nn.Module, names: Sequence[str], fused_name: st
         return f"it already has an attribute {fused_name!r}"
     if (rebuilt := REBUILT_AT_RUN_TIME.get(_class_path(type(module)))) is not None:
         return rebuilt
-    return _forward_misuse(type(module), names)
+    # A class object hashes by identity (mypy reads nn.Module's instance __hash__ annotation instead).
+    return _forward_misuse(cast(type, type(module)), tuple(names))
 
 
 def _key_space_pattern(paths: Sequence[str]) -> str:
