@@ -181,8 +181,8 @@ def discover(
     (``per_instance``), the fusable instances of a class are fused and the others stay instances of the original
     class; otherwise a class is fused only when *every* instance of it is a candidate and fusable. Either way, a
     class is left whole when an instance that would be fused is outside ``target_modules_patterns``, holds a tensor
-    tied to another, or a tensor that ``conversions`` (the model's own) produce from another checkpoint layout:
-    transforms are scoped to module paths, and those instances could not load. So is a class for which
+    tied to another, or (for a spec that ``reads_runtime_names``) a tensor that ``conversions`` (the model's own)
+    produce from another checkpoint layout: those instances could not load. So is a class for which
     ``replaceable`` (a load: whether its constructions are dispatched) is false.
     """
     instances: dict[type, list[tuple[str, nn.Module]]] = defaultdict(list)
@@ -232,7 +232,9 @@ def discover(
             for path, module in fusable:
                 if blocker is not None:
                     break
-                blocker = _tied_state(path, tied) or _converted_state(path, module, conversions, spec)
+                blocker = _tied_state(path, tied)
+                if blocker is None and spec.reads_runtime_names:
+                    blocker = _converted_state(path, module, conversions, spec)
             if blocker is not None:
                 candidates = [(path, m) for path, m in members if reasons[path] is None or spec.is_candidate(m)]
                 reasons = {path: reason or blocker for path, reason in reasons.items()}

@@ -239,6 +239,7 @@ class FusedProjectionsSpec(ModuleFusionSpec):
     groups: Sequence[tuple[tuple[str, ...], str]] = ()
     prefix = "Fused"
     per_instance = True
+    reads_runtime_names = True
 
     def _candidate_groups(self, module: nn.Module) -> list[tuple[tuple[str, ...], str]]:
         return [g for g in self.groups if all(name in module._modules for name in g[0])]

@@ -101,6 +101,9 @@ class ModuleFusionSpec(ABC):
         per_instance: Whether the fused class decides per instance: its ``__init__`` leaves an instance for which
             :meth:`unfusable_reason` is not None as the original class (then discovery fuses the fusable instances of a
             class and leaves the others as they are, instead of leaving the whole class).
+        reads_runtime_names: Whether the family's converters read the modules' tensors under their runtime names
+            alone: then a module holding a tensor that the model's own converter makes from another checkpoint
+            layout (a ``Wqkv`` split into q/k/v) is left as it is, since a converter does not chain after another.
     """
 
     target_modules_patterns: Sequence[str] = ()
@@ -108,6 +111,7 @@ class ModuleFusionSpec(ABC):
     options_class: ClassVar[type[FusionOptions] | None] = FusionOptions
     options: FusionOptions | None = None
     per_instance: ClassVar[bool] = False
+    reads_runtime_names: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
