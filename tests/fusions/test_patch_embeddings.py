@@ -114,9 +114,9 @@ class OverlappingPatchEmbed(_Embed):
 
 def test_non_qualifying_convolutions_are_not_fused():
     tower = nn.ModuleDict({"a": PatchEmbed(), "b": PaddedPatchEmbed(), "c": OverlappingPatchEmbed()})
-    mapping, modules = discover(tower, {"patch_embeddings": PatchEmbeddingsFusionSpec()})
-    assert list(mapping) == ["PatchEmbed"]
-    assert list(modules["patch_embeddings"]) == ["a"]
+    found = discover(tower, {"patch_embeddings": PatchEmbeddingsFusionSpec()})
+    assert list(found.mapping) == ["PatchEmbed"]
+    assert list(found.modules["patch_embeddings"]) == ["a"]
 
 
 # --- Vision-language models ---------------------------------------------------------------------------------------

@@ -124,13 +124,17 @@ def test_fusion_config_must_be_a_dict(tiny, value):
 
 
 @pytest.mark.parametrize("name", [name for name in BUILTIN if name != "linear_experts"])
-def test_options_for_a_family_that_takes_none(tiny, name):
-    with pytest.raises(FusionError, match=f"Invalid options for fusion '{name}'.*takes no options.*'block_size'"):
+def test_options_of_a_family_with_strict_alone(tiny, name):
+    with pytest.raises(FusionError, match=f"Invalid options for fusion '{name}'.*'block_size'; allowed: strict"):
         tiny("llama").load({name: {"block_size": 64}})
+    with pytest.raises(FusionError, match=f"Invalid options for fusion '{name}': strict must be True or False"):
+        tiny("llama").load({name: {"strict": "yes"}})
 
 
 def test_unknown_option_is_named_with_the_allowed_ones(tiny):
-    with pytest.raises(FusionError, match=r"'linear_experts': unknown option\(s\) 'block_size'; allowed: child_names"):
+    with pytest.raises(
+        FusionError, match=r"'linear_experts': unknown option\(s\) 'block_size'; allowed: strict, child_names"
+    ):
         tiny("qwen2_moe").load({"linear_experts": {"block_size": 64}})
 
 
@@ -345,7 +349,7 @@ def test_discovery_sees_a_meta_device_model(tiny, caplog):
 
     spy = Spy()
     register_fusion("spy", spy)
-    with caplog.at_level(logging.WARNING, logger="modelpatch.fusions.apply"):
+    with caplog.at_level(logging.INFO, logger="modelpatch.fusions.apply"):
         model = tiny("llama").load({"spy": True})
     assert spy.devices == {"meta"}
     assert {"LlamaForCausalLM", "LlamaAttention", "LlamaMLP", "Linear"} <= set(spy.names)

@@ -1,7 +1,8 @@
 """Fusions that cannot apply as asked are refused or skipped out loud, never half-applied or silently shadowed.
 
-* Discovery fuses a class only when every instance of it is fusable, in whatever order the instances come
-  (Perceiver's first attention is a cross-attention whose q/k/v read inputs of different sizes).
+* Discovery decides per instance for the projection families, in whatever order the instances come (Perceiver's
+  first attention is a cross-attention whose q/k/v read inputs of different sizes: it stays as it is, the others
+  fuse); a class is left whole when an instance that would be fused is outside the target patterns.
 * A user converter (Patcher extra or registered mapping) for exactly the weight a fusion converts: only one of them
   could run, so the load is refused naming both.
 * A fusion and a Patcher entry on the same class: refused, saying so (instead of a load-plan error that blames the
@@ -21,6 +22,7 @@ from transformers.models.perceiver.modeling_perceiver import PerceiverSelfAttent
 import modelpatch
 from modelpatch import Concatenate, FusionError, Patcher, WeightConverter
 from modelpatch.fusions.gate_up.spec import GateUpFusionSpec
+from support.compare import assert_same_files
 
 pytestmark = pytest.mark.reliability
 
@@ -51,7 +53,10 @@ class WrappedAttention(torch.nn.Module):
 # --- discovery: every instance, whatever the order ----------------------------------------------------------------
 
 
-def test_perceiver_cross_attention_first_keeps_its_class_unfused(caplog):
+def test_perceiver_cross_attention_stays_as_it_is_and_the_self_attentions_fuse(tmp_path, caplog):
+    """Perceiver's first attention is a cross-attention whose key/value read inputs of another size than its query:
+    it stays a stock PerceiverSelfAttention (said at INFO with the reason), while the later instances of the same class
+    fuse; outputs equal stock's, and the save is the stock checkpoint, bitwise."""
     config = PerceiverConfig(
         num_latents=4,
         d_latents=16,
@@ -63,20 +68,30 @@ def test_perceiver_cross_attention_first_keeps_its_class_unfused(caplog):
         vocab_size=32,
         max_position_embeddings=16,
     )
-    with caplog.at_level(logging.WARNING, logger="modelpatch"):
-        model = modelpatch.from_config(PerceiverModel, config, fusion_config={"qkv": True})
-    # The cross-attention (first) is not fusable, the self-attentions (after it) are: the class stays as it is.
-    assert {type(m) for m in model.modules() if "SelfAttention" in type(m).__name__} == {PerceiverSelfAttention}
+    torch.manual_seed(0)
+    PerceiverModel(config).save_pretrained(tmp_path / "stock")
+    stock = PerceiverModel.from_pretrained(tmp_path / "stock")
+    with caplog.at_level(logging.INFO, logger="modelpatch"):
+        model = modelpatch.from_pretrained(PerceiverModel, tmp_path / "stock", fusion_config={"qkv": True})
+    cross = model.encoder.cross_attention.attention.self
+    assert type(cross) is PerceiverSelfAttention
+    fused = [layer.attention.self for layer in model.encoder.self_attends]
+    assert all(isinstance(m, PerceiverSelfAttention) and type(m) is not PerceiverSelfAttention for m in fused)
     assert (
-        "Fusion 'qkv' skips PerceiverSelfAttention: its instance 'encoder.cross_attention.attention.self' is not "
-        "fusable" in caplog.text
+        "Fusion 'qkv' leaves PerceiverSelfAttention at encoder.cross_attention.attention.self as it is: query reads 16 "
+        "features and key 8" in caplog.text
     )
+    inputs = torch.randn(1, 5, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(model(inputs).last_hidden_state, stock(inputs).last_hidden_state, atol=1e-6, rtol=0)
+    modelpatch.save_pretrained(model, tmp_path / "saved")
+    assert_same_files(tmp_path / "saved", tmp_path / "stock")
 
 
 def test_instances_outside_the_target_patterns_keep_their_class_unfused(stock, caplog):
     llama = stock("llama")
     modelpatch.register_fusion("gate_up_first", FirstLayerGateUp())
-    with caplog.at_level(logging.WARNING, logger="modelpatch"):
+    with caplog.at_level(logging.INFO, logger="modelpatch"):
         model = modelpatch.from_pretrained(AutoModelForCausalLM, llama.path, fusion_config={"gate_up_first": True})
     # Fusing LlamaMLP would fuse the second layer's MLP too, against the target patterns.
     assert {type(layer.mlp) for layer in model.model.layers} == {LlamaMLP}

@@ -84,9 +84,9 @@ def _describe(args: argparse.Namespace) -> list[str]:
 
     lines += ["", "fusions:"]
     for fusion in available_fusions():
-        mapping, modules = discover(model, {fusion: get_fusion(fusion)})
-        if mapping:
-            lines.append(f"  {fusion:<18} {len(modules[fusion])} modules of {', '.join(sorted(mapping))}")
+        found = discover(model, {fusion: get_fusion(fusion)})
+        if found.mapping:
+            lines.append(f"  {fusion:<18} {len(found.modules[fusion])} modules of {', '.join(sorted(found.mapping))}")
         else:
             lines.append(f"  {fusion:<18} not applicable")
 

@@ -41,7 +41,7 @@ from .transforms import (
     WeightRenaming,
     WeightTransform,
     has_index,
-    literal_form,
+    key_template,
 )
 
 _ANY_INDEX = "\x01"
@@ -210,11 +210,12 @@ def _slot_dtype(keys: KeySlot, metas: Mapping[str, TensorMeta]) -> DtypeSlot:
 
 
 def _source_template(pattern: str, index: int | str | None) -> str:
-    """The checkpoint key fragment a source pattern stands for, for saving."""
-    text = literal_form(_PLACEHOLDER.sub(str(index), pattern) if index is not None else pattern)
-    if text is None:
+    """The checkpoint key fragment a source pattern stands for, for saving: plain text, where ``\\1`` stands for
+    what the target's capture group matched (a converter scoped to module paths captures the path)."""
+    found = key_template(_PLACEHOLDER.sub(str(index), pattern) if index is not None else pattern)
+    if found is None or found[1] is not None or "*" in found[0]:
         raise ConversionError(f"Cannot derive a checkpoint key from source pattern {pattern!r}: it is not plain text.")
-    return text
+    return found[0]
 
 
 @dataclass(frozen=True)
@@ -394,7 +395,7 @@ def _output_key(
 def _render(converter: WeightConverter, position: int, found: KeyMatch, index: int | str | None, reverse: bool) -> str:
     """Output ``position`` of ``converter`` for the key ``found`` matched (a checkpoint key when ``reverse``)."""
     if reverse:
-        return found.replace(_source_template(converter.source_patterns[position], index))
+        return found.render(_source_template(converter.source_patterns[position], index))
     return found.render(converter.template(position), index)
 
 

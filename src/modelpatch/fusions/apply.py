@@ -10,21 +10,23 @@ import copy
 import logging
 import re
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
+from .._transformers import tied_weight_keys
 from ..conversion.registry import model_conversions
 from ..conversion.transforms import WeightConverter, WeightTransform
 from ..errors import FusionError
+from ..patching.candidates import is_patch_candidate
 from ..patching.mapping import PatchMapping
 from ..patching.patcher import Patcher
 from ..state import is_runtime_layout, record_fusion_config, stored_fusion_config
 from .registry import available_fusions, get_fusion
-from .spec import ModuleFusionSpec
+from .spec import ModuleFusionSpec, ModulesToFuse
 
 logger = logging.getLogger(__name__)
 
@@ -109,52 +111,173 @@ def _stored_fusions(config: PretrainedConfig) -> Any:
 
 
 def spec_transforms(
-    spec: ModuleFusionSpec, config: PretrainedConfig, modules: Mapping[str, nn.Module]
+    spec: ModuleFusionSpec, config: PretrainedConfig, modules: Mapping[str, nn.Module], base_model_prefix: str = ""
 ) -> list[WeightTransform]:
-    """``spec.make_transforms`` for ``modules`` (unfused instances by name)."""
-    return spec.make_transforms(config, modules)
+    """``spec.make_transforms`` for ``modules`` (unfused instances by name) of a model whose ``base_model_prefix``
+    is given (see :class:`ModulesToFuse`)."""
+    return spec.make_transforms(config, ModulesToFuse(modules, base_model_prefix))
+
+
+@dataclass(frozen=True)
+class LeftUnfused:
+    """A candidate module a fusion leaves as it is, and why."""
+
+    fusion: str
+    path: str
+    class_name: str
+    reason: str
+
+
+@dataclass
+class Discovery:
+    """What discovery found: the fused class of each class (by name), the modules fused per fusion (dotted name ->
+    meta instance), and the candidates left as they are per fusion."""
+
+    mapping: dict[str, type[nn.Module]] = field(default_factory=dict)
+    modules: dict[str, dict[str, nn.Module]] = field(default_factory=dict)
+    unfused: dict[str, list[LeftUnfused]] = field(default_factory=dict)
+
+
+def _converted_state(
+    path: str, module: nn.Module, conversions: Sequence[WeightTransform], spec: ModuleFusionSpec
+) -> str | None:
+    """Why ``module``'s tensors cannot come to the fusion's transforms as they are: one of them is the target of a
+    converter of the model (its checkpoint stores it otherwise, a fused ``Wqkv`` say), which the fusion's filters do
+    not drop. A fusion's converter reads checkpoint keys; it does not chain after another converter."""
+    filters = [re.compile(p) for p in spec.filtered_conversion_patterns]
+    for key in module.state_dict(prefix=f"{path}." if path else ""):
+        for transform in conversions:
+            if not isinstance(transform, WeightConverter) or transform.match_target(key) is None:
+                continue
+            if any(f.search(p) for f in filters for p in (*transform.source_patterns, *transform.target_patterns)):
+                continue
+            return (
+                f"its {key.rpartition('.')[0][len(path) + 1 :] or key} comes from the model's conversion of "
+                f"{list(transform.source_patterns)} (the checkpoint stores it in another layout), which a fusion's "
+                "converter cannot follow"
+            )
+    return None
+
+
+def _tied_state(path: str, tied: Mapping[str, str]) -> str | None:
+    head = f"{path}." if path else ""
+    for target, source in tied.items():
+        if target.startswith(head) or source.startswith(head):
+            return f"{target} is tied to {source}, which a fused tensor cannot share"
+    return None
 
 
 def discover(
-    model: nn.Module, specs: Mapping[str, ModuleFusionSpec]
-) -> tuple[dict[str, type[nn.Module]], dict[str, dict[str, nn.Module]]]:
-    """Map each fusable class of ``model`` (a meta-device instance) to its fused class, per spec.
+    model: nn.Module,
+    specs: Mapping[str, ModuleFusionSpec],
+    conversions: Sequence[WeightTransform] = (),
+    tied: Mapping[str, str] | None = None,
+    replaceable: Callable[[type], bool] | None = None,
+) -> Discovery:
+    """Map each fusable class of ``model`` (a meta-device instance) to its fused class, per spec, and say why each
+    candidate left as it is is left.
 
-    A class is fused only when *every* instance of it in the model is a candidate (its name matches the spec's
-    ``target_modules_patterns``, if any) and fusable, whatever their order: a fusion replaces the class wherever it is
-    built, so any other instance would get the fused class too and fail to build or load.
+    A fusion replaces a class wherever it is built. For a spec whose fused class decides per instance
+    (``per_instance``), the fusable instances of a class are fused and the others stay instances of the original
+    class; otherwise a class is fused only when *every* instance of it is a candidate and fusable. Either way, a
+    class is left whole when an instance that would be fused is outside ``target_modules_patterns``, holds a tensor
+    tied to another, or (for a spec that ``reads_runtime_names``) a tensor that ``conversions`` (the model's own)
+    produce from another checkpoint layout: those instances could not load. So is a class for which
+    ``replaceable`` (a load: whether its constructions are dispatched) is false.
     """
     instances: dict[type, list[tuple[str, nn.Module]]] = defaultdict(list)
     for module_name, module in model.named_modules():
         instances[type(module)].append((module_name, module))
-    mapping: dict[str, type[nn.Module]] = {}
+    # Every name of a module held in several places (its tensors are saved under each).
+    aliases: dict[int, list[str]] = defaultdict(list)
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        aliases[id(module)].append(module_name)
+    tied = tied or {}
+    # A fusion maps a class by its name: another class of the same name (another modeling module's) would be built as
+    # the fused class too.
+    namesakes: dict[str, set[type]] = defaultdict(set)
+    for cls in instances:
+        namesakes[cls.__name__].add(cls)
+    found = Discovery(modules={name: {} for name in specs}, unfused={name: [] for name in specs})
     owner: dict[str, str] = {}
-    modules: dict[str, dict[str, nn.Module]] = {name: {} for name in specs}
     for name, spec in specs.items():
         targets = [re.compile(p) for p in spec.target_modules_patterns]
         for cls, members in instances.items():
-            outside = [n for n, _ in members if targets and not any(p.search(n) for p in targets)]
-            unfusable = [n for n, m in members if n not in outside and not spec.is_fusable(m)]
-            if len(outside) + len(unfusable) == len(members):
-                continue
-            if outside or unfusable:
-                reason = "outside the fusion's target_modules_patterns" if outside else "not fusable"
-                logger.warning(
-                    "Fusion %r skips %s: its instance %r is %s (every instance of a fused class must be fusable).",
-                    name,
-                    cls.__name__,
-                    (outside or unfusable)[0],
-                    reason,
+            reasons: dict[str, str | None] = {}
+            for path, module in members:
+                if targets and not any(p.search(path) for p in targets):
+                    reasons[path] = "outside the fusion's target_modules_patterns"
+                else:
+                    reasons[path] = spec.unfusable_reason(module)
+            fusable = [(path, module) for path, module in members if reasons[path] is None]
+            candidates = [(path, m) for path, m in members if reasons[path] is not None and spec.is_candidate(m)]
+            blocker = None
+            if fusable and not spec.per_instance and len(fusable) < len(members):
+                path = next(p for p, _ in members if reasons[p] is not None)
+                blocker = (
+                    f"its instance {path!r} is not fusable ({reasons[path]}), and every instance of a fused class is"
                 )
+            if fusable and spec.per_instance and targets:
+                outside = [p for p, m in members if not any(t.search(p) for t in targets) and spec.is_fusable(m)]
+                if outside:
+                    blocker = f"its instance {outside[0]!r} is outside the fusion's target_modules_patterns"
+            if fusable and replaceable is not None and not replaceable(cls):
+                blocker = (
+                    f"its class is defined in {cls.__module__}, outside the modeling modules whose constructions a "
+                    "load replaces (register_patchable_namespace adds a namespace)"
+                )
+            if fusable and len(namesakes[cls.__name__]) > 1:
+                others = sorted(c.__module__ for c in namesakes[cls.__name__] if c is not cls)
+                blocker = f"a class of the same name from {others[0]} is built too, and a fusion maps classes by name"
+            for path, module in fusable:
+                if blocker is not None:
+                    break
+                blocker = _tied_state(path, tied)
+                if blocker is None and spec.reads_runtime_names:
+                    blocker = _converted_state(path, module, conversions, spec)
+            if blocker is not None:
+                candidates = [(path, m) for path, m in members if reasons[path] is None or spec.is_candidate(m)]
+                reasons = {path: reason or blocker for path, reason in reasons.items()}
+                fusable = []
+            found.unfused[name] += [LeftUnfused(name, p, cls.__name__, reasons[p] or "") for p, _ in candidates]
+            if not fusable:
                 continue
             if cls.__name__ in owner:
                 raise FusionError(
                     f"Fusions {owner[cls.__name__]!r} and {name!r} both want to replace {cls.__name__}; enable one."
                 )
             owner[cls.__name__] = name
-            mapping[cls.__name__] = spec.make_fused_class(cls)
-            modules[name].update(members)
-    return mapping, modules
+            found.mapping[cls.__name__] = spec.make_fused_class(cls)
+            for _, module in fusable:
+                for alias in aliases[id(module)]:
+                    found.modules[name][alias] = module
+    return found
+
+
+def _report_unfused(name: str, spec: ModuleFusionSpec, found: Discovery, model_name: str) -> None:
+    """Say once, at INFO, which candidates ``name`` leaves as they are and why (grouped by class and reason); under
+    ``strict``, refuse instead."""
+    left = found.unfused[name]
+    grouped: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for item in left:
+        grouped[(item.class_name, item.reason)].append(item.path or "<the model>")
+    lines = [f"{cls} at {', '.join(paths)} as it is: {reason}" for (cls, reason), paths in grouped.items()]
+    if spec.strict and left:
+        raise FusionError(
+            f"Fusion {name!r} (strict) would leave {len(left)} module(s) of {model_name} unfused:\n"
+            + "\n".join(f"  - {line}" for line in lines)
+            + f"\nLoad without strict to fuse the others and leave these as they are, or without {name!r}."
+        )
+    if not found.modules[name]:
+        logger.info(
+            "Fusion %r found nothing to fuse in %s%s",
+            name,
+            model_name,
+            (": it leaves " + "; ".join(lines)) if lines else " (no candidate module).",
+        )
+        return
+    for line in lines:
+        logger.info("Fusion %r leaves %s.", name, line)
 
 
 def _check_patch_conflicts(
@@ -254,16 +377,27 @@ def prepare_fusions(
     prepared = PreparedFusions(config=dict(normalized))
     if not enabled:
         return prepared
-    mapping, modules = discover(model, enabled)
-    fused_classes = {type(m): name for name, found in modules.items() for m in found.values()}
+    conversions = model_conversions(model)
+    # A replacement the other layers build is left to _check_patch_conflicts, which says what to drop.
+    replacements = frozenset().union(*(layer.replacements() for layer in base_layers))
+    found = discover(
+        model,
+        enabled,
+        conversions,
+        tied_weight_keys(model),
+        lambda cls: is_patch_candidate(cls) or cls in replacements,
+    )
+    modules = found.modules
+    for name, spec in enabled.items():
+        _report_unfused(name, spec, found, type(model).__name__)
+    fused_classes = {type(m): name for name, found_modules in modules.items() for m in found_modules.values()}
     _check_patch_conflicts(fused_classes, base_layers, patcher)
     fusion_transforms: list[tuple[str, WeightTransform]] = []
     for name, spec in enabled.items():
         if not modules[name]:
-            logger.warning("Fusion %r found nothing to fuse in %s.", name, type(model).__name__)
             continue
         prepared.fused[name] = sorted(modules[name])
-        transforms = spec_transforms(spec, config, modules[name])
+        transforms = spec_transforms(spec, config, modules[name], getattr(model, "base_model_prefix", ""))
         fusion_transforms.extend((name, t) for t in transforms)
         prepared.transforms.extend(transforms)
         prepared.filters += tuple(re.compile(p) for p in spec.filtered_conversion_patterns)
@@ -271,10 +405,11 @@ def prepare_fusions(
     user_transforms = [("the Patcher's extra_weight_conversions", t) for t in extras]
     # The model type's registered conversions that survive the fusions' filters (adjust_conversions puts the
     # fusion transforms first) and the Patcher's.
-    registered = prepared.adjust_conversions(model_conversions(model))[len(prepared.transforms) :]
+    registered = prepared.adjust_conversions(conversions)[len(prepared.transforms) :]
     user_transforms += [
         ("the registered conversion mapping", t) for t in registered if patcher is None or not patcher.filters_out(t)
     ]
     _check_shadowed_conversions(fusion_transforms, user_transforms, list(model.state_dict()))
-    prepared.mapping = PatchMapping.from_items(mapping.items())
+    # Anchored keys: a patch key is also a pattern, and ``PixtralAttention`` would match ``PixtralAttentionLayer``.
+    prepared.mapping = PatchMapping.from_items((f"^{re.escape(k)}$", v) for k, v in found.mapping.items())
     return prepared

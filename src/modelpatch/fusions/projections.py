@@ -18,7 +18,10 @@ to the layer it was made from.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import re
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
 from typing import ClassVar, cast
@@ -32,7 +35,7 @@ from ..conversion.operations import Concatenate
 from ..conversion.transforms import WeightConverter, WeightTransform
 from .generated import make_class
 from .hooks import global_hooks, hooked
-from .spec import ModuleFusionSpec
+from .spec import ModuleFusionSpec, ModulesToFuse
 
 # Attribute of the owner module holding the fused output not yet taken by every slice, per fused layer name.
 _PENDING_ATTRIBUTE = "_modelpatch_pending_parts"
@@ -164,43 +167,114 @@ def fuse_linears(module: nn.Module, names: Sequence[str], fused_name: str) -> Fu
     return fused
 
 
-def _compatible_linears(module: nn.Module, names: Sequence[str]) -> bool:
-    linears = [lin for name in names if type(lin := getattr(module, name, None)) is nn.Linear]
-    if len(linears) != len(names):
-        return False
-    first = linears[0]
-    return all(
-        lin.in_features == first.in_features
-        and (lin.bias is None) == (first.bias is None)
-        and lin.weight.dtype == first.weight.dtype
-        for lin in linears
+# Attributes a module's forward may read from a projection (what a slice provides besides being called).
+_SLICE_ATTRIBUTES = ("weight", "bias", "in_features", "out_features")
+
+# Modules that transformers rebuilds at run time, outside any load: a fused module there would be replaced by a
+# stock one (with other state keys) at the first forward that rebuilds it. ``module.qualname`` -> why.
+REBUILT_AT_RUN_TIME = {
+    f"transformers.models.{model}.modeling_{model}.{prefix}{kind}": (
+        f"{prefix}Attention.set_attention_type rebuilds its self-attention at run time (at the first forward on a "
+        "sequence too short for block-sparse attention), which would drop the fused projection"
     )
+    for model, prefix in (("big_bird", "BigBird"), ("bigbird_pegasus", "BigBirdPegasus"))
+    for kind in ("SelfAttention", "BlockSparseAttention")
+}
 
 
-def _local_pattern(module_name: str, child: str) -> str:
-    """``<module's own name>.<child>`` wherever it stands in a key, followed by ``.weight`` or ``.bias``."""
-    anchor = module_name.rpartition(".")[2]
-    path = f"{re.escape(anchor)}\\.{re.escape(child)}" if anchor else re.escape(child)
-    return rf"(?<![^.]){path}(?=\.(?:weight|bias)$)"
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+@functools.cache  # one read of a class's source per process, not one per instance
+def _forward_misuse(cls: type, names: tuple[str, ...]) -> str | None:
+    """How ``cls.forward`` uses one of ``names`` otherwise than a slice stands in for it (calling it, reading its
+    weight, bias or sizes), or None. A forward whose source cannot be read is not known."""
+    try:
+        source = inspect.getsource(cast(type[nn.Module], cls).forward)
+    except (OSError, TypeError):
+        return f"the source of {cls.__qualname__}.forward is not available to check how it uses {'/'.join(names)}"
+    for name in names:
+        pattern = rf"self\.{name}\b(?!\s*\()(?!\.(?:{'|'.join(_SLICE_ATTRIBUTES)})\b)"
+        if (found := re.search(pattern, source)) is not None or re.search(rf"self\.{name}\.\w+\s*=[^=]", source):
+            use = found.group(0) if found else f"self.{name}.<attribute> = ..."
+            return f"{cls.__qualname__}.forward uses {use!r} otherwise than calling it"
+    return None
+
+
+def _projection_mismatch(module: nn.Module, names: Sequence[str], fused_name: str) -> str | None:
+    """Why ``module``'s children ``names`` cannot become one fused Linear ``fused_name``, or None when they can."""
+    linears = [getattr(module, name) for name in names]
+    for name, linear in zip(names, linears, strict=True):
+        if type(linear) is not nn.Linear:
+            return f"its {name} is a {type(linear).__qualname__}, not an nn.Linear"
+        state = [n for n, _ in (*linear.named_parameters(), *linear.named_buffers()) if n not in ("weight", "bias")]
+        if state or linear._modules:
+            return f"its {name} holds {', '.join(state or list(linear._modules))} besides its weight and bias"
+        if hooked(linear):
+            return f"its {name} has hooks"
+    first = linears[0]
+    for name, linear in zip(names[1:], linears[1:], strict=True):
+        if linear.in_features != first.in_features:
+            return f"{names[0]} reads {first.in_features} features and {name} {linear.in_features}"
+        if (linear.bias is None) != (first.bias is None):
+            which = name if linear.bias is None else names[0]
+            return f"{which} has no bias while the others have one: one fused Linear cannot hold that"
+        if linear.weight.dtype != first.weight.dtype:
+            return f"{names[0]} is {first.weight.dtype} and {name} {linear.weight.dtype}"
+    if fused_name in module._modules or fused_name in module._parameters or fused_name in module.__dict__:
+        return f"it already has an attribute {fused_name!r}"
+    if (rebuilt := REBUILT_AT_RUN_TIME.get(_class_path(type(module)))) is not None:
+        return rebuilt
+    # A class object hashes by identity (mypy reads nn.Module's instance __hash__ annotation instead).
+    return _forward_misuse(cast(type, type(module)), tuple(names))
+
+
+def _key_space_pattern(paths: Sequence[str]) -> str:
+    """A capture group matching exactly ``paths`` (module paths) at the start of a key: the one group a converter's
+    target may capture (it holds no nested group)."""
+    return "^(" + "|".join(re.escape(path) for path in sorted(paths, key=lambda p: (-len(p), p))) + ")"
 
 
 class FusedProjectionsSpec(ModuleFusionSpec):
     """Fuse groups of sibling Linear layers that share their input.
 
+    The fused class decides per instance (``per_instance``): an instance whose projections cannot be fused (another
+    input size, a bias on some only, extra state, a forward that uses them otherwise than calling them) stays an
+    instance of the original class.
+
     Attributes:
-        groups: ``(child names, fused name)`` alternatives; a module is fusable when it has one group's children,
-            all plain ``nn.Linear`` with the same input size, bias presence and dtype.
+        groups: ``(child names, fused name)`` alternatives, in order of preference; a module is a candidate when it
+            has one group's children, and fusable when they are plain ``nn.Linear`` with the same input size, bias
+            presence and dtype, holding nothing else, and its forward only calls them (or reads their weight, bias
+            and sizes).
         prefix: Prefix of generated class names (``"QKVFused"``).
     """
 
     groups: Sequence[tuple[tuple[str, ...], str]] = ()
     prefix = "Fused"
+    per_instance = True
+    reads_runtime_names = True
+
+    def _candidate_groups(self, module: nn.Module) -> list[tuple[tuple[str, ...], str]]:
+        return [g for g in self.groups if all(name in module._modules for name in g[0])]
 
     def _group_of(self, module: nn.Module) -> tuple[tuple[str, ...], str] | None:
-        return next((g for g in self.groups if _compatible_linears(module, g[0])), None)
+        return next((g for g in self._candidate_groups(module) if _projection_mismatch(module, *g) is None), None)
+
+    def is_candidate(self, module: nn.Module) -> bool:
+        return bool(self._candidate_groups(module))
 
     def is_fusable(self, module: nn.Module) -> bool:
         return self._group_of(module) is not None
+
+    def unfusable_reason(self, module: nn.Module) -> str | None:
+        candidates = self._candidate_groups(module)
+        if not candidates:
+            names = " or ".join("/".join(names) for names, _ in self.groups)
+            return f"it has no {names} children"
+        reasons = [_projection_mismatch(module, *group) for group in candidates]
+        return None if None in reasons else "; ".join(r for r in reasons if r)
 
     def make_fused_class(self, original_cls: type[nn.Module]) -> type[nn.Module]:
         spec = self
@@ -209,23 +283,36 @@ class FusedProjectionsSpec(ModuleFusionSpec):
             original_cls.__init__(self, *args, **kwargs)
             group = spec._group_of(self)
             if group is None:
-                raise TypeError(f"{type(self).__name__}: this instance has no fusable {spec.groups} projections.")
+                # Decided per instance, by the very test discovery ran on the unfused build: this instance stays what
+                # it is, an instance of the original class.
+                self.__class__ = original_cls
+                return
             fuse_linears(self, *group)
 
         return make_class(self.prefix, original_cls, {"__init__": __init__}, spec=self)
 
     def make_transforms(self, config: PretrainedConfig, modules: Mapping[str, nn.Module]) -> list[WeightTransform]:
-        """One converter per (module name, child names, part sizes): ``self_attn.q_proj -> self_attn.qkv_proj``."""
-        shapes: dict[tuple[str, tuple[str, ...], str, tuple[int, ...]], None] = {}
+        """One converter per layout (child names, fused name, part sizes), scoped to the exact paths of the modules
+        of that layout: ``<path>.q_proj`` / ``k_proj`` / ``v_proj`` -> ``<path>.qkv_proj``. Two towers (or layers) of
+        one model with other sizes get a converter each, so neither's tensors are cut to the other's sizes."""
+        layouts: dict[tuple[tuple[str, ...], str, tuple[int, ...]], list[str]] = defaultdict(list)
+        spellings = modules if isinstance(modules, ModulesToFuse) else ModulesToFuse(modules)
+        taken = set(modules)
         for module_name, module in modules.items():
             names, fused_name = self._group_of(module)  # type: ignore[misc]
             sizes = tuple(getattr(module, n).out_features for n in names)
-            shapes[(module_name.rpartition(".")[2], names, fused_name, sizes)] = None
-        return [
-            WeightConverter(
-                [_local_pattern(anchor, name) for name in names],
-                f"{anchor}.{fused_name}" if anchor else fused_name,
-                [Concatenate(dim=0, sizes=sizes)],
+            # Another spelling of the name in a checkpoint, unless it is some other module's own name.
+            layouts[(names, fused_name, sizes)] += [
+                n for n in spellings.key_space_names(module_name) if n == module_name or n not in taken
+            ]
+        transforms: list[WeightTransform] = []
+        for (names, fused_name, sizes), paths in sorted(layouts.items(), key=lambda item: sorted(item[1])[0]):
+            scope = _key_space_pattern(paths)
+            transforms.append(
+                WeightConverter(
+                    [rf"^\1\.{re.escape(name)}(?=\.(?:weight|bias)$)" for name in names],
+                    rf"{scope}\.{fused_name}",
+                    [Concatenate(dim=0, sizes=sizes)],
+                )
             )
-            for anchor, names, fused_name, sizes in shapes
-        ]
+        return transforms

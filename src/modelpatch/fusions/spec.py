@@ -9,6 +9,7 @@ import inspect
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 from torch import nn
@@ -17,12 +18,43 @@ from transformers import PretrainedConfig
 from ..conversion.transforms import WeightTransform
 
 
+class ModulesToFuse(dict[str, nn.Module]):
+    """What :meth:`ModuleFusionSpec.make_transforms` gets: the dotted runtime name of each module to fuse -> its
+    meta-device instance, and the root model's ``base_model_prefix`` (a checkpoint may name every module with that
+    prefix removed or added, as stock loads allow)."""
+
+    def __init__(self, modules: Mapping[str, nn.Module] = MappingProxyType({}), base_model_prefix: str = ""):
+        super().__init__(modules)
+        self.base_model_prefix = base_model_prefix
+
+    def key_space_names(self, name: str) -> list[str]:
+        """``name`` and its other spelling in a checkpoint: without the base model's prefix, or with it."""
+        prefix = self.base_model_prefix
+        if not prefix:
+            return [name]
+        return [
+            name,
+            name[len(prefix) + 1 :] if name.startswith(f"{prefix}.") else f"{prefix}.{name}" if name else prefix,
+        ]
+
+
 @dataclasses.dataclass(frozen=True)
 class FusionOptions:
     """Base of a family's options: a frozen dataclass whose fields are the option names.
 
     Subclasses validate their values in ``__post_init__`` (raising ``TypeError`` or ``ValueError``).
+
+    Attributes:
+        strict: Every family's option: a candidate the family leaves as it is (and a load that the fusion cannot
+            apply to) is a :class:`~modelpatch.errors.FusionError` naming the modules and reasons, instead of an INFO
+            line and a load without it.
     """
+
+    strict: bool = dataclasses.field(default=False, kw_only=True)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.strict, bool):
+            raise TypeError(f"strict must be True or False, got {self.strict!r}.")
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any]) -> FusionOptions:
@@ -42,6 +74,7 @@ _configured_lock = threading.Lock()
 # Each hook's parameters after ``self``: the one signature the fusion code calls it with.
 _HOOKS = {
     "is_fusable": ("module",),
+    "is_candidate": ("module",),
     "unfusable_reason": ("module",),
     "make_fused_class": ("original_cls",),
     "make_transforms": ("config", "modules"),
@@ -54,20 +87,31 @@ class ModuleFusionSpec(ABC):
 
     Discovery builds the model on the meta device, keeps the modules whose dotted name matches one of
     ``target_modules_patterns`` (all modules when it is empty) and for which :meth:`is_fusable` is true, and maps each
-    such class to ``make_fused_class(cls)``. Every instance of a class must be fusable for the class to be fused.
+    such class to ``make_fused_class(cls)``. Every instance of a class must be fusable for the class to be fused,
+    unless the family's fused class decides per instance (``per_instance``). Candidates (:meth:`is_candidate`) left
+    as they are are reported once each, at INFO, with :meth:`unfusable_reason`.
 
     Attributes:
         target_modules_patterns: Optional regexes (``re.search``) pre-filtering candidate module names.
         filtered_conversion_patterns: Regexes dropping the model type's own conversions that the fused layout
             replaces (matched against their source and target patterns, like ``Patcher``'s filter).
-        options_class: The family's :class:`FusionOptions` subclass, or None when it takes no options.
+        options_class: The family's :class:`FusionOptions` subclass (:class:`FusionOptions` itself: ``strict``
+            alone; None: no options at all).
         options: This instance's options (None: the defaults, or a family without options); see :meth:`configure`.
+        per_instance: Whether the fused class decides per instance: its ``__init__`` leaves an instance for which
+            :meth:`unfusable_reason` is not None as the original class (then discovery fuses the fusable instances of a
+            class and leaves the others as they are, instead of leaving the whole class).
+        reads_runtime_names: Whether the family's converters read the modules' tensors under their runtime names
+            alone: then a module holding a tensor that the model's own converter makes from another checkpoint
+            layout (a ``Wqkv`` split into q/k/v) is left as it is, since a converter does not chain after another.
     """
 
     target_modules_patterns: Sequence[str] = ()
     filtered_conversion_patterns: Sequence[str] = ()
-    options_class: ClassVar[type[FusionOptions] | None] = None
+    options_class: ClassVar[type[FusionOptions] | None] = FusionOptions
     options: FusionOptions | None = None
+    per_instance: ClassVar[bool] = False
+    reads_runtime_names: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -98,6 +142,16 @@ class ModuleFusionSpec(ABC):
     @abstractmethod
     def is_fusable(self, module: nn.Module) -> bool:
         """Whether ``module`` (a meta-device instance) can be fused."""
+
+    def is_candidate(self, module: nn.Module) -> bool:
+        """Whether ``module`` is one of the modules this family is about (an attention with q/k/v projections, say),
+        fusable or not: discovery reports each candidate it leaves as it is. Default: the fusable ones only."""
+        return self.is_fusable(module)
+
+    @property
+    def strict(self) -> bool:
+        """The ``strict`` option (see :class:`FusionOptions`)."""
+        return isinstance(self.options, FusionOptions) and self.options.strict
 
     def unfusable_reason(self, module: nn.Module) -> str | None:
         """Why ``module`` (a meta-device instance) cannot be fused, or None when it can.

@@ -17,6 +17,7 @@ Data flow of a load:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import logging
 import os
@@ -34,7 +35,7 @@ from ..checkpoint.json_file import MAX_CONFIG_BYTES, read_json
 from ..conversion.planner import TensorMeta
 from ..conversion.registry import model_conversions
 from ..conversion.transforms import WeightTransform
-from ..errors import CheckpointError, ModelPatchError
+from ..errors import CheckpointError, FusionError, LoadPlanError, ModelPatchError
 from ..fusions.apply import PreparedFusions, has_enabled_fusions, prepare_fusions, resolve_fusion_config
 from ..fusions.generated import finish_fused_modules
 from ..patching import registry
@@ -152,6 +153,10 @@ def _conversions(model: PreTrainedModel, patcher: Patcher | None, fusions: Prepa
     return patcher.adjust_conversions(transforms) if patcher is not None else transforms
 
 
+class _FusionsStepAside(Exception):
+    """The load's fusions do not apply to this model and checkpoint as discovery found them (why: the message)."""
+
+
 def _plan(
     model_class: type,
     name_or_path: str | os.PathLike[str],
@@ -159,7 +164,57 @@ def _plan(
     checkpoint: Checkpoint,
     options: LoadOptions,
 ) -> LoadPlan:
-    """Build the model of a load on the meta device and plan where each of its tensors comes from."""
+    """Build the model of a load on the meta device and plan where each of its tensors comes from.
+
+    A fusion steps aside rather than refuse a load that loads without it: when the fused model cannot be built as
+    discovery found it, or the checkpoint does not plan into it, the load is planned again without fusions (said at
+    INFO), unless a fusion asked to be ``strict``.
+    """
+    try:
+        return _plan_once(options, checkpoint, config, model_class, name_or_path)
+    except _FusionsStepAside as aside:
+        requested = resolve_fusion_config(config, options.fusion_config)
+        if any(isinstance(value, Mapping) and value.get("strict") for value in requested.values()):
+            raise FusionError(f"Fusions {sorted(n for n, v in requested.items() if v)} (strict): {aside}") from None
+        unfused = dataclasses.replace(options, fusion_config=dict.fromkeys(requested, False))
+        try:
+            plan = _plan_once(unfused, checkpoint, config, model_class, name_or_path)
+        except LoadPlanError:
+            # The checkpoint does not load without the fusions either: the error is the fused load's, as asked for.
+            if isinstance(aside.__cause__, LoadPlanError):
+                raise aside.__cause__ from None
+            raise
+        logger.info("Loading %s without fusions: %s", getattr(model_class, "__name__", model_class), aside)
+        return plan
+
+
+def _differing_decisions(model: PreTrainedModel, unfused: PreTrainedModel, fusions: PreparedFusions) -> list[str]:
+    """The modules of a fused class's original that the fused build fused where discovery did not, or the other way
+    round. Fused classes that decide per instance decide as discovery did on the unfused build; a model whose modules
+    change after they are built could make them differ."""
+    planned = {path for paths in fusions.fused.values() for path in paths}
+    differing = []
+    for path, module in unfused.named_modules():
+        if fusions.mapping.match(type(module).__name__) is None:
+            continue
+        try:
+            built = model.get_submodule(path)
+        except AttributeError:
+            differing.append(path)
+            continue
+        if (type(built) is not type(module)) != (path in planned):
+            differing.append(path)
+    return differing
+
+
+def _plan_once(
+    options: LoadOptions,
+    checkpoint: Checkpoint,
+    config: PretrainedConfig,
+    model_class: type,
+    name_or_path: str | os.PathLike[str],
+) -> LoadPlan:
+    """One try of :func:`_plan` with ``options``."""
     directory = checkpoint.directory
     config = copy.deepcopy(config)
     # An unsupported quantization method is refused by name here, before anything is built or read.
@@ -176,6 +231,7 @@ def _plan(
     _set_config_dtype(config, resolved_dtype)
     if not options.new_parameters:
         check_layer_count(concrete, config, metas, directory / "config.json", resolved_dtype)
+    fusions = PreparedFusions()
     try:
         setup = _load_setup(concrete, config, options, resolved_dtype)
         fusions, layers = setup.fusions, setup.layers.ordered()
@@ -198,6 +254,9 @@ def _plan(
             with config_build_errors(directory / "config.json", concrete):
                 build_empty_model(concrete, stock_config, resolved_dtype, [])
         raise
+    if setup.unfused is not None and fusions.fused and not is_runtime_layout(config):
+        if differing := _differing_decisions(model, setup.unfused[0], fusions):
+            raise _FusionsStepAside(f"the fused build fuses other modules than discovery found ({differing[:3]})")
     replaced = _check_patches(concrete, scope, options.patcher, setup.layers.registry)
     keep_in_fp32(model, resolved_dtype)
     transforms = _conversions(model, options.patcher, fusions)
@@ -207,22 +266,27 @@ def _plan(
     if quantization is not None:
         parameters = quantization.plan_checkpoint(model, metas, resolved_dtype)
         quantization.check_conversions([] if runtime_layout else transforms)
-    return plan_model_load(
-        model,
-        directory,
-        metas,
-        transforms,
-        options,
-        fusions=fusions,
-        runtime_layout=runtime_layout,
-        replaced=replaced,
-        quantization=quantization,
-        parameters=parameters,
-        # Explaining missing keys by the classes the patches replaced needs a stock build: only on error.
-        replacements=(lambda: _replacements(model, concrete, config, resolved_dtype, layers, fusions))
-        if any(layers)
-        else None,
-    )
+    try:
+        return plan_model_load(
+            model,
+            directory,
+            metas,
+            transforms,
+            options,
+            fusions=fusions,
+            runtime_layout=runtime_layout,
+            replaced=replaced,
+            quantization=quantization,
+            parameters=parameters,
+            # Explaining missing keys by the classes the patches replaced needs a stock build: only on error.
+            replacements=(lambda: _replacements(model, concrete, config, resolved_dtype, layers, fusions))
+            if any(layers)
+            else None,
+        )
+    except LoadPlanError as exc:
+        if not fusions.fused or runtime_layout:
+            raise
+        raise _FusionsStepAside(f"the checkpoint does not load into the fused model ({exc})") from exc
 
 
 def _replacements(
