@@ -39,7 +39,7 @@ from ..state import (
 from .build import build_empty_model
 from .materialize import return_freed_memory
 from .plan import model_expectations
-from .save import install_original_format_save
+from .state_dict import install_state_dict_boundary
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ def _record(model: PreTrainedModel, fusion_config: Mapping[str, Any], transforms
     record = ensure_model_record(model)
     record.transforms = tuple(transforms)
     record.expected_state = model_expectations(model)
-    install_original_format_save(model)
+    install_state_dict_boundary(model)
 
 
 def _fused_modules(model: nn.Module) -> dict[str, tuple[type, Any]]:

@@ -14,7 +14,8 @@ Data flow of a save:
    generation_config.json are written
    with the tensors into a temporary sibling directory that replaces the target only when complete.
 
-The models modelpatch builds also get an instance-level ``save_pretrained`` (see :func:`install_original_format_save`)
+The models modelpatch builds also get an instance-level ``save_pretrained`` (installed by
+:func:`~modelpatch.loading.state_dict.install_state_dict_boundary`, with ``load_state_dict``)
 so that stock code paths — ``model.save_pretrained``, ``Trainer.save_model`` — write the original layout too.
 """
 
@@ -28,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 from transformers import PreTrainedModel
 
 from .._transformers import has_transformers_adapter, tied_weight_keys
@@ -175,19 +175,23 @@ def checkpoint_layout(
     return layout
 
 
-def _checkpoint_layout(model: PreTrainedModel, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The checkpoint-layout tensors of ``state`` (see :func:`checkpoint_layout`)."""
+def model_layout(model: PreTrainedModel, state: Mapping[str, torch.Tensor]) -> ConversionPlan:
+    """The checkpoint layout of ``model``'s runtime tensors ``state`` (see :func:`checkpoint_layout`), planned with the
+    transforms the model's record holds (its load report's for a loaded model never restructured)."""
     report = get_load_report(model)
     record = model_record(model)
     transforms: Sequence[WeightTransform] | None = None if record is None else record.transforms
     if transforms is None:
         transforms = report.transforms if report is not None else model_conversions(model)
     metas = {k: TensorMeta(tuple(v.shape), v.dtype) for k, v in state.items()}
-    layout = checkpoint_layout(report, transforms, metas)
-    out = {checkpoint_key: state[runtime_key] for checkpoint_key, runtime_key in layout.direct.items()}
-    for group in layout.groups:
-        out.update(group.run(state.__getitem__))
-    return out
+    return checkpoint_layout(report, transforms, metas)
+
+
+def saved_state(model: PreTrainedModel, state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` (the model's runtime tensors) checked and reduced to what a save writes: substituted modules refused,
+    tied parameters the checkpoint does not store dropped. Call after ``gather_state`` / ``gather_offloaded``."""
+    _check_saveable(model, state)
+    return _state_to_save(model, state, get_load_report(model))
 
 
 def _independent(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -256,7 +260,7 @@ def _checkpoint_contents(
         tensors, metadata = quantized
         return _independent(_state_to_save(model, tensors, report)), metadata
     state = _state_to_save(model, state, report)
-    return _independent(_checkpoint_layout(model, state) if original_format else state), None
+    return _independent(model_layout(model, state).run(state.__getitem__) if original_format else state), None
 
 
 def save_pretrained(
@@ -357,7 +361,3 @@ class OriginalFormatSave:
             if tie is not None:
                 model.config.tie_word_embeddings = tie
 
-
-def install_original_format_save(model: nn.Module) -> None:
-    """Make ``model.save_pretrained`` write the original layout (see :class:`OriginalFormatSave`)."""
-    object.__setattr__(model, "save_pretrained", OriginalFormatSave(model))  # type: ignore[arg-type]
