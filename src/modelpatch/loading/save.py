@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from transformers import PreTrainedModel
 
 from .._transformers import has_transformers_adapter, tied_weight_keys
@@ -54,42 +55,58 @@ def _kind(dtype: torch.dtype) -> str:
     return "floating" if dtype.is_floating_point else "complex" if dtype.is_complex else "integer"
 
 
-def _check_saveable(model: PreTrainedModel, state: Mapping[str, Any], quantized: bool = False) -> None:
-    """Refuse, naming every module at fault, a state that a save would write wrongly.
+def _plain(module: nn.Module | None) -> bool:
+    """A module of torch's own classes (``nn.Linear``, ``nn.Embedding``): what transformers' own API makes when it
+    resizes, adds or unties a layer. A quantizer's or an adapter's module is of another class."""
+    return module is not None and type(module).__module__.startswith("torch.nn.modules")
 
-    The state is compared with the one recorded when modelpatch built the model: a module whose parameters changed
-    names, shapes or kind of dtype, or that gained tensors, was substituted by something whose layout the recorded
-    conversions cannot reverse (a quantizer's module, say). Tensor subclasses (torchao's quantized weights) have no
-    plain storage to write, unless ``quantized``: the model's load quantizer serialises them. Either would give a
-    checkpoint that loads wrong, so nothing is written.
+
+def _check_saveable(model: PreTrainedModel, state: Mapping[str, Any], quantized: bool = False) -> None:
+    """Refuse, naming every module at fault and the remedy, a state that a save would write wrongly.
+
+    The state is compared with the one recorded when modelpatch built the model. Changes made through transformers'
+    own API are saved as they are: a plain torch module (``nn.Embedding``, ``nn.Linear``) with plain tensors of the
+    same kind of dtype may have been resized (``resize_token_embeddings``), replaced by a new head, or gained or lost
+    a bias; what the load did not convert is written under its own name. A module substituted by a tool (a
+    quantizer's module class, a tensor subclass such as torchao's, integer weights) has a layout the recorded
+    conversions cannot reverse: nothing is written. Tensor subclasses are accepted when ``quantized`` (the model's
+    load quantizer serialises them).
     """
     problems: dict[str, list[str]] = defaultdict(list)
+    remedies: set[str] = set()
+    modules = dict(model.named_modules())
     for key, tensor in state.items():
         if not isinstance(tensor, torch.Tensor):
             problems[_module_of(key)].append(f"{key.rpartition('.')[2]} is a {type(tensor).__name__}, not a tensor")
+            remedies.add(_REMEDY_SUBSTITUTED)
         elif type(tensor.detach()) is not torch.Tensor and not quantized:
             problems[_module_of(key)].append(
                 f"{key.rpartition('.')[2]} is a {type(tensor.detach()).__name__} (a tensor subclass, e.g. quantized)"
             )
+            remedies.add(_REMEDY_SUBCLASS)
     record = model_record(model)
     expected: Mapping[str, TensorMeta] | None = None if record is None else record.expected_state
     if expected is not None:
         for key, meta in expected.items():
-            name = key.rpartition(".")[2]
+            name, module = key.rpartition(".")[2], modules.get(_module_of(key))
             tensor = state.get(key)
             if tensor is None:
-                problems[_module_of(key)].append(f"{name} is gone")
-            elif isinstance(tensor, torch.Tensor) and tuple(tensor.shape) != tuple(meta.shape):
-                problems[_module_of(key)].append(f"{name} is {list(tensor.shape)}, built as {list(meta.shape)}")
+                if not _plain(module):
+                    problems[_module_of(key)].append(f"{name} is gone")
+                    remedies.add(_REMEDY_SUBSTITUTED)
             elif isinstance(tensor, torch.Tensor) and _kind(tensor.dtype) != _kind(meta.dtype):
                 problems[_module_of(key)].append(f"{name} is {tensor.dtype}, built as {meta.dtype}")
+                remedies.add(_REMEDY_SUBCLASS if _plain(module) else _REMEDY_SUBSTITUTED)
+            elif isinstance(tensor, torch.Tensor) and tuple(tensor.shape) != tuple(meta.shape) and not _plain(module):
+                problems[_module_of(key)].append(f"{name} is {list(tensor.shape)}, built as {list(meta.shape)}")
+                remedies.add(_REMEDY_SUBSTITUTED)
         built_modules = {_module_of(key) for key in expected}
         for key in state.keys() - expected.keys():
-            if _module_of(key) in built_modules:
+            if _module_of(key) in built_modules and not _plain(modules.get(_module_of(key))):
                 problems[_module_of(key)].append(f"{key.rpartition('.')[2]} is new")
+                remedies.add(_REMEDY_SUBSTITUTED)
     if not problems:
         return
-    modules = dict(model.named_modules())
     lines = [
         f"Cannot save {type(model).__name__}: {len(problems)} module(s) changed since modelpatch built it, and their "
         "state cannot be written in a layout that loads back the same model. Nothing was written."
@@ -100,11 +117,18 @@ def _check_saveable(model: PreTrainedModel, state: Mapping[str, Any], quantized:
             f"  - {name or '<root>'} ({type(module).__name__ if module is not None else 'removed'}): "
             + "; ".join(problems[name])
         )
-    lines.append(
-        "Save such a model with the tool that changed it (a quantizer's own format, or torch.save of the state dict), "
-        "or restore plain modules (dequantize, merge_and_unload) before saving."
-    )
+    lines.extend(sorted(remedies))
     raise SaveError("\n".join(lines))
+
+
+_REMEDY_SUBCLASS = (
+    "Quantized tensors: save with save_original_format=False (the quantizer serialises them, for a model loaded with "
+    "its quantization_config), or dequantize them before saving."
+)
+_REMEDY_SUBSTITUTED = (
+    "A module a tool substituted (a quantizer's or wrapper's class): save with that tool's own format (or torch.save "
+    "of the state dict), or put plain modules back (dequantize, merge_and_unload) before saving."
+)
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -157,8 +181,9 @@ def checkpoint_layout(
                 layout.direct[checkpoint_key] = runtime_key
         for group in report.groups:
             present = [k for k in group.target_keys() if k in remaining]
-            if not present:
-                continue  # restructured since the load: planned below with the model's current transforms
+            metas = group.target_metas()
+            if not present or any(tuple(remaining[k].shape) != tuple(metas[k].shape) for k in present):
+                continue  # restructured or resized since the load: planned below with the model's current transforms
             if len(present) != len(group.target_keys()):
                 raise ConversionError(
                     f"Cannot save {group.target_keys()} back to {group.sources_summary()}: the model no longer has "
