@@ -43,8 +43,9 @@ def main() -> None:
                 param.data = param.data.clone()  # in process memory, not views of the mapped file
         total = sum(t.nbytes for t in model.state_dict().values())
         group = max(layer.mlp.gate_up_proj.weight.nbytes for layer in model.model.layers)
-        # The consumer: an engine copying each tensor into weights it already holds (allocated before measuring).
-        engine = {name: torch.empty_like(tensor) for name, tensor in modelpatch.iter_original_state_dict(model)}
+        # The consumer: an engine copying each tensor into weights it already holds (allocated and touched before
+        # measuring: zeros, not empty, whose pages would be committed by the first copy).
+        engine = {name: torch.zeros_like(tensor) for name, tensor in modelpatch.iter_original_state_dict(model)}
         with PeakRss() as rss:
             for name, tensor in modelpatch.iter_original_state_dict(model):
                 engine[name].copy_(tensor)

@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, BertForSequenceClassi
 import modelpatch
 from modelpatch import CheckpointError
 from modelpatch.checkpoint import writer
-from modelpatch.state import RECORD_KEY
+from modelpatch.state import RECORD_KEY, RUNTIME_LAYOUT_MARK
 from support.checkpoints import STOCK_CHECKPOINTS
 from support.compare import assert_bitwise_equal, bits
 from support.files import config_json, read_tensors
@@ -162,7 +162,37 @@ def test_runtime_layout_save_and_reload(stock_checkpoint, tmp_path, name):
     assert RECORD_KEY not in config_json(original_dir)
     runtime_config = config_json(runtime_dir)
     del runtime_config[RECORD_KEY]
+    runtime_config["model_type"] = runtime_config["model_type"].removesuffix(RUNTIME_LAYOUT_MARK)
     assert config_json(original_dir) == runtime_config
+
+
+@pytest.mark.parametrize("stock_method", [False, True])
+def test_stock_transformers_refuses_a_runtime_layout_by_name(tiny, tmp_path, stock_method):
+    """Stock would load the fused tensors into a stock model and leave q/k/v/gate/up random: it must refuse."""
+    ckpt = tiny("llama")
+    model = ckpt.load({"qkv": True, "gate_up": True})
+    runtime_dir = tmp_path / "runtime"
+    if stock_method:
+        model.save_pretrained(runtime_dir, save_original_format=False)
+    else:
+        modelpatch.save_pretrained(model, runtime_dir, save_original_format=False)
+    assert "model.layers.0.self_attn.qkv_proj.weight" in read_tensors(runtime_dir)
+    with pytest.raises(ValueError, match=r"modelpatch runtime-layout checkpoint.*modelpatch.from_pretrained"):
+        AutoModelForCausalLM.from_pretrained(runtime_dir)
+    reloaded = modelpatch.from_pretrained(AutoModelForCausalLM, runtime_dir)
+    assert modelpatch.get_load_report(reloaded).runtime_layout
+    assert_bitwise_equal(reloaded.state_dict(), model.state_dict())
+
+
+def test_convert_with_fusion_none_turns_a_runtime_layout_back(tiny, tmp_path):
+    from modelpatch.cli.main import main
+
+    ckpt = tiny("llama")
+    model = ckpt.load({"qkv": True, "gate_up": True})
+    modelpatch.save_pretrained(model, tmp_path / "runtime", save_original_format=False)
+    assert main(["convert", str(tmp_path / "runtime"), str(tmp_path / "back"), "--fusion", "none"]) == 0
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+    assert_bitwise_equal(stock.state_dict(), ckpt.stock().state_dict())
 
 
 def test_runtime_layout_of_moe_holds_fused_experts(stock_checkpoint, tmp_path):

@@ -22,6 +22,7 @@ so that stock code paths â€” ``model.save_pretrained``, ``Trainer.save_model`` â
 from __future__ import annotations
 
 import copy
+import json
 import logging
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -38,7 +39,7 @@ from ..conversion.planner import ConversionPlan, TensorMeta, plan_save
 from ..conversion.registry import model_conversions
 from ..conversion.transforms import WeightTransform
 from ..errors import ConversionError, SaveError
-from ..state import model_record, record_file_layout
+from ..state import mark_runtime_layout, model_record, record_file_layout
 from .offload import gather_offloaded
 from .parallel import barrier, gather_state, local_tensor, writes_files
 from .quantization import quantized_checkpoint
@@ -350,7 +351,12 @@ def config_files(model: PreTrainedModel, *, original_format: bool) -> dict[str, 
     if _untied_pairs(model, model.state_dict()) and getattr(config, "tie_word_embeddings", False):
         # The head was untied since the model was built: the reload must not tie it back over the saved tensor.
         config.tie_word_embeddings = False
-    files = {"config.json": config.to_json_string(use_diff=True).encode()}
+    config_json = config.to_json_string(use_diff=True)
+    if not original_format:
+        # Stock transformers would load these tensors into a stock model, leaving the fused ones random: the marked
+        # model type makes it refuse by name (modelpatch unmarks it when it loads).
+        config_json = json.dumps(mark_runtime_layout(json.loads(config_json)), indent=2, sort_keys=True) + "\n"
+    files = {"config.json": config_json.encode()}
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None and model.can_generate():
         files["generation_config.json"] = (generation_config.to_json_string()).encode()
@@ -373,8 +379,14 @@ class OriginalFormatSave:
     def __call__(self, save_directory: str | Path, *args: Any, **kwargs: Any) -> Any:
         model = self.model
         stock_save = type(model).save_pretrained
-        if not kwargs.get("save_original_format", True) or has_transformers_adapter(model):
+        if has_transformers_adapter(model):
             return stock_save(model, save_directory, *args, **kwargs)
+        if not kwargs.get("save_original_format", True):
+            result = stock_save(model, save_directory, *args, **kwargs)
+            if kwargs.get("is_main_process", True):  # stock's config.json, marked as modelpatch's runtime saves are
+                config_json = config_files(model, original_format=False)["config.json"]
+                (Path(save_directory) / "config.json").write_bytes(config_json)
+            return result
         kwargs["state_dict"] = checkpoint_tensors(model, kwargs.get("state_dict"))
         kwargs["save_original_format"] = False  # already in the original layout: stock must not convert again
         tie = getattr(model.config, "tie_word_embeddings", None)
