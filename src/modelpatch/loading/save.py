@@ -213,10 +213,13 @@ def model_layout(model: PreTrainedModel, state: Mapping[str, torch.Tensor]) -> C
     return checkpoint_layout(report, transforms, metas)
 
 
-def saved_state(model: PreTrainedModel, state: Mapping[str, Any]) -> dict[str, Any]:
+def saved_state(
+    model: PreTrainedModel, state: Mapping[str, Any], *, full: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """``state`` (the model's runtime tensors) checked and reduced to what a save writes: substituted modules refused,
-    tied parameters the checkpoint does not store dropped. Call after ``gather_state`` / ``gather_offloaded``."""
-    _check_saveable(model, state)
+    tied parameters the checkpoint does not store dropped. ``full``: stand-ins of ``state`` with the full shapes (of a
+    tensor-parallel model's shards) to check, when ``state`` was not gathered."""
+    _check_saveable(model, state if full is None else full)
     return _state_to_save(model, state, get_load_report(model))
 
 

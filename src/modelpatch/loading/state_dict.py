@@ -21,9 +21,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from ..conversion.planner import ConversionGroup
+from ..state import model_record
 from .offload import gather_offloaded
 from .parallel import gather_state
 from .save import OriginalFormatSave, _reject_wrapped, model_layout, saved_state
@@ -49,8 +51,10 @@ def iter_original_state_dict(model: PreTrainedModel) -> Iterator[tuple[str, torc
             quantized tensor subclasses, modules substituted since the build.
     """
     _reject_wrapped(model)
-    state = saved_state(model, model.state_dict())
-    layout = model_layout(model, state)
+    state = model.state_dict()
+    full = _full_stand_ins(model, state)
+    state = saved_state(model, state, full=full)
+    layout = model_layout(model, {key: full[key] for key in state})
 
     def fetch(key: str) -> torch.Tensor:
         one = gather_offloaded(model, gather_state(model, {key: state[key]}))
@@ -60,6 +64,20 @@ def iter_original_state_dict(model: PreTrainedModel) -> Iterator[tuple[str, torc
         yield checkpoint_key, fetch(runtime_key)
     for group in layout.groups:
         yield from group.run(fetch).items()
+
+
+def _full_stand_ins(model: nn.Module, state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` with each tensor-parallel shard replaced by a meta tensor of its full shape (what checks and plans
+    read), without gathering anything; other entries as they are."""
+    record = model_record(model)
+    parts = (None if record is None else record.tensor_parallel_parts) or {}
+    full = dict(state)
+    for key, tensor in state.items():
+        if isinstance(tensor, DTensor):
+            full[key] = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
+        elif key in parts:  # sharded part by part: the full tensor holds every part whole
+            full[key] = torch.empty((sum(parts[key]), *tensor.shape[1:]), dtype=tensor.dtype, device="meta")
+    return full
 
 
 def _quoted(keys: list[str]) -> str:
