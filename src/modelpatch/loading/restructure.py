@@ -210,7 +210,9 @@ def _refuse_held(model: nn.Module, names: Sequence[str], optimizer: torch.optim.
     if optimizer is None:
         return
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    hit = [f"{name}.{key}" for name in names for key, p in model.get_submodule(name).named_parameters() if id(p) in held]
+    hit = [
+        f"{name}.{key}" for name in names for key, p in model.get_submodule(name).named_parameters() if id(p) in held
+    ]
     if hit:
         raise FusionError(
             f"{what}() would replace {len(hit)} parameter(s) that the optimizer holds ({', '.join(hit[:3])}"

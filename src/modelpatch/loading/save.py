@@ -400,4 +400,3 @@ class OriginalFormatSave:
         finally:
             if tie is not None:
                 model.config.tie_word_embeddings = tie
-

@@ -95,7 +95,7 @@ class OriginalLayoutLoad:
     names the caller used: the original names when the dict is in the original layout.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: PreTrainedModel):
         self.model = model
 
     def __call__(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
@@ -193,7 +193,7 @@ class OriginalLayoutLoad:
         return list(names)
 
 
-def install_state_dict_boundary(model: nn.Module) -> None:
+def install_state_dict_boundary(model: PreTrainedModel) -> None:
     """Make ``model.save_pretrained`` write and ``model.load_state_dict`` accept the original layout (instance
     attributes: transformers' classes are untouched)."""
     object.__setattr__(model, "save_pretrained", OriginalFormatSave(model))
