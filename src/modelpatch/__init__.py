@@ -74,6 +74,7 @@ _LAZY: dict[str, str] = {
             "from_pretrained",
             "fuse",
             "get_load_report",
+            "iter_original_state_dict",
             "patch_model",
             "plan_pretrained",
             "save_pretrained",

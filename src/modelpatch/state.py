@@ -175,6 +175,29 @@ def record_file_layout(config: PretrainedConfig, runtime_layout: bool) -> None:
     write_record(config, ConfigRecord(_read_own(config).fusion_config, runtime_layout))
 
 
+RUNTIME_LAYOUT_MARK = (
+    " (a modelpatch runtime-layout checkpoint: load it with modelpatch.from_pretrained, or turn it back into the "
+    "original layout with `modelpatch convert SRC DST --fusion none`)"
+)
+"""Appended to ``model_type`` in the config.json of a runtime-layout save, so that stock transformers refuses it by
+name (an unknown model type) instead of loading it with randomly initialised fused weights."""
+
+
+def mark_runtime_layout(config_json: dict[str, Any]) -> dict[str, Any]:
+    """The config.json object of a runtime-layout save: its ``model_type`` marked with :data:`RUNTIME_LAYOUT_MARK`."""
+    marked = dict(config_json)
+    marked["model_type"] = f"{marked['model_type']}{RUNTIME_LAYOUT_MARK}"
+    return marked
+
+
+def unmark_runtime_layout(config_json: dict[str, Any]) -> dict[str, Any] | None:
+    """The config.json object with its real ``model_type`` when it carries :data:`RUNTIME_LAYOUT_MARK`, else None."""
+    model_type = config_json.get("model_type")
+    if not isinstance(model_type, str) or not model_type.endswith(RUNTIME_LAYOUT_MARK):
+        return None
+    return {**config_json, "model_type": model_type.removesuffix(RUNTIME_LAYOUT_MARK)}
+
+
 @dataclass
 class ModelRecord:
     """What modelpatch records on a model it builds, loads or restructures; what its saves and restructurings read.

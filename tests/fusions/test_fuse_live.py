@@ -89,3 +89,19 @@ def test_fuse_refusals_leave_the_model_unchanged(tiny, caplog):
         modelpatch.fuse(model, {"gate_up": True})
     with pytest.raises(TypeError, match="takes a transformers PreTrainedModel"):
         modelpatch.fuse(model.model.layers[0], {"qkv": True})
+
+
+@pytest.mark.parametrize("direction", ["fuse", "unfuse"])
+def test_an_optimizer_holding_the_replaced_parameters_is_refused_before_anything_changes(tiny, direction):
+    ckpt = tiny("llama")
+    model = ckpt.load({"qkv": True} if direction == "unfuse" else None)
+    optimizer = torch.optim.AdamW(model.parameters())
+    before = {key: tensor.clone() for key, tensor in model.state_dict().items()}
+    with pytest.raises(modelpatch.FusionError, match=rf"{direction}\(\) would replace .* the optimizer holds"):
+        if direction == "fuse":
+            modelpatch.fuse(model, {"qkv": True}, optimizer=optimizer)
+        else:
+            modelpatch.unfuse(model, optimizer=optimizer)
+    assert_bitwise_equal(model.state_dict(), before)
+    fresh = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    (modelpatch.fuse(model, {"qkv": True}, optimizer=fresh) if direction == "fuse" else modelpatch.unfuse(model))

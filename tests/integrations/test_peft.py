@@ -102,10 +102,21 @@ def test_lora_on_fused_layers_trains_and_merges(tiny, name):
 # --- 2. PEFT's usual recipe on the original names -------------------------------------------------------------
 
 
-def test_plain_peft_refuses_projection_slices(tiny):
-    """Why modelpatch.get_peft_model exists: stock PEFT has no LoRA layer for a ProjectionSlice."""
-    with pytest.raises(ValueError, match="not supported"):
-        peft.get_peft_model(tiny("llama").load(FUSED), _lora(["q_proj", "v_proj"]))
+HINT = r"modelpatch\.get_peft_model / modelpatch\.load_adapter"
+
+
+def test_plain_peft_refuses_projection_slices_naming_modelpatchs_entry_points(tiny, tmp_path):
+    """Why modelpatch.get_peft_model exists: stock PEFT has no LoRA layer for a ProjectionSlice; each stock entry
+    point's error says what adapts the original names."""
+    checkpoint = tiny("llama")
+    with pytest.raises(ValueError, match=HINT):
+        peft.get_peft_model(checkpoint.load(FUSED), _lora(["q_proj", "v_proj"]))
+    stock = peft.get_peft_model(checkpoint.model_class.from_pretrained(checkpoint.path), _lora(["q_proj", "v_proj"]))
+    stock.save_pretrained(tmp_path / "adapter")
+    with pytest.raises(ValueError, match=HINT):
+        peft.PeftModel.from_pretrained(checkpoint.load(FUSED), tmp_path / "adapter")
+    with pytest.raises(ValueError, match=HINT):
+        checkpoint.load(FUSED).load_adapter(tmp_path / "adapter")
 
 
 # qwen3_moe: PEFT rewrites "all-linear" for transformers' fused 3-D experts (experts and router as parameters).

@@ -78,6 +78,8 @@ def main() -> None:
             stock = model_class.from_pretrained(path, tp_plan="auto")
             record["stock_layout"] = layout(stock)
             record["stock_logits"] = checkpoint.outputs(stock)["logits"]
+        # Every rank streams the original layout (gathered tensor by tensor, a collective per tensor).
+        record["streamed"] = {key: tensor.clone() for key, tensor in modelpatch.iter_original_state_dict(model)}
         torch.save(record, out / f"{case['id']}_rank{rank}.pt")
         model.save_pretrained(out / f"{case['id']}_stock_save")
         modelpatch.save_pretrained(model, out / f"{case['id']}_modelpatch_save")

@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, BertForSequenceClassi
 import modelpatch
 from modelpatch import CheckpointError
 from modelpatch.checkpoint import writer
-from modelpatch.state import RECORD_KEY
+from modelpatch.state import RECORD_KEY, RUNTIME_LAYOUT_MARK
 from support.checkpoints import STOCK_CHECKPOINTS
 from support.compare import assert_bitwise_equal, bits
 from support.files import config_json, read_tensors
@@ -162,7 +162,37 @@ def test_runtime_layout_save_and_reload(stock_checkpoint, tmp_path, name):
     assert RECORD_KEY not in config_json(original_dir)
     runtime_config = config_json(runtime_dir)
     del runtime_config[RECORD_KEY]
+    runtime_config["model_type"] = runtime_config["model_type"].removesuffix(RUNTIME_LAYOUT_MARK)
     assert config_json(original_dir) == runtime_config
+
+
+@pytest.mark.parametrize("stock_method", [False, True])
+def test_stock_transformers_refuses_a_runtime_layout_by_name(tiny, tmp_path, stock_method):
+    """Stock would load the fused tensors into a stock model and leave q/k/v/gate/up random: it must refuse."""
+    ckpt = tiny("llama")
+    model = ckpt.load({"qkv": True, "gate_up": True})
+    runtime_dir = tmp_path / "runtime"
+    if stock_method:
+        model.save_pretrained(runtime_dir, save_original_format=False)
+    else:
+        modelpatch.save_pretrained(model, runtime_dir, save_original_format=False)
+    assert "model.layers.0.self_attn.qkv_proj.weight" in read_tensors(runtime_dir)
+    with pytest.raises(ValueError, match=r"modelpatch runtime-layout checkpoint.*modelpatch.from_pretrained"):
+        AutoModelForCausalLM.from_pretrained(runtime_dir)
+    reloaded = modelpatch.from_pretrained(AutoModelForCausalLM, runtime_dir)
+    assert modelpatch.get_load_report(reloaded).runtime_layout
+    assert_bitwise_equal(reloaded.state_dict(), model.state_dict())
+
+
+def test_convert_with_fusion_none_turns_a_runtime_layout_back(tiny, tmp_path):
+    from modelpatch.cli.main import main
+
+    ckpt = tiny("llama")
+    model = ckpt.load({"qkv": True, "gate_up": True})
+    modelpatch.save_pretrained(model, tmp_path / "runtime", save_original_format=False)
+    assert main(["convert", str(tmp_path / "runtime"), str(tmp_path / "back"), "--fusion", "none"]) == 0
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+    assert_bitwise_equal(stock.state_dict(), ckpt.stock().state_dict())
 
 
 def test_runtime_layout_of_moe_holds_fused_experts(stock_checkpoint, tmp_path):
@@ -250,3 +280,73 @@ def test_an_untied_head_is_saved_and_reloads_untied(stock_checkpoint, tmp_path):
         ):
             torch.testing.assert_close(reloaded.lm_head.weight, model.lm_head.weight, atol=0, rtol=0)
             torch.testing.assert_close(reloaded(ids).logits, expected, atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------- transformers' own API
+
+
+@pytest.mark.parametrize("fusion_config", [None, {"qkv": True, "gate_up": True}])
+def test_resized_token_embeddings_are_saved_as_stock_saves_them(tiny, tmp_path, fusion_config):
+    """resize_token_embeddings (config vocab_size updated), then stock model.save_pretrained, then a stock reload."""
+    ckpt = tiny("llama")
+    model = ckpt.load(fusion_config)
+    model.resize_token_embeddings(600, mean_resizing=False)
+    model.save_pretrained(tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["vocab_size"] == 600
+    reloaded = ckpt.model_class.from_pretrained(tmp_path / "out")
+    stock = ckpt.model_class.from_pretrained(ckpt.path)
+    stock.resize_token_embeddings(600, mean_resizing=False)
+    with torch.no_grad():  # the new rows are random: take the fused model's
+        stock.get_input_embeddings().weight.copy_(model.get_input_embeddings().weight)
+        stock.get_output_embeddings().weight.copy_(model.get_output_embeddings().weight)
+    assert_bitwise_equal(reloaded.state_dict(), stock.state_dict())
+
+
+def test_a_new_head_and_an_untied_head_are_saved(tiny, tmp_path):
+    ckpt = tiny("llama")
+    model = ckpt.load({"qkv": True, "gate_up": True})
+    model.lm_head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
+    model.save_pretrained(tmp_path / "out")
+    saved = read_tensors(tmp_path / "out")
+    assert torch.equal(saved["lm_head.bias"], model.lm_head.bias.detach())
+    assert torch.equal(saved["lm_head.weight"], model.lm_head.weight.detach())
+
+
+def test_a_tool_substituted_module_is_still_refused_with_its_remedy(tiny, tmp_path):
+    ckpt = tiny("llama")
+    model = ckpt.load()
+
+    class Wrapped(torch.nn.Module):  # a tool's wrapper, not a torch.nn class
+        def __init__(self, inner):
+            super().__init__()
+            self.weight = torch.nn.Parameter(inner.weight.detach()[:8].clone())
+
+    model.model.layers[0].mlp.down_proj = Wrapped(model.model.layers[0].mlp.down_proj)
+    with pytest.raises(modelpatch.SaveError, match=r"(?s)down_proj \(Wrapped\): weight is \[8, 64\].*that tool's own"):
+        model.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_marian_load_saves_back_its_checkpoint(tmp_path, shared):
+    from transformers import MarianConfig, MarianMTModel
+
+    config = MarianConfig(
+        vocab_size=64,
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        max_position_embeddings=32,
+        pad_token_id=63,
+        decoder_start_token_id=63,
+        share_encoder_decoder_embeddings=shared,
+    )
+    torch.manual_seed(0)
+    MarianMTModel(config).save_pretrained(tmp_path / "source")
+    model = modelpatch.from_pretrained(MarianMTModel, tmp_path / "source")
+    model.save_pretrained(tmp_path / "out")
+    assert_bitwise_equal(read_tensors(tmp_path / "out"), read_tensors(tmp_path / "source"))

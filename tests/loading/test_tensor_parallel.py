@@ -31,6 +31,8 @@ import modelpatch
 from modelpatch._transformers import tensor_parallel_supported
 from modelpatch.loading.parallel import TensorParallelError
 from support.checkpoints import CheckpointSpec, TinyCheckpoint, perturb
+from support.compare import assert_bitwise_equal
+from support.files import read_tensors
 from support.models import TEXT
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
@@ -145,6 +147,13 @@ def test_saves_equal_single_process_saves(tp_run, checkpoints, tmp_path, case_id
         checkpoints[name].path / "model.safetensors",
         shallow=False,
     )
+
+
+@pytest.mark.parametrize("case_id", sorted(CASES))
+def test_every_rank_streams_the_saved_checkpoint(tp_run, case_id):
+    saved = read_tensors(tp_run / f"{case_id}_modelpatch_save")
+    for record in _records(tp_run, case_id):
+        assert_bitwise_equal(record["streamed"], saved)
 
 
 @pytest.mark.parametrize("case_id", sorted(CASES))

@@ -120,7 +120,12 @@ class ProjectionSlice(nn.Module):
         return result
 
     def extra_repr(self) -> str:
-        return f"part {self.index} of {self.fused_name}, out_features={self.out_features}"
+        # Stock PEFT (get_peft_model, PeftModel.from_pretrained, transformers' load_adapter) names a module it cannot
+        # adapt by its repr only: this is where its error can say what adapts the original names.
+        return (
+            f"part {self.index} of {self.fused_name}, out_features={self.out_features}; "
+            "LoRA on it: modelpatch.get_peft_model / modelpatch.load_adapter"
+        )
 
     def release_owner(self) -> None:
         """Break the owner <-> slice reference cycle of a fused module being discarded, so that reference counting

@@ -4,6 +4,7 @@ from .load import PlannedLoad, from_config, from_pretrained, plan_pretrained
 from .report import LoadReport, get_load_report
 from .restructure import fuse, patch_model, unfuse
 from .save import save_pretrained
+from .state_dict import iter_original_state_dict
 
 __all__ = [
     "fuse",
@@ -15,5 +16,6 @@ __all__ = [
     "from_config",
     "from_pretrained",
     "get_load_report",
+    "iter_original_state_dict",
     "save_pretrained",
 ]

@@ -12,6 +12,7 @@ from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig, PreTraine
 from .._transformers import auto_model_class, is_auto_class
 from ..checkpoint.json_file import MAX_CONFIG_BYTES, read_json
 from ..errors import CheckpointError
+from ..state import unmark_runtime_layout
 
 MAX_CONFIG_COUNT = 2**20
 """Largest value accepted for a count (a ``num_*`` or ``n_*`` key) in ``config.json``.
@@ -39,6 +40,8 @@ def load_config(directory: Path, overrides: Mapping[str, Any] | None = None) -> 
     raw = read_json(config_file, MAX_CONFIG_BYTES)
     if not isinstance(raw, dict):
         raise CheckpointError(f"{config_file} must hold a JSON object, got {type(raw).__name__}.")
+    unmarked = unmark_runtime_layout(raw)
+    raw = raw if unmarked is None else unmarked
     model_type = raw.get("model_type")
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         if "auto_map" in raw:
@@ -52,8 +55,18 @@ def load_config(directory: Path, overrides: Mapping[str, Any] | None = None) -> 
             else f"{config_file} has no model_type."
         )
     _check_counts(config_file, raw)
+
+    def build(**kwargs: Any) -> PretrainedConfig:
+        if unmarked is None:
+            return AutoConfig.from_pretrained(str(directory), local_files_only=True, **kwargs)
+        # A runtime-layout save, its model type marked for stock transformers to refuse: built from the unmarked
+        # object by the config class AutoConfig would pick.
+        config = CONFIG_MAPPING[model_type].from_dict(raw, **kwargs)
+        config._name_or_path = str(directory)
+        return config
+
     try:
-        config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+        config = build()
     except Exception as exc:  # transformers' validation raises many types (its strict dataclasses: plain Exception)
         raise CheckpointError(f"{config_file} is not a valid {model_type} config: {exc}") from exc
     if not overrides:
@@ -65,7 +78,7 @@ def load_config(directory: Path, overrides: Mapping[str, Any] | None = None) -> 
             f"from_pretrained() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}: neither a loading "
             f"option of modelpatch or transformers nor an attribute of {type(config).__name__} to override."
         )
-    return AutoConfig.from_pretrained(str(directory), local_files_only=True, **overrides)
+    return build(**overrides)
 
 
 def _check_counts(config_file: Path, raw: dict[str, Any]) -> None:

@@ -68,7 +68,7 @@ from .parallel import prepare as prepare_tensor_parallel
 from .plan import LoadPlan, model_expectations, plan_model_load
 from .quantization import load_quantization
 from .report import LoadReport
-from .save import install_original_format_save
+from .state_dict import install_state_dict_boundary
 
 logger = logging.getLogger(__name__)
 
@@ -692,4 +692,4 @@ def _record_build(
     record = ensure_model_record(model)
     record.expected_state = dict(expected)
     record.base_transforms = tuple(base_transforms)
-    install_original_format_save(model)
+    install_state_dict_boundary(model)

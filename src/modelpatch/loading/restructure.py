@@ -53,7 +53,7 @@ from ..state import (
 from .build import build_empty_model
 from .materialize import return_freed_memory
 from .plan import model_expectations
-from .save import install_original_format_save
+from .state_dict import install_state_dict_boundary
 
 logger = logging.getLogger(__name__)
 
@@ -352,7 +352,7 @@ def _record(model: PreTrainedModel, fusion_config: Mapping[str, Any], transforms
     record = ensure_model_record(model)
     record.transforms = tuple(transforms)
     record.expected_state = model_expectations(model)
-    install_original_format_save(model)
+    install_state_dict_boundary(model)
 
 
 def _fused_modules(model: nn.Module) -> dict[str, tuple[type, Any]]:
@@ -365,8 +365,27 @@ def _fused_modules(model: nn.Module) -> dict[str, tuple[type, Any]]:
     return found
 
 
+def _refuse_held(model: nn.Module, names: Sequence[str], optimizer: torch.optim.Optimizer | None, what: str) -> None:
+    """Refuse, before anything changes, to replace parameters that ``optimizer`` holds: it would keep stepping the
+    old tensors (and its state for them would not follow the conversion)."""
+    if optimizer is None:
+        return
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    hit = [
+        f"{name}.{key}" for name in names for key, p in model.get_submodule(name).named_parameters() if id(p) in held
+    ]
+    if hit:
+        raise FusionError(
+            f"{what}() would replace {len(hit)} parameter(s) that the optimizer holds ({', '.join(hit[:3])}"
+            f"{', ...' if len(hit) > 3 else ''}); it would go on updating the old tensors. Call {what}() before "
+            "building the optimizer (and the Trainer), or build a new optimizer afterwards. Nothing was changed."
+        )
+
+
 @_one_at_a_time
-def fuse(model: PreTrainedModel, fusion_config: Mapping[str, Any]) -> PreTrainedModel:
+def fuse(
+    model: PreTrainedModel, fusion_config: Mapping[str, Any], *, optimizer: torch.optim.Optimizer | None = None
+) -> PreTrainedModel:
     """Restructure ``model`` in place with ``fusion_config`` (``{"qkv": True, ...}``), as a load with it would.
 
     Works on any transformers model in memory: loaded by stock ``from_pretrained``, trained by a Trainer, or loaded by
@@ -375,12 +394,15 @@ def fuse(model: PreTrainedModel, fusion_config: Mapping[str, Any]) -> PreTrained
     ``model.save_pretrained``) write the original checkpoint layout, bit for bit, and :func:`unfuse` restores the
     stock structure.
 
+    The fused modules' parameters are new objects: an optimizer built before does not hold them. Pass it as
+    ``optimizer`` to have that refused before anything changes; fuse before building the optimizer (or Trainer).
+
     Returns:
         ``model`` itself.
 
     Raises:
         FusionError: an unknown fusion or invalid options; the model is already fused (call :func:`unfuse` first); a
-            module's tensors do not convert (the model is left unchanged).
+            module's tensors do not convert (the model is left unchanged); ``optimizer`` holds parameters it replaces.
     """
     _check_live(model, "fuse")
     normalized = normalize_fusion_config(fusion_config)
@@ -407,6 +429,7 @@ def fuse(model: PreTrainedModel, fusion_config: Mapping[str, Any]) -> PreTrained
                 f"{origin[0].__name__ if origin else 'another class'} there (a module replaced since the model was "
                 "built). Load the model with modelpatch.from_pretrained(..., fusion_config=...) instead."
             )
+    _refuse_held(model, names, optimizer, "fuse")
     base = _base_transforms(model)
     _swap(model, target, names, [functools.partial(plan_load, transforms=prepared.transforms)], "fuse")
     finish_fused_modules(model)
@@ -419,11 +442,12 @@ def fuse(model: PreTrainedModel, fusion_config: Mapping[str, Any]) -> PreTrained
 
 
 @_one_at_a_time
-def unfuse(model: PreTrainedModel) -> PreTrainedModel:
+def unfuse(model: PreTrainedModel, *, optimizer: torch.optim.Optimizer | None = None) -> PreTrainedModel:
     """Restore the stock structure of a fused ``model`` in place (fused by :func:`fuse` or at load).
 
     Every fused module is replaced by the class it replaced, filled through the exact reverse of the fusion's
-    transforms: the state equals the unfused model's, bit for bit. Returns ``model`` itself.
+    transforms: the state equals the unfused model's, bit for bit. Returns ``model`` itself. As with :func:`fuse`,
+    an ``optimizer`` holding parameters it replaces is refused (a FusionError) before anything changes.
     """
     _check_live(model, "unfuse")
     fused = _fused_modules(model)
@@ -440,6 +464,7 @@ def unfuse(model: PreTrainedModel) -> PreTrainedModel:
                 f"{type(stock).__name__} there (the patch it was built with is no longer registered)."
             )
         by_spec.setdefault(id(spec), (spec, {}))[1][name] = stock
+    _refuse_held(model, sorted(fused), optimizer, "unfuse")
     transforms: list[WeightTransform] = []
     for spec, modules in by_spec.values():
         transforms.extend(spec_transforms(spec, model.config, modules))

@@ -14,13 +14,15 @@ Data flow of a save:
    generation_config.json are written
    with the tensors into a temporary sibling directory that replaces the target only when complete.
 
-The models modelpatch builds also get an instance-level ``save_pretrained`` (see :func:`install_original_format_save`)
+The models modelpatch builds also get an instance-level ``save_pretrained`` (installed by
+:func:`~modelpatch.loading.state_dict.install_state_dict_boundary`, with ``load_state_dict``)
 so that stock code paths — ``model.save_pretrained``, ``Trainer.save_model`` — write the original layout too.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import logging
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -37,7 +39,7 @@ from ..conversion.planner import ConversionPlan, TensorMeta, plan_save
 from ..conversion.registry import model_conversions
 from ..conversion.transforms import WeightTransform
 from ..errors import ConversionError, SaveError
-from ..state import model_record, record_file_layout
+from ..state import mark_runtime_layout, model_record, record_file_layout
 from .offload import gather_offloaded
 from .parallel import barrier, gather_state, local_tensor, writes_files
 from .quantization import quantized_checkpoint
@@ -54,42 +56,58 @@ def _kind(dtype: torch.dtype) -> str:
     return "floating" if dtype.is_floating_point else "complex" if dtype.is_complex else "integer"
 
 
-def _check_saveable(model: PreTrainedModel, state: Mapping[str, Any], quantized: bool = False) -> None:
-    """Refuse, naming every module at fault, a state that a save would write wrongly.
+def _plain(module: nn.Module | None) -> bool:
+    """A module of torch's own classes (``nn.Linear``, ``nn.Embedding``): what transformers' own API makes when it
+    resizes, adds or unties a layer. A quantizer's or an adapter's module is of another class."""
+    return module is not None and type(module).__module__.startswith("torch.nn.modules")
 
-    The state is compared with the one recorded when modelpatch built the model: a module whose parameters changed
-    names, shapes or kind of dtype, or that gained tensors, was substituted by something whose layout the recorded
-    conversions cannot reverse (a quantizer's module, say). Tensor subclasses (torchao's quantized weights) have no
-    plain storage to write, unless ``quantized``: the model's load quantizer serialises them. Either would give a
-    checkpoint that loads wrong, so nothing is written.
+
+def _check_saveable(model: PreTrainedModel, state: Mapping[str, Any], quantized: bool = False) -> None:
+    """Refuse, naming every module at fault and the remedy, a state that a save would write wrongly.
+
+    The state is compared with the one recorded when modelpatch built the model. Changes made through transformers'
+    own API are saved as they are: a plain torch module (``nn.Embedding``, ``nn.Linear``) with plain tensors of the
+    same kind of dtype may have been resized (``resize_token_embeddings``), replaced by a new head, or gained or lost
+    a bias; what the load did not convert is written under its own name. A module substituted by a tool (a
+    quantizer's module class, a tensor subclass such as torchao's, integer weights) has a layout the recorded
+    conversions cannot reverse: nothing is written. Tensor subclasses are accepted when ``quantized`` (the model's
+    load quantizer serialises them).
     """
     problems: dict[str, list[str]] = defaultdict(list)
+    remedies: set[str] = set()
+    modules = dict(model.named_modules())
     for key, tensor in state.items():
         if not isinstance(tensor, torch.Tensor):
             problems[_module_of(key)].append(f"{key.rpartition('.')[2]} is a {type(tensor).__name__}, not a tensor")
+            remedies.add(_REMEDY_SUBSTITUTED)
         elif type(tensor.detach()) is not torch.Tensor and not quantized:
             problems[_module_of(key)].append(
                 f"{key.rpartition('.')[2]} is a {type(tensor.detach()).__name__} (a tensor subclass, e.g. quantized)"
             )
+            remedies.add(_REMEDY_SUBCLASS)
     record = model_record(model)
     expected: Mapping[str, TensorMeta] | None = None if record is None else record.expected_state
     if expected is not None:
         for key, meta in expected.items():
-            name = key.rpartition(".")[2]
+            name, module = key.rpartition(".")[2], modules.get(_module_of(key))
             tensor = state.get(key)
             if tensor is None:
-                problems[_module_of(key)].append(f"{name} is gone")
-            elif isinstance(tensor, torch.Tensor) and tuple(tensor.shape) != tuple(meta.shape):
-                problems[_module_of(key)].append(f"{name} is {list(tensor.shape)}, built as {list(meta.shape)}")
+                if not _plain(module):
+                    problems[_module_of(key)].append(f"{name} is gone")
+                    remedies.add(_REMEDY_SUBSTITUTED)
             elif isinstance(tensor, torch.Tensor) and _kind(tensor.dtype) != _kind(meta.dtype):
                 problems[_module_of(key)].append(f"{name} is {tensor.dtype}, built as {meta.dtype}")
+                remedies.add(_REMEDY_SUBCLASS if _plain(module) else _REMEDY_SUBSTITUTED)
+            elif isinstance(tensor, torch.Tensor) and tuple(tensor.shape) != tuple(meta.shape) and not _plain(module):
+                problems[_module_of(key)].append(f"{name} is {list(tensor.shape)}, built as {list(meta.shape)}")
+                remedies.add(_REMEDY_SUBSTITUTED)
         built_modules = {_module_of(key) for key in expected}
         for key in state.keys() - expected.keys():
-            if _module_of(key) in built_modules:
+            if _module_of(key) in built_modules and not _plain(modules.get(_module_of(key))):
                 problems[_module_of(key)].append(f"{key.rpartition('.')[2]} is new")
+                remedies.add(_REMEDY_SUBSTITUTED)
     if not problems:
         return
-    modules = dict(model.named_modules())
     lines = [
         f"Cannot save {type(model).__name__}: {len(problems)} module(s) changed since modelpatch built it, and their "
         "state cannot be written in a layout that loads back the same model. Nothing was written."
@@ -100,11 +118,18 @@ def _check_saveable(model: PreTrainedModel, state: Mapping[str, Any], quantized:
             f"  - {name or '<root>'} ({type(module).__name__ if module is not None else 'removed'}): "
             + "; ".join(problems[name])
         )
-    lines.append(
-        "Save such a model with the tool that changed it (a quantizer's own format, or torch.save of the state dict), "
-        "or restore plain modules (dequantize, merge_and_unload) before saving."
-    )
+    lines.extend(sorted(remedies))
     raise SaveError("\n".join(lines))
+
+
+_REMEDY_SUBCLASS = (
+    "Quantized tensors: save with save_original_format=False (the quantizer serialises them, for a model loaded with "
+    "its quantization_config), or dequantize them before saving."
+)
+_REMEDY_SUBSTITUTED = (
+    "A module a tool substituted (a quantizer's or wrapper's class): save with that tool's own format (or torch.save "
+    "of the state dict), or put plain modules back (dequantize, merge_and_unload) before saving."
+)
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -157,8 +182,9 @@ def checkpoint_layout(
                 layout.direct[checkpoint_key] = runtime_key
         for group in report.groups:
             present = [k for k in group.target_keys() if k in remaining]
-            if not present:
-                continue  # restructured since the load: planned below with the model's current transforms
+            metas = group.target_metas()
+            if not present or any(tuple(remaining[k].shape) != tuple(metas[k].shape) for k in present):
+                continue  # restructured or resized since the load: planned below with the model's current transforms
             if len(present) != len(group.target_keys()):
                 raise ConversionError(
                     f"Cannot save {group.target_keys()} back to {group.sources_summary()}: the model no longer has "
@@ -175,19 +201,26 @@ def checkpoint_layout(
     return layout
 
 
-def _checkpoint_layout(model: PreTrainedModel, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The checkpoint-layout tensors of ``state`` (see :func:`checkpoint_layout`)."""
+def model_layout(model: PreTrainedModel, state: Mapping[str, torch.Tensor]) -> ConversionPlan:
+    """The checkpoint layout of ``model``'s runtime tensors ``state`` (see :func:`checkpoint_layout`), planned with the
+    transforms the model's record holds (its load report's for a loaded model never restructured)."""
     report = get_load_report(model)
     record = model_record(model)
     transforms: Sequence[WeightTransform] | None = None if record is None else record.transforms
     if transforms is None:
         transforms = report.transforms if report is not None else model_conversions(model)
     metas = {k: TensorMeta(tuple(v.shape), v.dtype) for k, v in state.items()}
-    layout = checkpoint_layout(report, transforms, metas)
-    out = {checkpoint_key: state[runtime_key] for checkpoint_key, runtime_key in layout.direct.items()}
-    for group in layout.groups:
-        out.update(group.run(state.__getitem__))
-    return out
+    return checkpoint_layout(report, transforms, metas)
+
+
+def saved_state(
+    model: PreTrainedModel, state: Mapping[str, Any], *, full: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """``state`` (the model's runtime tensors) checked and reduced to what a save writes: substituted modules refused,
+    tied parameters the checkpoint does not store dropped. ``full``: stand-ins of ``state`` with the full shapes (of a
+    tensor-parallel model's shards) to check, when ``state`` was not gathered."""
+    _check_saveable(model, state if full is None else full)
+    return _state_to_save(model, state, get_load_report(model))
 
 
 def _independent(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -256,7 +289,7 @@ def _checkpoint_contents(
         tensors, metadata = quantized
         return _independent(_state_to_save(model, tensors, report)), metadata
     state = _state_to_save(model, state, report)
-    return _independent(_checkpoint_layout(model, state) if original_format else state), None
+    return _independent(model_layout(model, state).run(state.__getitem__) if original_format else state), None
 
 
 def save_pretrained(
@@ -321,7 +354,12 @@ def config_files(model: PreTrainedModel, *, original_format: bool) -> dict[str, 
     if _untied_pairs(model, model.state_dict()) and getattr(config, "tie_word_embeddings", False):
         # The head was untied since the model was built: the reload must not tie it back over the saved tensor.
         config.tie_word_embeddings = False
-    files = {"config.json": config.to_json_string(use_diff=True).encode()}
+    config_json = config.to_json_string(use_diff=True)
+    if not original_format:
+        # Stock transformers would load these tensors into a stock model, leaving the fused ones random: the marked
+        # model type makes it refuse by name (modelpatch unmarks it when it loads).
+        config_json = json.dumps(mark_runtime_layout(json.loads(config_json)), indent=2, sort_keys=True) + "\n"
+    files = {"config.json": config_json.encode()}
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None and model.can_generate():
         files["generation_config.json"] = (generation_config.to_json_string()).encode()
@@ -344,8 +382,14 @@ class OriginalFormatSave:
     def __call__(self, save_directory: str | Path, *args: Any, **kwargs: Any) -> Any:
         model = self.model
         stock_save = type(model).save_pretrained
-        if not kwargs.get("save_original_format", True) or has_transformers_adapter(model):
+        if has_transformers_adapter(model):
             return stock_save(model, save_directory, *args, **kwargs)
+        if not kwargs.get("save_original_format", True):
+            result = stock_save(model, save_directory, *args, **kwargs)
+            if kwargs.get("is_main_process", True):  # stock's config.json, marked as modelpatch's runtime saves are
+                config_json = config_files(model, original_format=False)["config.json"]
+                (Path(save_directory) / "config.json").write_bytes(config_json)
+            return result
         kwargs["state_dict"] = checkpoint_tensors(model, kwargs.get("state_dict"))
         kwargs["save_original_format"] = False  # already in the original layout: stock must not convert again
         tie = getattr(model.config, "tie_word_embeddings", None)
@@ -356,8 +400,3 @@ class OriginalFormatSave:
         finally:
             if tie is not None:
                 model.config.tie_word_embeddings = tie
-
-
-def install_original_format_save(model: nn.Module) -> None:
-    """Make ``model.save_pretrained`` write the original layout (see :class:`OriginalFormatSave`)."""
-    object.__setattr__(model, "save_pretrained", OriginalFormatSave(model))  # type: ignore[arg-type]

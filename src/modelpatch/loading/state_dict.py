@@ -1,0 +1,200 @@
+"""The state-dict boundary of a model modelpatch built or restructured: its state in the checkpoint's layout.
+
+Inside, a fused model holds its runtime layout (``qkv_proj``, packed experts); outside, callers speak the layout of
+the checkpoint it came from (what stock models hold and ``save_pretrained`` writes). Three doors cross that boundary:
+
+* saving: ``model.save_pretrained`` (:class:`~modelpatch.loading.save.OriginalFormatSave`);
+* loading: ``model.load_state_dict`` (:class:`OriginalLayoutLoad`) accepts either layout, or a mix, as Trainer's
+  ``resume_from_checkpoint`` and ``load_best_model_at_end`` pass it;
+* streaming: :func:`iter_original_state_dict` yields the checkpoint's ``(name, tensor)`` pairs one conversion group at
+  a time, for a consumer such as an inference engine's ``load_weights(iterable)``.
+
+Every door plans with the same conversion plan (:func:`~modelpatch.loading.save.model_layout`): direct keys and
+conversion groups bound to the model's shapes, run forwards or backwards; nothing is converted here by hand.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from transformers import PreTrainedModel
+
+from ..conversion.planner import ConversionGroup
+from ..state import model_record
+from .offload import gather_offloaded
+from .parallel import gather_state
+from .save import OriginalFormatSave, _reject_wrapped, model_layout, saved_state
+
+__all__ = ["OriginalLayoutLoad", "install_state_dict_boundary", "iter_original_state_dict"]
+
+
+def iter_original_state_dict(model: PreTrainedModel) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream ``model``'s weights in its checkpoint's original layout, without writing files.
+
+    Yields ``(name, tensor)`` pairs under the names and with the values :func:`modelpatch.save_pretrained` writes
+    (bitwise), one conversion group at a time: a tensor read unchanged is the model's own (a view, not a copy: do not
+    write to it), a converted group (one layer's ``q/k/v`` out of ``qkv_proj``, one layer's experts) is computed when
+    its turn comes, so the memory added is bounded by the largest group. The pairs fit an inference engine's
+    ``load_weights(iterable)`` (vLLM's shape of weight sync) or any other consumer of a checkpoint's tensors.
+
+    On a tensor-parallel model every rank must iterate (each tensor is gathered from its shards when its turn comes,
+    a collective) and every rank receives the full tensors. Weights of modules offloaded to disk are read from
+    their files when their turn comes.
+
+    Raises:
+        SaveError: As :func:`modelpatch.save_pretrained`, before anything is yielded: a PEFT model or adapter layers,
+            quantized tensor subclasses, modules substituted since the build.
+    """
+    _reject_wrapped(model)
+    state = model.state_dict()
+    full = _full_stand_ins(model, state)
+    state = saved_state(model, state, full=full)
+    layout = model_layout(model, {key: full[key] for key in state})
+
+    def fetch(key: str) -> torch.Tensor:
+        one = gather_offloaded(model, gather_state(model, {key: state[key]}))
+        return one[key].detach()
+
+    for checkpoint_key, runtime_key in layout.direct.items():
+        yield checkpoint_key, fetch(runtime_key)
+    for group in layout.groups:
+        yield from group.run(fetch).items()
+
+
+def _full_stand_ins(model: nn.Module, state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` with each tensor-parallel shard replaced by a meta tensor of its full shape (what checks and plans
+    read), without gathering anything; other entries as they are."""
+    record = model_record(model)
+    parts = (None if record is None else record.tensor_parallel_parts) or {}
+    full = dict(state)
+    for key, tensor in state.items():
+        if isinstance(tensor, DTensor):
+            full[key] = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
+        elif key in parts:  # sharded part by part: the full tensor holds every part whole
+            full[key] = torch.empty((sum(parts[key]), *tensor.shape[1:]), dtype=tensor.dtype, device="meta")
+    return full
+
+
+def _quoted(keys: list[str]) -> str:
+    return ", ".join(f'"{key}"' for key in keys)
+
+
+class OriginalLayoutLoad:
+    """``model.load_state_dict`` of a model modelpatch built: torch's method, fed the model's own layout.
+
+    The state dict may hold the model's runtime keys, the checkpoint's original keys, or both (a Trainer checkpoint, a
+    stock model's ``state_dict()``, a shard of either). Original keys read unchanged are renamed; a conversion group
+    (a layer's ``q/k/v``) runs forwards into its runtime tensor, its parts the dict does not hold taken from the
+    model's current values, so a partial dict changes exactly what it names, as torch's ``strict=False`` does.
+    ``strict``, ``assign`` and the returned missing / unexpected keys mean what they mean in torch, with keys in the
+    names the caller used: the original names when the dict is in the original layout.
+    """
+
+    def __init__(self, model: PreTrainedModel):
+        self.model = model
+
+    def __call__(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        model = self.model
+        stock_load = type(model).load_state_dict
+        own = model.state_dict()
+        if all(key in own for key in state_dict):  # the model's own layout: torch's method as is
+            return stock_load(model, state_dict, strict=strict, assign=assign)
+        layout = model_layout(model, own)
+        runtime: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        metadata = getattr(state_dict, "_metadata", None)
+        if metadata is not None:
+            runtime._metadata = metadata  # type: ignore[attr-defined]  # torch reads module versions from it
+        used: set[str] = set()
+        missing_original: list[str] = []  # parts of a group the dict converts partly
+        errors: list[str] = []
+        for key, tensor in state_dict.items():
+            if key in own:
+                runtime[key] = tensor
+                used.add(key)
+        for checkpoint_key, runtime_key in layout.direct.items():
+            if checkpoint_key not in own and checkpoint_key in state_dict:
+                self._take(runtime, runtime_key, state_dict[checkpoint_key], checkpoint_key, errors)
+                used.add(checkpoint_key)
+        for group in layout.groups:
+            given = [key for key in group.target_keys() if key not in own and key in state_dict]
+            if not given:
+                continue
+            missing_original += [key for key in group.target_keys() if key not in given]
+            for runtime_key, tensor in self._convert(group, own, state_dict, given, errors).items():
+                self._take(runtime, runtime_key, tensor, ", ".join(given), errors)
+            used.update(given)
+        if errors:
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__}:\n\t" + "\n\t".join(errors))
+        result = stock_load(model, runtime, strict=False, assign=assign)
+        original = any(key not in own for key in used)
+        missing = [*self._names(result.missing_keys, layout, original), *missing_original]
+        unexpected = [*result.unexpected_keys, *(key for key in state_dict if key not in used)]
+        if strict and (missing or unexpected):
+            lines = []
+            if missing:
+                lines.append(f"Missing key(s) in state_dict: {_quoted(missing)}.")
+            if unexpected:
+                lines.append(f"Unexpected key(s) in state_dict: {_quoted(unexpected)}.")
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__}:\n\t" + "\n\t".join(lines))
+        return result._replace(missing_keys=missing, unexpected_keys=unexpected)
+
+    @staticmethod
+    def _take(runtime: dict[str, Any], key: str, tensor: Any, source: str, errors: list[str]) -> None:
+        if key in runtime:
+            errors.append(f"{source} and {key} give the same parameter {key} twice (original and runtime layout).")
+        runtime[key] = tensor
+
+    @staticmethod
+    def _convert(
+        group: ConversionGroup,
+        own: Mapping[str, torch.Tensor],
+        state_dict: Mapping[str, Any],
+        given: list[str],
+        errors: list[str],
+    ) -> dict[str, torch.Tensor]:
+        """The runtime tensors of ``group`` (a runtime -> checkpoint group of the layout) with the checkpoint tensors
+        ``given`` from ``state_dict`` and the others the model's current ones."""
+        with torch.no_grad():
+            current = group.run(lambda key: own[key].detach())
+            parts: dict[str, torch.Tensor] = {}
+            for key, tensor in current.items():
+                if key not in given:
+                    parts[key] = tensor
+                    continue
+                value = state_dict[key]
+                if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(tensor.shape):
+                    shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                    errors.append(
+                        f"size mismatch for {key}: copying a param with shape {shape} from checkpoint, "
+                        f"the shape in current model is {list(tensor.shape)}."
+                    )
+                    return {}
+                # One dtype per group, the model's: the converted tensor is copied into the model's anyway.
+                parts[key] = value.detach().to(device=tensor.device, dtype=tensor.dtype)
+            return group.reversed().run(parts.__getitem__)
+
+    @staticmethod
+    def _names(missing: list[str], layout: Any, original: bool) -> list[str]:
+        """Missing runtime keys in the caller's names: the checkpoint's when the dict was in the original layout."""
+        if not original:
+            return list(missing)
+        to_checkpoint: dict[str, list[str]] = {runtime: [key] for key, runtime in layout.direct.items()}
+        for group in layout.groups:
+            for runtime in group.source_keys():
+                to_checkpoint[runtime] = group.target_keys()
+        names: dict[str, None] = {}
+        for key in missing:
+            names.update(dict.fromkeys(to_checkpoint.get(key, [key])))
+        return list(names)
+
+
+def install_state_dict_boundary(model: PreTrainedModel) -> None:
+    """Make ``model.save_pretrained`` write and ``model.load_state_dict`` accept the original layout (instance
+    attributes: transformers' classes are untouched)."""
+    object.__setattr__(model, "save_pretrained", OriginalFormatSave(model))
+    object.__setattr__(model, "load_state_dict", OriginalLayoutLoad(model))
