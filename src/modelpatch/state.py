@@ -35,6 +35,7 @@ configs of the models it builds.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -180,22 +181,41 @@ RUNTIME_LAYOUT_MARK = (
     "original layout with `modelpatch convert SRC DST --fusion none`)"
 )
 """Appended to ``model_type`` in the config.json of a runtime-layout save, so that stock transformers refuses it by
-name (an unknown model type) instead of loading it with randomly initialised fused weights."""
+name (an unknown model type) instead of loading it with randomly initialised fused weights.
+
+A concrete class's ``from_pretrained`` (``LlamaForCausalLM``) only warns about another model type, so the mark also
+stands in ``dtype``: every stock config looks its ``dtype`` string up in torch, and fails quoting it. The real value
+follows the mark, as JSON, and :func:`unmark_runtime_layout` puts it back."""
+
+_DTYPE_KEY = "dtype"
 
 
 def mark_runtime_layout(config_json: dict[str, Any]) -> dict[str, Any]:
-    """The config.json object of a runtime-layout save: its ``model_type`` marked with :data:`RUNTIME_LAYOUT_MARK`."""
+    """The config.json object of a runtime-layout save: its ``model_type`` and ``dtype`` marked with
+    :data:`RUNTIME_LAYOUT_MARK` (the real ``dtype`` kept after the mark)."""
     marked = dict(config_json)
     marked["model_type"] = f"{marked['model_type']}{RUNTIME_LAYOUT_MARK}"
+    marked[_DTYPE_KEY] = f"{RUNTIME_LAYOUT_MARK.strip()} {json.dumps(marked.get(_DTYPE_KEY))}"
     return marked
 
 
 def unmark_runtime_layout(config_json: dict[str, Any]) -> dict[str, Any] | None:
-    """The config.json object with its real ``model_type`` when it carries :data:`RUNTIME_LAYOUT_MARK`, else None."""
+    """The config.json object with its real ``model_type`` (and ``dtype``) when it carries
+    :data:`RUNTIME_LAYOUT_MARK`, else None."""
     model_type = config_json.get("model_type")
     if not isinstance(model_type, str) or not model_type.endswith(RUNTIME_LAYOUT_MARK):
         return None
-    return {**config_json, "model_type": model_type.removesuffix(RUNTIME_LAYOUT_MARK)}
+    unmarked = {**config_json, "model_type": model_type.removesuffix(RUNTIME_LAYOUT_MARK)}
+    dtype = config_json.get(_DTYPE_KEY)
+    prefix = f"{RUNTIME_LAYOUT_MARK.strip()} "
+    if isinstance(dtype, str) and dtype.startswith(prefix):  # saves before the dtype mark carry a real dtype
+        try:
+            unmarked[_DTYPE_KEY] = json.loads(dtype.removeprefix(prefix))
+        except ValueError as exc:
+            raise CheckpointError(
+                f"config.json's {_DTYPE_KEY!r} holds a malformed modelpatch mark: {dtype!r}."
+            ) from exc
+    return unmarked
 
 
 @dataclass

@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, BertForSequenceClassi
 import modelpatch
 from modelpatch import CheckpointError
 from modelpatch.checkpoint import writer
-from modelpatch.state import RECORD_KEY, RUNTIME_LAYOUT_MARK
+from modelpatch.state import RECORD_KEY, unmark_runtime_layout
 from support.checkpoints import STOCK_CHECKPOINTS
 from support.compare import assert_bitwise_equal, bits
 from support.files import config_json, read_tensors
@@ -162,8 +162,8 @@ def test_runtime_layout_save_and_reload(stock_checkpoint, tmp_path, name):
     assert RECORD_KEY not in config_json(original_dir)
     runtime_config = config_json(runtime_dir)
     del runtime_config[RECORD_KEY]
-    runtime_config["model_type"] = runtime_config["model_type"].removesuffix(RUNTIME_LAYOUT_MARK)
-    assert config_json(original_dir) == runtime_config
+    assert unmark_runtime_layout(runtime_config) is not None
+    assert config_json(original_dir) == unmark_runtime_layout(runtime_config)
 
 
 @pytest.mark.parametrize("stock_method", [False, True])
@@ -179,6 +179,14 @@ def test_stock_transformers_refuses_a_runtime_layout_by_name(tiny, tmp_path, sto
     assert "model.layers.0.self_attn.qkv_proj.weight" in read_tensors(runtime_dir)
     with pytest.raises(ValueError, match=r"modelpatch runtime-layout checkpoint.*modelpatch.from_pretrained"):
         AutoModelForCausalLM.from_pretrained(runtime_dir)
+    # A concrete class only warns about another model type: the mark in dtype stops it, quoted in the error.
+    for stock_entry in (
+        AutoConfig.from_pretrained,
+        type(model).from_pretrained,
+        type(model).config_class.from_pretrained,
+    ):
+        with pytest.raises(Exception, match=r"modelpatch runtime-layout checkpoint"):
+            stock_entry(runtime_dir)
     reloaded = modelpatch.from_pretrained(AutoModelForCausalLM, runtime_dir)
     assert modelpatch.get_load_report(reloaded).runtime_layout
     assert_bitwise_equal(reloaded.state_dict(), model.state_dict())
