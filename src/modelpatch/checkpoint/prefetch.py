@@ -1,0 +1,262 @@
+"""Reading a checkpoint's files into the page cache on background threads, ahead of the code that touches them.
+
+A load maps the safetensors files and hands out views of them: their bytes are read from disk only when first
+touched, by the conversions of the load and then by the first forward pass, one page fault at a time (each a small
+synchronous read). On a cold page cache that costs several times what reading the same bytes in large sequential
+reads costs. A :class:`Prefetch` reads the files' byte ranges in the order given (the order the load and the forward
+need them) in large chunks on daemon threads, so that the faults find the pages already cached while the main thread
+goes on building the model and running it.
+
+It is a hint, and never more: the threads read into a private buffer of bounded size through their own duplicates of
+the file descriptors (closing the checkpoint leaves them reading a file that is still open, never another file given
+the same descriptor number), skip chunks whose pages are all resident already (a warm cache costs one ``mincore``
+per chunk), read every byte at most once, and stop on the first error, which is logged at DEBUG level and never
+raised. ``MODELPATCH_PREFETCH=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import mmap
+import os
+import re
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+from .checkpoint import Checkpoint
+from .file_range import FileRange
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "MODELPATCH_PREFETCH"
+# Large enough for sequential throughput, small enough that order is kept and a stop is quick.
+CHUNK_BYTES = 8 * 2**20
+# Two reads in flight keep a virtual disk busier than one; more would compete with the load for the CPUs.
+THREADS = 2
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+def prefetch_enabled() -> bool:
+    """Whether loads prefetch their checkpoint (``MODELPATCH_PREFETCH`` unset, or anything but 0/false/no/off)."""
+    return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _natural(key: str) -> list[object]:
+    # "layers.2" before "layers.10": the order modules run in, which the files' (sorted) key order is not.
+    return [int(part) if part.isdigit() else part for part in _DIGITS.split(key)]
+
+
+def checkpoint_ranges(checkpoint: Checkpoint) -> list[FileRange]:
+    """The byte ranges of ``checkpoint``'s safetensors tensors, in natural key order (layer 2 before layer 10): the
+    order of a model's layers, known from the headers alone. Tensors of pickle files have none."""
+    ranges = (checkpoint.file_range(key) for key in sorted(checkpoint.keys(), key=_natural))
+    return [r for r in ranges if r is not None and r.length > 0]
+
+
+def _find_mincore() -> tuple[Callable[..., int], Callable[..., int], Callable[..., int]] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        mmap_, munmap, mincore = libc.mmap, libc.munmap, libc.mincore
+    except (OSError, AttributeError):
+        return None
+    mmap_.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    mmap_.restype = ctypes.c_void_p
+    munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    munmap.restype = ctypes.c_int
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    mincore.restype = ctypes.c_int
+    return mmap_, munmap, mincore
+
+
+_MINCORE = _find_mincore()
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class _File:
+    """One file the prefetch reads: a duplicate of the checkpoint's descriptor, and a shared read-only mapping of it
+    used only to ask which pages are resident (it is never touched, so it reads nothing and counts for nothing)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = os.dup(fd)
+        self.address: int | None = None
+        try:
+            self.size = os.fstat(self.fd).st_size
+        except OSError:
+            os.close(self.fd)
+            raise
+        if _MINCORE is not None and self.size > 0:
+            address = _MINCORE[0](None, self.size, mmap.PROT_READ, mmap.MAP_SHARED, self.fd, 0)
+            self.address = None if address in (None, _MAP_FAILED) else address
+
+    def resident(self, start: int, length: int) -> bool:
+        """Whether every page of bytes ``[start, start + length)`` is in the page cache (False when unknown)."""
+        if self.address is None or _MINCORE is None:
+            return False
+        first = start // mmap.PAGESIZE * mmap.PAGESIZE
+        end = min(start + length, self.size)
+        pages = -(-(end - first) // mmap.PAGESIZE)
+        vector = ctypes.create_string_buffer(pages)
+        if _MINCORE[2](self.address + first, end - first, vector) != 0:
+            return False
+        return vector.raw.count(0) == 0
+
+    def close(self) -> None:
+        if self.address is not None and _MINCORE is not None:
+            _MINCORE[1](self.address, self.size)
+            self.address = None
+        os.close(self.fd)
+
+
+def _read(file: _File, start: int, length: int, buffer: memoryview) -> None:
+    """Read bytes ``[start, start + length)`` of ``file`` into ``buffer`` (and so into the page cache)."""
+    os.preadv(file.fd, [buffer[:length]], start)
+
+
+class Prefetch:
+    """Background reads of file byte ranges into the page cache, in the order given (see the module docstring).
+
+    Build it with :meth:`start`; the threads end on their own once every chunk is read, or at the first error, or
+    after :meth:`stop`. ``error`` holds the error that ended a thread early, if any.
+    """
+
+    def __init__(self, ranges: Sequence[FileRange], threads: int = THREADS, chunk_bytes: int = CHUNK_BYTES) -> None:
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._chunk_bytes = chunk_bytes
+        self.error: BaseException | None = None
+        self.read_bytes = 0
+        self._files: dict[int, _File] = {}
+        try:
+            self._chunks = collections.deque(self._split(self._merged(ranges)))
+        except BaseException:
+            self._close_files()
+            raise
+        self._running = min(threads, len(self._chunks))
+        self._threads = [
+            threading.Thread(target=self._run, name=f"modelpatch-prefetch-{i}", daemon=True)
+            for i in range(self._running)
+        ]
+        if not self._threads:
+            self._close_files()
+
+    @classmethod
+    def start(cls, ranges: Sequence[FileRange], threads: int = THREADS) -> Prefetch | None:
+        """Start prefetching ``ranges``; None when prefetching is turned off or could not start (logged)."""
+        if not prefetch_enabled() or not ranges:
+            return None
+        try:
+            prefetch = cls(ranges, threads)
+            started = 0
+            try:
+                for thread in prefetch._threads:
+                    thread.start()
+                    started += 1
+            finally:
+                if started < len(prefetch._threads):  # the ones not started will never close the files
+                    prefetch._stopped.set()
+                    prefetch._finished(len(prefetch._threads) - started)
+        except Exception as exc:  # a hint that cannot start is no reason to fail a load
+            logger.debug("checkpoint prefetch not started: %s", exc)
+            return None
+        return prefetch
+
+    def _merged(self, ranges: Sequence[FileRange]) -> Iterator[tuple[_File, int, int]]:
+        """Each range as (file, start, length), a range following the previous one in the same file merged into it."""
+        current: list = []
+        for r in ranges:
+            file = self._files.get(r.fd)
+            if file is None:
+                file = self._files[r.fd] = _File(r.fd)
+            if current and current[0] is file and current[1] + current[2] == r.start:
+                current[2] += r.length
+                continue
+            if current:
+                yield current[0], current[1], current[2]
+            current = [file, r.start, r.length]
+        if current:
+            yield current[0], current[1], current[2]
+
+    def _split(self, ranges: Iterator[tuple[_File, int, int]]) -> Iterator[tuple[_File, int, int]]:
+        for file, start, length in ranges:
+            end = start + length
+            while start < end:
+                step = min(self._chunk_bytes, end - start)
+                yield file, start, step
+                start += step
+
+    def _run(self) -> None:
+        buffer = memoryview(bytearray(self._chunk_bytes))
+        try:
+            while not self._stopped.is_set():
+                try:
+                    file, start, length = self._chunks.popleft()
+                except IndexError:
+                    break
+                if not file.resident(start, length):
+                    _read(file, start, length, buffer)
+                    with self._lock:
+                        self.read_bytes += length
+        except Exception as exc:
+            self.error = exc
+            self._stopped.set()  # the other threads stop too: a failing file fails for them as well
+            logger.debug("checkpoint prefetch stopped: %s", exc)
+        finally:
+            self._finished(1)
+
+    def _finished(self, threads: int) -> None:
+        with self._lock:
+            self._running -= threads
+            last = self._running == 0
+        if last:
+            self._close_files()
+
+    def _close_files(self) -> None:
+        for file in self._files.values():
+            try:
+                file.close()
+            except OSError as exc:
+                logger.debug("checkpoint prefetch: closing %d: %s", file.fd, exc)
+        self._files = {}
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop after the chunks being read now, and wait up to ``timeout`` seconds for the threads to end."""
+        self._stopped.set()
+        self.join(timeout)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait up to ``timeout`` seconds (None: until done) for the threads to end."""
+        for thread in self._threads:
+            if thread.ident is not None:
+                thread.join(timeout)
+
+    def alive(self) -> bool:
+        """Whether a thread is still reading."""
+        return any(thread.is_alive() for thread in self._threads)
+
+
+@contextmanager
+def prefetching(checkpoint: Checkpoint, enabled: bool = True) -> Iterator[Prefetch | None]:
+    """Prefetch ``checkpoint``'s tensors (when ``enabled`` and not turned off) during the block, and after it: the
+    threads go on past a block that succeeds (the first forward reads what they read), and stop with one that fails.
+    """
+    prefetch = None
+    if enabled and prefetch_enabled():
+        try:
+            ranges = checkpoint_ranges(checkpoint)
+        except Exception as exc:  # the load reports a file it cannot read; the hint just does not start
+            logger.debug("checkpoint prefetch not started: %s", exc)
+        else:
+            prefetch = Prefetch.start(ranges)
+    try:
+        yield prefetch
+    except BaseException:
+        if prefetch is not None:
+            prefetch.stop()
+        raise
