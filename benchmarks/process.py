@@ -214,6 +214,10 @@ def loadavg() -> str:
     return " ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
+EVICTED = "evicted: fsync + posix_fadvise(DONTNEED) per file"
+WARMED = "warmed: every file read"
+
+
 def run_case(name: str, path: Path, sides: list[str], pairs: int, cold: bool, fused: bool) -> list[str]:
     """Alternate the sides ``pairs`` times; returns the report lines of the case."""
     samples: dict[str, list[dict]] = {side: [] for side in sides}
@@ -229,7 +233,7 @@ def run_case(name: str, path: Path, sides: list[str], pairs: int, cold: bool, fu
     lines = [
         f"## {name}: {path.name}, {size / 1e6:.0f} MB in {len(list(path.glob('*.safetensors')))} file(s); "
         f"{pairs} pairs; load average before {before}, after {after}",
-        f"   page cache before each sample ({'evicted: fsync + posix_fadvise(DONTNEED) per file' if cold else 'warmed: every file read'}); "
+        f"   page cache before each sample ({EVICTED if cold else WARMED}); "
         f"resident fraction by mincore: min {min(residency):.3f}, max {max(residency):.3f}",
     ]
     stock = samples["stock"]
