@@ -7,8 +7,9 @@ reads costs. A :class:`Prefetch` reads the files' byte ranges in the order given
 need them) in large chunks on daemon threads, so that the faults find the pages already cached while the main thread
 goes on building the model and running it.
 
-It is a hint, and never more: the threads read into a private buffer of bounded size through their own duplicates of
-the file descriptors (closing the checkpoint leaves them reading a file that is still open, never another file given
+It is a hint, and never more: the threads read with ``sendfile`` to ``/dev/null`` (the kernel reads the pages into the
+page cache and copies them nowhere; a small buffer where it cannot), through their own duplicates of the file
+descriptors (closing the checkpoint leaves them reading a file that is still open, never another file given
 the same descriptor number), skip chunks whose pages are all resident already (a warm cache costs one ``mincore``
 per chunk), read every byte at most once, and stop on the first error, which is logged at DEBUG level and never
 raised. ``MODELPATCH_PREFETCH=0`` turns it off.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import errno
 import logging
 import mmap
 import os
@@ -114,9 +116,50 @@ class _File:
         os.close(self.fd)
 
 
-def _read(file: _File, start: int, length: int, buffer: memoryview) -> None:
-    """Read bytes ``[start, start + length)`` of ``file`` into ``buffer`` (and so into the page cache)."""
-    os.preadv(file.fd, [buffer[:length]], start)
+# sendfile() fails with these where the kernel cannot splice from the file to /dev/null: read() is used instead.
+_NO_SENDFILE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ESPIPE}
+
+
+class _Sink:
+    """Where a thread's reads go. ``sendfile`` to ``/dev/null`` makes the kernel read the pages into the page cache
+    without copying them anywhere (no buffer in this process: nothing added to its memory); where it cannot,
+    ``preadv`` into a small buffer, allocated on first use."""
+
+    def __init__(self, chunk_bytes: int) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.null: int | None = os.open(os.devnull, os.O_WRONLY) if hasattr(os, "sendfile") else None
+        self.buffer: memoryview | None = None
+
+    def read(self, fd: int, start: int, length: int) -> None:
+        end = start + length
+        while start < end and self.null is not None:
+            try:
+                done = os.sendfile(self.null, fd, start, end - start)
+            except OSError as exc:
+                if exc.errno not in _NO_SENDFILE:
+                    raise
+                self.close()
+                break
+            if done == 0:  # the end of the file
+                return
+            start += done
+        while start < end:
+            if self.buffer is None:
+                self.buffer = memoryview(bytearray(min(self.chunk_bytes, 2**20)))
+            done = os.preadv(fd, [self.buffer[: end - start]], start)
+            if done == 0:
+                return
+            start += done
+
+    def close(self) -> None:
+        if self.null is not None:
+            os.close(self.null)
+            self.null = None
+
+
+def _read(file: _File, start: int, length: int, sink: _Sink) -> None:
+    """Read bytes ``[start, start + length)`` of ``file`` into the page cache."""
+    sink.read(file.fd, start, length)
 
 
 class Prefetch:
@@ -192,15 +235,16 @@ class Prefetch:
                 start += step
 
     def _run(self) -> None:
-        buffer = memoryview(bytearray(self._chunk_bytes))
+        sink: _Sink | None = None
         try:
+            sink = _Sink(self._chunk_bytes)
             while not self._stopped.is_set():
                 try:
                     file, start, length = self._chunks.popleft()
                 except IndexError:
                     break
                 if not file.resident(start, length):
-                    _read(file, start, length, buffer)
+                    _read(file, start, length, sink)
                     with self._lock:
                         self.read_bytes += length
         except Exception as exc:
@@ -208,6 +252,8 @@ class Prefetch:
             self._stopped.set()  # the other threads stop too: a failing file fails for them as well
             logger.debug("checkpoint prefetch stopped: %s", exc)
         finally:
+            if sink is not None:
+                sink.close()
             self._finished(1)
 
     def _finished(self, threads: int) -> None:
