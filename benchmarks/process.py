@@ -41,9 +41,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
-import mmap
 import os
 import shutil
 import statistics
@@ -52,6 +50,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from fuse_live import LLAMA as LLAMA_WARM  # the ~380 MB Llama of the other benchmarks
+from fuse_live import LLAMA_QUICK as QUICK
+
+from modelpatch.checkpoint.prefetch import resident_fraction as file_fraction
 
 # The child: the user's script, plus the timestamps and the in-process figures printed as one JSON line.
 CHILD = r"""
@@ -86,67 +89,24 @@ print(json.dumps({"started": started, "imported": imported, "loaded": loaded, "f
 """
 
 PYCACHE = Path(tempfile.gettempdir()) / "modelpatch-process-bench-pycache"
-LLAMA_WARM = dict(
-    vocab_size=32000,
-    hidden_size=1024,
-    intermediate_size=2816,
-    num_hidden_layers=12,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    tie_word_embeddings=False,
-)
-LLAMA_COLD = dict(  # TinyLlama-1.1B's shape
-    vocab_size=32000,
-    hidden_size=2048,
-    intermediate_size=5632,
-    num_hidden_layers=22,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    tie_word_embeddings=False,
-)
-QUICK = dict(
-    vocab_size=1000,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    tie_word_embeddings=False,
-)
+LLAMA_COLD = {  # TinyLlama-1.1B's shape
+    **LLAMA_WARM,
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 22,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+}
 
 
 # ------------------------------------------------------------------------------------------------- page cache
 
 
-def _libc_mincore():
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    libc.mincore.restype = ctypes.c_int
-    return libc.mincore
-
-
 def resident_fraction(folder: Path) -> float:
     """The fraction of the pages of the safetensors files in ``folder`` that are in the page cache (``mincore``)."""
-    mincore = _libc_mincore()
-    total = resident = 0
-    for file in sorted(folder.glob("*.safetensors")):
-        size = file.stat().st_size
-        with file.open("rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mapped:
-            address = _mapping_address(mapped)
-            pages = -(-size // mmap.PAGESIZE)
-            vector = ctypes.create_string_buffer(pages)
-            if mincore(address, size, vector) != 0:
-                raise OSError(ctypes.get_errno(), f"mincore failed on {file}")
-            total += pages
-            resident += pages - vector.raw.count(0)
-    return resident / total if total else 1.0
-
-
-def _mapping_address(mapped: mmap.mmap) -> int:
-    # ctypes takes the address of writable buffers only; numpy views a read-only mapping without copying it.
-    import numpy
-
-    return numpy.frombuffer(mapped, dtype=numpy.uint8, count=1).ctypes.data
+    files = sorted(folder.glob("*.safetensors"))
+    sizes = [file.stat().st_size for file in files]
+    return sum(file_fraction(f) * size for f, size in zip(files, sizes, strict=True)) / max(sum(sizes), 1)
 
 
 def evict(folder: Path) -> float:

@@ -3,8 +3,6 @@ load gives, never fails a load, and its threads end."""
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 import sys
 import threading
@@ -17,7 +15,7 @@ import modelpatch
 import modelpatch.checkpoint.prefetch as prefetch_module
 from modelpatch.checkpoint import Checkpoint
 from modelpatch.checkpoint.file_range import FileRange
-from modelpatch.checkpoint.prefetch import ENV_VAR, Prefetch, checkpoint_ranges, prefetch_enabled
+from modelpatch.checkpoint.prefetch import ENV_VAR, Prefetch, checkpoint_ranges, prefetch_enabled, resident_fraction
 from support.compare import assert_bitwise_equal
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore and posix_fadvise")
@@ -31,20 +29,6 @@ def _join_prefetch_threads() -> None:
     for thread in _prefetch_threads():
         thread.join(30)
     assert not _prefetch_threads(), "a prefetch thread did not end"
-
-
-def _resident_fraction(path: Path) -> float:
-    """The fraction of ``path``'s pages in the page cache, asked with ``mincore`` on a mapping never touched."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    size = path.stat().st_size
-    with path.open("rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mapped:
-        address = ctypes.c_char.from_buffer(mapped)
-        pages = -(-size // mmap.PAGESIZE)
-        vector = ctypes.create_string_buffer(pages)
-        assert libc.mincore(ctypes.addressof(address), size, vector) == 0
-        del address  # the mapping cannot close while ctypes holds its buffer
-        return 1 - vector.raw.count(0) / pages
 
 
 def _evict(path: Path) -> None:
@@ -67,7 +51,7 @@ def _big_file(tmp_path: Path) -> Path:
 def test_prefetch_reads_the_files_into_the_page_cache(tmp_path):
     path = _big_file(tmp_path)
     _evict(path)
-    if _resident_fraction(path) > 0.5:
+    if resident_fraction(path) > 0.5:
         pytest.skip("this file system keeps the file cached (posix_fadvise(DONTNEED) is only a hint)")
     with Checkpoint.open(tmp_path) as checkpoint:
         ranges = checkpoint_ranges(checkpoint)
@@ -78,7 +62,7 @@ def test_prefetch_reads_the_files_into_the_page_cache(tmp_path):
     prefetch.join(30)  # it goes on after the checkpoint is closed: it reads its own descriptors
     assert not prefetch.alive() and prefetch.error is None
     assert prefetch.read_bytes == sum(r.length for r in ranges)
-    assert _resident_fraction(path) > 0.99
+    assert resident_fraction(path) > 0.99
 
     # All resident now: a second prefetch reads nothing (one mincore per chunk).
     with Checkpoint.open(tmp_path) as checkpoint:

@@ -97,23 +97,46 @@ class _File:
             address = _MINCORE[0](None, self.size, mmap.PROT_READ, mmap.MAP_SHARED, self.fd, 0)
             self.address = None if address in (None, _MAP_FAILED) else address
 
-    def resident(self, start: int, length: int) -> bool:
-        """Whether every page of bytes ``[start, start + length)`` is in the page cache (False when unknown)."""
+    def resident_pages(self, start: int, length: int) -> int:
+        """How many pages of bytes ``[start, start + length)`` are in the page cache (0 when unknown)."""
         if self.address is None or _MINCORE is None:
-            return False
+            return 0
         first = start // mmap.PAGESIZE * mmap.PAGESIZE
         end = min(start + length, self.size)
         pages = -(-(end - first) // mmap.PAGESIZE)
         vector = ctypes.create_string_buffer(pages)
         if _MINCORE[2](self.address + first, end - first, vector) != 0:
-            return False
-        return vector.raw.count(0) == 0
+            return 0
+        return pages - vector.raw.count(0)
+
+    def resident(self, start: int, length: int) -> bool:
+        """Whether every page of bytes ``[start, start + length)`` is in the page cache (False when unknown)."""
+        end = min(start + length, self.size)
+        pages = -(-(end - start // mmap.PAGESIZE * mmap.PAGESIZE) // mmap.PAGESIZE)
+        return pages > 0 and self.resident_pages(start, length) == pages
 
     def close(self) -> None:
         if self.address is not None and _MINCORE is not None:
             _MINCORE[1](self.address, self.size)
             self.address = None
         os.close(self.fd)
+
+
+def resident_fraction(path: str | os.PathLike[str]) -> float:
+    """The fraction of ``path``'s pages in the page cache (``mincore``; 0.0 where it cannot be asked, 1.0 for an
+    empty file). Reads nothing of the file."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        file = _File(fd)
+    finally:
+        os.close(fd)
+    try:
+        if file.size == 0:
+            return 1.0
+        resident = file.resident_pages(0, file.size)
+        return resident / -(-file.size // mmap.PAGESIZE)
+    finally:
+        file.close()
 
 
 # sendfile() fails with these where the kernel cannot splice from the file to /dev/null: read() is used instead.
