@@ -64,12 +64,13 @@ def test_prefetch_reads_the_files_into_the_page_cache(tmp_path):
     assert prefetch.read_bytes == sum(r.length for r in ranges)
     assert resident_fraction(path) > 0.99
 
-    # All resident now: a second prefetch reads nothing (one mincore per chunk).
+    # Resident now: a second prefetch skips the chunks still all resident (one mincore per chunk), which on a machine
+    # under memory pressure may not be every one.
     with Checkpoint.open(tmp_path) as checkpoint:
-        again = Prefetch.start(checkpoint_ranges(checkpoint))
+        again = Prefetch.start(checkpoint_ranges(checkpoint), chunk_bytes=2**20)
     assert again is not None
     again.join(30)
-    assert again.read_bytes == 0
+    assert again.read_bytes <= 2 * 2**20
 
 
 def test_a_load_with_prefetch_gives_the_same_model_and_its_threads_end(stock_checkpoint, monkeypatch):

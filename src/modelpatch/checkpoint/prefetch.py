@@ -9,10 +9,10 @@ goes on building the model and running it.
 
 It is a hint, and never more: the threads read with ``sendfile`` to ``/dev/null`` (the kernel reads the pages into the
 page cache and copies them nowhere; a small buffer where it cannot), through their own duplicates of the file
-descriptors (closing the checkpoint leaves them reading a file that is still open, never another file given
-the same descriptor number), skip chunks whose pages are all resident already (a warm cache costs one ``mincore``
-per chunk), read every byte at most once, and stop on the first error, which is logged at DEBUG level and never
-raised. ``MODELPATCH_PREFETCH=0`` turns it off.
+descriptors (closing the checkpoint leaves them reading a file that is still open, never another file given the same
+descriptor number); they skip chunks whose pages are all resident already (a warm cache costs one ``mincore`` per
+chunk), read every byte at most once and at most half the memory available, and stop on the first error, which is
+logged at DEBUG level and never raised. ``MODELPATCH_PREFETCH=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -41,6 +41,25 @@ CHUNK_BYTES = 8 * 2**20
 THREADS = 2
 
 _DIGITS = re.compile(r"(\d+)")
+
+
+def _memory_available() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes (None where unknown)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def read_budget() -> int | None:
+    """How many bytes one prefetch reads at most: half the memory available. A checkpoint larger than that would
+    have the prefetch evict pages the load is still to use (or other programs' pages) for pages read too early."""
+    available = _memory_available()
+    return None if available is None else available // 2
 
 
 def prefetch_enabled() -> bool:
@@ -198,6 +217,8 @@ class Prefetch:
         self._chunk_bytes = chunk_bytes
         self.error: BaseException | None = None
         self.read_bytes = 0
+        self._budget = read_budget()
+        self._reserved = 0  # bytes read or being read, against the budget
         self._files: dict[int, _File] = {}
         try:
             self._chunks = collections.deque(self._split(self._merged(ranges)))
@@ -213,12 +234,14 @@ class Prefetch:
             self._close_files()
 
     @classmethod
-    def start(cls, ranges: Sequence[FileRange], threads: int = THREADS) -> Prefetch | None:
+    def start(
+        cls, ranges: Sequence[FileRange], threads: int = THREADS, chunk_bytes: int = CHUNK_BYTES
+    ) -> Prefetch | None:
         """Start prefetching ``ranges``; None when prefetching is turned off or could not start (logged)."""
         if not prefetch_enabled() or not ranges:
             return None
         try:
-            prefetch = cls(ranges, threads)
+            prefetch = cls(ranges, threads, chunk_bytes)
             started = 0
             try:
                 for thread in prefetch._threads:
@@ -266,10 +289,15 @@ class Prefetch:
                     file, start, length = self._chunks.popleft()
                 except IndexError:
                     break
-                if not file.resident(start, length):
-                    _read(file, start, length, sink)
-                    with self._lock:
-                        self.read_bytes += length
+                if file.resident(start, length):
+                    continue
+                with self._lock:
+                    if self._budget is not None and self._reserved + length > self._budget:
+                        break
+                    self._reserved += length
+                _read(file, start, length, sink)
+                with self._lock:
+                    self.read_bytes += length
         except Exception as exc:
             self.error = exc
             self._stopped.set()  # the other threads stop too: a failing file fails for them as well
