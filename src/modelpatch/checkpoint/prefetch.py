@@ -12,7 +12,7 @@ page cache and copies them nowhere; a small buffer where it cannot), through the
 descriptors (closing the checkpoint leaves them reading a file that is still open, never another file given the same
 descriptor number); they skip chunks whose pages are all resident already (a warm cache costs one ``mincore`` per
 chunk), read every byte at most once and at most half the memory available, and stop on the first error, which is
-logged at DEBUG level and never raised. ``MODELPATCH_PREFETCH=0`` turns it off.
+logged at DEBUG level and never raised. Opt-in: ``MODELPATCH_PREFETCH=1`` turns it on.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ logger = logging.getLogger(__name__)
 ENV_VAR = "MODELPATCH_PREFETCH"
 # Large enough for sequential throughput, small enough that order is kept and a stop is quick.
 CHUNK_BYTES = 8 * 2**20
-# Two reads in flight keep a virtual disk busier than one; more would compete with the load for the CPUs.
-THREADS = 2
+# One reader: a second one competed with the forward's own page faults for the disk (measured, docs/benchmarks.md).
+THREADS = 1
 
 _DIGITS = re.compile(r"(\d+)")
 
@@ -63,8 +63,10 @@ def read_budget() -> int | None:
 
 
 def prefetch_enabled() -> bool:
-    """Whether loads prefetch their checkpoint (``MODELPATCH_PREFETCH`` unset, or anything but 0/false/no/off)."""
-    return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
+    """Whether loads prefetch their checkpoint: only when ``MODELPATCH_PREFETCH`` is 1/true/yes/on. Off by default:
+    measured on a virtual disk with 8 MiB read-ahead, it did not shorten a cold load + first forward (see
+    docs/benchmarks.md)."""
+    return os.environ.get(ENV_VAR, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _natural(key: str) -> list[object]:
