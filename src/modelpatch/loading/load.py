@@ -460,8 +460,8 @@ def from_pretrained(
         set_experts_implementation(config, experts_implementation)
     if generation_config is None:
         generation_config = _load_generation_config(directory)
-    # The files are read into the page cache on background threads from here on, while the model is built and
-    # loaded and during the first forward (a hint: off for placements that read only part of the files).
+    # With MODELPATCH_PREFETCH=1, the files are read into the page cache on a background thread from here on, while
+    # the model is built and loaded and during the first forward (a hint: off for placements reading part of them).
     with (
         options.open_checkpoint(directory) as checkpoint,
         prefetching(checkpoint, enabled=device_map is None and tensor_parallel is None),
