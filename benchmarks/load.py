@@ -13,7 +13,9 @@ the same fused model from its runtime-layout checkpoint (written once, outside t
 compared with stock's load of the original checkpoint, which does not fuse them.
 
 Every measurement runs in a FRESH Python process (one subprocess per measurement) that imports torch, transformers,
-modelpatch and the model's modeling module before the clock starts, so that import time is not load time. Measured:
+modelpatch and the model's modeling module before the clock starts, so that import time is not load time: these are
+in-process figures. What a user waits for (interpreter start, imports, load and first forward, warm and cold page
+cache) is what ``benchmarks/process.py`` measures. Measured:
 
 * load: the ``from_pretrained`` call (wall clock, and the process's CPU time, less sensitive to other load);
 * load + forward: the same plus the first forward pass over 16 tokens;

@@ -32,6 +32,7 @@ from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 from .._transformers import initialize_missing, set_attention_implementation, set_experts_implementation
 from ..checkpoint import Checkpoint
 from ..checkpoint.json_file import MAX_CONFIG_BYTES, read_json
+from ..checkpoint.prefetch import prefetching
 from ..conversion.planner import TensorMeta
 from ..conversion.registry import model_conversions
 from ..conversion.transforms import WeightTransform
@@ -526,7 +527,12 @@ def from_pretrained(
         set_experts_implementation(config, experts_implementation)
     if generation_config is None:
         generation_config = _load_generation_config(directory)
-    with options.open_checkpoint(directory) as checkpoint:
+    # With MODELPATCH_PREFETCH=1, the files are read into the page cache on a background thread from here on, while
+    # the model is built and loaded and during the first forward (a hint: off for placements reading part of them).
+    with (
+        options.open_checkpoint(directory) as checkpoint,
+        prefetching(checkpoint, enabled=device_map is None and tensor_parallel is None),
+    ):
         plan = _plan(model_class, path, config, checkpoint, options)
         model, quantization = plan.model, plan.quantization
         # Resolved on the meta model, as stock does: an offload to disk that cannot be done is refused before any read.

@@ -1,0 +1,150 @@
+"""The checkpoint prefetch: reads a checkpoint's files into the page cache on background threads, changes nothing a
+load gives, never fails a load, and its threads end."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import modelpatch
+import modelpatch.checkpoint.prefetch as prefetch_module
+from modelpatch.checkpoint import Checkpoint
+from modelpatch.checkpoint.file_range import FileRange
+from modelpatch.checkpoint.prefetch import ENV_VAR, Prefetch, checkpoint_ranges, prefetch_enabled, resident_fraction
+from support.compare import assert_bitwise_equal
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore and posix_fadvise")
+
+
+def _prefetch_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("modelpatch-prefetch")]
+
+
+def _join_prefetch_threads() -> None:
+    for thread in _prefetch_threads():
+        thread.join(30)
+    assert not _prefetch_threads(), "a prefetch thread did not end"
+
+
+def _evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _big_file(tmp_path: Path) -> Path:
+    from safetensors.torch import save_file
+
+    tensors = {f"layers.{i}.weight": torch.full((256, 1024), float(i)) for i in range(12)}  # 12 MiB
+    save_file(tensors, tmp_path / "model.safetensors")
+    return tmp_path / "model.safetensors"
+
+
+@pytest.fixture(autouse=True)
+def _prefetch_on(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "1")
+
+
+def test_prefetch_is_opt_in(monkeypatch):
+    monkeypatch.delenv(ENV_VAR)
+    assert not prefetch_enabled()
+    monkeypatch.setenv(ENV_VAR, "on")
+    assert prefetch_enabled()
+
+
+def test_prefetch_reads_the_files_into_the_page_cache(tmp_path):
+    path = _big_file(tmp_path)
+    _evict(path)
+    if resident_fraction(path) > 0.5:
+        pytest.skip("this file system keeps the file cached (posix_fadvise(DONTNEED) is only a hint)")
+    with Checkpoint.open(tmp_path) as checkpoint:
+        ranges = checkpoint_ranges(checkpoint)
+        # Natural order: layer 2 before layer 10, whatever the order of the keys in the file.
+        assert [r.start for r in ranges] == [checkpoint.file_range(f"layers.{i}.weight").start for i in range(12)]
+        prefetch = Prefetch.start(ranges)
+        assert prefetch is not None
+    prefetch.join(30)  # it goes on after the checkpoint is closed: it reads its own descriptors
+    assert not prefetch.alive() and prefetch.error is None
+    assert 0 < prefetch.read_bytes <= sum(r.length for r in ranges)  # chunks still cached are skipped
+    assert resident_fraction(path) > 0.99
+
+    # Resident now: a second prefetch skips the chunks still all resident (one mincore per chunk), which on a machine
+    # under memory pressure may not be every one.
+    with Checkpoint.open(tmp_path) as checkpoint:
+        again = Prefetch.start(checkpoint_ranges(checkpoint), chunk_bytes=2**20)
+    assert again is not None
+    again.join(30)
+    assert again.read_bytes <= 2 * 2**20
+
+
+def test_a_load_with_prefetch_gives_the_same_model_and_its_threads_end(stock_checkpoint, monkeypatch):
+    ckpt = stock_checkpoint("llama_sharded")
+    for file in ckpt.files:
+        _evict(file)
+    prefetched = ckpt.load()
+    _join_prefetch_threads()
+    monkeypatch.setenv(ENV_VAR, "0")
+    assert not prefetch_enabled()
+    plain = ckpt.load()
+    assert not _prefetch_threads()
+    assert_bitwise_equal(prefetched.state_dict(), plain.state_dict())
+    assert_bitwise_equal(prefetched.state_dict(), ckpt.stock().state_dict())
+
+
+def test_a_failing_prefetch_does_not_fail_the_load(stock_checkpoint, monkeypatch, caplog):
+    ckpt = stock_checkpoint("llama")
+    failed = threading.Event()
+
+    def failing_read(*args):
+        failed.set()
+        raise OSError(5, "Input/output error")
+
+    # The read every chunk goes through fails (as a read of a failing disk does); resident chunks are not read.
+    monkeypatch.setattr(prefetch_module, "_read", failing_read)
+    monkeypatch.setattr(prefetch_module._File, "resident", lambda self, start, length: False)
+    with caplog.at_level("DEBUG", logger="modelpatch.checkpoint.prefetch"):
+        model = modelpatch.from_pretrained(ckpt.model_class, ckpt.path)
+        _join_prefetch_threads()
+    assert failed.is_set()
+    assert "checkpoint prefetch stopped: [Errno 5] Input/output error" in caplog.text
+    assert_bitwise_equal(model.state_dict(), ckpt.stock().state_dict())
+
+
+def test_prefetch_errors_are_kept_not_raised(tmp_path):
+    # A descriptor that is no file: the prefetch cannot start, and says so by returning None.
+    assert Prefetch.start([FileRange(tmp_path / "gone", -1, 0, 4096)]) is None
+    assert Prefetch.start([]) is None
+    # A descriptor whose reads fail (a directory: EISDIR): the threads stop at the first error and keep it.
+    fd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        prefetch = Prefetch.start([FileRange(tmp_path, fd, 0, 3 * prefetch_module.CHUNK_BYTES)])
+        assert prefetch is not None
+        prefetch.join(30)
+    finally:
+        os.close(fd)
+    assert not prefetch.alive()
+    assert isinstance(prefetch.error, IsADirectoryError)
+    assert prefetch.read_bytes == 0
+
+
+def test_a_failed_load_stops_the_prefetch(stock_checkpoint, tmp_path):
+    ckpt = stock_checkpoint("llama")
+    with pytest.raises(modelpatch.LoadPlanError):
+        modelpatch.from_pretrained(ckpt.model_class, ckpt.path, fusion_config={"qkv": True}, config=_other_config(ckpt))
+    _join_prefetch_threads()
+
+
+def _other_config(ckpt):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(ckpt.path)
+    config.hidden_size *= 2  # every weight's shape differs from the checkpoint's
+    return config
