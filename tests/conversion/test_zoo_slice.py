@@ -64,6 +64,8 @@ SLICE = {
     "bert": False,
     "gpt2": False,
     "t5": False,
+    # a config that refuses num_hidden_layers being set (it derives it from block_sizes)
+    "funnel": False,
 }
 
 
