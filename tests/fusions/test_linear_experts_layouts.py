@@ -102,6 +102,8 @@ def test_experts_it_cannot_fuse_exactly_stay_as_they_are(tmp_path, name):
     """MuSE Spark's per-expert output norm, the privacy filter's float32 projections, Ernie 4.5 VL's checkpoint of
     grouped experts: the experts keep their stock class (nothing dropped: the save is the
     source; the load does not refuse), with the reason."""
+    if not hasattr(transformers, name):
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
     cls, source = _checkpoint(name, tmp_path)
     stock = cls.from_pretrained(source)
     model = modelpatch.from_pretrained(cls, source, fusion_config=FUSION)
