@@ -162,8 +162,8 @@ def test_runtime_layout_save_and_reload(stock_checkpoint, tmp_path, name):
     assert RECORD_KEY not in config_json(original_dir)
     runtime_config = config_json(runtime_dir)
     del runtime_config[RECORD_KEY]
-    assert unmark_runtime_layout(runtime_config) is not None
-    assert config_json(original_dir) == unmark_runtime_layout(runtime_config)
+    assert unmark_runtime_layout(runtime_config) is None  # unfused: stock's own runtime layout, left unmarked
+    assert config_json(original_dir) == runtime_config
 
 
 @pytest.mark.parametrize("stock_method", [False, True])
@@ -190,6 +190,17 @@ def test_stock_transformers_refuses_a_runtime_layout_by_name(tiny, tmp_path, sto
     reloaded = modelpatch.from_pretrained(AutoModelForCausalLM, runtime_dir)
     assert modelpatch.get_load_report(reloaded).runtime_layout
     assert_bitwise_equal(reloaded.state_dict(), model.state_dict())
+
+
+def test_an_unfused_runtime_layout_stays_loadable_by_stock(stock_checkpoint, tmp_path):
+    """Without fusions the runtime layout is stock's own (3-D experts, as stock's save_original_format=False writes):
+    stock loads it, so it is not marked."""
+    ckpt = stock_checkpoint("qwen2_moe")
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path)
+    modelpatch.save_pretrained(model, tmp_path / "runtime", save_original_format=False)
+    assert unmark_runtime_layout(config_json(tmp_path / "runtime")) is None
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path / "runtime")
+    assert_bitwise_equal(stock.state_dict(), model.state_dict())
 
 
 def test_convert_with_fusion_none_turns_a_runtime_layout_back(tiny, tmp_path):

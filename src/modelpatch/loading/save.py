@@ -39,7 +39,7 @@ from ..conversion.planner import ConversionPlan, TensorMeta, plan_save
 from ..conversion.registry import model_conversions
 from ..conversion.transforms import WeightTransform
 from ..errors import ConversionError, SaveError
-from ..state import mark_runtime_layout, model_record, record_file_layout
+from ..state import mark_runtime_layout, model_record, record_file_layout, stored_fusion_config
 from .offload import gather_offloaded
 from .parallel import barrier, gather_state, local_tensor, writes_files
 from .quantization import quantized_checkpoint
@@ -355,9 +355,10 @@ def config_files(model: PreTrainedModel, *, original_format: bool) -> dict[str, 
         # The head was untied since the model was built: the reload must not tie it back over the saved tensor.
         config.tie_word_embeddings = False
     config_json = config.to_json_string(use_diff=True)
-    if not original_format:
+    if not original_format and stored_fusion_config(config) is not None:
         # Stock transformers would load these tensors into a stock model, leaving the fused ones random: the marked
-        # model type makes it refuse by name (modelpatch unmarks it when it loads).
+        # model type makes it refuse by name (modelpatch unmarks it when it loads). An unfused model's runtime layout
+        # is stock's own (save_original_format=False), which stock loads: it stays unmarked.
         config_json = json.dumps(mark_runtime_layout(json.loads(config_json)), indent=2, sort_keys=True) + "\n"
     files = {"config.json": config_json.encode()}
     generation_config = getattr(model, "generation_config", None)
