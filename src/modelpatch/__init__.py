@@ -75,6 +75,7 @@ _LAZY: dict[str, str] = {
             "fuse",
             "get_load_report",
             "iter_original_state_dict",
+            "load_planned",
             "patch_model",
             "plan_pretrained",
             "save_pretrained",

@@ -23,7 +23,8 @@ from transformers import (
 import modelpatch
 from modelpatch import CheckpointError
 from modelpatch.loading import keywords
-from modelpatch.loading import load as load_module
+from modelpatch.loading import options as options_module
+from modelpatch.loading.options import LoadOptions
 from support.compare import assert_bitwise_equal
 
 # Private keywords of stock from_pretrained (telemetry, backward compatibility): not part of its public interface.
@@ -52,7 +53,8 @@ def stock_keywords() -> set[str]:
 
 
 def test_every_stock_keyword_is_decided():
-    named = set(inspect.signature(modelpatch.from_pretrained).parameters)
+    # from_pretrained's own parameters, and the keywords it gathers into LoadOptions.
+    named = set(inspect.signature(modelpatch.from_pretrained).parameters) | LoadOptions.keywords()
     undecided = stock_keywords() - named - set(keywords.NO_OPS) - set(keywords.REFUSED)
     assert not undecided, f"transformers keywords neither honoured nor refused: {sorted(undecided)}"
     assert {"attn_implementation", "torch_dtype", "revision", "output_loading_info", "low_cpu_mem_usage"} <= (
@@ -105,7 +107,7 @@ def test_experts_implementation(stock_checkpoint):
 
 def test_torch_dtype_is_a_deprecated_alias_of_dtype(stock_checkpoint, caplog):
     path = stock_checkpoint("llama").path
-    load_module._warn_torch_dtype_deprecated.cache_clear()  # warned once per process
+    options_module._warn_torch_dtype_deprecated.cache_clear()  # warned once per process
     with caplog.at_level(logging.WARNING, logger="modelpatch.loading.load"):
         model = modelpatch.from_pretrained(AutoModelForCausalLM, path, torch_dtype=torch.bfloat16)
     assert "`torch_dtype` is deprecated! Use `dtype` instead!" in caplog.text

@@ -1,6 +1,6 @@
 """Loading and saving: ``from_pretrained``, ``from_config``, ``save_pretrained``."""
 
-from .load import PlannedLoad, from_config, from_pretrained, plan_pretrained
+from .load import PlannedLoad, from_config, from_pretrained, load_planned, plan_pretrained
 from .report import LoadReport, get_load_report
 from .restructure import fuse, patch_model, unfuse
 from .save import save_pretrained
@@ -13,6 +13,7 @@ __all__ = [
     "LoadReport",
     "PlannedLoad",
     "plan_pretrained",
+    "load_planned",
     "from_config",
     "from_pretrained",
     "get_load_report",

@@ -33,9 +33,8 @@ from ..checkpoint.writer import Streamed, stream_checkpoint
 from ..conversion.planner import ConversionGroup, ConversionPlan, TensorMeta
 from ..patching.patcher import Patcher
 from . import materialize
-from .config import load_config
 from .diagnose import collapse_indices
-from .load import _load_generation_config, _plan, from_pretrained
+from .load import load_with_options, open_plan
 from .materialize import _placed
 from .options import FusionConfig, LoadOptions
 from .plan import LoadPlan
@@ -127,7 +126,7 @@ class Conversion:
     def _not_streamable(self) -> str | None:
         """Why this conversion needs the loaded model (None when streaming it writes the same files)."""
         plan = self.plan
-        if plan.quantization is not None:
+        if any(mode.quantizes for mode in plan.modes):
             return "a quantized checkpoint is written by its quantizer"
         loaded = set(plan.loaded_keys())
         left_out = _left_out(plan)
@@ -307,24 +306,10 @@ def plan_conversion(
 
     Raises what the load raises before reading any tensor (``LoadPlanError`` naming every key, ...).
     """
-    options = LoadOptions(
+    options = LoadOptions.from_keywords(
         patcher=patcher, fusion_config=fusion_config, dtype=dtype, unexpected_keys="error", allow_pickle=allow_pickle
     )
-    directory = Path(source)
-    config = load_config(directory)
-    generation = _load_generation_config(directory)
-    with options.open_checkpoint(directory) as checkpoint:
-        plan = _plan(model_class, source, config, checkpoint, options)
-
-        def reload() -> PreTrainedModel:
-            return from_pretrained(
-                model_class,
-                source,
-                patcher=patcher,
-                fusion_config=fusion_config,
-                unexpected_keys="error",
-                dtype=dtype,
-                allow_pickle=allow_pickle,
-            )
-
-        yield Conversion(plan, checkpoint, reload, generation)
+    with open_plan(model_class, source, options) as (plan, checkpoint):
+        yield Conversion(
+            plan, checkpoint, lambda: load_with_options(model_class, source, options), plan.generation_config
+        )

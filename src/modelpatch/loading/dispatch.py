@@ -7,17 +7,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PreTrainedModel
 
 from .._transformers import no_split_modules, skip_keys_device_placement
-from ..checkpoint import Checkpoint
 from ..state import ensure_model_record
-from .offload import DiskOffload
-from .plan import LoadPlan
+from .modes import LoadMode
+from .offload import DiskOffload, gather_offloaded
+
+if TYPE_CHECKING:
+    from ..checkpoint import Checkpoint
+    from .plan import LoadPlan
 
 _AUTO = ("auto", "balanced", "balanced_low_0", "sequential")
 
@@ -74,50 +76,58 @@ def resolve_device_map(
     return dict(device_map)
 
 
-@dataclass
-class Dispatch:
-    """A ``device_map`` resolved on the meta-device model, and how the weights of its ``"disk"`` modules are read.
+class Dispatch(LoadMode):
+    """The load mode of a ``device_map`` over several devices (and disk): the map is resolved on the meta-device
+    model, and how the weights of its ``"disk"`` modules are read is decided, before any tensor data is read (as
+    stock resolves its map on the meta model), so that an offload that cannot be done is refused before the load;
+    the loaded model is then dispatched with accelerate.
 
-    Planned before any tensor data is read (as stock resolves its map on the meta model), so that an offload that
-    cannot be done is refused before the load; applied to the loaded model.
+    ``device_map``: as asked for, then (once planned) as resolved, ``{module name: device}``.
     """
 
-    device_map: dict[str, Any]
-    offload: DiskOffload | None
-    offload_buffers: bool
+    name = "device-map dispatch"
 
-    @classmethod
-    def plan(
-        cls,
-        model: PreTrainedModel,
+    def __init__(
+        self,
         device_map: str | Mapping[str, Any],
-        load_plan: LoadPlan,
-        checkpoint: Checkpoint,
         *,
         max_memory: Mapping[Any, Any] | None = None,
         offload_folder: str | os.PathLike[str] | None = None,
         offload_buffers: bool = False,
-        in_place: bool = True,
-    ) -> Dispatch:
-        """Resolve ``device_map`` ("auto" fits ``max_memory``) and plan the disk offload (:class:`DiskOffload`)."""
-        resolved = resolve_device_map(model, device_map, max_memory)
-        offload = None
-        if "disk" in resolved.values():
-            offload = DiskOffload.plan(
-                model,
-                resolved,
-                load_plan,
-                checkpoint,
-                offload_folder=offload_folder,
-                offload_buffers=offload_buffers,
-                in_place=in_place,
-            )
-        return cls(resolved, offload, offload_buffers)
+    ) -> None:
+        self.requested = device_map
+        self.max_memory = max_memory
+        self.offload_folder = offload_folder
+        self.offload_buffers = offload_buffers
+        self.device_map: dict[str, Any] = {}
+        self.offload: DiskOffload | None = None
 
-    def keep_files(self, checkpoint: Checkpoint) -> None:
+    def plan(self, model: PreTrainedModel, plan: LoadPlan, checkpoint: Checkpoint) -> None:
+        """Resolve ``device_map`` ("auto" fits ``max_memory``) and plan the disk offload (:class:`DiskOffload`):
+        weights are read in place unless a mode of the load changes them (quantization)."""
+        self.device_map = resolve_device_map(model, self.requested, self.max_memory)
+        if "disk" in self.device_map.values():
+            self.offload = DiskOffload.plan(
+                model,
+                self.device_map,
+                plan,
+                checkpoint,
+                offload_folder=self.offload_folder,
+                offload_buffers=self.offload_buffers,
+                in_place=not any(mode.quantizes for mode in plan.modes),
+            )
+
+    def after_load(self, model: PreTrainedModel, plan: LoadPlan, checkpoint: Checkpoint) -> None:
         """Keep the checkpoint files that offloaded weights are read from in place (before the load closes them)."""
         if self.offload is not None:
             self.offload.keep_files(checkpoint)
+
+    def finish(self, model: PreTrainedModel) -> PreTrainedModel:
+        return self.apply(model)
+
+    def prepare_save(self, model: PreTrainedModel, state: Mapping[str, Any]) -> dict[str, Any]:
+        """The weights offloaded to disk read back from their files (:func:`gather_offloaded`)."""
+        return gather_offloaded(model, state)
 
     def apply(self, model: PreTrainedModel) -> PreTrainedModel:
         """Place the loaded ``model``'s modules and add accelerate's hooks that move weights and activations."""

@@ -12,16 +12,21 @@ Data flow of a load:
 5. execute the plan (zero-copy for unconverted tensors), then let transformers initialise non-persistent buffers and
    requested new parameters and tie weights exactly as stock does;
 6. attach a :class:`LoadReport` to the model (it is what ``save_pretrained`` reverses).
+
+Steps 1–4 are :func:`plan_pretrained` (a :class:`LoadPlan`), 5–6 :func:`load_planned`; :func:`from_pretrained` runs
+both on one open checkpoint. What a load does besides filling a model on one device (quantization, tensor
+parallelism, dispatch over devices and disk) is a load mode (``modes.py``): the loader calls every mode's hooks, in
+order, at the same points of every load.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, overload
@@ -59,16 +64,16 @@ from .build import (
 )
 from .config import load_config, resolve_dtype, resolve_model_class
 from .diagnose import Replacement
-from .dispatch import Dispatch, single_device
+from .dispatch import Dispatch
 from .hub import HubOptions, resolve_checkpoint
-from .keywords import config_overrides
 from .materialize import load_into_model
-from .options import FusionConfig, LoadOptions, UnexpectedKeys
-from .parallel import distributed_config_of
+from .modes import LoadMode, TensorSource
+from .options import FusionConfig, LoadOptions
+from .parallel import TensorParallelSetup
 from .parallel import prepare as prepare_tensor_parallel
 from .plan import LoadPlan, model_expectations, plan_model_load
 from .quantization import load_quantization
-from .report import LoadReport
+from .report import LoadReport, get_load_report
 from .state_dict import install_state_dict_boundary
 
 logger = logging.getLogger(__name__)
@@ -158,35 +163,91 @@ class _FusionsStepAside(Exception):
     """The load's fusions do not apply to this model and checkpoint as discovery found them (why: the message)."""
 
 
-def _plan(
-    model_class: type,
-    name_or_path: str | os.PathLike[str],
-    config: PretrainedConfig,
-    checkpoint: Checkpoint,
-    options: LoadOptions,
-) -> LoadPlan:
-    """Build the model of a load on the meta device and plan where each of its tensors comes from.
+@dataclass
+class _Request:
+    """A load as asked for, resolved before its checkpoint is opened: the options, the checkpoint's directory, the
+    config to build from (keywords applied), the generation config, and tensor parallelism's mesh (made once)."""
+
+    model_class: type
+    path: str | os.PathLike[str]
+    options: LoadOptions
+    directory: Path
+    config: PretrainedConfig
+    generation_config: GenerationConfig | None
+    tensor_parallel: TensorParallelSetup | None
+
+    @classmethod
+    def resolve(cls, model_class: type, path: str | os.PathLike[str], options: LoadOptions) -> _Request:
+        # The mesh first (torch.distributed initialised), as transformers makes it before looking at any file.
+        tensor_parallel = prepare_tensor_parallel(options.distributed)
+        directory = resolve_checkpoint(
+            path, options.hub, allow_pickle=options.allow_pickle, safetensors_only=bool(options.use_safetensors)
+        )
+        config = _model_config(directory, options.config, options.hub, options.config_overrides)
+        _check_remote_code(config, options.trust_remote_code)
+        # Stock sets both on the config before building (its setters reach the sub-configs of composite models).
+        if options.attn_implementation is not None:
+            set_attention_implementation(config, options.attn_implementation)
+        if options.experts_implementation is not None:
+            set_experts_implementation(config, options.experts_implementation)
+        generation_config = options.generation_config
+        if generation_config is None:
+            generation_config = _load_generation_config(directory)
+        return cls(model_class, path, options, directory, config, generation_config, tensor_parallel)
+
+    def modes(self, config: PretrainedConfig, options: LoadOptions) -> list[LoadMode]:
+        """The load modes of one planning of the load, in the order their hooks run: quantization (refused by name
+        here, before anything is built or read, when unsupported), tensor parallelism, device-map dispatch."""
+        modes: list[LoadMode] = []
+        quantization = load_quantization(config, options.quantization_config, device_map=options.device_map)
+        if quantization is not None:
+            modes.append(quantization)
+        if self.tensor_parallel is not None:
+            modes.append(self.tensor_parallel)
+        if options.device_map is not None:
+            modes.append(
+                Dispatch(
+                    options.device_map,
+                    max_memory=options.max_memory,
+                    offload_folder=options.offload_folder,
+                    offload_buffers=options.offload_buffers,
+                )
+            )
+        return [*modes, *options.load_modes]
+
+    def prefetches(self) -> bool:
+        """Whether reading the checkpoint ahead helps: not for placements that read part of it."""
+        return self.options.device_map is None and self.tensor_parallel is None
+
+
+def _plan(request: _Request, checkpoint: Checkpoint) -> LoadPlan:
+    """Build the model of a load on the meta device, plan where each of its tensors comes from, and let the load
+    modes plan their part (:meth:`LoadMode.plan`): every refusal comes from here, before any tensor data is read.
 
     A fusion steps aside rather than refuse a load that loads without it: when the fused model cannot be built as
     discovery found it, or the checkpoint does not plan into it, the load is planned again without fusions (said at
     INFO), unless a fusion asked to be ``strict``.
     """
+    options, model_class = request.options, request.model_class
     try:
-        return _plan_once(options, checkpoint, config, model_class, name_or_path)
+        plan = _plan_once(request, checkpoint, options)
     except _FusionsStepAside as aside:
-        requested = resolve_fusion_config(config, options.fusion_config)
+        requested = resolve_fusion_config(request.config, options.fusion_config)
         if any(isinstance(value, Mapping) and value.get("strict") for value in requested.values()):
             raise FusionError(f"Fusions {sorted(n for n, v in requested.items() if v)} (strict): {aside}") from None
         unfused = dataclasses.replace(options, fusion_config=dict.fromkeys(requested, False))
         try:
-            plan = _plan_once(unfused, checkpoint, config, model_class, name_or_path)
+            plan = _plan_once(request, checkpoint, unfused)
         except LoadPlanError:
             # The checkpoint does not load without the fusions either: the error is the fused load's, as asked for.
             if isinstance(aside.__cause__, LoadPlanError):
                 raise aside.__cause__ from None
             raise
         logger.info("Loading %s without fusions: %s", getattr(model_class, "__name__", model_class), aside)
-        return plan
+    plan.generation_config = request.generation_config
+    for mode in plan.modes:
+        mode.plan(plan.model, plan, checkpoint)
+    return plan
 
 
 def _differing_decisions(model: PreTrainedModel, unfused: PreTrainedModel, fusions: PreparedFusions) -> list[str]:
@@ -208,53 +269,25 @@ def _differing_decisions(model: PreTrainedModel, unfused: PreTrainedModel, fusio
     return differing
 
 
-def _plan_once(
-    options: LoadOptions,
-    checkpoint: Checkpoint,
-    config: PretrainedConfig,
-    model_class: type,
-    name_or_path: str | os.PathLike[str],
-) -> LoadPlan:
+def _plan_once(request: _Request, checkpoint: Checkpoint, options: LoadOptions) -> LoadPlan:
     """One try of :func:`_plan` with ``options``."""
     directory = checkpoint.directory
-    config = copy.deepcopy(config)
-    # An unsupported quantization method is refused by name here, before anything is built or read.
-    quantization = load_quantization(config, options.quantization_config, device_map=options.device_map)
-    concrete = resolve_model_class(model_class, config)
+    config = copy.deepcopy(request.config)
+    modes = request.modes(config, options)
+    concrete = resolve_model_class(request.model_class, config)
     # What the caller named (a repo id stays a repo id), as stock from_pretrained records it.
-    config.name_or_path = str(name_or_path)
+    config.name_or_path = str(request.path)
     metas = {key: TensorMeta(checkpoint.info(key).shape, checkpoint.info(key).dtype) for key in checkpoint.keys()}
     # Stock 5.x from_pretrained defaults to "auto" and records the dtype on the config and its sub-configs.
     dtype = "auto" if options.dtype is None else options.dtype
     resolved_dtype = resolve_dtype(dtype, config, (m.dtype for m in metas.values()))
-    if quantization is not None:
-        resolved_dtype = quantization.update_dtype(resolved_dtype)
+    for mode in modes:
+        resolved_dtype = mode.update_dtype(resolved_dtype)
     _set_config_dtype(config, resolved_dtype)
     if not options.new_parameters:
         check_layer_count(concrete, config, metas, directory / "config.json", resolved_dtype)
-    fusions = PreparedFusions()
-    try:
-        setup = _load_setup(concrete, config, options, resolved_dtype)
-        fusions, layers = setup.fusions, setup.layers.ordered()
-        if setup.unfused is not None and not fusions.fused and quantization is None:
-            model, scope = setup.unfused  # nothing to fuse: the discovery build is this load's model
-        else:
-            prepare = (
-                None
-                if quantization is None
-                else lambda m: quantization.preprocess(m, dtype=resolved_dtype, checkpoint_files=checkpoint.files)
-            )
-            model, scope = build_empty_model_patched(concrete, config, resolved_dtype, layers, prepare)
-    except Exception as exc:
-        if not isinstance(exc, ModelPatchError):
-            # The config's fault if the stock model cannot be built either, with transformers' default attention
-            # and experts implementations; otherwise a replacement's or a keyword's error, raised as is.
-            stock_config = copy.deepcopy(config)
-            set_attention_implementation(stock_config, None)
-            set_experts_implementation(stock_config, None)
-            with config_build_errors(directory / "config.json", concrete):
-                build_empty_model(concrete, stock_config, resolved_dtype, [])
-        raise
+    model, scope, setup = _build(concrete, config, options, resolved_dtype, modes, checkpoint)
+    fusions, layers = setup.fusions, setup.layers.ordered()
     if setup.unfused is not None and fusions.fused and not is_runtime_layout(config):
         if differing := _differing_decisions(model, setup.unfused[0], fusions):
             raise _FusionsStepAside(f"the fused build fuses other modules than discovery found ({differing[:3]})")
@@ -262,11 +295,13 @@ def _plan_once(
     keep_in_fp32(model, resolved_dtype)
     transforms = _conversions(model, options.patcher, fusions)
     runtime_layout = is_runtime_layout(config)
-    # A quantized checkpoint's tensors first become the parameters they make up (stage one, quantization.py).
-    parameters = None
-    if quantization is not None:
-        parameters = quantization.plan_checkpoint(model, metas, resolved_dtype)
-        quantization.check_conversions([] if runtime_layout else transforms)
+    # What the plan reads: the checkpoint as the modes make it (a quantized checkpoint's tensors grouped into the
+    # parameters they make up).
+    parameters: Mapping[str, TensorMeta] = metas
+    for mode in modes:
+        parameters = mode.plan_parameters(
+            model, parameters, dtype=resolved_dtype, transforms=[] if runtime_layout else transforms
+        )
     try:
         return plan_model_load(
             model,
@@ -277,7 +312,7 @@ def _plan_once(
             fusions=fusions,
             runtime_layout=runtime_layout,
             replaced=replaced,
-            quantization=quantization,
+            modes=modes,
             parameters=parameters,
             # Explaining missing keys by the classes the patches replaced needs a stock build: only on error.
             replacements=(lambda: _replacements(model, concrete, config, resolved_dtype, layers, fusions))
@@ -288,6 +323,41 @@ def _plan_once(
         if not fusions.fused or runtime_layout:
             raise
         raise _FusionsStepAside(f"the checkpoint does not load into the fused model ({exc})") from exc
+
+
+def _build(
+    concrete: type[PreTrainedModel],
+    config: PretrainedConfig,
+    options: LoadOptions,
+    dtype: torch.dtype,
+    modes: Sequence[LoadMode],
+    checkpoint: Checkpoint,
+) -> tuple[PreTrainedModel, PatchScope, _Setup]:
+    """The load's model on the meta device, under its patch layers, prepared by its modes
+    (:meth:`LoadMode.prepare_model`); with the setup it was built under."""
+
+    def prepare(model: PreTrainedModel) -> None:
+        for mode in modes:
+            mode.prepare_model(model, dtype=dtype, checkpoint=checkpoint)
+
+    try:
+        setup = _load_setup(concrete, config, options, dtype)
+        if setup.unfused is not None and not setup.fusions.fused and not modes:
+            return (*setup.unfused, setup)  # nothing to fuse: the discovery build is this load's model
+        model, scope = build_empty_model_patched(
+            concrete, config, dtype, setup.layers.ordered(), prepare if modes else None
+        )
+        return model, scope, setup
+    except Exception as exc:
+        if not isinstance(exc, ModelPatchError):
+            # The config's fault if the stock model cannot be built either, with transformers' default attention
+            # and experts implementations; otherwise a replacement's or a keyword's error, raised as is.
+            stock_config = copy.deepcopy(config)
+            set_attention_implementation(stock_config, None)
+            set_experts_implementation(stock_config, None)
+            with config_build_errors(checkpoint.directory / "config.json", concrete):
+                build_empty_model(concrete, stock_config, dtype, [])
+        raise
 
 
 def _replacements(
@@ -321,56 +391,67 @@ def _replacements(
     return found
 
 
-def plan_pretrained(
-    model_class: type,
-    path: str | os.PathLike[str],
-    *,
-    patcher: Patcher | None = None,
-    fusion_config: FusionConfig | None = None,
-    dtype: torch.dtype | str | None = None,
-    new_parameters: Sequence[str] = (),
-    allow_pickle: bool = False,
-    allow_external_symlinks: bool = False,
-    revision: str | None = None,
-    subfolder: str = "",
-    cache_dir: str | os.PathLike[str] | None = None,
-    token: bool | str | None = None,
-    local_files_only: bool = False,
-    force_download: bool = False,
-    quantization_config: Any = None,
-) -> LoadPlan:
-    """Plan :func:`from_pretrained` without reading any tensor data: a :class:`LoadPlan` holds the meta-device model
-    and where each of its tensors comes from.
+def plan_pretrained(model_class: type, path: str | os.PathLike[str], **keywords: Any) -> LoadPlan:
+    """Plan :func:`from_pretrained` without reading any tensor data; :func:`load_planned` executes the plan.
 
-    ``path`` and the keywords mean what they mean to :func:`from_pretrained` (a hub repository's files are fetched
-    into the cache: the safetensors headers are in them). Raises the same errors as :func:`from_pretrained` would
-    before loading (``LoadPlanError`` naming every key).
+    Takes the arguments of :func:`from_pretrained` (but ``output_loading_info``) with their meanings, except that
+    ``unexpected_keys`` defaults to ``"ignore"``: the plan lists them (``LoadPlan.unexpected``). A hub repository's
+    files are fetched into the cache: the safetensors headers are in them. Builds the model on the meta device,
+    plans where each of its tensors comes from and lets the load modes (quantization, tensor parallelism, dispatch)
+    plan their part.
+
+    Raises:
+        LoadPlanError, CheckpointError, ValueError, ...: Everything :func:`from_pretrained` refuses before loading
+            (``LoadPlanError`` naming every key); nothing was read but headers and configs.
     """
-    options = LoadOptions(
-        patcher=patcher,
-        fusion_config=fusion_config,
-        dtype=dtype,
-        new_parameters=new_parameters,
-        unexpected_keys="ignore",
-        allow_pickle=allow_pickle,
-        allow_external_symlinks=allow_external_symlinks,
-        hub=HubOptions(revision, subfolder, cache_dir, token, local_files_only, force_download),
-        quantization_config=quantization_config,
-    )
-    directory = resolve_checkpoint(path, options.hub, allow_pickle=allow_pickle)
-    config = load_config(directory)
-    with options.open_checkpoint(directory) as checkpoint:
-        return _plan(model_class, path, config, checkpoint, options)
+    options = LoadOptions.from_keywords(**{"unexpected_keys": "ignore", **keywords})
+    with open_plan(model_class, path, options) as (plan, _):
+        return plan
 
 
-# The return type follows output_loading_info, as in transformers; the other keywords are the implementation's.
+@contextmanager
+def open_plan(
+    model_class: type, path: str | os.PathLike[str], options: LoadOptions
+) -> Iterator[tuple[LoadPlan, Checkpoint]]:
+    """The plan of a load with ``options``, and its checkpoint, open while the caller uses them (offline conversion
+    streams the checkpoint's tensors through the plan)."""
+    request = _Request.resolve(model_class, path, options)
+    with options.open_checkpoint(request.directory) as checkpoint:
+        yield _plan(request, checkpoint), checkpoint
+
+
+def load_planned(plan: LoadPlan) -> PreTrainedModel:
+    """Execute a plan of :func:`plan_pretrained`: read the tensors into its model and return the loaded model (what
+    :func:`from_pretrained` with the same arguments returns). A plan loads once.
+
+    Raises:
+        CheckpointError: The checkpoint's headers changed since the plan was made (plan again), or a file is
+            rewritten while it is read.
+        ValueError: The plan was loaded already.
+    """
+    if plan.loaded:
+        raise ValueError("This LoadPlan was loaded already; a plan loads once: plan again with plan_pretrained.")
+    with plan.options.open_checkpoint(plan.directory) as checkpoint:
+        planned = plan.checkpoint
+        now = {key: TensorMeta(checkpoint.info(key).shape, checkpoint.info(key).dtype) for key in checkpoint.keys()}
+        if now != planned:
+            changed = sorted(k for k in planned.keys() | now.keys() if planned.get(k) != now.get(k))
+            raise CheckpointError(
+                f"{plan.directory}: the checkpoint changed since it was planned ({len(changed)} tensor(s) differ: "
+                f"{', '.join(changed[:3])}): plan it again. Nothing was loaded."
+            )
+        device = _fill(plan, checkpoint)
+    return _finish(plan, device)
+
+
+# The return type follows output_loading_info, as in transformers; the other keywords are LoadOptions'.
 @overload
 def from_pretrained(
     model_class: type,
     path: str | os.PathLike[str],
     *,
     output_loading_info: Literal[False] = False,
-    **kwargs: Any,
+    **keywords: Any,
 ) -> PreTrainedModel: ...
 @overload
 def from_pretrained(
@@ -378,212 +459,102 @@ def from_pretrained(
     path: str | os.PathLike[str],
     *,
     output_loading_info: Literal[True],
-    **kwargs: Any,
+    **keywords: Any,
 ) -> tuple[PreTrainedModel, dict[str, Any]]: ...
 def from_pretrained(
-    model_class: type,
-    path: str | os.PathLike[str],
-    *,
-    patcher: Patcher | None = None,
-    fusion_config: FusionConfig | None = None,
-    dtype: torch.dtype | str | None = None,
-    device: torch.device | str | None = None,
-    device_map: str | int | torch.device | Mapping[str, Any] | None = None,
-    max_memory: Mapping[Any, Any] | None = None,
-    offload_folder: str | Path | None = None,
-    offload_buffers: bool = False,
-    new_parameters: Sequence[str] = (),
-    unexpected_keys: UnexpectedKeys = "warn",
-    allow_pickle: bool = False,
-    allow_external_symlinks: bool = False,
-    config: PretrainedConfig | str | os.PathLike[str] | None = None,
-    revision: str | None = None,
-    subfolder: str = "",
-    cache_dir: str | os.PathLike[str] | None = None,
-    token: bool | str | None = None,
-    local_files_only: bool = False,
-    force_download: bool = False,
-    use_safetensors: bool | None = None,
-    attn_implementation: str | None = None,
-    experts_implementation: str | None = None,
-    generation_config: GenerationConfig | None = None,
-    trust_remote_code: bool | None = None,
-    torch_dtype: torch.dtype | str | None = None,
-    output_loading_info: bool = False,
-    quantization_config: Any = None,
-    tp_plan: str | dict[str, str] | None = None,
-    tp_size: int | None = None,
-    distributed_config: Any = None,
-    **kwargs: Any,
+    model_class: type, path: str | os.PathLike[str], *, output_loading_info: bool = False, **keywords: Any
 ) -> PreTrainedModel | tuple[PreTrainedModel, dict[str, Any]]:
     """Load a checkpoint into ``model_class`` with patches, fusions and weight conversions applied.
 
     Takes transformers' ``from_pretrained`` keywords with their meanings; the few it cannot honour are refused with
-    the reason (docs/loading_and_saving.md has the table).
+    the reason (docs/loading_and_saving.md has the table). :func:`plan_pretrained` then :func:`load_planned` do the
+    same in two steps.
 
     Args:
         model_class: An Auto class (``AutoModelForCausalLM``) or a concrete ``PreTrainedModel`` subclass.
         path: A local checkpoint directory (``config.json`` + safetensors files) or a hub repo id (``"org/name"``),
             whose files are resolved through huggingface_hub's cache as transformers does (``HF_HUB_OFFLINE=1``:
             from the cache only).
-        patcher: Class replacements and conversion adjustments for this load only.
-        fusion_config: ``{fusion name: True / False / options}``; defaults to the one stored in the config.
-        dtype: Like transformers 5: ``"auto"`` (the config's dtype, else the checkpoint's; what None means, as in
-            stock ``from_pretrained``) or a ``torch.dtype`` (or its name).
-        device: Where parameters go (default CPU). Unconverted CPU tensors stay memory-mapped (zero-copy).
-        device_map: One device for the whole model (``"cpu"``, ``"cuda:0"``, ``0``, ``{"": device}``: the same as
-            ``device``), or spread over several with accelerate: ``"auto"`` (fit ``max_memory``) or
-            ``{module name: device}``. Weights of ``"disk"`` modules are read in place from the checkpoint's
-            safetensors files when the load reads them unconverted, as in stock; converted ones need ``offload_folder``.
-        max_memory: ``{device: bytes or "10GiB"}`` limits for ``device_map="auto"``.
-        offload_folder: Where the weights offloaded to ``"disk"`` that cannot be read in place are written.
-        offload_buffers: Offload buffers with the parameters of modules on ``"disk"``.
-        new_parameters: Regex patterns of parameters that may be absent from the checkpoint; they are initialised
-            as stock transformers initialises them (a fresh task head, say). Any other absent parameter is an error.
-        unexpected_keys: What to do with checkpoint keys the model has no place for: "warn", "error" or "ignore".
-        allow_pickle: Accept ``pytorch_model.bin`` checkpoints, read with ``torch.load(weights_only=True)``.
-        allow_external_symlinks: Follow symlinked checkpoint files wherever they lead. By default a symlink must stay
-            inside the checkpoint directory or, in a hub cache snapshot, inside its repository's ``blobs/``.
-        config: The config to build the model from instead of the checkpoint's ``config.json``: a
-            ``PretrainedConfig`` or a directory / repo id holding one.
-        revision: Branch, tag, ``refs/pr/N`` or commit of a hub repository (default: main).
-        subfolder: The checkpoint's folder inside ``path``.
-        cache_dir: The huggingface_hub cache to use instead of ``HF_HUB_CACHE``.
-        token: Hub token for private or gated repositories (``True``: the one saved by ``hf auth login``).
-        local_files_only: Never download; use the cache only.
-        force_download: Download the files again even if they are cached.
-        use_safetensors: ``True`` refuses checkpoints without safetensors weights; ``None`` (default) reads
-            safetensors, or pickle files when the checkpoint has nothing else and ``allow_pickle=True``.
-        attn_implementation: ``"eager"``, ``"sdpa"``, ... set on the config before the model is built, as stock.
-        experts_implementation: The MoE experts implementation, set on the config as stock does.
-        generation_config: Used instead of the checkpoint's ``generation_config.json``.
-        trust_remote_code: modelpatch loads the model types built into transformers only: ``True`` is refused for
-            a checkpoint that ships its own modeling code (``auto_map``).
-        torch_dtype: Deprecated alias of ``dtype`` (``dtype`` wins when both are given), as in transformers.
         output_loading_info: Also return transformers' loading-info dict (``missing_keys``, ``unexpected_keys``,
             ``mismatched_keys``, ``error_msgs``).
-        **kwargs: Attributes of the checkpoint's config to override (``output_attentions=True``), as in
-            transformers. ``low_cpu_mem_usage`` (and ``offload_state_dict``) are accepted and change nothing:
-            modelpatch always loads lazily (meta-device build, memory-mapped tensors). transformers keywords that
-            modelpatch cannot honour (``key_mapping``, ``state_dict``, ...) raise
-            ``ValueError`` saying why; any other keyword raises ``TypeError``.
-        quantization_config: Quantize at load like stock (a transformers ``TorchAoConfig``), or loading options of a
-            quantized checkpoint. Quantized checkpoints (``quantization_config`` in config.json) need nothing: fp8,
-            torchao and compressed-tensors load as stock loads them; other methods are refused by name.
-        tp_plan: ``"auto"`` (the model's own TP plan; a dict overrides some of its rules) loads tensor-parallel over
-            the ``torchrun`` processes, as transformers does: each rank reads only its shards
-            (docs/loading_and_saving.md, "Tensor parallelism").
-        tp_size: The number of ranks to shard over (default: the world size).
-        distributed_config: A transformers ``DistributedConfig`` (or dict) instead of ``tp_plan`` / ``tp_size``;
-            tensor parallelism only.
+        **keywords: The settings of the load, each documented as the attribute of :class:`LoadOptions` it sets:
+            ``patcher``, ``fusion_config``, ``dtype`` (``torch_dtype``), ``device``, ``device_map``,
+            ``max_memory``, ``offload_folder``, ``offload_buffers``, ``new_parameters``, ``unexpected_keys``,
+            ``allow_pickle``, ``allow_external_symlinks``, ``config``, the hub's ``revision``, ``subfolder``,
+            ``cache_dir``, ``token``, ``local_files_only``, ``force_download``, ``use_safetensors``,
+            ``attn_implementation``, ``experts_implementation``, ``generation_config``, ``trust_remote_code``,
+            ``quantization_config``, ``tp_plan``, ``tp_size``, ``distributed_config``; any other keyword overrides the
+            config attribute of its name, as in transformers.
 
     Raises:
         CheckpointError: ``path`` is neither a checkpoint directory nor a hub repository that can be resolved, or a
             file in it is malformed.
         LoadPlanError: The checkpoint does not cover the model (every offending key is named); nothing is loaded.
     """
-    overrides = config_overrides(kwargs)
-    dtype = _dtype_argument(dtype, torch_dtype)
-    if use_safetensors is False:
-        raise ValueError(
-            "use_safetensors=False is not supported: modelpatch reads safetensors whenever a checkpoint has them; "
-            "allow_pickle=True reads checkpoints that have only pytorch_model.bin."
-        )
-    if device is not None and device_map is not None:
-        raise ValueError("Pass either device or device_map, not both.")
-    distributed = distributed_config_of(tp_plan, tp_size, distributed_config)
-    if distributed is not None and (device is not None or device_map is not None):
-        raise ValueError(
-            "Tensor parallelism places each rank's shards on its own device: pass no device or device_map."
-        )
-    if device_map is not None and (one_device := single_device(device_map)) is not None:
-        device, device_map = one_device, None
-    try:
-        target_device = torch.device(device) if device is not None else torch.device("cpu")
-    except RuntimeError as exc:  # torch's error for an unknown device string
-        raise ValueError(f"device {device!r} is not a torch device: {exc}") from None
-    tensor_parallel = prepare_tensor_parallel(distributed)
-    if tensor_parallel is not None:
-        target_device = tensor_parallel.device
-    options = LoadOptions(
-        patcher=patcher,
-        fusion_config=fusion_config,
-        dtype=dtype,
-        new_parameters=new_parameters,
-        unexpected_keys=unexpected_keys,
-        allow_pickle=allow_pickle,
-        allow_external_symlinks=allow_external_symlinks,
-        hub=HubOptions(revision, subfolder, cache_dir, token, local_files_only, force_download),
-        quantization_config=quantization_config,
-        device_map=device_map,
-    )
-    directory = resolve_checkpoint(path, options.hub, allow_pickle=allow_pickle, safetensors_only=bool(use_safetensors))
-    config = _model_config(directory, config, options.hub, overrides)
-    _check_remote_code(config, trust_remote_code)
-    # Stock sets both on the config before building (its setters reach the sub-configs of composite models).
-    if attn_implementation is not None:
-        set_attention_implementation(config, attn_implementation)
-    if experts_implementation is not None:
-        set_experts_implementation(config, experts_implementation)
-    if generation_config is None:
-        generation_config = _load_generation_config(directory)
+    options = LoadOptions.from_keywords(**keywords)
+    model = load_with_options(model_class, path, options)
+    report = get_load_report(model)
+    assert report is not None  # every load records one
+    return (model, report.loading_info()) if output_loading_info else model
+
+
+def load_with_options(model_class: type, path: str | os.PathLike[str], options: LoadOptions) -> PreTrainedModel:
+    """:func:`from_pretrained` with its keywords gathered in ``options``: planned and executed on one open
+    checkpoint."""
+    request = _Request.resolve(model_class, path, options)
     # With MODELPATCH_PREFETCH=1, the files are read into the page cache on a background thread from here on, while
     # the model is built and loaded and during the first forward (a hint: off for placements reading part of them).
     with (
-        options.open_checkpoint(directory) as checkpoint,
-        prefetching(checkpoint, enabled=device_map is None and tensor_parallel is None),
+        options.open_checkpoint(request.directory) as checkpoint,
+        prefetching(checkpoint, enabled=request.prefetches()),
     ):
-        plan = _plan(model_class, path, config, checkpoint, options)
-        model, quantization = plan.model, plan.quantization
-        # Resolved on the meta model, as stock does: an offload to disk that cannot be done is refused before any read.
-        placement = None
-        if device_map is not None:
-            # single_device took every one-device form above: a dispatch map or one of accelerate's strategies is left.
-            assert isinstance(device_map, (str, Mapping))
-            placement = Dispatch.plan(
-                model,
-                device_map,
-                plan,
-                checkpoint,
-                max_memory=max_memory,
-                offload_folder=offload_folder,
-                offload_buffers=offload_buffers,
-                in_place=quantization is None,
-            )
-        # Safetensors tensors (byte range known) are views of a private file mapping; pickle ones are not.
-        fetch, file_mapped = checkpoint.tensor, lambda key: checkpoint.info(key).start >= 0
-        if quantization is not None:
-            fetch, file_mapped = quantization.fetch(fetch, file_mapped)
-        if tensor_parallel is not None and quantization is not None:
-            raise ValueError("Tensor-parallel loading of quantized models is not supported by modelpatch.")
-        sharded = tensor_parallel.shard(model, plan) if tensor_parallel is not None else None
-        if sharded is not None:
-            fetch = sharded.fetch(fetch)
-        load_into_model(model, plan, fetch, target_device, checkpoint.total_bytes, file_mapped=file_mapped)
-        if sharded is not None:
-            sharded.finish(model)
-        # A file rewritten in place while its tensors were being read may have given data of two versions.
-        checkpoint.check_unchanged()
-        if placement is not None:
-            placement.keep_files(checkpoint)
+        plan = _plan(request, checkpoint)
+        device = _fill(plan, checkpoint)
+    return _finish(plan, device)
 
-    if quantization is not None:
-        quantization.quantize_loaded(model, plan.loaded_keys())
-    _finalize(model, plan.expected.keys() - set(plan.loaded_keys()), target_device)
-    if quantization is not None:
-        quantization.finish(model)
+
+def _fill(plan: LoadPlan, checkpoint: Checkpoint) -> torch.device:
+    """Read every planned tensor into the plan's model, through the tensor source the modes wrap
+    (:meth:`LoadMode.wrap_source`), onto the device they name; then :meth:`LoadMode.after_load`. Returns that
+    device."""
+    # Safetensors tensors (byte range known) are views of a private file mapping; pickle ones are not.
+    source = TensorSource(checkpoint.tensor, lambda key: checkpoint.info(key).start >= 0)
+    for mode in plan.modes:
+        source = mode.wrap_source(source)
+    device = _device(plan)
+    load_into_model(plan.model, plan, source.fetch, device, checkpoint.total_bytes, file_mapped=source.file_mapped)
+    plan.loaded = True
+    # A file rewritten in place while its tensors were being read may have given data of two versions.
+    checkpoint.check_unchanged()
+    for mode in plan.modes:
+        mode.after_load(plan.model, plan, checkpoint)
+    return device
+
+
+def _device(plan: LoadPlan) -> torch.device:
+    """Where the loaded tensors go: the ``device`` option, unless a mode names one (the last that does wins)."""
+    device = plan.options.device or torch.device("cpu")
+    for mode in plan.modes:
+        device = mode.device() or device
+    return device
+
+
+def _finish(plan: LoadPlan, device: torch.device) -> PreTrainedModel:
+    """transformers' finalisation, the fused modules' own finishing, the record and report; then each mode's
+    :meth:`LoadMode.finish`, which gives the model the caller gets."""
+    model = plan.model
+    _finalize(model, plan.expected.keys() - set(plan.loaded_keys()), device)
     finish_fused_modules(model)
     plan.fusions.record(model)
-    if generation_config is not None and model.can_generate():
-        model.generation_config = generation_config
-
+    if plan.generation_config is not None and model.can_generate():
+        model.generation_config = plan.generation_config
     report = LoadReport.from_plan(plan)
     record_report(model, report)
-    _record_build(model, plan.expected, _conversions(model, options.patcher, PreparedFusions()))
+    _record_build(model, plan.expected, _conversions(model, plan.options.patcher, PreparedFusions()))
     logger.info("%s", report.summary())
-    if placement is not None:
-        model = placement.apply(model)
-    return (model, report.loading_info()) if output_loading_info else model
+    for mode in plan.modes:
+        model = mode.finish(model)
+    return model
 
 
 def _model_config(
@@ -615,19 +586,6 @@ def _check_remote_code(config: PretrainedConfig, trust_remote_code: bool | None)
             f"unset to load transformers' own {config.model_type!r} implementation, or load this model with "
             "transformers."
         )
-
-
-def _dtype_argument(dtype: torch.dtype | str | None, torch_dtype: torch.dtype | str | None) -> torch.dtype | str | None:
-    """``dtype``, or transformers' deprecated alias ``torch_dtype`` when ``dtype`` is not given (as in stock)."""
-    if torch_dtype is None:
-        return dtype
-    _warn_torch_dtype_deprecated()
-    return dtype if dtype is not None else torch_dtype
-
-
-@functools.cache
-def _warn_torch_dtype_deprecated() -> None:
-    logger.warning("`torch_dtype` is deprecated! Use `dtype` instead!")  # transformers' own wording, once
 
 
 def _set_config_dtype(config: PretrainedConfig, dtype: torch.dtype) -> None:

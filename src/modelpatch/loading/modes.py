@@ -13,7 +13,7 @@ tensors live on the model is the one that gives them back in plain form.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from ..checkpoint import Checkpoint
+    from ..conversion.planner import TensorMeta
+    from ..conversion.transforms import WeightTransform
     from .plan import LoadPlan
 
 
@@ -47,19 +49,28 @@ class LoadMode:
 
     1. :meth:`update_dtype` — while the load's dtype is resolved, before anything is built;
     2. :meth:`prepare_model` — on the meta model as it is built (still under the load's patches);
-    3. :meth:`plan` — once the load plan is complete and validated, before any tensor data is read: a mode that
+    3. :meth:`plan_parameters` — the checkpoint's tensors (headers) as the load plan sees them, before it is made;
+    4. :meth:`plan` — once the load plan is complete and validated, before any tensor data is read: a mode that
        cannot do what it was asked refuses here, so nothing is read;
-    4. :meth:`wrap_source` — the tensor source the loader reads from (each mode wraps the previous mode's);
-    5. :meth:`device` — where the loaded tensors are placed (the last mode that names one wins);
-    6. :meth:`after_load` — after every tensor was placed, while the checkpoint files are still open;
-    7. :meth:`finish` — after transformers' finalisation (buffers, new parameters, tied weights) and the load
+    5. :meth:`wrap_source` — the tensor source the loader reads from (each mode wraps the previous mode's);
+    6. :meth:`device` — where the loaded tensors are placed (the last mode that names one wins);
+    7. :meth:`after_load` — after every tensor was placed and the files were found unchanged, while the checkpoint
+       files are still open;
+    8. :meth:`finish` — after transformers' finalisation (buffers, new parameters, tied weights) and the load
        report; returns the model the caller gets (a mode may wrap it);
-    8. :meth:`prepare_save` — when the model is saved: turns the model's state into plain tensors of the runtime
+    9. :meth:`prepare_save` — when the model is saved: turns the model's state into plain tensors of the runtime
        layout (gathered, dequantized or read back from disk), before the save's reverse conversions run.
+
+    Hooks 1–4 run when the load is planned (:func:`~modelpatch.plan_pretrained`), 5–8 when it is executed
+    (:func:`~modelpatch.load_planned`); :func:`~modelpatch.from_pretrained` does both.
     """
 
     #: Short name used in messages ("quantization", "tensor parallelism", ...).
     name: str = "load mode"
+    #: Whether the mode reads or makes quantized tensors: the model is built in transformers' quantized init context,
+    #: a ``quantization_config`` of the checkpoint is this mode's to honour, and the loaded tensors are not the
+    #: checkpoint's as they are (a disk offload cannot read them in place).
+    quantizes: bool = False
 
     def update_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype the model is built in, given the one the load resolved."""
@@ -67,6 +78,18 @@ class LoadMode:
 
     def prepare_model(self, model: PreTrainedModel, *, dtype: torch.dtype, checkpoint: Checkpoint) -> None:
         """Change the meta model before the load is planned into it (e.g. replace Linears by quantized ones)."""
+
+    def plan_parameters(
+        self,
+        model: PreTrainedModel,
+        checkpoint: Mapping[str, TensorMeta],
+        *,
+        dtype: torch.dtype,
+        transforms: Sequence[WeightTransform],
+    ) -> Mapping[str, TensorMeta]:
+        """The checkpoint's tensors as the load plan sees them, given the previous mode's (e.g. the tensors of each
+        quantized parameter grouped into it); ``transforms``: those the plan will run on them. Reads no data."""
+        return checkpoint
 
     def plan(self, model: PreTrainedModel, plan: LoadPlan, checkpoint: Checkpoint) -> None:
         """Check and prepare this mode's part of the load; raise here, before any tensor data is read."""

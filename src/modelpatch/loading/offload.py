@@ -24,7 +24,7 @@ import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import save_file
@@ -34,7 +34,9 @@ from ..checkpoint import Checkpoint, SafetensorsFile, TensorInfo
 from ..checkpoint.writer import require_writable_directory
 from ..errors import CheckpointError, SaveError
 from ..state import model_record
-from .plan import LoadPlan
+
+if TYPE_CHECKING:
+    from .plan import LoadPlan
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -56,7 +56,11 @@ from ..errors import ModelPatchError
 from ..fusions.linear_experts.modules import ExpertMLP, LinearExperts
 from ..fusions.projections import FusedLinear, ProjectionSlice
 from ..state import ensure_model_record, model_record
-from .plan import LoadPlan
+from .modes import LoadMode, TensorSource
+
+if TYPE_CHECKING:
+    from ..checkpoint import Checkpoint
+    from .plan import LoadPlan
 
 logger = logging.getLogger(__name__)
 
@@ -165,35 +169,44 @@ def distributed_config_of(
     if tp_size is not None and (isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1):
         raise TensorParallelError(f"tp_size must be a positive integer, got {tp_size!r}.")
     if tp_plan is not None or tp_size is not None:
-        if tp_size is not None and tp_plan is None:
-            raise TensorParallelError(f"tp_size={tp_size} needs tp_plan ('auto' for the model's own plan).")
-        plan: dict[str, str] | Literal["auto"] | None
-        if isinstance(tp_plan, str):
-            if tp_plan != "auto":
-                raise TensorParallelError(f"tp_plan must be 'auto' or a dict of rules, got {tp_plan!r}.")
-            plan = "auto"
-        else:
-            _check_tp_plan(tp_plan, "tp_plan")
-            plan = dict(tp_plan)  # type: ignore[arg-type]  # checked: a mapping of strings
-        distributed_config = _distributed_config(tp_plan=plan, tp_size=tp_size)
+        distributed_config = _from_tp_keywords(tp_plan, tp_size)
     elif isinstance(distributed_config, Mapping):
-        # transformers before 5.23 made DistributedConfig otherwise: its fields are not listed there.
-        fields = (
-            {f.name for f in dataclasses.fields(DistributedConfig)}
-            if dataclasses.is_dataclass(DistributedConfig)
-            else None
+        distributed_config = _from_mapping(distributed_config)
+    return None if distributed_config is None else _checked(distributed_config)
+
+
+def _from_tp_keywords(tp_plan: str | dict[str, str] | None, tp_size: int | None) -> DistributedConfig:
+    if tp_size is not None and tp_plan is None:
+        raise TensorParallelError(f"tp_size={tp_size} needs tp_plan ('auto' for the model's own plan).")
+    plan: dict[str, str] | Literal["auto"] | None
+    if isinstance(tp_plan, str):
+        if tp_plan != "auto":
+            raise TensorParallelError(f"tp_plan must be 'auto' or a dict of rules, got {tp_plan!r}.")
+        plan = "auto"
+    else:
+        _check_tp_plan(tp_plan, "tp_plan")
+        plan = dict(tp_plan)  # type: ignore[arg-type]  # checked: a mapping of strings
+    return _distributed_config(tp_plan=plan, tp_size=tp_size)
+
+
+def _from_mapping(distributed_config: Mapping[str, Any]) -> DistributedConfig:
+    # transformers before 5.23 made DistributedConfig otherwise: its fields are not listed there.
+    fields = (
+        {f.name for f in dataclasses.fields(DistributedConfig)} if dataclasses.is_dataclass(DistributedConfig) else None
+    )
+    unknown = sorted(str(name) for name in distributed_config if fields is not None and name not in fields)
+    if unknown:
+        raise TensorParallelError(
+            f"distributed_config has no field {', '.join(map(repr, unknown))}; DistributedConfig's fields are "
+            f"{', '.join(sorted(fields or ()))}."
         )
-        unknown = sorted(str(name) for name in distributed_config if fields is not None and name not in fields)
-        if unknown:
-            raise TensorParallelError(
-                f"distributed_config has no field {', '.join(map(repr, unknown))}; DistributedConfig's fields are "
-                f"{', '.join(sorted(fields or ()))}."
-            )
-        # Read before DistributedConfig resolves them (enable_expert_parallel becomes ep_size there).
-        _refuse_other_parallelisms(distributed_config)
-        distributed_config = _distributed_config(**dict(distributed_config))
-    if distributed_config is None:
-        return None
+    # Read before DistributedConfig resolves them (enable_expert_parallel becomes ep_size there).
+    _refuse_other_parallelisms(distributed_config)
+    return _distributed_config(**dict(distributed_config))
+
+
+def _checked(distributed_config: object) -> DistributedConfig | None:
+    """``distributed_config`` if it asks for tensor parallelism over more than one rank, that this process can do."""
     if not isinstance(distributed_config, DistributedConfig):
         raise TensorParallelError(
             f"distributed_config must be a transformers DistributedConfig or a dict, got {distributed_config!r}."
@@ -245,12 +258,38 @@ def _distributed_config(**fields: Any) -> DistributedConfig:
 
 
 @dataclass
-class TensorParallelSetup:
-    """The mesh and device of this rank, made before anything is built (torch.distributed initialised if needed)."""
+class TensorParallelSetup(LoadMode):
+    """The load mode of tensor parallelism: the mesh and device of this rank, made before anything is built
+    (torch.distributed initialised if needed); once planned, the :class:`ShardedLoad` of the load."""
+
+    name = "tensor parallelism"
 
     config: DistributedConfig
     mesh_manager: Any  # transformers' TransformersDeviceMesh
-    device: torch.device
+    local_device: torch.device
+    sharded: ShardedLoad | None = None
+
+    def plan(self, model: PreTrainedModel, plan: LoadPlan, checkpoint: Checkpoint) -> None:
+        """Refuse a quantized load; shard the meta model (:meth:`shard`), before any tensor data is read."""
+        if any(mode.quantizes for mode in plan.modes):
+            raise ValueError("Tensor-parallel loading of quantized models is not supported by modelpatch.")
+        self.sharded = self.shard(model, plan)
+
+    def wrap_source(self, source: TensorSource) -> TensorSource:
+        """Each rank's shard of every tensor it can slice before reading."""
+        assert self.sharded is not None  # plan() ran first
+        return TensorSource(self.sharded.fetch(source.fetch), source.file_mapped)
+
+    def device(self) -> torch.device:
+        return self.local_device
+
+    def after_load(self, model: PreTrainedModel, plan: LoadPlan, checkpoint: Checkpoint) -> None:
+        assert self.sharded is not None
+        self.sharded.finish(model)
+
+    def prepare_save(self, model: PreTrainedModel, state: Mapping[str, Any]) -> dict[str, Any]:
+        """The full tensors, gathered on every rank (:func:`gather_state`)."""
+        return gather_state(model, state)
 
     @property
     def mesh(self) -> DeviceMesh:

@@ -21,11 +21,13 @@ from ..conversion.transforms import WeightTransform
 from ..errors import LoadPlanError
 from .diagnose import Replacement, collapse_lines, explain
 from .diagnose import quantization as quantization_problem
+from .modes import LoadMode
 from .options import LoadOptions, UnexpectedKeys
 
-if TYPE_CHECKING:  # both import modules that use this one
+if TYPE_CHECKING:  # imports modules that use this one
+    from transformers import GenerationConfig
+
     from ..fusions.apply import PreparedFusions
-    from .quantization import Quantization
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +56,11 @@ class LoadPlan:
         dropped: Checkpoint keys of buffers the model recomputes.
         ignored: Checkpoint keys the model class declares ignorable.
         unexpected: Checkpoint keys the model has no place for.
-        quantization: The quantizer of a quantized load.
+        modes: The load modes of the load (quantization, tensor parallelism, dispatch), in the order their hooks run.
+        options: The options the load was planned with (what executing it needs: the device, file permissions).
+        generation_config: The model's generation config (the checkpoint's ``generation_config.json``, or the one
+            passed), set on the model when it is loaded.
+        loaded: The plan was executed (its model holds the checkpoint's tensors): a plan loads once.
     """
 
     directory: Path
@@ -72,7 +78,10 @@ class LoadPlan:
     dropped: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
-    quantization: Quantization | None = None
+    modes: tuple[LoadMode, ...] = ()
+    options: LoadOptions = field(default_factory=LoadOptions)
+    generation_config: GenerationConfig | None = None
+    loaded: bool = False
 
     def loaded_keys(self) -> list[str]:
         """Runtime keys that receive checkpoint data."""
@@ -107,7 +116,7 @@ def plan_model_load(
     fusions: PreparedFusions,
     runtime_layout: bool,
     replaced: dict[str, tuple[str, str]],
-    quantization: Quantization | None = None,
+    modes: Sequence[LoadMode] = (),
     parameters: Mapping[str, TensorMeta] | None = None,
     replacements: Callable[[], Sequence[Replacement]] | None = None,
 ) -> LoadPlan:
@@ -117,14 +126,12 @@ def plan_model_load(
     ``transforms`` are applied unless the checkpoint is in the ``runtime_layout``. Checkpoint keys the model has no
     place for are ``dropped`` when the model recomputes them (non-persistent buffers), ``ignored`` when the model
     class declares them ignorable (``_keys_to_ignore_on_load_unexpected``) and ``unexpected`` otherwise (handled as
-    ``options.unexpected_keys`` says). A quantized checkpoint is an error unless the load has a ``quantization``,
-    whose stage one turned ``checkpoint`` into the ``parameters`` planned here: otherwise its weights would load
-    without their scales. ``replacements`` lists the modules the load's patches replaced; it is called only to
-    explain missing keys in the error.
+    ``options.unexpected_keys`` says). ``parameters``: the checkpoint as the ``modes`` made it for the plan
+    (:meth:`LoadMode.plan_parameters`); a quantized checkpoint is an error unless a mode ``quantizes``: otherwise its
+    weights would load without their scales. ``replacements`` lists the modules the load's patches replaced; it is
+    called only to explain missing keys in the error.
     """
     expected = model_expectations(model)
-    tied = tied_weight_keys(model)
-
     # transformers' own transforms (a Patcher's extras, say) become modelpatch's, configured like the model's own.
     applied = [] if runtime_layout else transforms
     translated = [t.configured(model.config) for t in translate(applied, type(model).__name__)]
@@ -135,13 +142,52 @@ def plan_model_load(
         expected=expected,
         base_model_prefix=getattr(model, "base_model_prefix", "") or "",
     )
-    # Every load also reads transformers' legacy key names; the report keeps those some key had.
-    used = [*translated, *(t for t in legacy if id(t) in conversion.used)]
-
+    plan = LoadPlan(
+        directory=directory,
+        model=model,
+        checkpoint=checkpoint,
+        transforms=transforms,
+        fusions=fusions,
+        runtime_layout=runtime_layout,
+        replaced=replaced,
+        conversion=conversion,
+        # Every load also reads transformers' legacy key names; the report keeps those some key had.
+        used_transforms=[*translated, *(t for t in legacy if id(t) in conversion.used)],
+        expected=expected,
+        tied=tied_weight_keys(model),
+        modes=tuple(modes),
+        options=options,
+    )
     problems: dict[str, list[str]] = defaultdict(list)
     for kind, items in conversion.problems.items():
         problems[kind].extend(items)
+    _check_outputs(conversion, expected, problems)
+    _sort_absent(plan, problems)
+    _sort_extra(plan)
+    unexpected_keys = options.unexpected_keys
+    if plan.unexpected and unexpected_keys == "error":
+        problems["unexpected in the checkpoint"].extend(plan.unexpected)
+    handled = any(mode.quantizes for mode in modes)
+    quantized_by = quantization_problem(model.config, plan.unexpected, conversion.outputs, handled=handled)
+    if quantized_by is not None:
+        problems["quantized checkpoint"].append(quantized_by)
 
+    if any(problems.values()):
+        raise _plan_error(model, conversion, problems, plan.unexpected, unexpected_keys, quantized_by, replacements)
+    if plan.unexpected and unexpected_keys == "warn":
+        logger.warning(
+            "%d checkpoint keys are not used by %s: %s",
+            len(plan.unexpected),
+            type(model).__name__,
+            ", ".join(plan.unexpected),
+        )
+    return plan
+
+
+def _check_outputs(
+    conversion: ConversionPlan, expected: Mapping[str, TensorMeta], problems: dict[str, list[str]]
+) -> None:
+    """Shape and dtype mismatches between what the plan produces and what the model expects, into ``problems``."""
     sources: dict[str, str] | None = None  # described only for an error: a repr per key costs
     for key, meta in conversion.outputs.items():
         want = expected.get(key)
@@ -158,39 +204,34 @@ def plan_model_load(
                 f"{key}: checkpoint {sources[key]} is {meta.dtype}, model expects {want.dtype}"
             )
 
-    plan = LoadPlan(
-        directory=directory,
-        model=model,
-        checkpoint=checkpoint,
-        transforms=transforms,
-        fusions=fusions,
-        runtime_layout=runtime_layout,
-        replaced=replaced,
-        conversion=conversion,
-        used_transforms=used,
-        expected=expected,
-        tied=tied,
-        quantization=quantization,
-    )
+
+def _sort_absent(plan: LoadPlan, problems: dict[str, list[str]]) -> None:
+    """The model's tensors the plan does not fill: new parameters (allowed), else missing (into ``problems``)."""
     # A tied pair needs one of its two keys; transformers ties the missing one to the present one.
-    provided = conversion.outputs.keys() & expected.keys()
+    tied, expected = plan.tied, plan.expected
+    provided = plan.conversion.outputs.keys() & expected.keys()
     not_needed = {t for t, s in tied.items() if s in provided or t not in provided} | {
         s for t, s in tied.items() if t in provided
     }
     # The patterns below are compiled only when there are keys to match: a load that fits needs none of them.
     absent = sorted(expected.keys() - provided - not_needed)
-    allowed_new = _compile_any([*options.new_parameters, *keys_to_ignore_on_load(model, "missing")]) if absent else None
+    patterns = [*plan.options.new_parameters, *keys_to_ignore_on_load(plan.model, "missing")]
+    allowed_new = _compile_any(patterns) if absent else None
     for key in absent:
         if allowed_new is not None and allowed_new.search(key):
             plan.new_parameters.append(key)
         else:
             problems["missing from the checkpoint"].append(key)
 
-    extra = sorted(conversion.outputs.keys() - expected.keys())
-    if extra:
-        buffers = [re.escape(name) + "$" for name, _ in model.named_buffers() if name not in expected]
-        recomputed = _compile_any([*buffers, r"rotary_emb\.inv_freq$"])
-        ignorable = _compile_any(keys_to_ignore_on_load(model, "unexpected"))
+
+def _sort_extra(plan: LoadPlan) -> None:
+    """The checkpoint's keys the model has no place for: dropped (recomputed), ignored (declared) or unexpected."""
+    extra = sorted(plan.conversion.outputs.keys() - plan.expected.keys())
+    if not extra:
+        return
+    buffers = [re.escape(name) + "$" for name, _ in plan.model.named_buffers() if name not in plan.expected]
+    recomputed = _compile_any([*buffers, r"rotary_emb\.inv_freq$"])
+    ignorable = _compile_any(keys_to_ignore_on_load(plan.model, "unexpected"))
     for key in extra:
         if recomputed is not None and recomputed.search(key):
             plan.dropped.append(key)
@@ -198,24 +239,6 @@ def plan_model_load(
             plan.ignored.append(key)
         else:
             plan.unexpected.append(key)
-    unexpected_keys = options.unexpected_keys
-    if plan.unexpected and unexpected_keys == "error":
-        problems["unexpected in the checkpoint"].extend(plan.unexpected)
-    handled = quantization is not None
-    quantized_by = quantization_problem(model.config, plan.unexpected, conversion.outputs, handled=handled)
-    if quantized_by is not None:
-        problems["quantized checkpoint"].append(quantized_by)
-
-    if any(problems.values()):
-        raise _plan_error(model, conversion, problems, plan.unexpected, unexpected_keys, quantized_by, replacements)
-    if plan.unexpected and unexpected_keys == "warn":
-        logger.warning(
-            "%d checkpoint keys are not used by %s: %s",
-            len(plan.unexpected),
-            type(model).__name__,
-            ", ".join(plan.unexpected),
-        )
-    return plan
 
 
 def _plan_error(

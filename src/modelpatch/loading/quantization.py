@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,10 +56,13 @@ from ..errors import LoadPlanError, ModelPatchError, SaveError
 from ..state import ensure_model_record, model_record, stored_fusion_config
 from .diagnose import collapse_lines
 from .materialize import set_tensor
+from .modes import LoadMode, TensorSource
 from .report import LoadReport
 
 if TYPE_CHECKING:
     from .._transformers import HfQuantizer
+    from ..checkpoint import Checkpoint
+    from .plan import LoadPlan
 
 # What modelpatch loads, by ``quant_method``. compressed-tensors loads its tensors as they are into the parameters its
 # ``preprocess_model`` adds (their dequantizing op, ``dequantize=True``, has no translation and is refused by name).
@@ -126,8 +129,12 @@ def _supported_or_refused(settings: Any, where: str) -> str | None:
 
 
 @dataclass
-class Quantization:
-    """transformers' quantizer of one load and the stage-one plan modelpatch derives from it."""
+class Quantization(LoadMode):
+    """The load mode of a quantized checkpoint or of quantization at load: transformers' quantizer of one load and
+    the stage-one plan modelpatch derives from it."""
+
+    name = "quantization"
+    quantizes = True
 
     quantizer: HfQuantizer
     method: str
@@ -143,9 +150,9 @@ class Quantization:
     def update_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return self.quantizer.update_dtype(dtype)
 
-    def preprocess(self, model: PreTrainedModel, *, dtype: torch.dtype, checkpoint_files: Sequence[Any]) -> None:
+    def prepare_model(self, model: PreTrainedModel, *, dtype: torch.dtype, checkpoint: Checkpoint) -> None:
         """The quantizer's module swaps and checkpoint reading, on the meta model (headers and metadata only)."""
-        files = [str(f) for f in checkpoint_files] or None
+        files = [str(f) for f in checkpoint.files] or None
         with self._refusals(f"cannot prepare {type(model).__name__} for this checkpoint"):
             self.quantizer.preprocess_model(
                 model=model, dtype=dtype, device_map=None, checkpoint_files=files, use_kernels=False
@@ -162,6 +169,19 @@ class Quantization:
         )
 
     # --- stage one -------------------------------------------------------------------------------------------------
+
+    def plan_parameters(
+        self,
+        model: PreTrainedModel,
+        checkpoint: Mapping[str, TensorMeta],
+        *,
+        dtype: torch.dtype,
+        transforms: Sequence[WeightTransform],
+    ) -> Mapping[str, TensorMeta]:
+        """Stage one (:meth:`plan_checkpoint`), then :meth:`check_conversions` of the load's ``transforms``."""
+        parameters = self.plan_checkpoint(model, checkpoint, dtype)
+        self.check_conversions(transforms)
+        return parameters
 
     def plan_checkpoint(
         self, model: PreTrainedModel, checkpoint: Mapping[str, TensorMeta], dtype: torch.dtype
@@ -291,13 +311,12 @@ class Quantization:
                 {"quantized tensors converted": offending},
             )
 
-    def fetch(
-        self, read: Callable[[str], torch.Tensor], file_mapped: Callable[[str], bool]
-    ) -> tuple[Callable[[str], torch.Tensor], Callable[[str], bool]]:
-        """Stage two's ``fetch`` and ``file_mapped`` over the checkpoint's ``read``: a quantized parameter is built
-        from its tensors when stage two asks for it, one at a time."""
+    def wrap_source(self, source: TensorSource) -> TensorSource:
+        """Stage two's source over the checkpoint's: a quantized parameter is built from its tensors when stage two
+        asks for it, one at a time."""
         if self.stage is None:
-            return read, file_mapped
+            return source
+        read, file_mapped = source.fetch, source.file_mapped
         groups = {group.target_keys()[0]: group for group in self.stage.groups}
         direct = self.stage.direct
 
@@ -315,18 +334,18 @@ class Quantization:
                         release_pages(source)
             return tensor
 
-        return fetch, lambda key: key in direct and file_mapped(direct[key])
+        return TensorSource(fetch, lambda key: key in direct and file_mapped(direct[key]))
 
     # --- after the tensors are in place ----------------------------------------------------------------------------
 
-    def quantize_loaded(self, model: PreTrainedModel, keys: Sequence[str]) -> None:
+    def after_load(self, model: PreTrainedModel, plan: LoadPlan, checkpoint: Checkpoint) -> None:
         """Quantize at load (a full-precision checkpoint and ``quantization_config=``): every loaded parameter the
         quantizer wants, with its own op, after modelpatch's conversions and fusions (a fused ``qkv_proj`` is one
         quantized Linear)."""
         if self.quantizer.pre_quantized:
             return
         operation = self.quantizer.get_quantize_ops()
-        for key in keys:
+        for key in plan.loaded_keys():
             if self.quantizer.param_needs_quantization(model, key):
                 produced = operation.convert(
                     {key: model.get_parameter(key)}, model=model, full_layer_name=key, missing_keys=set()
@@ -334,11 +353,12 @@ class Quantization:
                 for name, tensor in produced.items():  # an embedding untied from its head gives the head back
                     set_tensor(model, name, tensor)
 
-    def finish(self, model: PreTrainedModel) -> None:
+    def finish(self, model: PreTrainedModel) -> PreTrainedModel:
         """What stock does last: the quantizer on the model, then its post-processing (config, dequantized state)."""
         model.hf_quantizer = self.quantizer
         self.quantizer.postprocess_model(model)
         ensure_model_record(model).quantization = QuantizedLoad(self.method, self.dequantizes)
+        return model
 
 
 def quantizer_api_supported() -> bool:
