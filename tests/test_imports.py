@@ -9,6 +9,10 @@ the layers, bottom-up:
 * ``patching/``, then ``fusions/`` (a fusion is a class patch with transforms);
 * ``loading/``;
 * the user API: ``__init__.py``, ``auto.py``, ``verify.py``, ``cli/``, ``integrations/`` (importing each other).
+
+No module imports another that imports it back, directly or through others: imports that run (at module level or
+inside a function, which runs when called) make no circle. Imports under ``if TYPE_CHECKING:`` are left out of that
+check: they name types for annotations and never run.
 """
 
 from __future__ import annotations
@@ -51,15 +55,29 @@ def package_modules(root: Path = SOURCE) -> dict[str, Path]:
     return {module_name(path, root): path for path in sorted(root.rglob("*.py"))}
 
 
-def imported_modules(path: Path, name: str, known: set[str]) -> set[str]:
-    """The modules of the package that module ``name`` (the file ``path``) imports, anywhere in its body.
+def _type_checking_imports(tree: ast.AST) -> set[int]:
+    """The ids of the import statements under ``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``) in ``tree``."""
+    guarded: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            guarded.update(id(sub) for child in node.body for sub in ast.walk(child))
+    return guarded
+
+
+def imported_modules(path: Path, name: str, known: set[str], *, runtime_only: bool = False) -> set[str]:
+    """The modules of the package that module ``name`` (the file ``path``) imports, anywhere in its body
+    (``runtime_only``: leaving out the imports under ``if TYPE_CHECKING:``).
 
     ``from X import y`` names module ``X.y`` when that is a module of the package (``from . import registry``),
     else ``X`` itself.
     """
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    tree = ast.parse(path.read_text(), filename=str(path))
+    skipped = _type_checking_imports(tree) if runtime_only else set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -109,3 +127,79 @@ def test_imports_inside_functions_and_relative_ones_are_resolved(tmp_path):
     found = imported_modules(root / "fusions" / "apply.py", "modelpatch.fusions.apply", set(modules))
     assert found == {"modelpatch.state", "modelpatch.loading.build"}
     assert upward_imports(root) == [("modelpatch.fusions.apply", "modelpatch.loading.build")]
+
+
+def import_circles(root: Path = SOURCE) -> list[list[str]]:
+    """Every circle of runtime imports among the package's modules (as its strongly connected groups, each sorted)."""
+    modules = package_modules(root)
+    graph = {
+        name: sorted(
+            target for target in imported_modules(path, name, set(modules), runtime_only=True) if target != name
+        )
+        for name, path in modules.items()
+    }
+    # Tarjan's algorithm, iterative: a group of more than one module is a circle.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, 0)]
+        while work:
+            node, position = work.pop()
+            if position == 0:
+                index[node] = low[node] = len(index)
+                stack.append(node)
+                on_stack.add(node)
+            targets = [t for t in graph[node] if t in graph]
+            if position < len(targets):
+                work.append((node, position + 1))
+                target = targets[position]
+                if target not in index:
+                    work.append((target, 0))
+                elif target in on_stack:
+                    low[node] = min(low[node], index[target])
+                continue
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    circles.append(sorted(group))
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+    return sorted(circles)
+
+
+def test_no_import_circle():
+    circles = import_circles()
+    assert not circles, "modules importing each other (runtime imports, module level or in functions):\n" + "\n".join(
+        "  " + " <-> ".join(group) for group in circles
+    )
+
+
+def test_circles_are_found_through_functions_but_not_through_type_checking_imports(tmp_path):
+    root = tmp_path / PACKAGE
+    (root / "loading").mkdir(parents=True)
+    files = {
+        "__init__.py": "",
+        "loading/__init__.py": "",
+        # a -> b at module level, b -> c in a function, c -> a at module level: one circle of three.
+        "loading/a.py": "from .b import f\n",
+        "loading/b.py": "def f():\n    from .c import g\n",
+        "loading/c.py": "from . import a\n",
+        # d <-> e only through a type-checking import: no circle.
+        "loading/d.py": "from .e import h\n",
+        "loading/e.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .d import x\ndef h(): pass\n",
+    }
+    for name, text in files.items():
+        (root / name).write_text(text)
+    assert import_circles(root) == [["modelpatch.loading.a", "modelpatch.loading.b", "modelpatch.loading.c"]]

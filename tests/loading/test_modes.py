@@ -7,6 +7,7 @@ model's values, compared with the stock model loaded from the same files.
 
 from __future__ import annotations
 
+import copy
 import shutil
 from collections.abc import Mapping, Sequence
 
@@ -22,7 +23,7 @@ from modelpatch.conversion.planner import TensorMeta
 from modelpatch.conversion.transforms import WeightTransform
 from modelpatch.loading.modes import LoadMode, TensorSource
 from modelpatch.loading.plan import LoadPlan
-from support.compare import assert_bitwise_equal, assert_tensor_bitwise_equal
+from support.compare import assert_bitwise_equal, assert_same_files, assert_tensor_bitwise_equal
 
 # The hooks in the order modes.py documents them, as one plain load calls them (no fusion to step aside).
 DOCUMENTED_ORDER = [
@@ -214,3 +215,25 @@ def test_a_checkpoint_changed_since_it_was_planned_is_refused(tiny, tmp_path):
     with pytest.raises(CheckpointError, match=r"changed since it was planned .*model\.norm\.weight"):
         modelpatch.load_planned(plan)
     assert not plan.loaded
+
+
+class RoundTripMode(ScalingMode):
+    """Doubles every floating tensor at load and halves it when the model is saved (both exact in binary)."""
+
+    def prepare_save(self, model: PreTrainedModel, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        self._record("prepare_save")
+        return {k: v / self.factor if v.is_floating_point() else v for k, v in state.items()}
+
+
+def test_a_save_runs_the_prepare_save_of_the_modes_the_model_was_loaded_with(tiny, tmp_path):
+    checkpoint = tiny("llama")
+    log: list[str] = []
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, checkpoint.path, load_modes=[RoundTripMode(log)])
+    modelpatch.save_pretrained(model, tmp_path / "saved")
+    assert log[-1] == "prepare_save"
+    # The halved tensors are the checkpoint's: the save wrote the files it was loaded from.
+    assert_same_files(tmp_path / "saved", checkpoint.path)
+    # A copy of the model shares the modes that loaded it.
+    modelpatch.save_pretrained(copy.deepcopy(model), tmp_path / "copied")
+    assert log[-1] == "prepare_save"
+    assert_same_files(tmp_path / "copied", checkpoint.path)

@@ -19,6 +19,11 @@ from ..fusions.projections import FusedProjectionsSpec
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
 _QUOTED_LIST = re.compile(r"\['[^'\]]*'(?:, '[^'\]]*')+\]")
 
+# What modelpatch loads, by ``quant_method`` (quantization.py refuses the others by name; a checkpoint quantized
+# otherwise is explained here). compressed-tensors loads its tensors as they are into the parameters its
+# ``preprocess_model`` adds (their dequantizing op, ``dequantize=True``, has no translation and is refused by name).
+SUPPORTED_METHODS = ("fp8", "torchao", "compressed-tensors")
+
 
 def collapse_lines(lines: Iterable[str]) -> list[str]:
     """Problem lines for a message: key lists inside a line and lines across, with their indices collapsed."""
@@ -139,8 +144,6 @@ def explain(
     stock model).
     """
     if quantized is not None:
-        from .quantization import SUPPORTED_METHODS  # imports transformers' quantizers: only for this message
-
         return [
             f"This is a quantized checkpoint ({quantized}), and its quantization is not one modelpatch loads: "
             f"modelpatch does not support quantized checkpoints other than {', '.join(SUPPORTED_METHODS)} declared by "

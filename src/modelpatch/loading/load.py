@@ -552,6 +552,7 @@ def _finish(plan: LoadPlan, device: torch.device) -> PreTrainedModel:
     record_report(model, report)
     _record_build(model, plan.expected, _conversions(model, plan.options.patcher, PreparedFusions()))
     logger.info("%s", report.summary())
+    ensure_model_record(model).load_modes = plan.modes  # what a save of the model asks (LoadMode.prepare_save)
     for mode in plan.modes:
         model = mode.finish(model)
     return model

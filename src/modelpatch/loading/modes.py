@@ -110,5 +110,22 @@ class LoadMode:
         return model
 
     def prepare_save(self, model: PreTrainedModel, state: Mapping[str, Any]) -> dict[str, Any]:
-        """``state`` (the model's state dict) as plain tensors of the runtime layout, ready to be converted back."""
+        """``state`` (the model's state dict) as plain tensors of the runtime layout, ready to be converted back.
+
+        The loader records its modes on the model it loads (its record's ``load_modes``); a save of that model, or of
+        a copy of it, calls this with the model being saved: it must read what it needs from ``model``.
+        """
         return dict(state)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> LoadMode:
+        # A copied model shares the modes that loaded it: prepare_save reads the model it is given, not the mode.
+        return self
+
+
+def prepare_save(model: PreTrainedModel, state: Mapping[str, Any], modes: Sequence[LoadMode]) -> dict[str, Any]:
+    """``state`` through the :meth:`LoadMode.prepare_save` of each of ``modes`` (those ``model`` was loaded with), in
+    load order."""
+    prepared = dict(state)
+    for mode in modes:
+        prepared = mode.prepare_save(model, prepared)
+    return prepared

@@ -21,7 +21,7 @@ import copy
 import logging
 import os
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -128,18 +128,29 @@ def gather_offloaded(model: PreTrainedModel, state: Mapping[str, Any]) -> dict[s
     so the save reads them from the files. Raises :class:`SaveError` naming the tensors that are on the meta device
     with nothing to read them from.
     """
-    on_meta = [key for key, tensor in state.items() if isinstance(tensor, torch.Tensor) and tensor.is_meta]
+    on_meta = meta_tensors(state)
     if not on_meta:
         return dict(state)
     weights = offloaded_weights(model)
     lost = [key for key in on_meta if weights is None or key not in weights]
     if weights is None or lost:
-        raise SaveError(
-            f"Cannot save {type(model).__name__}: {len(lost)} tensor(s) are on the meta device with no offloaded copy "
-            f"to read them from: {', '.join(lost)}. Nothing was written. Only tensors of modules that "
-            "modelpatch.from_pretrained offloaded with its device_map can be read back."
-        )
+        raise unreadable_meta_tensors(model, lost)
     return {key: weights[key] if key in on_meta else tensor for key, tensor in state.items()}
+
+
+def meta_tensors(state: Mapping[str, Any]) -> list[str]:
+    """The keys of ``state`` whose tensors are on the meta device (they hold no values)."""
+    return [key for key, tensor in state.items() if isinstance(tensor, torch.Tensor) and tensor.is_meta]
+
+
+def unreadable_meta_tensors(model: PreTrainedModel, keys: Sequence[str]) -> SaveError:
+    """The refusal of a save of ``model`` whose tensors ``keys`` are on the meta device with nothing to read them
+    from."""
+    return SaveError(
+        f"Cannot save {type(model).__name__}: {len(keys)} tensor(s) are on the meta device with no offloaded copy "
+        f"to read them from: {', '.join(keys)}. Nothing was written. Only tensors of modules that "
+        "modelpatch.from_pretrained offloaded with its device_map can be read back."
+    )
 
 
 @dataclass

@@ -12,7 +12,8 @@ file and that one. What it uses, where stock ``from_pretrained`` uses it:
   that loads them. Its renamings are translated into modelpatch :class:`WeightRenaming` s and each supported op into
   a modelpatch :class:`ConversionOperation` (``Fp8Dequantize`` -> :class:`Fp8BlockDequantize`, ``TorchAoDeserialize``
   -> :class:`TorchAoTensor`); an op without a translation is refused by name;
-* ``param_needs_quantization`` and ``get_quantize_ops`` to quantize at load, ``get_state_dict_and_metadata`` to save.
+* ``param_needs_quantization`` and ``get_quantize_ops`` to quantize at load (``get_state_dict_and_metadata``, to
+  save, is used by ``quantized_save.py``, the save half).
   Private attributes read: ``pre_quantized``, ``quantization_config.dequantize``, torchao's ``metadata`` and the
   transforms' ``_original_source_patterns`` / ``_original_target_patterns``.
 
@@ -52,37 +53,21 @@ from ..checkpoint.pages import release_pages
 from ..conversion.operations import ConversionOperation, Fp8BlockDequantize, TorchAoTensor
 from ..conversion.planner import ConversionPlan, TensorMeta, plan_load
 from ..conversion.transforms import WeightConverter, WeightRenaming, WeightTransform
-from ..errors import LoadPlanError, ModelPatchError, SaveError
-from ..state import ensure_model_record, model_record, stored_fusion_config
-from .diagnose import collapse_lines
+from ..errors import LoadPlanError, ModelPatchError
+from ..state import ensure_model_record
+from .diagnose import SUPPORTED_METHODS, collapse_lines
 from .materialize import set_tensor
 from .modes import LoadMode, TensorSource
-from .report import LoadReport
+from .quantized_save import QuantizedLoad
 
 if TYPE_CHECKING:
     from .._transformers import HfQuantizer
     from ..checkpoint import Checkpoint
     from .plan import LoadPlan
 
-# What modelpatch loads, by ``quant_method``. compressed-tensors loads its tensors as they are into the parameters its
-# ``preprocess_model`` adds (their dequantizing op, ``dequantize=True``, has no translation and is refused by name).
-SUPPORTED_METHODS = ("fp8", "torchao", "compressed-tensors")
-
 # Checkpoint dtypes that are plain numbers; anything else a quantized checkpoint stores (float8, packed integers)
 # only means something with its companions.
 _PLAIN_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-@dataclass(frozen=True)
-class QuantizedLoad:
-    """What a save needs to know of a model loaded with a quantizer (kept on the model).
-
-    ``dequantized``: the weights were dequantized at load (fp8 without a GPU): the model holds plain tensors and its
-    config no longer has a ``quantization_config``, as in stock.
-    """
-
-    method: str
-    dequantized: bool
 
 
 def _method_of(settings: Any) -> str | None:
@@ -412,51 +397,3 @@ def load_quantization(
             method,
         )
     return quantization
-
-
-def quantized_checkpoint(
-    model: PreTrainedModel, report: LoadReport | None, *, original_format: bool
-) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
-    """The tensors and safetensors metadata a save of a quantized model writes (what stock writes), or None for a
-    model that holds plain tensors (no quantizer, or dequantized and saved in the runtime layout).
-
-    Raises SaveError, naming the method, for what modelpatch cannot write so that it loads back the same model.
-    """
-    model_state = model_record(model)
-    record: QuantizedLoad | None = None if model_state is None else model_state.quantization
-    if record is None:
-        return None
-    if record.dequantized:
-        if original_format:
-            raise SaveError(
-                f"Cannot save {type(model).__name__} in its checkpoint's layout: its {record.method} weights were "
-                "dequantized at load and their block scales are not kept, so the float8 tensors cannot be written back "
-                "(stock transformers would re-quantize every 2-D weight, embeddings included, under a config that no "
-                "longer declares fp8: a checkpoint that loads wrong). Nothing was written. Save the dequantized "
-                "weights with save_original_format=False."
-            )
-        return None
-    quantizer = getattr(model, "hf_quantizer", None)
-    if quantizer is None:
-        raise SaveError(f"{type(model).__name__} was loaded with {record.method} but its quantizer was removed since.")
-    if original_format:
-        converted = [] if report is None else [group.sources_summary() for group in report.groups]
-        renamed = [] if report is None else [f"{v} -> {k}" for k, v in report.direct.items() if k != v]
-        fused = stored_fusion_config(model.config)
-        if report is None or report.runtime_layout or converted or renamed or fused:
-            raise SaveError(
-                f"Cannot save {type(model).__name__} in its checkpoint's layout: it holds {record.method} tensors "
-                "and its layout differs from the checkpoint's (conversions or fusions: "
-                f"{', '.join([*converted, *renamed][:3]) or 'fusions or a runtime-layout source'}), and modelpatch "
-                "cannot split or unstack quantized tensors. Nothing was written. Save with "
-                "save_original_format=False (modelpatch loads that back), or load without the fusions."
-            )
-    tensors, metadata = quantizer.get_state_dict_and_metadata(model)
-    if tensors is None:
-        raise SaveError(
-            f"Cannot save {type(model).__name__}: transformers' {record.method} quantizer has no serialisation of its "
-            "own, and the model's live state is not the checkpoint's (compressed-tensors decompresses the weights in "
-            "place at the first forward, so what stock writes depends on whether the model ran). modelpatch does not "
-            f"save {record.method} models. Nothing was written."
-        )
-    return tensors, metadata

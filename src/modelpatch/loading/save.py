@@ -40,9 +40,10 @@ from ..conversion.registry import model_conversions
 from ..conversion.transforms import WeightTransform
 from ..errors import ConversionError, SaveError
 from ..state import mark_runtime_layout, model_record, record_file_layout, stored_fusion_config
-from .offload import gather_offloaded
-from .parallel import barrier, gather_state, local_tensor, writes_files
-from .quantization import quantized_checkpoint
+from .modes import prepare_save
+from .offload import meta_tensors, unreadable_meta_tensors
+from .parallel import barrier, local_tensor, writes_files
+from .quantized_save import quantized_checkpoint
 from .report import LoadReport, get_load_report
 
 logger = logging.getLogger(__name__)
@@ -278,10 +279,7 @@ def _checkpoint_contents(
     is then not used, as in stock), or refused by name (quantization.py).
     """
     _reject_wrapped(model)
-    # A tensor-parallel model's shards are gathered into full tensors first, on every rank (collectives); a model
-    # dispatched with modules on disk holds their weights on the meta device: they are read from their files.
-    state = gather_state(model, state_dict if state_dict is not None else model.state_dict())
-    state = gather_offloaded(model, state)
+    state = _runtime_state(model, state_dict if state_dict is not None else model.state_dict())
     report = get_load_report(model)
     quantized = quantized_checkpoint(model, report, original_format=original_format)
     _check_saveable(model, state, quantized=quantized is not None)
@@ -290,6 +288,18 @@ def _checkpoint_contents(
         return _independent(_state_to_save(model, tensors, report)), metadata
     state = _state_to_save(model, state, report)
     return _independent(model_layout(model, state).run(state.__getitem__) if original_format else state), None
+
+
+def _runtime_state(model: PreTrainedModel, state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` as plain tensors, prepared by the load modes the model was loaded with (``prepare_save``): a
+    tensor-parallel model's shards gathered into full tensors, on every rank (collectives); the weights of modules
+    dispatched to disk, on the meta device, read back from their files. A tensor still on the meta device has no
+    values to write: refused by name."""
+    record = model_record(model)
+    prepared = prepare_save(model, state, () if record is None else record.load_modes)
+    if on_meta := meta_tensors(prepared):
+        raise unreadable_meta_tensors(model, on_meta)
+    return prepared
 
 
 def save_pretrained(
