@@ -19,9 +19,8 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 import modelpatch
 from modelpatch import CheckpointError, LoadPlanError
 from modelpatch.checkpoint import Checkpoint
-from modelpatch.conversion.planner import TensorMeta
 from modelpatch.conversion.transforms import WeightTransform
-from modelpatch.loading.modes import LoadMode, TensorSource
+from modelpatch.loading.modes import LoadMode, Metas, TensorSource
 from modelpatch.loading.plan import LoadPlan
 from support.compare import assert_bitwise_equal, assert_same_files, assert_tensor_bitwise_equal
 
@@ -63,13 +62,8 @@ class ScalingMode(LoadMode):
         self.saw_meta_model = all(p.is_meta for p in model.parameters())
 
     def plan_parameters(
-        self,
-        model: PreTrainedModel,
-        checkpoint: Mapping[str, TensorMeta],
-        *,
-        dtype: torch.dtype,
-        transforms: Sequence[WeightTransform],
-    ) -> Mapping[str, TensorMeta]:
+        self, model: PreTrainedModel, checkpoint: Metas, *, dtype: torch.dtype, transforms: Sequence[WeightTransform]
+    ) -> Metas:
         self._record("plan_parameters")
         return checkpoint
 

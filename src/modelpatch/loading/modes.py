@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
@@ -26,6 +26,9 @@ if TYPE_CHECKING:
     from ..conversion.planner import TensorMeta
     from ..conversion.transforms import WeightTransform
     from .plan import LoadPlan
+
+#: A checkpoint as its headers describe it: key -> shape and dtype.
+Metas: TypeAlias = "Mapping[str, TensorMeta]"
 
 
 @dataclass(frozen=True)
@@ -80,13 +83,8 @@ class LoadMode:
         """Change the meta model before the load is planned into it (e.g. replace Linears by quantized ones)."""
 
     def plan_parameters(
-        self,
-        model: PreTrainedModel,
-        checkpoint: Mapping[str, TensorMeta],
-        *,
-        dtype: torch.dtype,
-        transforms: Sequence[WeightTransform],
-    ) -> Mapping[str, TensorMeta]:
+        self, model: PreTrainedModel, checkpoint: Metas, *, dtype: torch.dtype, transforms: Sequence[WeightTransform]
+    ) -> Metas:
         """The checkpoint's tensors as the load plan sees them, given the previous mode's (e.g. the tensors of each
         quantized parameter grouped into it); ``transforms``: those the plan will run on them. Reads no data."""
         return checkpoint

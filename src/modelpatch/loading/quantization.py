@@ -57,7 +57,7 @@ from ..errors import LoadPlanError, ModelPatchError
 from ..state import ensure_model_record
 from .diagnose import SUPPORTED_METHODS, collapse_lines
 from .materialize import set_tensor
-from .modes import LoadMode, TensorSource
+from .modes import LoadMode, Metas, TensorSource
 from .quantized_save import QuantizedLoad
 
 if TYPE_CHECKING:
@@ -156,13 +156,8 @@ class Quantization(LoadMode):
     # --- stage one -------------------------------------------------------------------------------------------------
 
     def plan_parameters(
-        self,
-        model: PreTrainedModel,
-        checkpoint: Mapping[str, TensorMeta],
-        *,
-        dtype: torch.dtype,
-        transforms: Sequence[WeightTransform],
-    ) -> Mapping[str, TensorMeta]:
+        self, model: PreTrainedModel, checkpoint: Metas, *, dtype: torch.dtype, transforms: Sequence[WeightTransform]
+    ) -> Metas:
         """Stage one (:meth:`plan_checkpoint`), then :meth:`check_conversions` of the load's ``transforms``."""
         parameters = self.plan_checkpoint(model, checkpoint, dtype)
         self.check_conversions(transforms)
