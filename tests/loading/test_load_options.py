@@ -40,11 +40,9 @@ def test_bad_options_are_refused_when_built_with_the_message_every_entry_point_g
     with pytest.raises(error) as loaded:
         modelpatch.from_pretrained(AutoModelForCausalLM, missing, **keywords)
     assert str(loaded.value) == str(built.value)
-    plan_keywords = {k: v for k, v in keywords.items() if k != "unexpected_keys"}  # plan_pretrained has no such keyword
-    if plan_keywords:
-        with pytest.raises(error) as planned:
-            modelpatch.plan_pretrained(AutoModelForCausalLM, missing, **plan_keywords)
-        assert str(planned.value) == str(built.value)
+    with pytest.raises(error) as planned:
+        modelpatch.plan_pretrained(AutoModelForCausalLM, missing, **keywords)
+    assert str(planned.value) == str(built.value)
 
 
 def test_options_are_frozen_and_keep_their_own_copy_of_the_patterns():

@@ -430,7 +430,9 @@ def load_planned(plan: LoadPlan) -> PreTrainedModel:
         ValueError: The plan was loaded already.
     """
     if plan.loaded:
-        raise ValueError("This LoadPlan was loaded already; a plan loads once: plan again with plan_pretrained.")
+        raise ValueError(
+            "This LoadPlan was executed already (a plan loads once, failed or not): plan again with plan_pretrained."
+        )
     with plan.options.open_checkpoint(plan.directory) as checkpoint:
         planned = plan.checkpoint
         now = {key: TensorMeta(checkpoint.info(key).shape, checkpoint.info(key).dtype) for key in checkpoint.keys()}
@@ -517,13 +519,13 @@ def _fill(plan: LoadPlan, checkpoint: Checkpoint) -> torch.device:
     """Read every planned tensor into the plan's model, through the tensor source the modes wrap
     (:meth:`LoadMode.wrap_source`), onto the device they name; then :meth:`LoadMode.after_load`. Returns that
     device."""
+    plan.loaded = True  # from here on the model holds read tensors: a failure leaves nothing to load again
     # Safetensors tensors (byte range known) are views of a private file mapping; pickle ones are not.
     source = TensorSource(checkpoint.tensor, lambda key: checkpoint.info(key).start >= 0)
     for mode in plan.modes:
         source = mode.wrap_source(source)
     device = _device(plan)
     load_into_model(plan.model, plan, source.fetch, device, checkpoint.total_bytes, file_mapped=source.file_mapped)
-    plan.loaded = True
     # A file rewritten in place while its tensors were being read may have given data of two versions.
     checkpoint.check_unchanged()
     for mode in plan.modes:
