@@ -334,19 +334,27 @@ def _build(
     checkpoint: Checkpoint,
 ) -> tuple[PreTrainedModel, PatchScope, _Setup]:
     """The load's model on the meta device, under its patch layers, prepared by its modes
-    (:meth:`LoadMode.prepare_model`); with the setup it was built under."""
+    (:meth:`LoadMode.prepare_model`); with the setup it was built under.
+
+    A mode that ``quantizes`` prepares the model inside transformers' init contexts of a quantized model, as stock
+    runs its quantizer's ``preprocess_model``; without one, the modes prepare the model once it is built (then the
+    build fusion discovery ran on is the load's model when nothing is fused).
+    """
 
     def prepare(model: PreTrainedModel) -> None:
         for mode in modes:
             mode.prepare_model(model, dtype=dtype, checkpoint=checkpoint)
 
+    quantized = any(mode.quantizes for mode in modes)
     try:
         setup = _load_setup(concrete, config, options, dtype)
-        if setup.unfused is not None and not setup.fusions.fused and not modes:
-            return (*setup.unfused, setup)  # nothing to fuse: the discovery build is this load's model
-        model, scope = build_empty_model_patched(
-            concrete, config, dtype, setup.layers.ordered(), prepare if modes else None
-        )
+        if setup.unfused is not None and not setup.fusions.fused and not quantized:
+            model, scope = setup.unfused  # nothing to fuse: the discovery build is this load's model
+        else:
+            layers = setup.layers.ordered()
+            model, scope = build_empty_model_patched(concrete, config, dtype, layers, prepare if quantized else None)
+        if not quantized:
+            prepare(model)
         return model, scope, setup
     except Exception as exc:
         if not isinstance(exc, ModelPatchError):

@@ -51,7 +51,8 @@ class LoadMode:
     The hooks, in the order a load calls them:
 
     1. :meth:`update_dtype` — while the load's dtype is resolved, before anything is built;
-    2. :meth:`prepare_model` — on the meta model as it is built (still under the load's patches);
+    2. :meth:`prepare_model` — on the meta model once it is built (inside transformers' init contexts when a mode
+       :attr:`quantizes`, as stock runs its quantizer's ``preprocess_model``);
     3. :meth:`plan_parameters` — the checkpoint's tensors (headers) as the load plan sees them, before it is made;
     4. :meth:`plan` — once the load plan is complete and validated, before any tensor data is read: a mode that
        cannot do what it was asked refuses here, so nothing is read;
@@ -70,9 +71,9 @@ class LoadMode:
 
     #: Short name used in messages ("quantization", "tensor parallelism", ...).
     name: str = "load mode"
-    #: Whether the mode reads or makes quantized tensors: the model is built in transformers' quantized init context,
-    #: a ``quantization_config`` of the checkpoint is this mode's to honour, and the loaded tensors are not the
-    #: checkpoint's as they are (a disk offload cannot read them in place).
+    #: Whether the mode reads or makes quantized tensors: the model is built in transformers' init contexts of a
+    #: quantized model (the modes prepare it there), a ``quantization_config`` of the checkpoint is this mode's to
+    #: honour, and the loaded tensors are not the checkpoint's as they are (a disk offload cannot read them in place).
     quantizes: bool = False
 
     def update_dtype(self, dtype: torch.dtype) -> torch.dtype:
