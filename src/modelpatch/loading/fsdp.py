@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from transformers import PreTrainedModel
 
@@ -69,6 +70,11 @@ class Rows:
 def is_fully_sharded(model: nn.Module) -> bool:
     """Whether ``model`` holds ``DTensor`` parameters (FSDP2's ``fully_shard``, or a model sharded by hand)."""
     return any(isinstance(parameter, DTensor) for parameter in model.parameters())
+
+
+def model_class(model: nn.Module) -> type:
+    """The class of ``model`` as built: ``fully_shard`` swaps a module's class for a subclass of ``FSDPModule``."""
+    return next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
 
 
 def _rank() -> int:
@@ -317,8 +323,8 @@ def load_sharded(
         ShardedLoadError: The checkpoint does not plan into the sharded model (every differing key is named).
         LoadPlanError: The checkpoint does not match the model class (as ``from_pretrained`` raises it).
     """
-    from .hub import HubOptions, resolve_checkpoint  # noqa: PLC0415 - load.py imports this module's neighbours
-    from .load import plan_pretrained  # noqa: PLC0415
+    from .hub import HubOptions, resolve_checkpoint  # load.py imports save.py, which imports this module
+    from .load import plan_pretrained
 
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}.")

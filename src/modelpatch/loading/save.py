@@ -40,6 +40,7 @@ from ..conversion.registry import model_conversions
 from ..conversion.transforms import WeightTransform
 from ..errors import ConversionError, SaveError
 from ..state import mark_runtime_layout, model_record, record_file_layout, stored_fusion_config
+from .fsdp import is_fully_sharded, model_class
 from .offload import gather_offloaded
 from .parallel import barrier, gather_state, local_tensor, writes_files
 from .quantization import quantized_checkpoint
@@ -321,6 +322,10 @@ def save_pretrained(
         SaveError: A module was substituted since the model was built (a quantizer's module, a quantized tensor
             subclass, PEFT layers) and its state cannot be written so that it loads back the same; nothing is written.
     """
+    if is_fully_sharded(model):  # DTensor parameters (FSDP2, tensor parallelism): every rank writes its own rows
+        from .save_sharded import save_sharded  # it imports this module
+
+        return save_sharded(model, path, save_original_format=save_original_format, max_shard_size=max_shard_size)
     tensors, metadata = _checkpoint_contents(model, None, original_format=save_original_format)
     if not writes_files(model):  # another rank of a tensor-parallel model: rank 0 writes
         barrier(model)
@@ -349,7 +354,7 @@ def _write(
 def config_files(model: PreTrainedModel, *, original_format: bool) -> dict[str, bytes]:
     """``config.json`` (and ``generation_config.json`` for a generative model) as a save of ``model`` writes them."""
     config = copy.deepcopy(model.config)
-    config.architectures = [type(model).__name__]
+    config.architectures = [model_class(model).__name__]
     record_file_layout(config, runtime_layout=not original_format)
     if _untied_pairs(model, model.state_dict()) and getattr(config, "tie_word_embeddings", False):
         # The head was untied since the model was built: the reload must not tie it back over the saved tensor.
