@@ -115,10 +115,10 @@ class _Pieces:
                 os.close(fd)
 
 
-class _ShardedState:
+class ShardedState:
     """A sharded model's state, the checkpoint layout it is written in, and each rank's part of it."""
 
-    def __init__(self, model: PreTrainedModel, state: Mapping[str, torch.Tensor], original_format: bool):
+    def __init__(self, model: PreTrainedModel, state: Mapping[str, torch.Tensor], *, original_format: bool):
         self.model = model
         record = model_record(model)
         self.parts: dict[str, tuple[int, ...]] = dict((record and record.tensor_parallel_parts) or {})
@@ -218,7 +218,7 @@ def save_sharded(
     record = model_record(model)
     if record is not None and record.quantization is not None:
         raise SaveError(f"{type(model).__name__} is quantized: modelpatch does not save quantized sharded models.")
-    sharded = _ShardedState(model, model.state_dict(), save_original_format)
+    sharded = ShardedState(model, model.state_dict(), original_format=save_original_format)
     extra_files = config_files(model, original_format=save_original_format)
     written = _write_collectively(Path(path), sharded, extra_files, max_shard_size)
     layout = "checkpoint" if save_original_format else "runtime"
@@ -227,7 +227,7 @@ def save_sharded(
 
 
 def _write_collectively(
-    directory: Path, sharded: _ShardedState, extra_files: Mapping[str, bytes], max_shard_size: int | str
+    directory: Path, sharded: ShardedState, extra_files: Mapping[str, bytes], max_shard_size: int | str
 ) -> list[Path]:
     """Rank 0 writes the files' frames and swaps them in; every rank writes its pieces in between."""
 
