@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import transformers
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -90,6 +90,8 @@ def main() -> None:
             model_state, optimizer_state = get_state_dict(model, optimizer)
             dcp.save({"model": model_state, "optim": optimizer_state}, checkpoint_id=str(out / f"{name}_dcp"))
             record["at_checkpoint"] = gathered(model)
+            full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            record["optimizer_at_checkpoint"] = get_state_dict(model, optimizer, options=full)[1].get("state")  # rank 0 only
             model = sharded_model(path, fusion_config, mesh)
             optimizer = optimizer_of(model)
             model_state, optimizer_state = get_state_dict(model, optimizer)
