@@ -91,7 +91,8 @@ def main() -> None:
             dcp.save({"model": model_state, "optim": optimizer_state}, checkpoint_id=str(out / f"{name}_dcp"))
             record["at_checkpoint"] = gathered(model)
             full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            record["optimizer_at_checkpoint"] = get_state_dict(model, optimizer, options=full)[1].get("state")  # rank 0 only
+            # The gathered optimizer state lands on rank 0 only.
+            record["optimizer_at_checkpoint"] = get_state_dict(model, optimizer, options=full)[1].get("state")
             model = sharded_model(path, fusion_config, mesh)
             optimizer = optimizer_of(model)
             model_state, optimizer_state = get_state_dict(model, optimizer)

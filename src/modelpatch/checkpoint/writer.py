@@ -217,9 +217,7 @@ def write_presized_checkpoint(
 
     if sys.byteorder != "little":  # safetensors stores little-endian data; raw tensor bytes would be wrong
         raise CheckpointError(f"{directory}: pre-sized writes need a little-endian machine")
-    return _write(
-        directory, layout, presize, extra_files, metadata, max_shard_size, before_swap=lambda: fill(places)
-    )
+    return _write(directory, layout, presize, extra_files, metadata, max_shard_size, before_swap=lambda: fill(places))
 
 
 def write_at(fd: int, offset: int, tensor: torch.Tensor) -> None:
@@ -349,7 +347,7 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The bytes of ``tensor`` (row-major, the machine's little-endian layout)."""
     if tensor.numel() == 0:
         return memoryview(b"")
-    return memoryview(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+    return tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
 @contextmanager

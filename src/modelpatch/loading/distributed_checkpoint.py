@@ -69,7 +69,9 @@ def set_original_state_dict(model: PreTrainedModel, state_dict: Mapping[str, tor
     sharded = ShardedState(model, model.state_dict(), original_format=True)
     missing = sorted(key for key in sharded.layout if key not in state_dict)
     if missing:
-        raise SaveError(f"The original-layout state dict lacks {len(missing)} key(s) of {type(model).__name__}: {missing}")
+        raise SaveError(
+            f"The original-layout state dict lacks {len(missing)} key(s) of {type(model).__name__}: {missing}"
+        )
     targets = model.state_dict(keep_vars=True)
 
     def full(key: str) -> torch.Tensor:

@@ -98,7 +98,7 @@ def local_rows(tensor: torch.Tensor) -> Rows | None:
     (chunk,) = chunks
     if any(chunk.offsets[1:]) or tuple(chunk.sizes[1:]) != tuple(tensor.shape[1:]):
         return None
-    coordinate = tensor.device_mesh.get_coordinate() or []
+    coordinate: Sequence[int] = tensor.device_mesh.get_coordinate() or ()
     writes = all(
         index == 0 for index, placement in zip(coordinate, tensor.placements, strict=True) if placement.is_replicate()
     )
@@ -194,7 +194,7 @@ class FullyShardedLoad(LoadMode):
             tensor = source.fetch(key)
             runtime = self._direct.get(key)
             rows = None if runtime is None else self.rows.get(runtime)
-            if rows is None or not isinstance(self.targets[runtime], DTensor):
+            if rows is None or not isinstance(self.targets[runtime], DTensor):  # type: ignore[index]  # rows: known
                 return tensor
             return tensor[rows.start : rows.stop]
 
@@ -218,6 +218,7 @@ class FullyShardedLoad(LoadMode):
             if _stacked_rows(group):
                 slots = [[fetch(key) for key in keys[rows.start : rows.stop]] for keys in group.sources]  # type: ignore[index]
                 (output,) = run_operations(list(group.operations), slots)  # type: ignore[arg-type]
+                assert isinstance(output, torch.Tensor)  # one stacked tensor: _stacked_rows checked the chain
                 return {targets[0]: output}
         return {key: shard_of(self.targets[key], tensor) for key, tensor in group.run(fetch).items()}
 
@@ -351,4 +352,4 @@ def load_sharded(
         checkpoint.check_unchanged()
         mode.after_load(plan.model, plan, checkpoint)
     logger.info("Loaded the shards of rank %d of %s from %s", _rank(), type(model).__name__, directory)
-    return mode.finish(model)  # type: ignore[return-value]
+    return mode.finish(model)

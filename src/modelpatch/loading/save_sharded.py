@@ -148,7 +148,7 @@ class ShardedState:
         return tensor
 
     def write(self, pieces: _Pieces) -> None:
-        """Write this rank's pieces of every checkpoint tensor (every rank calls it: gathered groups are collectives)."""
+        """Write this rank's pieces of every checkpoint tensor (every rank calls it: gathering is collective)."""
         rank, world = dist.get_rank(), dist.get_world_size()
         with torch.no_grad():
             for index, (ckpt, runtime) in enumerate(self.plan.direct.items()):
