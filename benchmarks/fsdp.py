@@ -29,10 +29,10 @@ import gc
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
+
+from tensor_parallel import launch_two_ranks  # noqa: E402  (benchmarks/tensor_parallel.py: the same launch)
 
 HERE = Path(__file__).resolve()
 FUSIONS = {"qkv": True, "gate_up": True}
@@ -144,12 +144,12 @@ def worker(path: str, out: Path) -> None:
     modelpatch.plan_pretrained(transformers.AutoModelForCausalLM, path, fusion_config=FUSIONS)
     for file in Path(path).glob("*.safetensors"):
         file.read_bytes()
-    model = phase("sharded load (modelpatch)", lambda: modelpatch.load_sharded(_sharded_model(path, mesh), path))
-    phase("collective save (modelpatch)", lambda: modelpatch.save_pretrained(model, out / "collective"))
-    del model
-    model = phase("load then shard (baseline)", lambda: _baseline_load(path, mesh))
-    phase("gather to rank 0 + save (baseline)", lambda: _baseline_save(model, out / "gathered"))
-    del model
+    sharded = phase("sharded load (modelpatch)", lambda: modelpatch.load_sharded(_sharded_model(path, mesh), path))
+    phase("collective save (modelpatch)", lambda: modelpatch.save_pretrained(sharded, out / "collective"))
+    del sharded
+    baseline = phase("load then shard (baseline)", lambda: _baseline_load(path, mesh))
+    phase("gather to rank 0 + save (baseline)", lambda: _baseline_save(baseline, out / "gathered"))
+    del baseline
     if dist.get_rank() == 0:
         same = filecmp.cmp(out / "collective/model.safetensors", out / "gathered/model.safetensors", shallow=False)
         pairs = [
@@ -172,7 +172,7 @@ def build_checkpoint(path: Path, quick: bool) -> None:
 
     config = LlamaConfig(**(QUICK if quick else FULL), dtype="bfloat16")
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.to_empty(device="cpu")
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -197,21 +197,7 @@ def main() -> None:
             build_checkpoint(path, args.quick)
         size = sum(file.stat().st_size for file in path.glob("*.safetensors"))
         print(f"checkpoint: {size / 1e9:.2f} GB; load average before: {os.getloadavg()}")
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node=2",
-            "--master-addr=127.0.0.1",
-            "--master-port=29518",
-            str(HERE),
-            "--worker",
-            str(path),
-            "--out",
-            str(args.out),
-        ]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-        subprocess.run(command, check=True, env=env)
+        launch_two_ranks(HERE, ["--worker", str(path), "--out", str(args.out)], port=29518)
         print(f"load average after: {os.getloadavg()}")
     finally:
         if not args.keep:

@@ -20,10 +20,6 @@ from __future__ import annotations
 
 import filecmp
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -36,6 +32,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import modelpatch
 from modelpatch.loading.fsdp import ShardedLoadError
 from support.compare import assert_bitwise_equal
+from support.distributed import run_ranks
 from support.files import read_tensors
 
 pytestmark = [
@@ -55,12 +52,6 @@ CASES = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def fsdp_run(tiny, tmp_path_factory) -> Path:
     """Runs every case on two ranks once; returns the output directory."""
@@ -71,24 +62,7 @@ def fsdp_run(tiny, tmp_path_factory) -> Path:
     ]
     job = out / "job.json"
     job.write_text(json.dumps({"out": str(out), "cases": cases}))
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(
-            [str(Path(modelpatch.__file__).parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])]
-        ),
-    )
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={RANKS}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={_free_port()}",
-        str(WORKER),
-        str(job),
-    ]
-    result = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    run_ranks(WORKER, job, RANKS)
     return out
 
 

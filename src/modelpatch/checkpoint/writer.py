@@ -171,9 +171,13 @@ def stream_checkpoint(
         except OSError as exc:
             raise CheckpointError(f"{shown}: cannot write safetensors file: {exc}") from exc
 
-    if sys.byteorder != "little":  # safetensors stores little-endian data; raw tensor bytes would be wrong
-        raise CheckpointError(f"{directory}: streamed writes need a little-endian machine")
+    _require_little_endian(directory, "streamed writes")
     return _write(directory, layout, stream_shard, extra_files, metadata, max_shard_size)
+
+
+def _require_little_endian(directory: str | Path, what: str) -> None:
+    if sys.byteorder != "little":  # safetensors stores little-endian data; raw tensor bytes would be wrong
+        raise CheckpointError(f"{directory}: {what} need a little-endian machine")
 
 
 TensorPlaces = dict[str, tuple[Path, int]]
@@ -215,8 +219,7 @@ def write_presized_checkpoint(
         except OSError as exc:
             raise CheckpointError(f"{shown}: cannot write safetensors file: {exc}") from exc
 
-    if sys.byteorder != "little":  # safetensors stores little-endian data; raw tensor bytes would be wrong
-        raise CheckpointError(f"{directory}: pre-sized writes need a little-endian machine")
+    _require_little_endian(directory, "pre-sized writes")
     return _write(directory, layout, presize, extra_files, metadata, max_shard_size, before_swap=lambda: fill(places))
 
 
