@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import filecmp
+import functools
 import gc
 import json
 import os
@@ -145,10 +146,10 @@ def worker(path: str, out: Path) -> None:
     for file in Path(path).glob("*.safetensors"):
         file.read_bytes()
     sharded = phase("sharded load (modelpatch)", lambda: modelpatch.load_sharded(_sharded_model(path, mesh), path))
-    phase("collective save (modelpatch)", lambda: modelpatch.save_pretrained(sharded, out / "collective"))
+    phase("collective save (modelpatch)", functools.partial(modelpatch.save_pretrained, sharded, out / "collective"))
     del sharded
     baseline = phase("load then shard (baseline)", lambda: _baseline_load(path, mesh))
-    phase("gather to rank 0 + save (baseline)", lambda: _baseline_save(baseline, out / "gathered"))
+    phase("gather to rank 0 + save (baseline)", functools.partial(_baseline_save, baseline, out / "gathered"))
     del baseline
     if dist.get_rank() == 0:
         same = filecmp.cmp(out / "collective/model.safetensors", out / "gathered/model.safetensors", shallow=False)
