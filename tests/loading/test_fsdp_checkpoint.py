@@ -13,7 +13,8 @@ single-process loads and saves of the same checkpoint:
   two ranks and in one process.
 
 qwen2_moe with ``linear_experts`` trains here on data that routes tokens to every expert on both ranks (under FSDP2,
-an expert no token reached takes no part in the gradient reduction; issue 23 item 1 fixes that separately).
+an expert no token reached takes no part in the gradient reduction; issue 23 item 1 fixes that separately); the
+case loading stacked experts into per-expert Linears is not trained for that reason.
 """
 
 from __future__ import annotations
@@ -49,7 +50,14 @@ CASES = {
     "llama_fused": ("llama", {"qkv": True, "gate_up": True}),
     "qwen2_moe_linear_experts": ("qwen2_moe", {"linear_experts": True}),
     "qwen2_moe": ("qwen2_moe", None),
+    # Experts stored stacked (3-D) loaded into per-expert Linears: conversions that are not row by row, which each
+    # rank runs whole (load) or gathers one group at a time (save).
+    "qwen2_moe_3d_linear_experts": ("qwen2_moe_3d", {"linear_experts": True}),
 }
+# Not trained: its batches leave an expert without tokens on one rank, whose gradient reduction FSDP2 then misses
+# (issue 23 item 1); its DCP checkpoints hold the loaded weights.
+UNTRAINED = {"qwen2_moe_3d_linear_experts"}
+TRAINED = sorted(set(CASES) - UNTRAINED)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +65,7 @@ def fsdp_run(tiny, tmp_path_factory) -> Path:
     """Runs every case on two ranks once; returns the output directory."""
     out = tmp_path_factory.mktemp("fsdp")
     cases = [
-        dict(id=case_id, path=str(tiny(name).path), fusion_config=fusion_config, train=True)
+        dict(id=case_id, path=str(tiny(name).path), fusion_config=fusion_config, train=case_id not in UNTRAINED)
         for case_id, (name, fusion_config) in CASES.items()
     ]
     job = out / "job.json"
@@ -99,7 +107,7 @@ def test_stock_reloads_collective_save(fsdp_run, tiny, case_id):
     assert_bitwise_equal(reloaded.state_dict(), tiny(CASES[case_id][0]).stock().state_dict())
 
 
-@pytest.mark.parametrize("case_id", sorted(CASES))
+@pytest.mark.parametrize("case_id", TRAINED)
 def test_dcp_resume_equals_uninterrupted_training(fsdp_run, case_id):
     for rank in range(RANKS):
         record = _record(fsdp_run, case_id, rank)
@@ -108,7 +116,7 @@ def test_dcp_resume_equals_uninterrupted_training(fsdp_run, case_id):
             assert torch.equal(resumed, uninterrupted), f"rank {rank}, step {step}: {resumed} != {uninterrupted}"
 
 
-@pytest.mark.parametrize("case_id", sorted(CASES))
+@pytest.mark.parametrize("case_id", TRAINED)
 def test_dcp_checkpoint_loads_into_one_process(fsdp_run, tiny, case_id):
     """Saved on two ranks, resumed in one process (no process group): DCP reshards model and optimizer state."""
     record = _record(fsdp_run, case_id)
@@ -126,7 +134,7 @@ def test_dcp_checkpoint_loads_into_one_process(fsdp_run, tiny, case_id):
         assert_bitwise_equal(loaded[key], expected[key])
 
 
-@pytest.mark.parametrize("case_id", ["llama_fused", "qwen2_moe_linear_experts"])
+@pytest.mark.parametrize("case_id", ["llama_fused", "qwen2_moe_linear_experts", "qwen2_moe_3d_linear_experts"])
 def test_original_layout_dcp_loads_into_unfused_model(fsdp_run, tiny, tmp_path, case_id):
     """The fused model's state, saved to DCP in the original layout on two ranks, fills a model built without the
     fusions: on two ranks (the worker saves it collectively) and in one process."""
@@ -140,8 +148,8 @@ def test_original_layout_dcp_loads_into_unfused_model(fsdp_run, tiny, tmp_path, 
     modelpatch.set_original_state_dict(unfused, placeholders["model"])
     modelpatch.save_pretrained(unfused, tmp_path / "unfused")
     assert filecmp.cmp(tmp_path / "unfused" / "model.safetensors", before / "model.safetensors", shallow=False)
-    # The trained weights, not the source checkpoint's.
-    assert not filecmp.cmp(before / "model.safetensors", tiny(CASES[case_id][0]).files[0], shallow=False)
+    if case_id not in UNTRAINED:  # the trained weights, not the source checkpoint's
+        assert not filecmp.cmp(before / "model.safetensors", tiny(CASES[case_id][0]).files[0], shallow=False)
 
 
 def test_sharded_load_refuses_another_structure(tiny):

@@ -314,6 +314,10 @@ def save_pretrained(
     Returns:
         The files written.
 
+    Called on every rank of a model with ``DTensor`` parameters (FSDP2's ``fully_shard``, tensor parallelism), it is a
+    collective save (``save_sharded.py``): each rank writes its own rows of the original layout; the files are those
+    of the same model saved unsharded.
+
     A model loaded with a quantizer (torchao) is written as stock writes it: the quantizer's flattened tensors and
     their safetensors metadata, with the ``quantization_config``. Where its layout differs from the checkpoint's, or
     where the quantized weights were dequantized at load (fp8), the original layout is refused by name.
