@@ -9,6 +9,9 @@ fusions), sharded with ``fully_shard`` per decoder layer and on the root, materi
   model and optimizer resumed from it, two more steps — the losses of both runs are recorded;
 * its state saved to DCP in the original layout (``get_original_state_dict``), read back into a model built without
   the fusions (``set_original_state_dict``) and saved collectively.
+
+Last, the last case's model saved collectively into a directory, made read-only, then saved there again: the message
+each rank got.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import modelpatch
+from modelpatch.errors import ModelPatchError
 
 transformers.logging.set_verbosity_error()
 
@@ -113,6 +117,22 @@ def main() -> None:
             torch.save(record, out / f"{name}.pt")
         else:
             torch.save({k: v for k, v in record.items() if k in ("uninterrupted", "resumed")}, out / f"{name}_1.pt")
+    # A save every rank must refuse: rank 0 cannot replace a read-only directory. The previous files stay.
+    target = out / "read_only_save"
+    modelpatch.save_pretrained(model, target)
+    dist.barrier()
+    if rank == 0:
+        target.chmod(0o555)
+    dist.barrier()
+    try:
+        modelpatch.save_pretrained(model, target)
+        refused = "saved"
+    except ModelPatchError as exc:
+        refused = f"{type(exc).__name__}: {exc}"
+    dist.barrier()
+    if rank == 0:
+        target.chmod(0o755)
+    (out / f"refused_rank{rank}.txt").write_text(refused)
     dist.destroy_process_group()
 
 

@@ -161,3 +161,15 @@ def test_sharded_load_refuses_another_structure(tiny):
     model.to_empty(device="cpu")
     with pytest.raises(ShardedLoadError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight"):
         modelpatch.load_sharded(model, checkpoint.path, fusion_config={"qkv": False})
+
+
+def test_collective_save_refused_on_every_rank(fsdp_run):
+    """Rank 0 cannot replace the directory: every rank raises, naming it, and the previous save stays whole."""
+    target = fsdp_run / "read_only_save"
+    for rank in range(RANKS):
+        refused = (fsdp_run / f"refused_rank{rank}.txt").read_text()
+        assert refused != "saved"
+        assert str(target) in refused and "permissions" in refused, refused
+    assert sorted(p.name for p in target.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    # The worker saves its last case's model there.
+    assert_bitwise_equal(read_tensors(target), read_tensors(fsdp_run / f"{list(CASES)[-1]}_save"))
