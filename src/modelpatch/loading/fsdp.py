@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -200,7 +200,7 @@ class FullyShardedLoad(LoadMode):
 
         return TensorSource(fetch, source.file_mapped)
 
-    def run_group(self, group: ConversionGroup, fetch: Any) -> dict[str, torch.Tensor]:
+    def run_group(self, group: ConversionGroup, fetch: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's part of each output of ``group``, reading through ``fetch`` only the source rows it needs
         where the group allows it (a concatenation along dim 0, experts stacked along dim 0), else the whole group."""
         targets = group.target_keys()
