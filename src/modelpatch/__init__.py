@@ -83,6 +83,8 @@ _LAZY: dict[str, str] = {
         ],
         ".loading",
     ),
+    **dict.fromkeys(["load_sharded"], ".loading.fsdp"),
+    **dict.fromkeys(["get_original_state_dict", "set_original_state_dict"], ".loading.distributed_checkpoint"),
     **dict.fromkeys(["get_peft_model", "load_adapter"], ".integrations.peft"),  # peft itself only when called
     **dict.fromkeys(["VerificationReport", "verify"], ".verify"),
     **dict.fromkeys(

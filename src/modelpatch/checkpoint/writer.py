@@ -171,9 +171,64 @@ def stream_checkpoint(
         except OSError as exc:
             raise CheckpointError(f"{shown}: cannot write safetensors file: {exc}") from exc
 
-    if sys.byteorder != "little":  # safetensors stores little-endian data; raw tensor bytes would be wrong
-        raise CheckpointError(f"{directory}: streamed writes need a little-endian machine")
+    _require_little_endian(directory, "streamed writes")
     return _write(directory, layout, stream_shard, extra_files, metadata, max_shard_size)
+
+
+def _require_little_endian(directory: str | Path, what: str) -> None:
+    if sys.byteorder != "little":  # safetensors stores little-endian data; raw tensor bytes would be wrong
+        raise CheckpointError(f"{directory}: {what} need a little-endian machine")
+
+
+TensorPlaces = dict[str, tuple[Path, int]]
+"""Checkpoint key -> the file (in the temporary directory being written) and the byte offset its data starts at."""
+
+
+def write_presized_checkpoint(
+    directory: str | Path,
+    layout: Mapping[str, torch.Tensor],
+    fill: Callable[[TensorPlaces], object],
+    *,
+    extra_files: Mapping[str, bytes] = {},
+    metadata: Mapping[str, str] | None = None,
+    max_shard_size: int | str = "50GB",
+) -> list[Path]:
+    """Like :func:`stream_checkpoint`, with the tensors' bytes written by ``fill`` wherever they are computed.
+
+    ``layout`` gives every key's shape and dtype (meta tensors). Every file is first created at its final size with
+    its header (safetensors' own, as :func:`stream_checkpoint` writes it), then ``fill(places)`` writes each tensor's
+    bytes (row-major, little-endian) at ``places[key]`` — from this process or from others sharing the file system
+    (the ranks of a collective save, each writing the rows it holds) — and syncs what it wrote; only then are the
+    files swapped in, atomically as :func:`write_checkpoint`. An exception from ``fill`` leaves the previous
+    checkpoint in place.
+    """
+    places: TensorPlaces = {}
+
+    def presize(path: Path, shown: Path, keys: list[str], file_metadata: dict[str, str]) -> None:
+        order, header = _safetensors_header(keys, layout, file_metadata)
+        offset = len(header)
+        for key in order:
+            places[key] = (path, offset)
+            offset += layout[key].numel() * layout[key].element_size()
+        try:
+            with path.open("wb") as f:
+                f.write(header)
+                f.truncate(offset)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            raise CheckpointError(f"{shown}: cannot write safetensors file: {exc}") from exc
+
+    _require_little_endian(directory, "pre-sized writes")
+    return _write(directory, layout, presize, extra_files, metadata, max_shard_size, before_swap=lambda: fill(places))
+
+
+def write_at(fd: int, offset: int, tensor: torch.Tensor) -> None:
+    """Write the bytes of ``tensor`` (row-major, the machine's little-endian layout) into ``fd`` at ``offset``."""
+    data = _tensor_bytes(tensor)
+    while data:
+        written = os.pwrite(fd, data, offset)
+        data, offset = data[written:], offset + written
 
 
 ShardWriter = Callable[[Path, Path, list[str], dict[str, str]], None]
@@ -188,8 +243,10 @@ def _write(
     extra_files: Mapping[str, bytes],
     metadata: Mapping[str, str] | None,
     max_shard_size: int | str,
+    before_swap: Callable[[], object] | None = None,
 ) -> list[Path]:
-    """Plan the shards of ``tensors`` (real or meta) and write them with ``write_shard``, atomically."""
+    """Plan the shards of ``tensors`` (real or meta) and write them with ``write_shard``, atomically (``before_swap``
+    runs once every file was written, before the directory is synced and swapped in)."""
     directory = Path(directory).absolute()
     if directory.is_symlink():
         raise CheckpointError(f"{directory}: is a symlink; refusing to replace it (pass the real directory)")
@@ -210,6 +267,8 @@ def _write(
             tmp.mkdir()
             try:
                 written = _write_contents(tmp, directory, tensors, shards, extra_files, file_metadata, write_shard)
+                if before_swap is not None:
+                    before_swap()
                 if directory.exists():
                     _carry_over_user_files(directory, tmp, produced=set(written) | set(extra_files))
                 _fsync_dir(tmp)
@@ -284,10 +343,14 @@ def _check_streamed(shown: Path, expected: str, key: str | None, tensor: Streame
 
 def _write_tensor(f: BinaryIO, tensor: torch.Tensor) -> None:
     """Write the bytes of ``tensor`` (row-major, the machine's little-endian layout) to ``f``."""
+    f.write(_tensor_bytes(tensor))
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of ``tensor`` (row-major, the machine's little-endian layout)."""
     if tensor.numel() == 0:
-        return
-    data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-    f.write(data.numpy().data)
+        return memoryview(b"")
+    return tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
 @contextmanager

@@ -39,7 +39,8 @@ from .materialize import _placed
 from .options import FusionConfig, LoadOptions
 from .plan import LoadPlan
 from .report import LoadReport
-from .save import checkpoint_layout, config_files, save_pretrained
+from .save import save_pretrained
+from .save_contents import checkpoint_layout, config_files
 
 logger = logging.getLogger(__name__)
 

@@ -21,285 +21,21 @@ so that stock code paths â€” ``model.save_pretrained``, ``Trainer.save_model`` â
 
 from __future__ import annotations
 
-import copy
-import json
 import logging
-from collections import defaultdict
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 from transformers import PreTrainedModel
 
-from .._transformers import has_transformers_adapter, tied_weight_keys
+from .._transformers import has_transformers_adapter
 from ..checkpoint import write_checkpoint
-from ..conversion.planner import ConversionPlan, TensorMeta, plan_save
-from ..conversion.registry import model_conversions
-from ..conversion.transforms import WeightTransform
-from ..errors import ConversionError, SaveError
-from ..state import mark_runtime_layout, model_record, record_file_layout, stored_fusion_config
-from .modes import prepare_save
-from .offload import meta_tensors, unreadable_meta_tensors
-from .parallel import barrier, local_tensor, writes_files
-from .quantized_save import quantized_checkpoint
-from .report import LoadReport, get_load_report
+from .distributed import is_fully_sharded
+from .parallel import barrier, writes_files
+from .save_contents import checkpoint_contents, checkpoint_tensors, config_files, untied_pairs
+from .save_sharded import save_sharded
 
 logger = logging.getLogger(__name__)
-
-
-def _module_of(key: str) -> str:
-    return key.rpartition(".")[0]
-
-
-def _kind(dtype: torch.dtype) -> str:
-    return "floating" if dtype.is_floating_point else "complex" if dtype.is_complex else "integer"
-
-
-def _plain(module: nn.Module | None) -> bool:
-    """A module of torch's own classes (``nn.Linear``, ``nn.Embedding``): what transformers' own API makes when it
-    resizes, adds or unties a layer. A quantizer's or an adapter's module is of another class."""
-    return module is not None and type(module).__module__.startswith("torch.nn.modules")
-
-
-def _check_saveable(model: PreTrainedModel, state: Mapping[str, Any], quantized: bool = False) -> None:
-    """Refuse, naming every module at fault and the remedy, a state that a save would write wrongly.
-
-    The state is compared with the one recorded when modelpatch built the model. Changes made through transformers'
-    own API are saved as they are: a plain torch module (``nn.Embedding``, ``nn.Linear``) with plain tensors of the
-    same kind of dtype may have been resized (``resize_token_embeddings``), replaced by a new head, or gained or lost
-    a bias; what the load did not convert is written under its own name. A module substituted by a tool (a
-    quantizer's module class, a tensor subclass such as torchao's, integer weights) has a layout the recorded
-    conversions cannot reverse: nothing is written. Tensor subclasses are accepted when ``quantized`` (the model's
-    load quantizer serialises them).
-    """
-    problems: dict[str, list[str]] = defaultdict(list)
-    remedies: set[str] = set()
-    modules = dict(model.named_modules())
-    for key, tensor in state.items():
-        if not isinstance(tensor, torch.Tensor):
-            problems[_module_of(key)].append(f"{key.rpartition('.')[2]} is a {type(tensor).__name__}, not a tensor")
-            remedies.add(_REMEDY_SUBSTITUTED)
-        elif type(tensor.detach()) is not torch.Tensor and not quantized:
-            problems[_module_of(key)].append(
-                f"{key.rpartition('.')[2]} is a {type(tensor.detach()).__name__} (a tensor subclass, e.g. quantized)"
-            )
-            remedies.add(_REMEDY_SUBCLASS)
-    record = model_record(model)
-    expected: Mapping[str, TensorMeta] | None = None if record is None else record.expected_state
-    if expected is not None:
-        for key, meta in expected.items():
-            name, module = key.rpartition(".")[2], modules.get(_module_of(key))
-            tensor = state.get(key)
-            if tensor is None:
-                if not _plain(module):
-                    problems[_module_of(key)].append(f"{name} is gone")
-                    remedies.add(_REMEDY_SUBSTITUTED)
-            elif isinstance(tensor, torch.Tensor) and _kind(tensor.dtype) != _kind(meta.dtype):
-                problems[_module_of(key)].append(f"{name} is {tensor.dtype}, built as {meta.dtype}")
-                remedies.add(_REMEDY_SUBCLASS if _plain(module) else _REMEDY_SUBSTITUTED)
-            elif isinstance(tensor, torch.Tensor) and tuple(tensor.shape) != tuple(meta.shape) and not _plain(module):
-                problems[_module_of(key)].append(f"{name} is {list(tensor.shape)}, built as {list(meta.shape)}")
-                remedies.add(_REMEDY_SUBSTITUTED)
-        built_modules = {_module_of(key) for key in expected}
-        for key in state.keys() - expected.keys():
-            if _module_of(key) in built_modules and not _plain(modules.get(_module_of(key))):
-                problems[_module_of(key)].append(f"{key.rpartition('.')[2]} is new")
-                remedies.add(_REMEDY_SUBSTITUTED)
-    if not problems:
-        return
-    lines = [
-        f"Cannot save {type(model).__name__}: {len(problems)} module(s) changed since modelpatch built it, and their "
-        "state cannot be written in a layout that loads back the same model. Nothing was written."
-    ]
-    for name in sorted(problems):
-        module = modules.get(name)
-        lines.append(
-            f"  - {name or '<root>'} ({type(module).__name__ if module is not None else 'removed'}): "
-            + "; ".join(problems[name])
-        )
-    lines.extend(sorted(remedies))
-    raise SaveError("\n".join(lines))
-
-
-_REMEDY_SUBCLASS = (
-    "Quantized tensors: save with save_original_format=False (the quantizer serialises them, for a model loaded with "
-    "its quantization_config), or dequantize them before saving."
-)
-_REMEDY_SUBSTITUTED = (
-    "A module a tool substituted (a quantizer's or wrapper's class): save with that tool's own format (or torch.save "
-    "of the state dict), or put plain modules back (dequantize, merge_and_unload) before saving."
-)
-
-
-def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a, b = local_tensor(a), local_tensor(b)  # a tensor-parallel shard's storage is its local tensor's
-    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def _untied_pairs(model: PreTrainedModel, state: Mapping[str, torch.Tensor]) -> list[str]:
-    """Tied parameters (per the model's tying rules) that no longer share storage with their source."""
-    return [
-        tied
-        for tied, source in tied_weight_keys(model).items()
-        if tied in state and source in state and not _shares_storage(state[tied], state[source])
-    ]
-
-
-def _state_to_save(
-    model: PreTrainedModel, state: Mapping[str, torch.Tensor], report: LoadReport | None
-) -> dict[str, torch.Tensor]:
-    """``state`` minus tied parameters that still share their source's storage and that the source did not store.
-
-    A parameter that was untied since (``lm_head.weight = nn.Parameter(...)``) is kept: dropping it would lose it.
-    """
-    state = dict(state)
-    stored = set(report.checkpoint_keys) | set(report.direct) if report else set()
-    untied = set(_untied_pairs(model, state))
-    for tied in tied_weight_keys(model):
-        if tied not in stored and tied not in untied:
-            state.pop(tied, None)
-    return state
-
-
-def checkpoint_layout(
-    report: LoadReport | None, transforms: Sequence[WeightTransform], runtime: Mapping[str, TensorMeta]
-) -> ConversionPlan:
-    """Plan the checkpoint layout of the runtime tensors ``runtime`` (metadata only): ``direct`` maps checkpoint keys to
-    the runtime keys written unchanged, ``groups`` run on runtime tensors and give checkpoint tensors.
-
-    Keys a load read go back under their checkpoint names and converted groups through their recorded exact reverse.
-    Whatever the load did not produce (a model built with ``from_config``, modules restructured since by
-    :func:`modelpatch.fuse` or :func:`modelpatch.unfuse`, a new head) is mapped back by running ``transforms`` (the
-    model's current ones) backwards.
-    """
-    layout = ConversionPlan()
-    remaining = dict(runtime)
-    if report is not None and not report.runtime_layout:
-        for runtime_key, checkpoint_key in report.direct.items():
-            if runtime_key in remaining:
-                remaining.pop(runtime_key)
-                layout.direct[checkpoint_key] = runtime_key
-        for group in report.groups:
-            present = [k for k in group.target_keys() if k in remaining]
-            metas = group.target_metas()
-            if not present or any(tuple(remaining[k].shape) != tuple(metas[k].shape) for k in present):
-                continue  # restructured or resized since the load: planned below with the model's current transforms
-            if len(present) != len(group.target_keys()):
-                raise ConversionError(
-                    f"Cannot save {group.target_keys()} back to {group.sources_summary()}: the model no longer has "
-                    "all of these parameters."
-                )
-            layout.groups.append(group.reversed())
-            for key in group.target_keys():
-                remaining.pop(key)
-    if remaining:
-        plan = plan_save(remaining, list(transforms))
-        plan.raise_problems()
-        layout.direct.update(plan.direct)
-        layout.groups.extend(plan.groups)
-    return layout
-
-
-def model_layout(model: PreTrainedModel, state: Mapping[str, torch.Tensor]) -> ConversionPlan:
-    """The checkpoint layout of ``model``'s runtime tensors ``state`` (see :func:`checkpoint_layout`), planned with the
-    transforms the model's record holds (its load report's for a loaded model never restructured)."""
-    report = get_load_report(model)
-    record = model_record(model)
-    transforms: Sequence[WeightTransform] | None = None if record is None else record.transforms
-    if transforms is None:
-        transforms = report.transforms if report is not None else model_conversions(model)
-    metas = {k: TensorMeta(tuple(v.shape), v.dtype) for k, v in state.items()}
-    return checkpoint_layout(report, transforms, metas)
-
-
-def saved_state(
-    model: PreTrainedModel, state: Mapping[str, Any], *, full: Mapping[str, Any] | None = None
-) -> dict[str, Any]:
-    """``state`` (the model's runtime tensors) checked and reduced to what a save writes: substituted modules refused,
-    tied parameters the checkpoint does not store dropped. ``full``: stand-ins of ``state`` with the full shapes (of a
-    tensor-parallel model's shards) to check, when ``state`` was not gathered."""
-    _check_saveable(model, state if full is None else full)
-    return _state_to_save(model, state, get_load_report(model))
-
-
-def _independent(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Tensors safe to serialise: each owns its storage (converted parts may be views of one fused parameter)."""
-    owners: dict[int, str] = {}
-    result = {}
-    for key, tensor in tensors.items():
-        tensor = tensor.detach()
-        storage = tensor.untyped_storage().data_ptr()
-        if storage in owners or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-            tensor = tensor.clone()
-        owners.setdefault(storage, key)
-        result[key] = tensor.contiguous()
-    return result
-
-
-def _reject_wrapped(model: Any) -> None:
-    """A PEFT model is not a transformers model: say what to do instead of a bare type error."""
-    if type(model).__module__.split(".")[0] == "peft":
-        raise SaveError(
-            f"{type(model).__name__} is a PEFT model. Merge the adapter first (model = peft_model.merge_and_unload()) "
-            "to save a full checkpoint, or save only the adapter with peft_model.save_pretrained(directory)."
-        )
-    if not isinstance(model, PreTrainedModel):
-        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}.")
-    injected = sorted(
-        name for name, module in model.named_modules() if hasattr(module, "base_layer") and hasattr(module, "merge")
-    )
-    if injected:
-        raise SaveError(
-            f"{type(model).__name__} carries PEFT adapter layers ({', '.join(injected[:3])}"
-            f"{', ...' if len(injected) > 3 else ''}). "
-            "Merge them first (merge_and_unload()) to save a full checkpoint, "
-            "or save only the adapter with the PEFT model's save_pretrained."
-        )
-
-
-def checkpoint_tensors(
-    model: PreTrainedModel, state_dict: Mapping[str, torch.Tensor] | None = None, *, original_format: bool = True
-) -> dict[str, torch.Tensor]:
-    """The tensors a save of ``model`` writes, validated: original layout by default, else the runtime layout.
-
-    ``state_dict`` defaults to ``model.state_dict()`` (Trainer passes its own). Raises :class:`SaveError` naming every
-    module whose state cannot be written correctly.
-    """
-    return _checkpoint_contents(model, state_dict, original_format=original_format)[0]
-
-
-def _checkpoint_contents(
-    model: PreTrainedModel, state_dict: Mapping[str, torch.Tensor] | None, *, original_format: bool
-) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
-    """:func:`checkpoint_tensors` and the safetensors metadata to write with them (a quantizer's, else None).
-
-    A model loaded with a quantizer is written by that quantizer's own serialisation, as stock writes it (``state_dict``
-    is then not used, as in stock), or refused by name (quantization.py).
-    """
-    _reject_wrapped(model)
-    state = _runtime_state(model, state_dict if state_dict is not None else model.state_dict())
-    report = get_load_report(model)
-    quantized = quantized_checkpoint(model, report, original_format=original_format)
-    _check_saveable(model, state, quantized=quantized is not None)
-    if quantized is not None:
-        tensors, metadata = quantized
-        return _independent(_state_to_save(model, tensors, report)), metadata
-    state = _state_to_save(model, state, report)
-    return _independent(model_layout(model, state).run(state.__getitem__) if original_format else state), None
-
-
-def _runtime_state(model: PreTrainedModel, state: Mapping[str, Any]) -> dict[str, Any]:
-    """``state`` as plain tensors, prepared by the load modes the model was loaded with (``prepare_save``): a
-    tensor-parallel model's shards gathered into full tensors, on every rank (collectives); the weights of modules
-    dispatched to disk, on the meta device, read back from their files. A tensor still on the meta device has no
-    values to write: refused by name."""
-    record = model_record(model)
-    prepared = prepare_save(model, state, () if record is None else record.load_modes)
-    if on_meta := meta_tensors(prepared):
-        raise unreadable_meta_tensors(model, on_meta)
-    return prepared
 
 
 def save_pretrained(
@@ -323,6 +59,10 @@ def save_pretrained(
     Returns:
         The files written.
 
+    Called on every rank of a model with ``DTensor`` parameters (FSDP2's ``fully_shard``, tensor parallelism), it is a
+    collective save (``save_sharded.py``): each rank writes its own rows of the original layout; the files are those
+    of the same model saved unsharded.
+
     A model loaded with a quantizer (torchao) is written as stock writes it: the quantizer's flattened tensors and
     their safetensors metadata, with the ``quantization_config``. Where its layout differs from the checkpoint's, or
     where the quantized weights were dequantized at load (fp8), the original layout is refused by name.
@@ -331,7 +71,9 @@ def save_pretrained(
         SaveError: A module was substituted since the model was built (a quantizer's module, a quantized tensor
             subclass, PEFT layers) and its state cannot be written so that it loads back the same; nothing is written.
     """
-    tensors, metadata = _checkpoint_contents(model, None, original_format=save_original_format)
+    if is_fully_sharded(model):  # DTensor parameters (FSDP2, tensor parallelism): every rank writes its own rows
+        return save_sharded(model, path, save_original_format=save_original_format, max_shard_size=max_shard_size)
+    tensors, metadata = checkpoint_contents(model, None, original_format=save_original_format)
     if not writes_files(model):  # another rank of a tensor-parallel model: rank 0 writes
         barrier(model)
         return []
@@ -353,27 +95,6 @@ def _write(
     files = write_checkpoint(path, tensors, extra_files=extra_files, metadata=metadata, max_shard_size=max_shard_size)
     layout = "checkpoint" if save_original_format else "runtime"
     logger.info("Saved %d tensors to %s (%s layout)", len(tensors), path, layout)
-    return files
-
-
-def config_files(model: PreTrainedModel, *, original_format: bool) -> dict[str, bytes]:
-    """``config.json`` (and ``generation_config.json`` for a generative model) as a save of ``model`` writes them."""
-    config = copy.deepcopy(model.config)
-    config.architectures = [type(model).__name__]
-    record_file_layout(config, runtime_layout=not original_format)
-    if _untied_pairs(model, model.state_dict()) and getattr(config, "tie_word_embeddings", False):
-        # The head was untied since the model was built: the reload must not tie it back over the saved tensor.
-        config.tie_word_embeddings = False
-    config_json = config.to_json_string(use_diff=True)
-    if not original_format and stored_fusion_config(config) is not None:
-        # Stock transformers would load these tensors into a stock model, leaving the fused ones random: the marked
-        # model type makes it refuse by name (modelpatch unmarks it when it loads). An unfused model's runtime layout
-        # is stock's own (save_original_format=False), which stock loads: it stays unmarked.
-        config_json = json.dumps(mark_runtime_layout(json.loads(config_json)), indent=2, sort_keys=True) + "\n"
-    files = {"config.json": config_json.encode()}
-    generation_config = getattr(model, "generation_config", None)
-    if generation_config is not None and model.can_generate():
-        files["generation_config.json"] = (generation_config.to_json_string()).encode()
     return files
 
 
@@ -404,7 +125,7 @@ class OriginalFormatSave:
         kwargs["state_dict"] = checkpoint_tensors(model, kwargs.get("state_dict"))
         kwargs["save_original_format"] = False  # already in the original layout: stock must not convert again
         tie = getattr(model.config, "tie_word_embeddings", None)
-        if _untied_pairs(model, model.state_dict()) and tie:
+        if untied_pairs(model, model.state_dict()) and tie:
             model.config.tie_word_embeddings = False
         try:
             return stock_save(model, save_directory, *args, **kwargs)

@@ -28,7 +28,8 @@ from ..conversion.planner import ConversionGroup
 from ..state import model_record
 from .offload import gather_offloaded
 from .parallel import gather_state
-from .save import OriginalFormatSave, _reject_wrapped, model_layout, saved_state
+from .save import OriginalFormatSave
+from .save_contents import model_layout, reject_wrapped, saved_state
 
 __all__ = ["OriginalLayoutLoad", "install_state_dict_boundary", "iter_original_state_dict"]
 
@@ -50,7 +51,7 @@ def iter_original_state_dict(model: PreTrainedModel) -> Iterator[tuple[str, torc
         SaveError: As :func:`modelpatch.save_pretrained`, before anything is yielded: a PEFT model or adapter layers,
             quantized tensor subclasses, modules substituted since the build.
     """
-    _reject_wrapped(model)
+    reject_wrapped(model)
     state = model.state_dict()
     full = _full_stand_ins(model, state)
     state = saved_state(model, state, full=full)

@@ -1,0 +1,273 @@
+"""Fully sharded models (FSDP2, DTensor): each rank loads only its own shard of every parameter from the checkpoint.
+
+The user shards the model first (``fully_shard`` per decoder layer and on the root of a model built on the meta
+device, then ``model.to_empty(device=...)``); :func:`load_sharded` then fills every rank's shards:
+
+* the load is planned as :func:`modelpatch.from_pretrained` plans it (:func:`~modelpatch.plan_pretrained`: the same
+  transforms, groups and bound operations), from the safetensors headers alone;
+* a parameter whose local shard is a block of whole rows (FSDP2's ``Shard(0)``, a replicated or plain tensor) is read
+  as those rows only: for a tensor read unchanged, a slice of the memory-mapped file; for a fused ``q/k/v`` or
+  ``gate/up`` (a concatenation along dim 0) the matching row ranges of its source tensors; for experts stacked along
+  dim 0, the experts this rank holds. Any other conversion (or placement) converts the group whole and keeps this
+  rank's shard of it, so a rank's peak memory is its shards plus the largest converted group;
+* the checkpoint's file pages a rank read are released once copied, so they do not stay resident.
+
+:class:`FullyShardedLoad` is this as a :class:`~modelpatch.loading.modes.LoadMode` (its ``plan``, ``wrap_source``,
+``device`` and ``after_load`` hooks, and the shard-aware group runner :meth:`FullyShardedLoad.run_group`), which
+:func:`load_sharded` drives; the collective save (``save_sharded.py``) reads the same row layout back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from transformers import PreTrainedModel
+
+from .._transformers import initialize_missing, mark_initialized
+from ..checkpoint import Checkpoint
+from ..checkpoint.pages import release_pages
+from ..conversion.operations import Concatenate, MergeModulelist, run_operations
+from ..conversion.planner import ConversionGroup
+from ..errors import ModelPatchError
+from ..patching.patcher import Patcher
+from ..state import record_report, stored_fusion_config
+from .distributed import Rows, current_rank, local_part, local_rows, part_offsets, shard_of
+from .modes import LoadMode, TensorSource
+from .plan import LoadPlan
+from .report import LoadReport
+
+logger = logging.getLogger(__name__)
+
+
+class ShardedLoadError(ModelPatchError, ValueError):
+    """A sharded load or save that cannot be done as asked (the message names the parameter or keyword)."""
+
+
+def _stacked_rows(group: ConversionGroup) -> bool:
+    """Whether ``group``'s one output stacks indexed sources (experts) along dim 0 and then only concatenates along
+    other dims: rows ``a:b`` of the output are then made of the sources' entries ``a..b-1`` alone."""
+    if len(group.targets) != 1 or not isinstance(group.targets[0], str):
+        return False
+    first, *rest = group.operations
+    if not isinstance(first, MergeModulelist) or not all(isinstance(slot, tuple) for slot in group.sources):
+        return False
+    shape = group.target_shapes[0]
+    if not isinstance(shape, tuple):
+        return False
+    rank = len(shape)
+    if first.dim % rank != 0:
+        return False
+    return all(isinstance(op, Concatenate) and not op.indexed and op.dim % rank != 0 for op in rest)
+
+
+class FullyShardedLoad(LoadMode):
+    """Loads a checkpoint into a model whose parameters are already sharded (FSDP2, DTensor), each rank reading only
+    its shards (see the module docstring).
+
+    Args:
+        model: The sharded model to fill (its parameters materialised, e.g. by ``model.to_empty(device=...)``).
+    """
+
+    name = "fully sharded data parallelism"
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.targets: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
+        self.rows: dict[str, Rows | None] = {}
+        self._direct: dict[str, str] = {}
+
+    def device(self) -> torch.device | None:
+        """The device of the model's shards."""
+        return next((local_part(t).device for t in self.targets.values()), None)
+
+    def plan(self, model: PreTrainedModel, plan: LoadPlan, checkpoint: Checkpoint) -> None:
+        """Check that ``plan`` (planned into a meta model of the same structure) fills the sharded model, and note
+        each parameter's local rows. Raises :class:`ShardedLoadError` naming every key that differs."""
+        differing = [
+            f"{key}: the checkpoint gives {list(meta.shape)}, the sharded model has "
+            f"{list(self.targets[key].shape) if key in self.targets else 'no such key'}"
+            for key, meta in plan.expected.items()
+            if key not in self.targets or tuple(self.targets[key].shape) != tuple(meta.shape)
+        ]
+        differing += [f"{key}: not in the planned model" for key in self.targets if key not in plan.expected]
+        if differing:
+            raise ShardedLoadError(
+                f"The sharded {type(self.model).__name__} is not the model the checkpoint {plan.directory} loads into "
+                f"(built with other fusions or patches?); nothing was loaded:\n  - " + "\n  - ".join(differing)
+            )
+        self.rows = {key: local_rows(tensor) for key, tensor in self.targets.items()}
+        self._direct = {checkpoint: runtime for runtime, checkpoint in plan.conversion.direct.items()}
+
+    def wrap_source(self, source: TensorSource) -> TensorSource:
+        """Tensors read unchanged into a row-sharded parameter come as that parameter's rows (views of the file)."""
+
+        def fetch(key: str) -> torch.Tensor:
+            tensor = source.fetch(key)
+            runtime = self._direct.get(key)
+            rows = None if runtime is None else self.rows.get(runtime)
+            if rows is None or not isinstance(self.targets[runtime], DTensor):  # type: ignore[index]  # rows: known
+                return tensor
+            return tensor[rows.start : rows.stop]
+
+        return TensorSource(fetch, source.file_mapped)
+
+    def run_group(self, group: ConversionGroup, fetch: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's part of each output of ``group``, reading through ``fetch`` only the source rows it needs
+        where the group allows it (a concatenation along dim 0, experts stacked along dim 0), else the whole group."""
+        targets = group.target_keys()
+        rows = self.rows.get(targets[0]) if len(targets) == 1 else None
+        if rows is not None and isinstance(self.targets[targets[0]], DTensor):
+            concatenated = group.concatenated_rows()
+            if concatenated is not None:
+                sizes = [shape[0] for shape in _source_shapes(group)]
+                pieces = []
+                for key, offset, size in zip(concatenated, part_offsets(sizes), sizes, strict=True):
+                    window = rows.window(offset, size)
+                    if window is not None:
+                        pieces.append(fetch(key)[window[0] : window[1]])
+                return {targets[0]: _concatenated(pieces, group)}
+            if _stacked_rows(group):
+                slots = [[fetch(key) for key in keys[rows.start : rows.stop]] for keys in group.sources]  # type: ignore[index]
+                (output,) = run_operations(list(group.operations), slots)  # type: ignore[arg-type]
+                assert isinstance(output, torch.Tensor)  # one stacked tensor: _stacked_rows checked the chain
+                return {targets[0]: output}
+        return {key: shard_of(self.targets[key], tensor) for key, tensor in group.run(fetch).items()}
+
+    def fill(self, plan: LoadPlan, source: TensorSource) -> None:
+        """Copy every planned tensor's local part into the sharded model, one converted group at a time."""
+        with torch.no_grad():
+            for runtime, checkpoint in plan.conversion.direct.items():
+                if runtime not in self.targets:
+                    continue
+                tensor = source.fetch(checkpoint)
+                target = self.targets[runtime]
+                value = tensor if self.rows.get(runtime) is not None else shard_of(target, tensor)
+                local_part(target).copy_(value)
+                if source.file_mapped(checkpoint):
+                    release_pages(tensor)
+            for group in plan.conversion.groups:
+                read: list[torch.Tensor] = []
+
+                def fetch(key: str) -> torch.Tensor:
+                    tensor = source.fetch(key)
+                    if source.file_mapped(key):
+                        read.append(tensor)  # noqa: B023 - used by this iteration's run_group only
+                    return tensor
+
+                for runtime, value in self.run_group(group, fetch).items():
+                    if runtime in self.targets:
+                        local_part(self.targets[runtime]).copy_(value)
+                for tensor in read:
+                    release_pages(tensor)
+
+    def after_load(self, model: PreTrainedModel, plan: LoadPlan, checkpoint: Checkpoint) -> None:
+        """Mark the loaded shards as loaded, recompute the non-persistent buffers (``to_empty`` left them
+        uninitialised) as transformers' finalisation does, and record the load (what a save reverses)."""
+        target = self.model
+        if not isinstance(target, PreTrainedModel):
+            return
+        for tensor in self.targets.values():
+            mark_initialized(tensor)
+        device = self.device() or torch.device("cpu")
+        with torch.no_grad():
+            initialize_missing(target, set(), device)
+        record_report(target, LoadReport.from_plan(plan))
+
+
+def _source_shapes(group: ConversionGroup) -> list[tuple[int, ...]]:
+    shapes: list[tuple[int, ...]] = []
+    for slot in group.source_shapes:
+        if isinstance(slot, list):
+            shapes.extend(slot)
+        elif isinstance(slot, tuple):
+            shapes.append(slot)
+    return shapes
+
+
+def _concatenated(pieces: list[torch.Tensor], group: ConversionGroup) -> torch.Tensor:
+    if len(pieces) == 1:
+        return pieces[0]
+    if pieces:
+        return torch.cat(pieces)
+    shape = _source_shapes(group)[0]
+    return torch.empty((0, *shape[1:]), dtype=group.dtype)
+
+
+def load_sharded(
+    model: PreTrainedModel,
+    path: str | os.PathLike[str],
+    *,
+    patcher: Patcher | None = None,
+    fusion_config: Mapping[str, Any] | None = None,
+    allow_external_symlinks: bool = False,
+    revision: str | None = None,
+    subfolder: str = "",
+    cache_dir: str | os.PathLike[str] | None = None,
+    token: bool | str | None = None,
+    local_files_only: bool = False,
+) -> PreTrainedModel:
+    """Fill ``model``, whose parameters are already sharded (FSDP2 ``fully_shard``, DTensors), from the checkpoint at
+    ``path``: each rank reads and keeps only its own shard of every parameter, with the load's conversions applied.
+
+    Call it on every rank, after sharding and materialising the model::
+
+        with torch.device("meta"):
+            model = modelpatch.from_config(AutoModelForCausalLM, config, fusion_config={"qkv": True})
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.to_empty(device="cpu")
+        modelpatch.load_sharded(model, "path/or/org/name")
+
+    The load is planned exactly as :func:`modelpatch.from_pretrained` plans it (the model's fusion config, recorded in
+    its config by :func:`modelpatch.from_config`, unless ``fusion_config`` is given; the model's dtype), from the
+    safetensors headers alone, and must give the sharded model's keys and full shapes. A rank's parameter sharded
+    along dim 0 reads only its rows: a view of the memory-mapped file for a tensor read unchanged, the matching rows
+    of the ``q``/``k``/``v`` (``gate``/``up``) sources of a fused projection, the experts it holds of stacked experts;
+    other conversions run on the whole group, of which the rank keeps its shard. The model's non-persistent buffers
+    (rotary ``inv_freq``) are recomputed, and the load is recorded on the model (what
+    :func:`modelpatch.save_pretrained` reverses). The other keywords mean what they mean to ``from_pretrained``.
+
+    Returns:
+        ``model``, filled.
+
+    Raises:
+        ShardedLoadError: The checkpoint does not plan into the sharded model (every differing key is named).
+        LoadPlanError: The checkpoint does not match the model class (as ``from_pretrained`` raises it).
+    """
+    from .hub import HubOptions, resolve_checkpoint  # load.py imports save.py, which imports this module
+    from .load import plan_pretrained
+
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}.")
+    if fusion_config is None:
+        fusion_config = stored_fusion_config(model.config)
+    hub = HubOptions(revision, subfolder, cache_dir, token, local_files_only, False)
+    directory = resolve_checkpoint(path, hub)
+    dtype = model.dtype
+    plan = plan_pretrained(
+        type(model),
+        directory,
+        patcher=patcher,
+        fusion_config=dict(fusion_config) if fusion_config is not None else None,
+        dtype=dtype,
+        allow_external_symlinks=allow_external_symlinks,
+    )
+    mode = FullyShardedLoad(model)
+    with Checkpoint.open(Path(directory), allow_external_symlinks=allow_external_symlinks) as checkpoint:
+        mode.plan(plan.model, plan, checkpoint)
+        source = mode.wrap_source(
+            TensorSource(checkpoint.tensor, lambda key: checkpoint.info(key).start >= 0)  # mapped safetensors
+        )
+        mode.fill(plan, source)
+        checkpoint.check_unchanged()
+        mode.after_load(plan.model, plan, checkpoint)
+    logger.info("Loaded the shards of rank %d of %s from %s", current_rank(), type(model).__name__, directory)
+    return mode.finish(model)
