@@ -39,6 +39,8 @@ from ..errors import ModelPatchError
 from ..patching.patcher import Patcher
 from ..state import record_report, stored_fusion_config
 from .distributed import Rows, current_rank, local_part, local_rows, part_offsets, shard_of
+from .hub import HubOptions, resolve_checkpoint
+from .load import plan_pretrained
 from .modes import LoadMode, TensorSource
 from .plan import LoadPlan
 from .report import LoadReport
@@ -242,9 +244,6 @@ def load_sharded(
         ShardedLoadError: The checkpoint does not plan into the sharded model (every differing key is named).
         LoadPlanError: The checkpoint does not match the model class (as ``from_pretrained`` raises it).
     """
-    from .hub import HubOptions, resolve_checkpoint  # load.py imports save.py, which imports this module
-    from .load import plan_pretrained
-
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}.")
     if fusion_config is None:
