@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -22,7 +23,8 @@ from torch.distributed.tensor import DTensor, Shard
 sys.path.insert(0, str(Path(__file__).parents[1]))
 
 import modelpatch
-from modelpatch.errors import FusionError
+from modelpatch.errors import FusionError, ModelPatchError
+from modelpatch.loading.distributed import refuse_adapters
 from modelpatch.loading.save import model_layout
 from safetensors.torch import load_file
 
@@ -124,6 +126,46 @@ def restructure_refusals(model) -> list[str]:
     return messages
 
 
+def messages(calls: dict[str, object], error: type[Exception]) -> dict[str, str]:
+    """Each call's ``error`` message ("done" when it raised none)."""
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()  # type: ignore[operator]
+            out[name] = "done"
+        except error as exc:
+            out[name] = str(exc)
+    return out
+
+
+def tensor_parallel_refusals(path: Path, out: Path, rank: int) -> None:
+    """What restructuring, adapters and the original-layout doors say on a tensor-parallel model, and on one sharded
+    with FSDP2 too (a 2-D mesh: tensor parallel over the ranks, FSDP2 over a dimension of size 1)."""
+    load = partial(modelpatch.from_pretrained, transformers.AutoModelForCausalLM, path, tp_plan="auto")
+    plain, fused = load(), load(fusion_config={"qkv": True})
+    record = messages(
+        {
+            "fuse": lambda: modelpatch.fuse(plain, {"qkv": True}),
+            "unfuse": lambda: modelpatch.unfuse(fused),
+            "adapters": lambda: refuse_adapters(fused, "modelpatch.get_peft_model()"),
+        },
+        ModelPatchError,
+    )
+    mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("tp", "dp"))
+    for layer in plain.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(plain, mesh=mesh["dp"])
+    two_d = messages(
+        {
+            "fuse": lambda: modelpatch.fuse(plain, {"qkv": True}),
+            "stream": lambda: next(modelpatch.iter_original_state_dict(plain)),
+            "load_state_dict": lambda: plain.load_state_dict(load_file(str(path / "model.safetensors"))),
+        },
+        ModelPatchError,
+    )
+    (out / f"tensor_parallel_rank{rank}.json").write_text(json.dumps({"tp": record, "2d": two_d}))
+
+
 def main() -> None:
     job = json.loads(Path(sys.argv[1]).read_text())
     out = Path(job["out"])
@@ -151,6 +193,8 @@ def main() -> None:
             record["refusals"] = restructure_refusals(model)
         train(model, rank, record)
         torch.save(record, out / f"{case['id']}_rank{rank}.pt")
+    if job["tensor_parallel"]:
+        tensor_parallel_refusals(Path(job["tensor_parallel"]), out, rank)
     dist.destroy_process_group()
 
 

@@ -14,10 +14,18 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..errors import ModelPatchError, ShardingError
+from ..errors import ModelPatchError, PeftIntegrationError, ShardingError
 from ..state import model_record
 
-__all__ = ["full_tensor", "is_fsdp", "refuse_sharded", "refuse_two_shardings", "shard_like", "sharding_of"]
+__all__ = [
+    "full_tensor",
+    "is_fsdp",
+    "refuse_adapters",
+    "refuse_sharded",
+    "refuse_two_shardings",
+    "shard_like",
+    "sharding_of",
+]
 
 # What a model both tensor-parallel and FSDP2-sharded (a 2-D mesh) is told: modelpatch reads each kind on its own.
 _TWO_D_REMEDY = (
@@ -75,3 +83,19 @@ def shard_like(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     if not isinstance(like, DTensor) or isinstance(tensor, DTensor):
         return tensor
     return distribute_tensor(tensor.detach(), like.device_mesh, like.placements, src_data_rank=None)
+
+
+def refuse_adapters(model: nn.Module, what: str) -> None:
+    """Refuse PEFT adapters (``what``: the call) on a sharded model, by name, before anything is injected.
+
+    PEFT injects new modules: under tensor parallelism their plain-tensor products meet the sharded outputs of the
+    base layers' hooks (a shape error deep in the forward); under FSDP2 their parameters are not among those
+    ``fully_shard`` manages.
+    """
+    refuse_sharded(
+        model,
+        what,
+        "add the adapters to the unsharded model, then shard it (get_peft_model before fully_shard); a "
+        "tensor-parallel model takes no adapters: load it without tp_plan.",
+        PeftIntegrationError,
+    )
