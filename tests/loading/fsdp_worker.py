@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import transformers
+from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
@@ -26,7 +27,6 @@ import modelpatch
 from modelpatch.errors import FusionError, ModelPatchError
 from modelpatch.loading.distributed import refuse_adapters
 from modelpatch.loading.save import model_layout
-from safetensors.torch import load_file
 
 transformers.logging.set_verbosity_error()
 
@@ -87,7 +87,9 @@ def routed(model: torch.nn.Module, rank: int) -> list[list[int]]:
     """Per MoE layer, the experts this rank's batch routes to (hooks on the experts' containers only)."""
     seen: list[list[int]] = []
     handles = [
-        layer.mlp.experts.register_forward_pre_hook(lambda _m, args: seen.append(sorted(set(args[1].flatten().tolist()))))
+        layer.mlp.experts.register_forward_pre_hook(
+            lambda _m, args: seen.append(sorted(set(args[1].flatten().tolist())))
+        )
         for layer in model.model.layers
     ]
     tokens, _ = batch(rank, model.config.vocab_size)

@@ -9,10 +9,6 @@ after training too, and the weight stream of the sharded model must equal the un
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,12 +16,12 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import modelpatch
 from modelpatch._transformers import tensor_parallel_supported
 from support.checkpoints import perturb
 from support.compare import assert_bitwise_equal
 from support.files import read_tensors
 from support.models import TEXT
+from support.ranks import run_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
@@ -41,12 +37,6 @@ CASES = {
     # refuses uneven shards of dim 1 itself, by name: "FSDP does not support uneven sharding on dim 1").
     "llama_uneven_fused": ("llama_uneven", {"qkv": True, "gate_up": True}, None),
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -76,24 +66,7 @@ def fsdp_run(checkpoints, tmp_path_factory):
     # The tensor-parallel refusals need transformers' distributed API (5.23 on) for the tensor-parallel load.
     tensor_parallel = str(checkpoints["llama"]) if tensor_parallel_supported() else None
     job.write_text(json.dumps({"out": str(out), "cases": cases, "tensor_parallel": tensor_parallel}))
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(
-            [str(Path(modelpatch.__file__).parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])]
-        ),
-    )
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={RANKS}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={_free_port()}",
-        str(WORKER),
-        str(job),
-    ]
-    result = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    run_ranks(WORKER, job, RANKS)
     return out
 
 

@@ -11,10 +11,6 @@ from __future__ import annotations
 import filecmp
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -34,6 +30,7 @@ from support.checkpoints import CheckpointSpec, TinyCheckpoint, perturb
 from support.compare import assert_bitwise_equal
 from support.files import read_tensors
 from support.models import TEXT
+from support.ranks import run_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
@@ -51,12 +48,6 @@ CASES = {
 
 # A tp_plan rule naming no module (q_proj misspelt): transformers warns and shards without it.
 PLAN_TYPO = "model.layers.*.self_attn.qq_proj"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -99,24 +90,7 @@ def tp_run(checkpoints, tmp_path_factory):
     job = out / "job.json"
     refusals = [{"path": str(checkpoints["llama"].path), "tp_plan": {PLAN_TYPO: "colwise"}}]
     job.write_text(json.dumps({"out": str(out), "cases": cases, "refusals": refusals}))
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(
-            [str(Path(modelpatch.__file__).parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])]
-        ),
-    )
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={RANKS}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={_free_port()}",
-        str(WORKER),
-        str(job),
-    ]
-    result = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    run_ranks(WORKER, job, RANKS)
     return out
 
 

@@ -53,9 +53,7 @@ def sharding_of(model: nn.Module) -> str | None:
     return " and ".join(kind for kind, sharded in kinds.items() if sharded) or None
 
 
-def refuse_sharded(
-    model: nn.Module, what: str, remedy: str, error: type[ModelPatchError] = ShardingError
-) -> None:
+def refuse_sharded(model: nn.Module, what: str, remedy: str, error: type[ModelPatchError] = ShardingError) -> None:
     """Raise ``error`` naming ``what`` (the operation), how ``model`` is sharded and ``remedy``, when it is sharded."""
     sharding = sharding_of(model)
     if sharding is not None:

@@ -1,0 +1,40 @@
+"""Launching a worker script on several CPU processes under ``torchrun`` (gloo), as the multi-rank tests do."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import modelpatch
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_ranks(worker: Path, job: Path, ranks: int, timeout: float = 300) -> None:
+    """Run ``worker job`` on ``ranks`` processes of ``torch.distributed.run`` (the modelpatch under test importable);
+    fails with the end of its output when any rank fails."""
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            [str(Path(modelpatch.__file__).parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])]
+        ),
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={ranks}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={_free_port()}",
+        str(worker),
+        str(job),
+    ]
+    result = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
