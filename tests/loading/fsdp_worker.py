@@ -13,9 +13,11 @@ import sys
 from functools import partial
 from pathlib import Path
 
+import peft
 import torch
 import torch.distributed as dist
 import transformers
+from peft import LoraConfig
 from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -168,6 +170,38 @@ def tensor_parallel_refusals(path: Path, out: Path, rank: int) -> None:
     (out / f"tensor_parallel_rank{rank}.json").write_text(json.dumps({"tp": record, "2d": two_d}))
 
 
+def adapters_then_fsdp(path: Path, mesh, rank: int) -> dict[str, torch.Tensor]:
+    """LoRA added before ``fully_shard`` (stock PEFT on stock transformers, modelpatch's on the fused model), then a
+    few AdamW steps on the adapters: the losses of each."""
+    config = dict(r=2, target_modules=["q_proj", "k_proj", "up_proj"], init_lora_weights=False)
+    builds = {
+        "stock": lambda: peft.get_peft_model(transformers.LlamaForCausalLM.from_pretrained(path), LoraConfig(**config)),
+        "fused": lambda: modelpatch.get_peft_model(
+            modelpatch.from_pretrained(
+                transformers.AutoModelForCausalLM, path, fusion_config={"qkv": True, "gate_up": True}
+            ),
+            LoraConfig(**config),
+        ),
+    }
+    losses = {}
+    tokens, targets = batch(rank, 64)
+    for name, build in builds.items():
+        torch.manual_seed(0)  # the adapters' initial weights
+        model = build()
+        shard(model.base_model.model, mesh, None)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, foreach=False)
+        steps = []
+        for _ in range(STEPS):
+            logits = model(input_ids=tokens).logits
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            steps.append(loss.detach().clone())
+        losses[name] = torch.stack(steps)
+    return losses
+
+
 def main() -> None:
     job = json.loads(Path(sys.argv[1]).read_text())
     out = Path(job["out"])
@@ -195,6 +229,7 @@ def main() -> None:
             record["refusals"] = restructure_refusals(model)
         train(model, rank, record)
         torch.save(record, out / f"{case['id']}_rank{rank}.pt")
+    torch.save(adapters_then_fsdp(Path(job["adapters"]), mesh, rank), out / f"adapters_rank{rank}.pt")
     if job["tensor_parallel"]:
         tensor_parallel_refusals(Path(job["tensor_parallel"]), out, rank)
     dist.destroy_process_group()

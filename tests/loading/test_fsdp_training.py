@@ -65,7 +65,11 @@ def fsdp_run(checkpoints, tmp_path_factory):
     job = out / "job.json"
     # The tensor-parallel refusals need transformers' distributed API (5.23 on) for the tensor-parallel load.
     tensor_parallel = str(checkpoints["llama"]) if tensor_parallel_supported() else None
-    job.write_text(json.dumps({"out": str(out), "cases": cases, "tensor_parallel": tensor_parallel}))
+    job.write_text(
+        json.dumps(
+            {"out": str(out), "cases": cases, "tensor_parallel": tensor_parallel, "adapters": str(checkpoints["llama"])}
+        )
+    )
     run_ranks(WORKER, job, RANKS)
     return out
 
@@ -156,3 +160,11 @@ def test_tensor_parallel_and_fsdp2_together_are_refused_by_name(fsdp_run):
             message = record["2d"][call]
             assert f"{name} does not work on a tensor-parallel and FSDP2-sharded model" in message
             assert "not both at once on a 2-D mesh" in message
+
+
+def test_adapters_added_before_fsdp2_train_as_stock_peft_does(fsdp_run):
+    """LoRA on q, k and up (slices of the fused projections), then fully_shard: the losses of stock PEFT on stock
+    transformers under FSDP2, bitwise."""
+    for rank in range(RANKS):
+        losses = torch.load(fsdp_run / f"adapters_rank{rank}.pt")
+        torch.testing.assert_close(losses["fused"], losses["stock"], atol=0, rtol=0)
