@@ -84,6 +84,16 @@ def _full_stand_ins(model: nn.Module, state: Mapping[str, Any]) -> dict[str, Any
     return full
 
 
+def _keeping_metadata(
+    target: collections.OrderedDict[str, Any], source: Mapping[str, Any]
+) -> collections.OrderedDict[str, Any]:
+    """``target`` carrying ``source``'s ``_metadata`` (torch reads module versions from it), if it has one."""
+    metadata = getattr(source, "_metadata", None)
+    if metadata is not None:
+        target._metadata = metadata  # type: ignore[attr-defined]
+    return target
+
+
 def _quoted(keys: list[str]) -> str:
     return ", ".join(f'"{key}"' for key in keys)
 
@@ -115,10 +125,7 @@ class OriginalLayoutLoad:
         if all(key in own for key in state_dict):  # the model's own layout: torch's method as is
             return stock_load(model, self._shards(state_dict, own), strict=strict, assign=assign)
         layout = model_layout(model, own)
-        runtime: collections.OrderedDict[str, Any] = collections.OrderedDict()
-        metadata = getattr(state_dict, "_metadata", None)
-        if metadata is not None:
-            runtime._metadata = metadata  # type: ignore[attr-defined]  # torch reads module versions from it
+        runtime = _keeping_metadata(collections.OrderedDict(), state_dict)
         used: set[str] = set()
         missing_original: list[str] = []  # parts of a group the dict converts partly
         errors: list[str] = []
@@ -158,14 +165,11 @@ class OriginalLayoutLoad:
         it loads into (torch's method copies shard into shard); else ``state_dict`` itself."""
         if not is_fsdp(self.model):
             return state_dict
-        shards: collections.OrderedDict[str, Any] = collections.OrderedDict(
+        shards = collections.OrderedDict(
             (key, shard_like(value, own[key]) if key in own and isinstance(value, torch.Tensor) else value)
             for key, value in state_dict.items()
         )
-        metadata = getattr(state_dict, "_metadata", None)
-        if metadata is not None:
-            shards._metadata = metadata  # type: ignore[attr-defined]  # torch reads module versions from it
-        return shards
+        return _keeping_metadata(shards, state_dict)
 
     @staticmethod
     def _take(runtime: dict[str, Any], key: str, tensor: Any, source: str, errors: list[str]) -> None:
