@@ -70,6 +70,8 @@ def shard(model: torch.nn.Module, mesh, placement: str | None) -> None:
 def train(model: torch.nn.Module, rank: int, record: dict) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     tokens, targets = batch(rank, model.config.vocab_size)
+    with torch.no_grad():  # inference on the sharded model first
+        record["inference"] = model(input_ids=tokens).logits
     losses = []
     for step in range(STEPS):
         logits = model(input_ids=tokens).logits
