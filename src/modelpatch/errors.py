@@ -85,3 +85,8 @@ class SaveError(ModelPatchError, ValueError):
 class PeftIntegrationError(ModelPatchError, TypeError):
     """PEFT cannot be used this way on a modelpatch model: a non-LoRA adapter on fused projection parts, or a merge into
     a fused layer that is not a plain float Linear."""
+
+
+class ShardingError(ModelPatchError, ValueError):
+    """An operation that a model spread over processes (FSDP2, tensor parallelism) cannot take part in as it is
+    sharded; the message names the sharding and what to do instead."""

@@ -218,6 +218,30 @@ def test_gradients_reach_each_experts_weights_as_stock_computes_them(tiny):
         )
 
 
+def test_experts_without_tokens_get_zero_gradients_as_stock_rows_do(tiny):
+    """An expert no token is routed to still takes part in the backward (FSDP2 reduces the gradients that exist on
+    each rank; a missing one desynchronises the ranks): its weights get zeros, as the rows of stock's 3-D parameters
+    do, so that an optimizer treats them as it treats stock's."""
+    ckpt = tiny("qwen2_moe")
+    model, stock = ckpt.load({"linear_experts": True}), ckpt.model_class.from_pretrained(ckpt.path)
+    experts, stock_experts = model.model.layers[0].mlp.experts, stock.model.layers[0].mlp.experts
+    hidden = torch.randn(3, experts.hidden_dim, generator=torch.Generator().manual_seed(0))
+    top_k_index = torch.tensor([[0, 1]] * 3)  # experts 2 and 3 get no token
+    top_k_weights = torch.full((3, 2), 0.5)
+    experts(hidden, top_k_index, top_k_weights).sum().backward()
+    stock_experts(hidden, top_k_index, top_k_weights).sum().backward()
+    for index in (2, 3):
+        assert not stock_experts.gate_up_proj.grad[index].any() and not stock_experts.down_proj.grad[index].any()
+        for linear in (experts[index].gate_proj, experts[index].up_proj, experts[index].down_proj):
+            assert linear.weight.grad is not None and not linear.weight.grad.any()
+    # Without gradients, nothing calls them (an inference hook on an expert sees only its tokens).
+    calls = []
+    experts[2].register_forward_hook(lambda *_: calls.append(2))
+    with torch.no_grad():
+        experts(hidden, top_k_index, top_k_weights)
+    assert calls == []
+
+
 def test_packed_through_to_deepcopy_and_pickle(tiny):
     import copy
     import pickle

@@ -51,6 +51,7 @@ from ..state import (
     stored_fusion_config,
 )
 from .build import build_empty_model
+from .distributed import refuse_sharded
 from .materialize import return_freed_memory
 from .plan import model_expectations
 from .state_dict import install_state_dict_boundary
@@ -90,6 +91,15 @@ def _check_live(model: Any, what: str) -> None:
             f"{what}() cannot restructure a model dispatched over devices (hf_device_map): its modules carry "
             "accelerate hooks. Load it with modelpatch.from_pretrained(..., fusion_config=...) instead."
         )
+    # FSDP2 keeps the parameters it sharded (and tensor parallelism the hooks and shards it set up): modules
+    # restructured afterwards would hold tensors neither knows.
+    refuse_sharded(
+        model,
+        f"{what}()",
+        "restructure the model before sharding it: load it with modelpatch.from_pretrained(..., fusion_config=...) "
+        "or call fuse / unfuse / patch_model before fully_shard or the tensor-parallel load.",
+        FusionError,
+    )
 
 
 def _base_transforms(model: PreTrainedModel) -> list[WeightTransform]:
@@ -250,6 +260,21 @@ def _swap(
     leaves the model untouched; then modules are converted one at a time and the old one is released before the next,
     so the memory a restructuring adds is one converted module.
     """
+    plans = _plan_swap(model, target, names, steps, verb)
+    last_groups = [group for _, module_plans in plans for group in module_plans[-1].groups]
+    with torch.no_grad():
+        for name, module_plans in plans:
+            _fill(model, target, name, module_plans)
+            return_freed_memory()  # the old module's converted tensors go now, not at the end
+    return last_groups
+
+
+def _plan_swap(
+    model: PreTrainedModel, target: nn.Module, names: Sequence[str], steps: Sequence[Step], verb: str
+) -> list[tuple[str, list[ConversionPlan]]]:
+    """Plan every module ``names`` through ``steps`` (metadata only) and move the hooks that stay meaningful; a
+    module whose tensors do not convert to its ``target`` counterpart, or a hook that would lose its meaning, is a
+    FusionError before anything changes."""
     plans = []
     hook_moves: list[tuple[nn.Module, nn.Module]] = []
     hook_problems: list[str] = []
@@ -292,36 +317,31 @@ def _swap(
         )
     for live, new in hook_moves:
         _move_hooks(live, new)
+    return plans
 
-    last_groups = [group for _, module_plans in plans for group in module_plans[-1].groups]
-    with torch.no_grad():
-        for name, module_plans in plans:
-            live, new = model.get_submodule(name), target.get_submodule(name)
-            tensors = _module_state(model, name)
-            grads = {key: tensor.requires_grad for key, tensor in tensors.items()}
-            for plan in module_plans:
-                tensors, grads = _run_plan(plan, tensors, grads)
-            local = len(name) + 1
-            for key, tensor in tensors.items():
-                _assign(
-                    new, key[local:], tensor if isinstance(tensor, nn.Parameter) else tensor.contiguous(), grads[key]
-                )
-            # Buffers outside the state dict (non-persistent ones) come from the live module, by name.
-            live_buffers = dict(live.named_buffers())
-            for buffer_name, buffer in list(new.named_buffers()):
-                if buffer.device.type == "meta":
-                    if buffer_name not in live_buffers:
-                        raise FusionError(
-                            f"{name}.{buffer_name}: the restructured module has a buffer the live one lacks."
-                        )
-                    _assign(new, buffer_name, live_buffers[buffer_name], False)
-            new.train(live.training)
-            parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), child, new)
-            _dismantle(live)
-            del live, new, tensors, live_buffers  # the old module's converted tensors go now, not at the end
-            return_freed_memory()
-    return last_groups
+
+def _fill(model: PreTrainedModel, target: nn.Module, name: str, module_plans: Sequence[ConversionPlan]) -> None:
+    """Convert the live module ``name``'s tensors through ``module_plans`` into ``target``'s meta module of that name,
+    put it in the live one's place and dismantle the live one."""
+    live, new = model.get_submodule(name), target.get_submodule(name)
+    tensors = _module_state(model, name)
+    grads = {key: tensor.requires_grad for key, tensor in tensors.items()}
+    for plan in module_plans:
+        tensors, grads = _run_plan(plan, tensors, grads)
+    local = len(name) + 1
+    for key, tensor in tensors.items():
+        _assign(new, key[local:], tensor if isinstance(tensor, nn.Parameter) else tensor.contiguous(), grads[key])
+    # Buffers outside the state dict (non-persistent ones) come from the live module, by name.
+    live_buffers = dict(live.named_buffers())
+    for buffer_name, buffer in list(new.named_buffers()):
+        if buffer.device.type == "meta":
+            if buffer_name not in live_buffers:
+                raise FusionError(f"{name}.{buffer_name}: the restructured module has a buffer the live one lacks.")
+            _assign(new, buffer_name, live_buffers[buffer_name], False)
+    new.train(live.training)
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child, new)
+    _dismantle(live)
 
 
 def _bound(transforms: Sequence[WeightTransform], groups: Sequence[ConversionGroup]) -> list[WeightTransform]:

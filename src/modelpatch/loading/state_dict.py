@@ -26,6 +26,7 @@ from transformers import PreTrainedModel
 
 from ..conversion.planner import ConversionGroup
 from ..state import model_record
+from .distributed import full_tensor, is_fsdp, refuse_two_shardings, shard_like
 from .offload import gather_offloaded
 from .parallel import gather_state
 from .save import OriginalFormatSave
@@ -43,15 +44,18 @@ def iter_original_state_dict(model: PreTrainedModel) -> Iterator[tuple[str, torc
     its turn comes, so the memory added is bounded by the largest group. The pairs fit an inference engine's
     ``load_weights(iterable)`` (vLLM's shape of weight sync) or any other consumer of a checkpoint's tensors.
 
-    On a tensor-parallel model every rank must iterate (each tensor is gathered from its shards when its turn comes,
-    a collective) and every rank receives the full tensors. Weights of modules offloaded to disk are read from
-    their files when their turn comes.
+    On a tensor-parallel or FSDP2-sharded model (``fully_shard``) every rank must iterate, to the end and in step:
+    each tensor is gathered from its shards when its turn comes (``DTensor.full_tensor()``, a collective), so a group
+    is gathered only while it is converted and yielded, and every rank receives the full tensors. Weights of modules
+    offloaded to disk are read from their files when their turn comes.
 
     Raises:
         SaveError: As :func:`modelpatch.save_pretrained`, before anything is yielded: a PEFT model or adapter layers,
             quantized tensor subclasses, modules substituted since the build.
+        ShardingError: ``model`` is both tensor-parallel and FSDP2-sharded (a 2-D mesh).
     """
     reject_wrapped(model)
+    refuse_two_shardings(model, "iter_original_state_dict()")
     state = model.state_dict()
     full = _full_stand_ins(model, state)
     state = saved_state(model, state, full=full)
@@ -59,7 +63,7 @@ def iter_original_state_dict(model: PreTrainedModel) -> Iterator[tuple[str, torc
 
     def fetch(key: str) -> torch.Tensor:
         one = gather_offloaded(model, gather_state(model, {key: state[key]}))
-        return one[key].detach()
+        return full_tensor(one[key]).detach()
 
     for checkpoint_key, runtime_key in layout.direct.items():
         yield checkpoint_key, fetch(runtime_key)
@@ -81,6 +85,16 @@ def _full_stand_ins(model: nn.Module, state: Mapping[str, Any]) -> dict[str, Any
     return full
 
 
+def _keeping_metadata(
+    target: collections.OrderedDict[str, Any], source: Mapping[str, Any]
+) -> collections.OrderedDict[str, Any]:
+    """``target`` carrying ``source``'s ``_metadata`` (torch reads module versions from it), if it has one."""
+    metadata = getattr(source, "_metadata", None)
+    if metadata is not None:
+        target._metadata = metadata  # type: ignore[attr-defined]
+    return target
+
+
 def _quoted(keys: list[str]) -> str:
     return ", ".join(f'"{key}"' for key in keys)
 
@@ -94,6 +108,11 @@ class OriginalLayoutLoad:
     model's current values, so a partial dict changes exactly what it names, as torch's ``strict=False`` does.
     ``strict``, ``assign`` and the returned missing / unexpected keys mean what they mean in torch, with keys in the
     names the caller used: the original names when the dict is in the original layout.
+
+    On an FSDP2-sharded model (``fully_shard``) the dict holds whole tensors, as a single process's ``state_dict()``
+    or a checkpoint gives them, on every rank: each rank converts them and keeps its own shard of each parameter
+    (``DTensor`` values are taken as they are). A group the dict gives only part of reads the other parts from the
+    model, gathered (a collective): every rank must then load the same keys.
     """
 
     def __init__(self, model: PreTrainedModel):
@@ -102,14 +121,12 @@ class OriginalLayoutLoad:
     def __call__(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         model = self.model
         stock_load = type(model).load_state_dict
+        refuse_two_shardings(model, "load_state_dict()")
         own = model.state_dict()
         if all(key in own for key in state_dict):  # the model's own layout: torch's method as is
-            return stock_load(model, state_dict, strict=strict, assign=assign)
+            return stock_load(model, self._shards(state_dict, own), strict=strict, assign=assign)
         layout = model_layout(model, own)
-        runtime: collections.OrderedDict[str, Any] = collections.OrderedDict()
-        metadata = getattr(state_dict, "_metadata", None)
-        if metadata is not None:
-            runtime._metadata = metadata  # type: ignore[attr-defined]  # torch reads module versions from it
+        runtime = _keeping_metadata(collections.OrderedDict(), state_dict)
         used: set[str] = set()
         missing_original: list[str] = []  # parts of a group the dict converts partly
         errors: list[str] = []
@@ -131,7 +148,7 @@ class OriginalLayoutLoad:
             used.update(given)
         if errors:
             raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__}:\n\t" + "\n\t".join(errors))
-        result = stock_load(model, runtime, strict=False, assign=assign)
+        result = stock_load(model, self._shards(runtime, own), strict=False, assign=assign)
         original = any(key not in own for key in used)
         missing = [*self._names(result.missing_keys, layout, original), *missing_original]
         unexpected = [*result.unexpected_keys, *(key for key in state_dict if key not in used)]
@@ -143,6 +160,17 @@ class OriginalLayoutLoad:
                 lines.append(f"Unexpected key(s) in state_dict: {_quoted(unexpected)}.")
             raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__}:\n\t" + "\n\t".join(lines))
         return result._replace(missing_keys=missing, unexpected_keys=unexpected)
+
+    def _shards(self, state_dict: Mapping[str, Any], own: Mapping[str, Any]) -> Mapping[str, Any]:
+        """On an FSDP2-sharded model, ``state_dict`` with each whole tensor cut to this rank's shard of the parameter
+        it loads into (torch's method copies shard into shard); else ``state_dict`` itself."""
+        if not is_fsdp(self.model):
+            return state_dict
+        shards = collections.OrderedDict(
+            (key, shard_like(value, own[key]) if key in own and isinstance(value, torch.Tensor) else value)
+            for key, value in state_dict.items()
+        )
+        return _keeping_metadata(shards, state_dict)
 
     @staticmethod
     def _take(runtime: dict[str, Any], key: str, tensor: Any, source: str, errors: list[str]) -> None:
@@ -161,7 +189,8 @@ class OriginalLayoutLoad:
         """The runtime tensors of ``group`` (a runtime -> checkpoint group of the layout) with the checkpoint tensors
         ``given`` from ``state_dict`` and the others the model's current ones."""
         with torch.no_grad():
-            current = group.run(lambda key: own[key].detach())
+            # (The model's current tensors, whole: gathered from their shards on an FSDP2-sharded model.)
+            current = group.run(lambda key: full_tensor(own[key]).detach())
             parts: dict[str, torch.Tensor] = {}
             for key, tensor in current.items():
                 if key not in given:

@@ -495,11 +495,18 @@ class LinearExperts(nn.ModuleList):
     def _expert_by_expert(
         self, hidden_states: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor
     ) -> torch.Tensor:
-        """Each routed expert module called on its tokens (rows in sorted order; unused slots stay zero)."""
+        """Each routed expert module called on its tokens (rows in sorted order; unused slots stay zero).
+
+        With gradients wanted, an expert no token was routed to is called too, on no rows: its weights then get a
+        gradient of zeros, as the rows of stock's 3-D parameter do, so that an optimizer treats them alike (weight
+        decay, moments) and every expert takes part in each gradient reduction of data-parallel training (FSDP2
+        reduces the gradients that exist; experts without one on some rank would desynchronise the ranks).
+        """
         out = hidden_states.new_zeros(tokens.shape[0], hidden_states.shape[-1])
+        grad = torch.is_grad_enabled()
         start = 0
         for expert, count in zip(self, counts.tolist(), strict=False):
-            if count:
+            if count or (grad and any(p.requires_grad for p in expert.parameters())):
                 rows = slice(start, start + count)
                 out[rows] = expert(hidden_states[tokens[rows]]).to(out.dtype)
                 start += count
