@@ -189,6 +189,22 @@ def test_grouped_query_sizes_are_bound_from_headers():
     assert weight_group.reversed().target_shapes == ((H, H), (KV, H), (KV, H))
 
 
+def test_plan_load_and_plan_save_translate_transformers_own_transforms():
+    """``plan_load`` / ``plan_save`` are entry points too: a transformers transform handed to them is translated
+    (through the border module), and plans as modelpatch's own."""
+    from transformers import core_model_loading as hf
+
+    checkpoint = {f"layers.0.{p}.weight": TensorMeta((4, 8), torch.float32) for p in ("q_proj", "k_proj", "v_proj")}
+    stock = hf.WeightConverter(["q_proj", "k_proj", "v_proj"], "qkv_proj", [hf.Concatenate(dim=0)])
+    own = WeightConverter(["q_proj", "k_proj", "v_proj"], "qkv_proj", [Concatenate(dim=0, equal_parts=True)])
+    loaded = plan_load(checkpoint, [stock])
+    assert loaded.outputs == plan_load(checkpoint, [own]).outputs
+    assert [g.converter for g in loaded.groups] == [own]
+    assert plan_save(loaded.outputs, [stock]).outputs == plan_save(loaded.outputs, [own]).outputs
+    with pytest.raises(TypeError, match="plan_load.*'q_proj'"):
+        plan_load(checkpoint, ["q_proj"])
+
+
 def test_first_matching_converter_wins():
     broad = WeightConverter(["proj"], ["proj_renamed"], [])
     narrow = WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"], [Concatenate(dim=0)])

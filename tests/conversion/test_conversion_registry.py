@@ -95,7 +95,7 @@ def test_an_operation_without_translation_is_named():
 def test_model_conversions_walk_sub_models_class_names_first():
     from transformers import AutoConfig, LlavaForConditionalGeneration
 
-    from modelpatch.conversion.registry import model_conversions
+    from modelpatch._transformers_mapping import model_conversions
 
     config = AutoConfig.for_model("llava")
     with torch.device("meta"):
@@ -188,7 +188,7 @@ def test_concurrent_registrations_all_land():
 def test_a_class_name_mapping_wins_over_the_model_type():
     from transformers import AutoConfig, Qwen2MoeForCausalLM
 
-    from modelpatch.conversion.registry import model_conversions
+    from modelpatch._transformers_mapping import model_conversions
 
     config = AutoConfig.for_model("qwen2_moe", num_hidden_layers=1, num_experts=2)
     with torch.device("meta"):

@@ -32,7 +32,7 @@ from .operations import (
     concatenates_rows,
     run_operations,
 )
-from .transformers_mapping import translate
+from .registry import as_transforms
 from .transforms import (
     _PLACEHOLDER,
     GroupWeightRename,
@@ -467,7 +467,7 @@ def plan_load(
     gives a key of the model, a key the transforms would make unknown to the model loads under its own name when the
     model has it, and operations learn the model's shapes of their targets.
     """
-    renamings, converters = _split(translate(transforms, "plan_load"))
+    renamings, converters = _split(as_transforms(transforms, "plan_load"))
     plan = ConversionPlan()
     renamed: dict[str, str] = {}
     entries: list[_Entry] = []
@@ -529,7 +529,7 @@ def plan_save(
     ``alternative`` transforms are skipped unless ``alternatives`` is true: their targets already are the checkpoint
     layout the model saves to. (Unfusing a live model runs them backwards: there the sources are the layout wanted.)
     """
-    transforms = [t for t in translate(transforms, "plan_save") if alternatives or not t.alternative]
+    transforms = [t for t in as_transforms(transforms, "plan_save") if alternatives or not t.alternative]
     renamings, converters = _split(transforms)
     plan = ConversionPlan()
     matched = _match_converters(runtime, converters, reverse=True)

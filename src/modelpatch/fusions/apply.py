@@ -18,7 +18,8 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from .._transformers import tied_weight_keys
-from ..conversion.registry import model_conversions
+from .._transformers_mapping import model_conversions
+from ..conversion.registry import as_transforms
 from ..conversion.transforms import WeightConverter, WeightTransform
 from ..errors import FusionError
 from ..patching.candidates import is_patch_candidate
@@ -114,8 +115,10 @@ def spec_transforms(
     spec: ModuleFusionSpec, config: PretrainedConfig, modules: Mapping[str, nn.Module], base_model_prefix: str = ""
 ) -> list[WeightTransform]:
     """``spec.make_transforms`` for ``modules`` (unfused instances by name) of a model whose ``base_model_prefix``
-    is given (see :class:`ModulesToFuse`)."""
-    return spec.make_transforms(config, ModulesToFuse(modules, base_model_prefix))
+    is given (see :class:`ModulesToFuse`). A spec may return transformers' own transforms: they enter here, and are
+    translated."""
+    transforms = spec.make_transforms(config, ModulesToFuse(modules, base_model_prefix))
+    return as_transforms(transforms, f"{type(spec).__name__}.make_transforms")
 
 
 @dataclass(frozen=True)

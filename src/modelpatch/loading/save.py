@@ -34,9 +34,9 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .._transformers import has_transformers_adapter, tied_weight_keys
+from .._transformers_mapping import model_conversions
 from ..checkpoint import write_checkpoint
 from ..conversion.planner import ConversionPlan, TensorMeta, plan_save
-from ..conversion.registry import model_conversions
 from ..conversion.transforms import WeightTransform
 from ..errors import ConversionError, SaveError
 from ..state import mark_runtime_layout, model_record, record_file_layout, stored_fusion_config

@@ -52,8 +52,8 @@ class Patcher:
         filtered_weight_conversion_patterns: Regex (or list of them); any conversion of the model type whose source
             or target pattern matches one is dropped from the load (e.g. ``".gate_up_proj"`` when experts are
             restructured).
-        extra_weight_conversions: ``WeightConverter`` / ``WeightRenaming`` (or a list), tried before the model
-            type's own conversions.
+        extra_weight_conversions: ``WeightConverter`` / ``WeightRenaming`` (or a list; modelpatch's or transformers'
+            own, translated here), tried before the model type's own conversions.
     """
 
     def __init__(
@@ -62,7 +62,7 @@ class Patcher:
         filtered_weight_conversion_patterns: str | Iterable[str] | None = None,
         extra_weight_conversions: WeightTransform | Iterable[WeightTransform] | None = None,
     ):
-        from ..conversion.transforms import WeightTransform
+        from ..conversion.registry import as_transforms
 
         self._mapping: PatchMapping = as_patch_mapping(class_mapping)
         patterns = _as_list(filtered_weight_conversion_patterns)
@@ -77,12 +77,8 @@ class Patcher:
                     f"Invalid filtered_weight_conversion_patterns entry {pattern!r}: {exc}."
                 ) from None
         self._filters: tuple[re.Pattern[str], ...] = tuple(compiled)
-        extra = _as_list(extra_weight_conversions)
-        for transform in extra:
-            if not isinstance(transform, WeightTransform):
-                raise TypeError(
-                    f"extra_weight_conversions must be WeightConverter/WeightRenaming instances, got {transform!r}."
-                )
+        # transformers' own transforms enter modelpatch here: translated once, and refused by name when they cannot be.
+        extra = as_transforms(_as_list(extra_weight_conversions), "extra_weight_conversions")
         self._extra: tuple[WeightTransform, ...] = tuple(extra)
         # Open entries of every context, oldest first, and those of the current context.
         self._lock = threading.Lock()

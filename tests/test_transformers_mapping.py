@@ -11,7 +11,7 @@ import transformers
 
 import modelpatch
 from modelpatch import ConversionError, LayerPairRenaming, WeightTransform
-from modelpatch.conversion import transformers_mapping
+from modelpatch import _transformers_mapping as transformers_mapping
 from support.compare import assert_bitwise_equal
 from support.files import read_tensors, rewrite_checkpoint
 
