@@ -4,7 +4,7 @@ Every module of ``src/modelpatch`` is parsed with ``ast``; each import of the pa
 module level, under ``TYPE_CHECKING`` or inside a function) is resolved to the module it names and checked against
 the layers, bottom-up:
 
-* ``errors.py``, ``state.py``, ``registry.py``, ``_transformers.py`` and ``_installs.py`` sit beside the layers: every
+* ``errors.py``, ``state.py``, ``registry.py``, ``_transformers.py``, ``_peft.py`` and ``_installs.py`` sit beside the layers: every
   layer may import them, they import only each other;
 * ``checkpoint/`` (file I/O), then ``conversion/`` (tensors; it may read checkpoints, never the reverse), then
   ``_transformers_mapping.py`` (transformers' conversion objects, translated);
@@ -33,6 +33,7 @@ LAYERS: dict[str, float] = {
     "registry": 0,
     "_transformers": 0,
     "_installs": 0,
+    "_peft": 0,
     "checkpoint": 1,
     "conversion": 2,
     # The border where transformers' conversion objects enter: above conversion/, which never imports it (and

@@ -85,3 +85,8 @@ class SaveError(ModelPatchError, ValueError):
 class PeftIntegrationError(ModelPatchError, TypeError):
     """PEFT cannot be used this way on a modelpatch model: a non-LoRA adapter on fused projection parts, or a merge into
     a fused layer that is not a plain float Linear."""
+
+
+class PeftVersionError(PeftIntegrationError):
+    """The installed PEFT lacks a private name the PEFT integration relies on (``modelpatch/_peft.py``). The message
+    names the release, the missing name, the feature and the releases checked."""

@@ -1,0 +1,141 @@
+"""Every use of PEFT's private API goes through ``modelpatch/_peft.py`` (the PEFT door), which lists each name it
+uses and refuses a feature by name on a PEFT release that lacks one."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import re
+from pathlib import Path
+
+import peft
+import pytest
+from peft import LoraConfig, PeftConfig, PeftModel
+from peft.tuners.lora import Linear as LoraLinear
+from peft.tuners.lora import LoraLayer, LoraModel
+from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
+from torch import nn
+
+import modelpatch
+from modelpatch import _peft as door
+from modelpatch.errors import PeftIntegrationError, PeftVersionError
+
+SOURCE = Path(modelpatch.__file__).parent
+DOOR = SOURCE / "_peft.py"
+
+# PEFT's own private members of the classes modelpatch works with (torch's, which nn.Module code uses everywhere,
+# are not PEFT's), plus the private module-level functions of the PEFT modules it reads.
+PRIVATE_NAMES = {
+    name
+    for cls in (LoraConfig, PeftConfig, PeftModel, LoraModel, BaseTuner, LoraLayer, LoraLinear, BaseTunerLayer)
+    for name in dir(cls)
+    if name.startswith("_") and not name.startswith("__")
+} - set(dir(nn.Module)) | {"_maybe_include_all_linear_layers"}
+
+
+def _is_peft_submodule(name: str) -> bool:
+    return importlib.util.find_spec(f"peft.{name}") is not None
+
+
+def _violations(path: Path) -> list[str]:
+    """Private PEFT uses in ``path``: imports from PEFT's submodules (or of names ``peft`` does not export),
+    ``peft.<name>`` outside ``peft.__all__``, and PEFT's private member names (read, overridden or spelled)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        where = f"{path.relative_to(SOURCE)}:{getattr(node, 'lineno', '?')}"
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.startswith("peft."):
+                found.append(f"{where}: from {node.module} import ...")
+            elif node.module == "peft":
+                found += [
+                    f"{where}: from peft import {a.name}"
+                    for a in node.names
+                    if a.name not in peft.__all__ or _is_peft_submodule(a.name)
+                ]
+        elif isinstance(node, ast.Import):
+            found += [f"{where}: import {a.name}" for a in node.names if a.name.startswith("peft.")]
+        elif isinstance(node, ast.Attribute):
+            exported = node.attr in peft.__all__ or node.attr.startswith("__")  # __version__
+            if isinstance(node.value, ast.Name) and node.value.id == "peft" and not exported:
+                found.append(f"{where}: peft.{node.attr}")
+            elif node.attr in PRIVATE_NAMES:
+                found.append(f"{where}: .{node.attr}")
+        elif isinstance(node, ast.FunctionDef) and node.name in PRIVATE_NAMES:
+            found.append(f"{where}: def {node.name}")
+        elif isinstance(node, ast.Constant) and node.value in PRIVATE_NAMES:
+            found.append(f"{where}: {node.value!r}")
+    return found
+
+
+def test_the_private_names_are_known_to_this_peft():
+    # The scan below is only as good as this list: it must hold PEFT's real private names.
+    assert {"_register_custom_module", "_get_in_out_features", "_prepare_adapter_config"} <= PRIVATE_NAMES
+    assert "_parameters" not in PRIVATE_NAMES  # torch's, used by any nn.Module code
+
+
+def test_no_module_but_the_door_uses_peft_private_api():
+    violations = [v for path in sorted(SOURCE.rglob("*.py")) if path != DOOR for v in _violations(path)]
+    assert violations == [], "private PEFT API outside modelpatch/_peft.py:\n" + "\n".join(violations)
+
+
+def test_the_scan_finds_private_uses():
+    # What the door itself does is what the scan must catch anywhere else.
+    found = _violations(DOOR)
+    assert any("def _get_in_out_features" in v for v in found)
+    assert any("._register_custom_module" in v for v in found)
+    assert any("'_prepare_adapter_config'" in v for v in found)
+
+
+def _functions(tree: ast.Module) -> list[ast.FunctionDef]:
+    return [node for node in tree.body if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")]
+
+
+def _required_paths(node: ast.AST) -> list[str]:
+    """The PRIVATE_API paths a function passes to ``require`` (string literals)."""
+    return [
+        arg.value
+        for call in ast.walk(node)
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "require"
+        for arg in call.args
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str)
+    ]
+
+
+def test_every_private_name_the_door_uses_is_listed_and_checked():
+    """What the door requires is in PRIVATE_API; every private name it touches is listed there; every function
+    reaching one says which releases it was checked against."""
+    tree = ast.parse(DOOR.read_text())
+    required = _required_paths(tree)
+    assert required and set(required) <= door.PRIVATE_API.keys()
+    listed = {re.split(r"[.:]", path)[-1] for path in door.PRIVATE_API}
+    used = {v.rpartition(" ")[2].strip(".'") for v in _violations(DOOR) if ": from" not in v}
+    assert used - listed == set()
+    for function in _functions(tree):
+        if _required_paths(function):
+            claim = re.search(r"Checked against ([\d.]+)", ast.get_docstring(function) or "")
+            assert claim is not None and claim[1] in door.CHECKED, function.name
+
+
+def test_every_private_name_the_door_lists_is_in_this_peft():
+    assert [path for path in door.PRIVATE_API if not _resolves(path)] == []
+
+
+def _resolves(path: str) -> bool:
+    try:
+        door.require(path)
+    except PeftVersionError:
+        return False
+    return True
+
+
+def test_a_name_this_peft_lacks_is_refused_by_name(monkeypatch):
+    """A name the installed PEFT really does not have: modelpatch's error naming the release, the name and the
+    feature (not an AttributeError), and a PeftIntegrationError too."""
+    monkeypatch.setitem(door.PRIVATE_API, "peft.tuners.lora:Linear._no_such_internal", ("0.21", "a feature"))
+    monkeypatch.setitem(door.PRIVATE_API, "peft.no_such_module:x", ("0.21", "another feature"))
+    expected = f"PEFT {peft.__version__} lacks peft.tuners.lora.Linear._no_such_internal, which a feature needs"
+    with pytest.raises(PeftVersionError, match=re.escape(expected)):
+        door.require("peft.tuners.lora:Linear._no_such_internal")
+    with pytest.raises(PeftVersionError, match=r"lacks peft\.no_such_module, which another feature needs"):
+        door.require("peft.no_such_module:x")
+    assert issubclass(PeftVersionError, PeftIntegrationError)
