@@ -245,6 +245,10 @@ def _prefix_change(key: str, expected: Mapping[str, TensorMeta] | None, prefix: 
     return "+" if f"{prefix}.{key}" in expected else ""
 
 
+_Buckets = dict[tuple[int, str, str], dict[int, dict[int | None, _Entry]]]
+"""Matched keys by group ``(converter number, prefix change, group id)``, then input position, then index."""
+
+
 def _group_and_bind(
     keys: Mapping[str, TensorMeta],
     entries: Sequence[_Entry],
@@ -265,10 +269,42 @@ def _group_and_bind(
     def name(key: str) -> str:
         return names.get(key, key) if names else key
 
-    buckets: dict[tuple[int, str, str], dict[int, dict[int | None, _Entry]]] = defaultdict(lambda: defaultdict(dict))
+    for (number, change, _), slots in _bucket_entries(entries, converters, plan, reverse, name).items():
+        converter = converters[number]
+        inputs = converter.target_patterns if reverse else converter.source_patterns
+        outputs = converter.source_patterns if reverse else converter.target_patterns
+        optional = frozenset() if reverse else converter.optional
+        missing = [p for i, p in enumerate(inputs) if i not in slots and p not in optional]
+        any_entry = next(iter(next(iter(slots.values())).values()))
+        if missing:
+            present = sorted(name(e.key) for s in slots.values() for e in s.values())
+            plan.problems["incomplete groups"].append(f"{present} match {converter!r} but nothing matches {missing}")
+            plan.unbuilt |= _unbuilt(converter, outputs, any_entry.found, reverse)
+            continue
+        try:
+            first = next(iter(slots[0].values())).found
+            output_key = functools.partial(_output_key, converter, first, reverse, change, prefix)
+            group = _bind_group(converter, slots, keys, output_key, reverse=reverse, name=name, expected=expected)
+        except ConversionError as exc:
+            plan.problems["conversion errors"].append(f"{converter!r} on {name(any_entry.key)!r}: {exc}")
+            plan.unbuilt |= _unbuilt(converter, outputs, any_entry.found, reverse)
+            continue
+        plan.groups.append(group)
+        plan.outputs.update(group.target_metas())
+    return {entry.key for entry in entries}
+
+
+def _bucket_entries(
+    entries: Sequence[_Entry],
+    converters: Sequence[WeightConverter],
+    plan: ConversionPlan,
+    reverse: bool,
+    name: Callable[[str], str],
+) -> _Buckets:
+    """The entries by group and slot; two keys filling one slot are a problem of ``plan`` (the first stays)."""
+    buckets: _Buckets = defaultdict(lambda: defaultdict(dict))
     for entry in entries:
         converter = converters[entry.number]
-        outputs = converter.source_patterns if reverse else converter.target_patterns
         # Keys of one group render to the same first output key (whatever the index of an indexed slot).
         group_id = _render(converter, 0, entry.found, _ANY_INDEX, reverse)
         slot = buckets[(entry.number, entry.prefix_change, group_id)][entry.found.position]
@@ -278,84 +314,86 @@ def _group_and_bind(
                 f"{name(entry.key)!r} and {name(slot[index].key)!r} fill the same slot of {converter!r}"
             )
         slot[index] = entry
+    return buckets
 
-    consumed: set[str] = {entry.key for entry in entries}
-    for (number, change, _), slots in buckets.items():
-        converter = converters[number]
-        inputs = converter.target_patterns if reverse else converter.source_patterns
-        outputs = converter.source_patterns if reverse else converter.target_patterns
-        optional = frozenset() if reverse else converter.optional
-        missing = [p for i, p in enumerate(inputs) if i not in slots and p not in optional]
-        any_entry = next(iter(next(iter(slots.values())).values()))
-        any_key = any_entry.key
-        if missing:
-            present = sorted(name(e.key) for s in slots.values() for e in s.values())
-            plan.problems["incomplete groups"].append(f"{present} match {converter!r} but nothing matches {missing}")
-            plan.unbuilt |= _unbuilt(converter, outputs, any_entry.found, reverse)
-            continue
-        try:
-            key_slots: list[KeySlot] = []
-            shape_slots: list[ShapeSlot | None] = []
-            for position in range(len(inputs)):
-                found = slots.get(position)
-                if found is None:  # an optional pattern this group lacks
-                    key_slots.append(None)
-                    shape_slots.append(None)
-                elif None not in found:
-                    indices = sorted(i for i in found if i is not None)
-                    if indices != list(range(len(indices))):
-                        raise ConversionError(
-                            f"indices {indices} of pattern {inputs[position]!r} are not 0..{len(indices) - 1}"
-                        )
-                    key_slots.append(tuple(found[i].key for i in indices))
-                    shape_slots.append([keys[found[i].key].shape for i in indices])
-                else:
-                    (entry,) = found.values()
-                    key_slots.append(entry.key)
-                    shape_slots.append(keys[entry.key].shape)
-            slot_dtypes = [_slot_dtype(k, keys) for k in key_slots]
-            first = next(iter(slots[0].values())).found
-            output_key = functools.partial(_output_key, converter, first, reverse, change, prefix)
-            operations = (
-                [op.reverse() for op in reversed(converter.operations)] if reverse else list(converter.operations)
-            )
-            if expected is not None:
-                targets = [
-                    None if has_index(template) else getattr(expected.get(output_key(i, None)), "shape", None)
-                    for i, template in enumerate(outputs)
-                ]
-                operations = [op.for_targets(targets) for op in operations]
-            if operations:
-                source_names = [
-                    None if k is None else tuple(map(name, k)) if isinstance(k, tuple) else name(k) for k in key_slots
-                ]
-                operations[0] = operations[0].for_sources(source_names, slot_dtypes)
-            bound, out_shapes = bind_operations(operations, shape_slots, len(outputs))
-            dtype = _output_dtype(bound, slot_dtypes)
-            if len(out_shapes) != len(outputs):
-                raise ConversionError(f"the operations produce {len(out_shapes)} tensors for {len(outputs)} patterns")
-            out_keys: list[KeySlot] = [
-                tuple(output_key(position, i) for i in range(len(shape)))
-                if isinstance(shape, list)
-                else output_key(position, None)
-                for position, shape in enumerate(out_shapes)
-            ]
-        except ConversionError as exc:
-            plan.problems["conversion errors"].append(f"{converter!r} on {name(any_key)!r}: {exc}")
-            plan.unbuilt |= _unbuilt(converter, outputs, any_entry.found, reverse)
-            continue
-        group = ConversionGroup(
-            converter=converter,
-            sources=tuple(key_slots),
-            targets=tuple(out_keys),
-            operations=tuple(bound),
-            source_shapes=tuple(shape_slots),
-            target_shapes=tuple(out_shapes),
-            dtype=dtype,
-        )
-        plan.groups.append(group)
-        plan.outputs.update(group.target_metas())
-    return consumed
+
+def _input_slots(
+    slots: Mapping[int, Mapping[int | None, _Entry]], inputs: Sequence[str], keys: Mapping[str, TensorMeta]
+) -> tuple[list[KeySlot], list[ShapeSlot | None]]:
+    """The keys and shapes of a group's inputs, position by position (None: an optional pattern it lacks)."""
+    key_slots: list[KeySlot] = []
+    shape_slots: list[ShapeSlot | None] = []
+    for position in range(len(inputs)):
+        found = slots.get(position)
+        if found is None:
+            key_slots.append(None)
+            shape_slots.append(None)
+        elif None not in found:
+            indices = sorted(i for i in found if i is not None)
+            if indices != list(range(len(indices))):
+                raise ConversionError(
+                    f"indices {indices} of pattern {inputs[position]!r} are not 0..{len(indices) - 1}"
+                )
+            key_slots.append(tuple(found[i].key for i in indices))
+            shape_slots.append([keys[found[i].key].shape for i in indices])
+        else:
+            (entry,) = found.values()
+            key_slots.append(entry.key)
+            shape_slots.append(keys[entry.key].shape)
+    return key_slots, shape_slots
+
+
+def _bind_group(
+    converter: WeightConverter,
+    slots: Mapping[int, Mapping[int | None, _Entry]],
+    keys: Mapping[str, TensorMeta],
+    output_key: Callable[[int, int | None], str],
+    *,
+    reverse: bool,
+    name: Callable[[str], str],
+    expected: Mapping[str, TensorMeta] | None,
+) -> ConversionGroup:
+    """One complete group of ``converter`` bound to its real shapes: its operations (reversed when saving) learn
+    their sources and, with ``expected``, the model's shapes of their targets.
+
+    Raises:
+        ConversionError: the group's keys or shapes do not fit the operations.
+    """
+    inputs = converter.target_patterns if reverse else converter.source_patterns
+    outputs = converter.source_patterns if reverse else converter.target_patterns
+    key_slots, shape_slots = _input_slots(slots, inputs, keys)
+    slot_dtypes = [_slot_dtype(k, keys) for k in key_slots]
+    operations = [op.reverse() for op in reversed(converter.operations)] if reverse else list(converter.operations)
+    if expected is not None:
+        targets = [
+            None if has_index(template) else getattr(expected.get(output_key(i, None)), "shape", None)
+            for i, template in enumerate(outputs)
+        ]
+        operations = [op.for_targets(targets) for op in operations]
+    if operations:
+        source_names = [
+            None if k is None else tuple(map(name, k)) if isinstance(k, tuple) else name(k) for k in key_slots
+        ]
+        operations[0] = operations[0].for_sources(source_names, slot_dtypes)
+    bound, out_shapes = bind_operations(operations, shape_slots, len(outputs))
+    dtype = _output_dtype(bound, slot_dtypes)
+    if len(out_shapes) != len(outputs):
+        raise ConversionError(f"the operations produce {len(out_shapes)} tensors for {len(outputs)} patterns")
+    out_keys: list[KeySlot] = [
+        tuple(output_key(position, i) for i in range(len(shape)))
+        if isinstance(shape, list)
+        else output_key(position, None)
+        for position, shape in enumerate(out_shapes)
+    ]
+    return ConversionGroup(
+        converter=converter,
+        sources=tuple(key_slots),
+        targets=tuple(out_keys),
+        operations=tuple(bound),
+        source_shapes=tuple(shape_slots),
+        target_shapes=tuple(out_shapes),
+        dtype=dtype,
+    )
 
 
 def _output_dtype(bound: Sequence[ConversionOperation], dtypes: list[DtypeSlot]) -> torch.dtype:
