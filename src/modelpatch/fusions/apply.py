@@ -188,56 +188,20 @@ def discover(
     produce from another checkpoint layout: those instances could not load. So is a class for which
     ``replaceable`` (a load: whether its constructions are dispatched) is false.
     """
-    instances: dict[type, list[tuple[str, nn.Module]]] = defaultdict(list)
-    for module_name, module in model.named_modules():
-        instances[type(module)].append((module_name, module))
-    # Every name of a module held in several places (its tensors are saved under each).
-    aliases: dict[int, list[str]] = defaultdict(list)
-    for module_name, module in model.named_modules(remove_duplicate=False):
-        aliases[id(module)].append(module_name)
+    instances, aliases, namesakes = _module_index(model)
     tied = tied or {}
-    # A fusion maps a class by its name: another class of the same name (another modeling module's) would be built as
-    # the fused class too.
-    namesakes: dict[str, set[type]] = defaultdict(set)
-    for cls in instances:
-        namesakes[cls.__name__].add(cls)
     found = Discovery(modules={name: {} for name in specs}, unfused={name: [] for name in specs})
     owner: dict[str, str] = {}
     for name, spec in specs.items():
         targets = [re.compile(p) for p in spec.target_modules_patterns]
         for cls, members in instances.items():
-            reasons: dict[str, str | None] = {}
-            for path, module in members:
-                if targets and not any(p.search(path) for p in targets):
-                    reasons[path] = "outside the fusion's target_modules_patterns"
-                else:
-                    reasons[path] = spec.unfusable_reason(module)
+            reasons = _unfusable_reasons(spec, members, targets)
             fusable = [(path, module) for path, module in members if reasons[path] is None]
             candidates = [(path, m) for path, m in members if reasons[path] is not None and spec.is_candidate(m)]
             blocker = None
-            if fusable and not spec.per_instance and len(fusable) < len(members):
-                path = next(p for p, _ in members if reasons[p] is not None)
-                blocker = (
-                    f"its instance {path!r} is not fusable ({reasons[path]}), and every instance of a fused class is"
-                )
-            if fusable and spec.per_instance and targets:
-                outside = [p for p, m in members if not any(t.search(p) for t in targets) and spec.is_fusable(m)]
-                if outside:
-                    blocker = f"its instance {outside[0]!r} is outside the fusion's target_modules_patterns"
-            if fusable and replaceable is not None and not replaceable(cls):
-                blocker = (
-                    f"its class is defined in {cls.__module__}, outside the modeling modules whose constructions a "
-                    "load replaces (register_patchable_namespace adds a namespace)"
-                )
-            if fusable and len(namesakes[cls.__name__]) > 1:
-                others = sorted(c.__module__ for c in namesakes[cls.__name__] if c is not cls)
-                blocker = f"a class of the same name from {others[0]} is built too, and a fusion maps classes by name"
-            for path, module in fusable:
-                if blocker is not None:
-                    break
-                blocker = _tied_state(path, tied)
-                if blocker is None and spec.reads_runtime_names:
-                    blocker = _converted_state(path, module, conversions, spec)
+            if fusable:
+                blocker = _class_blocker(spec, cls, members, reasons, len(fusable), targets, replaceable, namesakes)
+                blocker = blocker or _instance_blocker(spec, fusable, tied, conversions)
             if blocker is not None:
                 candidates = [(path, m) for path, m in members if reasons[path] is None or spec.is_candidate(m)]
                 reasons = {path: reason or blocker for path, reason in reasons.items()}
@@ -255,6 +219,84 @@ def discover(
                 for alias in aliases[id(module)]:
                     found.modules[name][alias] = module
     return found
+
+
+_Members = list[tuple[str, nn.Module]]
+
+
+def _module_index(
+    model: nn.Module,
+) -> tuple[dict[type, _Members], dict[int, list[str]], dict[str, set[type]]]:
+    """The model's modules by class; every name of each module (one held in several places has its tensors saved
+    under each); the classes of each class name (a fusion maps a class by its name: another class of the same name,
+    another modeling module's, would be built as the fused class too)."""
+    instances: dict[type, _Members] = defaultdict(list)
+    for module_name, module in model.named_modules():
+        instances[type(module)].append((module_name, module))
+    aliases: dict[int, list[str]] = defaultdict(list)
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        aliases[id(module)].append(module_name)
+    namesakes: dict[str, set[type]] = defaultdict(set)
+    for cls in instances:
+        namesakes[cls.__name__].add(cls)
+    return instances, aliases, namesakes
+
+
+def _unfusable_reasons(
+    spec: ModuleFusionSpec, members: _Members, targets: Sequence[re.Pattern[str]]
+) -> dict[str, str | None]:
+    """Why each instance cannot be fused by ``spec`` on its own (None: it can)."""
+    reasons: dict[str, str | None] = {}
+    for path, module in members:
+        if targets and not any(p.search(path) for p in targets):
+            reasons[path] = "outside the fusion's target_modules_patterns"
+        else:
+            reasons[path] = spec.unfusable_reason(module)
+    return reasons
+
+
+def _class_blocker(
+    spec: ModuleFusionSpec,
+    cls: type,
+    members: _Members,
+    reasons: Mapping[str, str | None],
+    fusable: int,
+    targets: Sequence[re.Pattern[str]],
+    replaceable: Callable[[type], bool] | None,
+    namesakes: Mapping[str, set[type]],
+) -> str | None:
+    """Why ``cls``, of which ``fusable`` instances could be fused, must be left whole, or None (the last reason of
+    these that holds is the one said)."""
+    if len(namesakes[cls.__name__]) > 1:
+        others = sorted(c.__module__ for c in namesakes[cls.__name__] if c is not cls)
+        return f"a class of the same name from {others[0]} is built too, and a fusion maps classes by name"
+    if replaceable is not None and not replaceable(cls):
+        return (
+            f"its class is defined in {cls.__module__}, outside the modeling modules whose constructions a "
+            "load replaces (register_patchable_namespace adds a namespace)"
+        )
+    if spec.per_instance and targets:
+        outside = [p for p, m in members if not any(t.search(p) for t in targets) and spec.is_fusable(m)]
+        if outside:
+            return f"its instance {outside[0]!r} is outside the fusion's target_modules_patterns"
+    if not spec.per_instance and fusable < len(members):
+        path = next(p for p, _ in members if reasons[p] is not None)
+        return f"its instance {path!r} is not fusable ({reasons[path]}), and every instance of a fused class is"
+    return None
+
+
+def _instance_blocker(
+    spec: ModuleFusionSpec, fusable: _Members, tied: Mapping[str, str], conversions: Sequence[WeightTransform]
+) -> str | None:
+    """Why an instance that would be fused could not load fused (a tied tensor, or one the model's conversions
+    produce from another layout), which leaves its whole class; or None."""
+    for path, module in fusable:
+        blocker = _tied_state(path, tied)
+        if blocker is None and spec.reads_runtime_names:
+            blocker = _converted_state(path, module, conversions, spec)
+        if blocker is not None:
+            return blocker
+    return None
 
 
 def _report_unfused(name: str, spec: ModuleFusionSpec, found: Discovery, model_name: str) -> None:
