@@ -37,15 +37,8 @@ from ._transformers import (
 from ._transformers import core_model_loading as hf
 from .conversion import operations as ops
 from .conversion import registry
-from .conversion.transforms import (
-    GroupWeightRename,
-    IndexOffsetRenaming,
-    LayerPairRenaming,
-    PrefixChange,
-    WeightConverter,
-    WeightRenaming,
-    WeightTransform,
-)
+from .conversion import transforms as ours
+from .conversion.transforms import WeightTransform
 from .errors import ConversionError
 
 
@@ -96,18 +89,20 @@ def _translate_transform(transform: Any, owner: str) -> WeightTransform:
     sources, targets = original_patterns(transform)  # what its constructor took, and what ours takes
     result: WeightTransform
     if kind is _hf("PrefixChange"):
-        result = PrefixChange(transform.prefix_to_add, transform.prefix_to_remove, transform.model_prefix)
+        result = ours.PrefixChange(transform.prefix_to_add, transform.prefix_to_remove, transform.model_prefix)
     elif kind is _hf("GroupWeightRename"):
-        result = GroupWeightRename(sources, targets)
+        result = ours.GroupWeightRename(sources, targets)
     elif kind is _hf("LayerPairCollapse"):
-        result = LayerPairRenaming()
+        result = ours.LayerPairRenaming()
     elif kind is _hf("Inkling2IndexOffsetWeightRename"):
-        result = IndexOffsetRenaming(sources, targets, transform.offset)
+        result = ours.IndexOffsetRenaming(sources, targets, transform.offset)
     elif kind is _hf("WeightRenaming"):
         # transformers reads a renaming with several targets through its first (its reverse, say).
-        result = WeightRenaming(sources, targets[:1])
+        result = ours.WeightRenaming(sources, targets[:1])
     elif kind is _hf("WeightConverter"):
-        result = WeightConverter(sources, targets, _translate_operations(transform.operations, sources, targets, owner))
+        result = ours.WeightConverter(
+            sources, targets, _translate_operations(transform.operations, sources, targets, owner)
+        )
     else:
         raise ConversionError(f"Cannot translate transformers' {kind.__name__} in the conversion mapping of {owner!r}.")
     if getattr(transform, "scope_prefix", None) is not None:

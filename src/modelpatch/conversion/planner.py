@@ -140,7 +140,7 @@ class ConversionPlan:
 
     def raise_problems(self) -> None:
         if any(self.problems.values()):
-            raise ConversionError(_format_problems(self.problems))
+            raise ConversionError("\n".join(format_problems(self.problems)))
 
     def problem_lines(self) -> list[str]:
         """Every problem reported, across kinds, in the order found."""
@@ -155,6 +155,14 @@ class ConversionPlan:
         result: dict[str, tuple[str, ...]] = {output: (source,) for output, source in self.direct.items()}
         for group in self.groups:
             result.update(dict.fromkeys(group.target_keys(), tuple(group.source_keys())))
+        return result
+
+    def described_sources(self) -> dict[str, str]:
+        """Output key -> what it is built from, for messages: the input key read unchanged (quoted), or the group's
+        sources and converter."""
+        result = {output: repr(source) for output, source in self.direct.items()}
+        for group in self.groups:
+            result.update(dict.fromkeys(group.target_keys(), f"{group.sources_summary()} via {group.converter!r}"))
         return result
 
     def reads(self) -> dict[str, int]:
@@ -179,13 +187,17 @@ class ConversionPlan:
         return outputs
 
 
-def _format_problems(problems: Mapping[str, list[str]]) -> str:
+def format_problems(
+    problems: Mapping[str, Sequence[str]], collapse: Callable[[Sequence[str]], Sequence[str]] = list
+) -> list[str]:
+    """The lines of a problem list in a message: ``kind (count):`` then ``  - item`` for each item of each kind that
+    has any (``collapse`` may shorten the items, indices collapsed, say; the count is of the items given)."""
     lines = []
     for kind, items in problems.items():
         if items:
             lines.append(f"{kind} ({len(items)}):")
-            lines.extend(f"  - {item}" for item in items)
-    return "\n".join(lines)
+            lines.extend(f"  - {item}" for item in collapse(items))
+    return lines
 
 
 def _per_key(keys: KeySlot, values: Any) -> list[tuple[str, Any]]:
