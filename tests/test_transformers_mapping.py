@@ -46,7 +46,7 @@ def test_layer_pair_renaming_names_and_inverse():
         "backbone.layers.3.mlp_alpha": "backbone.layers.1.lambda_2",
     }
     for stored, runtime in pairs.items():
-        assert renaming.rename(stored) == runtime and renaming.inverse().rename(runtime) == stored
+        assert renaming.rename(stored) == runtime and renaming.reverse().rename(runtime) == stored
     assert renaming.rename("backbone.layers.2.mixers.weight") is None
     assert renaming.rename("backbone.layers.1.self_attn.q_proj.weight") is None
 

@@ -903,7 +903,7 @@ def bind_operations(
 
 
 def reverse_operations(bound: list[ConversionOperation]) -> list[ConversionOperation]:
-    """The inverse chain of a bound chain."""
+    """The reverse chain of a bound chain (each operation reversed, last first)."""
     return [op.reverse() for op in reversed(bound)]
 
 

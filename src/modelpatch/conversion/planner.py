@@ -12,6 +12,7 @@ the real shapes, so executing it is mechanical and reversing it is exact.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from .operations import (
     bind_operations,
     common_dtype,
     concatenates_rows,
+    reverse_operations,
     run_operations,
 )
 from .registry import as_transforms
@@ -85,17 +87,22 @@ class ConversionGroup:
             for key, shape in _per_key(keys, shapes)
         }
 
-    def reversed(self) -> ConversionGroup:
+    def reverse(self) -> ConversionGroup:
         """The group that turns this group's targets back into its sources, exactly."""
         return ConversionGroup(
             converter=self.converter,
             sources=self.targets,
             targets=self.sources,
-            operations=tuple(op.reverse() for op in reversed(self.operations)),
+            operations=tuple(reverse_operations(list(self.operations))),
             source_shapes=self.target_shapes,
             target_shapes=self.source_shapes,
             dtype=self.dtype,
         )
+
+    def reversed(self) -> ConversionGroup:
+        """Deprecated spelling of :meth:`reverse` (modelpatch's one verb for undoing a conversion)."""
+        warnings.warn("ConversionGroup.reversed() is deprecated; use .reverse().", DeprecationWarning, stacklevel=2)
+        return self.reverse()
 
     def concatenated_rows(self) -> list[str] | None:
         """The source keys whose bytes, one after the other, are this group's one target's bytes (a concatenation
@@ -375,7 +382,7 @@ def _bind_group(
     outputs = converter.source_patterns if reverse else converter.target_patterns
     key_slots, shape_slots = _input_slots(slots, inputs, keys)
     slot_dtypes = [_slot_dtype(k, keys) for k in key_slots]
-    operations = [op.reverse() for op in reversed(converter.operations)] if reverse else list(converter.operations)
+    operations = reverse_operations(list(converter.operations)) if reverse else list(converter.operations)
     if expected is not None:
         targets = [
             None if has_index(template) else getattr(expected.get(output_key(i, None)), "shape", None)
@@ -585,7 +592,7 @@ def plan_save(
     matched = _match_converters(runtime, converters, reverse=True)
     entries = [_Entry(key, number, found) for key, (number, found) in matched.items()]
     consumed = _group_and_bind(runtime, entries, converters, plan, reverse=True)
-    inverses = [r.inverse() for r in reversed(renamings)]
+    inverses = [r.reverse() for r in reversed(renamings)]
     produced = [k for g in plan.groups for k in g.target_keys()] + [k for k in runtime if k not in consumed]
     unrenamed = apply_renamings(produced, inverses)
 

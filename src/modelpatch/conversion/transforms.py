@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
 from abc import ABCMeta
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -254,7 +255,7 @@ class WeightRenaming(WeightTransform):
         found = self.match_source(key)
         return None if found is None else found.render(self._template(found.position))
 
-    def _inverse_pairs(self) -> tuple[list[str], list[str]]:
+    def _reverse_pairs(self) -> tuple[list[str], list[str]]:
         """Source and target patterns of the renaming that undoes this one (of its first source, when several share
         the target: which one a key came from is unknown)."""
         target_group = next((group for _, group in map(key_template, self.target_patterns) if group), None)  # type: ignore[misc]
@@ -280,13 +281,20 @@ class WeightRenaming(WeightTransform):
     def _target_position(self, position: int) -> int:
         return 0
 
-    def inverse(self) -> WeightRenaming:
+    def reverse(self) -> WeightRenaming:
         """The renaming that undoes this one, for saving in the checkpoint layout (transformers' reverse rules, with
         the inverse's source escaped so that it matches only the text this renaming writes)."""
-        sources, targets = self._inverse_pairs()
+        sources, targets = self._reverse_pairs()
         inverse = WeightRenaming(sources[0], targets[0], alternative=self.alternative)
         inverse.scope = self.scope
         return inverse
+
+    def inverse(self) -> WeightRenaming:
+        """Deprecated spelling of :meth:`reverse` (modelpatch's one verb for undoing a conversion)."""
+        warnings.warn(
+            f"{type(self).__name__}.inverse() is deprecated; use .reverse().", DeprecationWarning, stacklevel=2
+        )
+        return self.reverse()
 
     def __repr__(self) -> str:
         sources = self.source_patterns[0] if len(self.source_patterns) == 1 else list(self.source_patterns)
@@ -316,8 +324,8 @@ class GroupWeightRename(WeightRenaming):
     def _target_position(self, position: int) -> int:
         return position
 
-    def inverse(self) -> GroupWeightRename:
-        sources, targets = self._inverse_pairs()
+    def reverse(self) -> GroupWeightRename:
+        sources, targets = self._reverse_pairs()
         # The smallest inverse source is the guard, as transformers orders them.
         pairs = sorted(zip(sources, targets, strict=True))
         inverse = GroupWeightRename([s for s, _ in pairs], [t for _, t in pairs], alternative=self.alternative)
@@ -350,8 +358,8 @@ class IndexOffsetRenaming(WeightRenaming):
         shifted = str(int(found.match.group(1)) + self.offset)
         return found.replace(self._templates[0].replace("\\1", shifted))
 
-    def inverse(self) -> IndexOffsetRenaming:
-        sources, targets = self._inverse_pairs()
+    def reverse(self) -> IndexOffsetRenaming:
+        sources, targets = self._reverse_pairs()
         inverse = IndexOffsetRenaming(sources[0], targets[0], -self.offset, alternative=self.alternative)
         inverse.scope = self.scope
         return inverse
@@ -394,7 +402,7 @@ class LayerPairRenaming(WeightRenaming):
             return found.replace(f"layers.{2 * index + position}.{stored}")
         return found.replace(f"layers.{index // 2}.{self._RATES.get(name, ('self_attn', 'mlp')[index % 2])}")
 
-    def inverse(self) -> LayerPairRenaming:
+    def reverse(self) -> LayerPairRenaming:
         inverse = LayerPairRenaming(split=not self.split)
         inverse.scope = self.scope
         return inverse
@@ -424,7 +432,7 @@ class PrefixChange(WeightRenaming):
             source, target = rf"^{prefix}{prefix_to_remove}\.(.+)", rf"{prefix}\1"
         super().__init__(source, target, alternative=True)
 
-    def inverse(self) -> PrefixChange:
+    def reverse(self) -> PrefixChange:
         inverse = PrefixChange(self.prefix_to_remove, self.prefix_to_add, self.model_prefix)
         inverse.scope = self.scope
         return inverse

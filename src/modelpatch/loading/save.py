@@ -190,7 +190,7 @@ def checkpoint_layout(
                     f"Cannot save {group.target_keys()} back to {group.sources_summary()}: the model no longer has "
                     "all of these parameters."
                 )
-            layout.groups.append(group.reversed())
+            layout.groups.append(group.reverse())
             for key in group.target_keys():
                 remaining.pop(key)
     if remaining:
