@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import re
 import warnings
-from abc import ABCMeta
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -48,6 +47,22 @@ def _as_patterns(value: str | Sequence[str], what: str, allow_empty: bool = Fals
     if not patterns or not all(isinstance(p, str) and (p or allow_empty) for p in patterns):
         raise ConversionError(f"{what} must be a non-empty string or list of non-empty strings, got {value!r}.")
     return patterns
+
+
+def compile_user_pattern(pattern: object, what: str, error: type[Exception] = ValueError) -> re.Pattern[str]:
+    """``pattern``, a regular expression a user gave as ``what`` (``"new_parameters"``, a fusion's
+    ``target_modules_patterns``, ...), compiled for ``re.search``.
+
+    Raises:
+        TypeError: it is not a string.
+        error: it does not compile (named, with ``what`` and why).
+    """
+    if not isinstance(pattern, str):
+        raise TypeError(f"{what} must be regex strings, got {pattern!r}.")
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise error(f"{what} entry {pattern!r} is not a valid regular expression: {exc}.") from None
 
 
 def compile_key_pattern(pattern: str, *, indexed: bool = False) -> re.Pattern[str]:
@@ -138,8 +153,7 @@ class KeyMatch:
         return self.replace(_expand(template, self.match, index))
 
 
-# ABCMeta without abstract methods: for ``register`` (transformers' own transforms count as instances).
-class WeightTransform(metaclass=ABCMeta):  # noqa: B024
+class WeightTransform:
     """Base of :class:`WeightRenaming` and :class:`WeightConverter`.
 
     ``alternative=True`` marks a transform whose sources are another layout some checkpoints use, while its targets
@@ -184,6 +198,13 @@ class WeightTransform(metaclass=ABCMeta):  # noqa: B024
             sources.append(pattern)
         self._compiled = tuple(compile_key_pattern(p, indexed=self.indexed) for p in sources)
         self._order = tuple(sorted(range(len(sources)), key=lambda i: -len(sources[i])))
+
+    def filtered_by(self, filters: Iterable[re.Pattern[str]]) -> bool:
+        """Whether one of ``filters`` (``re.search``) matches one of this transform's source or target patterns: how
+        a ``Patcher``'s ``filtered_weight_conversion_patterns`` and a fusion's ``filtered_conversion_patterns`` drop
+        conversions."""
+        names = (*self.source_patterns, *self.target_patterns)
+        return any(f.search(name) for f in filters for name in names)
 
     def scoped(self, scope_prefix: str, base_model_prefix: str) -> WeightTransform:
         """A copy that only matches keys under sub-model ``scope_prefix`` (optionally after ``base_model_prefix``)."""

@@ -20,7 +20,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from .._transformers import tied_weight_keys
 from .._transformers_mapping import model_conversions
 from ..conversion.registry import as_transforms
-from ..conversion.transforms import WeightConverter, WeightTransform
+from ..conversion.transforms import WeightConverter, WeightTransform, compile_user_pattern
 from ..errors import FusionError
 from ..patching.candidates import is_patch_candidate
 from ..patching.mapping import PatchMapping
@@ -44,12 +44,7 @@ class PreparedFusions:
 
     def adjust_conversions(self, conversions: Sequence[WeightTransform]) -> list[WeightTransform]:
         """Fusion transforms first, then ``conversions`` minus those the fused layout replaces."""
-        kept = [
-            t
-            for t in conversions
-            if not any(f.search(p) for f in self.filters for p in (*t.source_patterns, *t.target_patterns))
-        ]
-        return [*self.transforms, *kept]
+        return [*self.transforms, *(t for t in conversions if not t.filtered_by(self.filters))]
 
     def record(self, model: PreTrainedModel) -> None:
         """Persist the fusion config on the model's config (``save_pretrained`` writes it to config.json)."""
@@ -147,12 +142,12 @@ def _converted_state(
     """Why ``module``'s tensors cannot come to the fusion's transforms as they are: one of them is the target of a
     converter of the model (its checkpoint stores it otherwise, a fused ``Wqkv`` say), which the fusion's filters do
     not drop. A fusion's converter reads checkpoint keys; it does not chain after another converter."""
-    filters = [re.compile(p) for p in spec.filtered_conversion_patterns]
+    filters = _compiled(spec.filtered_conversion_patterns, "filtered_conversion_patterns")
     for key in module.state_dict(prefix=f"{path}." if path else ""):
         for transform in conversions:
             if not isinstance(transform, WeightConverter) or transform.match_target(key) is None:
                 continue
-            if any(f.search(p) for f in filters for p in (*transform.source_patterns, *transform.target_patterns)):
+            if transform.filtered_by(filters):
                 continue
             return (
                 f"its {key.rpartition('.')[0][len(path) + 1 :] or key} comes from the model's conversion of "
@@ -160,6 +155,11 @@ def _converted_state(
                 "converter cannot follow"
             )
     return None
+
+
+def _compiled(patterns: Sequence[str], what: str) -> list[re.Pattern[str]]:
+    """A fusion spec's ``patterns`` (its ``what``) compiled; a bad one is a FusionError naming it."""
+    return [compile_user_pattern(p, what, FusionError) for p in patterns]
 
 
 def _tied_state(path: str, tied: Mapping[str, str]) -> str | None:
@@ -193,7 +193,7 @@ def discover(
     found = Discovery(modules={name: {} for name in specs}, unfused={name: [] for name in specs})
     owner: dict[str, str] = {}
     for name, spec in specs.items():
-        targets = [re.compile(p) for p in spec.target_modules_patterns]
+        targets = _compiled(spec.target_modules_patterns, "target_modules_patterns")
         for cls, members in instances.items():
             reasons = _unfusable_reasons(spec, members, targets)
             fusable = [(path, module) for path, module in members if reasons[path] is None]
@@ -445,7 +445,7 @@ def prepare_fusions(
         transforms = spec_transforms(spec, config, modules[name], getattr(model, "base_model_prefix", ""))
         fusion_transforms.extend((name, t) for t in transforms)
         prepared.transforms.extend(transforms)
-        prepared.filters += tuple(re.compile(p) for p in spec.filtered_conversion_patterns)
+        prepared.filters += tuple(_compiled(spec.filtered_conversion_patterns, "filtered_conversion_patterns"))
     extras = patcher.extra_weight_conversions if patcher is not None else []
     user_transforms = [("the Patcher's extra_weight_conversions", t) for t in extras]
     # The model type's registered conversions that survive the fusions' filters (adjust_conversions puts the

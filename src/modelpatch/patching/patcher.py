@@ -63,20 +63,13 @@ class Patcher:
         extra_weight_conversions: WeightTransform | Iterable[WeightTransform] | None = None,
     ):
         from ..conversion.registry import as_transforms
+        from ..conversion.transforms import compile_user_pattern
 
         self._mapping: PatchMapping = as_patch_mapping(class_mapping)
-        patterns = _as_list(filtered_weight_conversion_patterns)
-        compiled = []
-        for pattern in patterns:
-            if not isinstance(pattern, str):
-                raise TypeError(f"filtered_weight_conversion_patterns must be strings, got {pattern!r}.")
-            try:
-                compiled.append(re.compile(pattern))
-            except re.error as exc:
-                raise PatchRegistryError(
-                    f"Invalid filtered_weight_conversion_patterns entry {pattern!r}: {exc}."
-                ) from None
-        self._filters: tuple[re.Pattern[str], ...] = tuple(compiled)
+        self._filters: tuple[re.Pattern[str], ...] = tuple(
+            compile_user_pattern(p, "filtered_weight_conversion_patterns", PatchRegistryError)
+            for p in _as_list(filtered_weight_conversion_patterns)
+        )
         # transformers' own transforms enter modelpatch here: translated once, and refused by name when they cannot be.
         extra = as_transforms(_as_list(extra_weight_conversions), "extra_weight_conversions")
         self._extra: tuple[WeightTransform, ...] = tuple(extra)
@@ -106,8 +99,7 @@ class Patcher:
 
     def filters_out(self, transform: WeightTransform) -> bool:
         """Whether a conversion of the model type is dropped by ``filtered_weight_conversion_patterns``."""
-        names = [*transform.source_patterns, *transform.target_patterns]
-        return any(f.search(name) for f in self._filters for name in names)
+        return transform.filtered_by(self._filters)
 
     def adjust_conversions(self, conversions: Iterable[WeightTransform]) -> list[WeightTransform]:
         """``extra_weight_conversions`` first, then ``conversions`` minus the filtered ones."""
