@@ -19,6 +19,7 @@ from torch import nn
 import modelpatch
 from modelpatch import _peft as door
 from modelpatch.errors import PeftIntegrationError, PeftVersionError
+from support.doors import private_uses, required_paths, uses_outside
 
 SOURCE = Path(modelpatch.__file__).parent
 DOOR = SOURCE / "_peft.py"
@@ -33,37 +34,23 @@ PRIVATE_NAMES = {
 } - set(dir(nn.Module)) | {"_maybe_include_all_linear_layers"}
 
 
-def _is_peft_submodule(name: str) -> bool:
-    return importlib.util.find_spec(f"peft.{name}") is not None
+def _is_public(name: str) -> bool:
+    """Exported by ``peft`` itself (``__all__``, or a dunder such as ``__version__``), and not one of its modules."""
+    exported = name in peft.__all__ or name.startswith("__")
+    return exported and importlib.util.find_spec(f"peft.{name}") is None
 
 
 def _violations(path: Path) -> list[str]:
-    """Private PEFT uses in ``path``: imports from PEFT's submodules (or of names ``peft`` does not export),
-    ``peft.<name>`` outside ``peft.__all__``, and PEFT's private member names (read, overridden or spelled)."""
-    found = []
+    """The transformers door's scan, plus what a subclass of a PEFT layer does: ``peft.<name>`` outside its exports,
+    and a private PEFT method overridden (``def _get_in_out_features``)."""
+    found = private_uses(path, SOURCE, "peft", PRIVATE_NAMES, _is_public)
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         where = f"{path.relative_to(SOURCE)}:{getattr(node, 'lineno', '?')}"
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module.startswith("peft."):
-                found.append(f"{where}: from {node.module} import ...")
-            elif node.module == "peft":
-                found += [
-                    f"{where}: from peft import {a.name}"
-                    for a in node.names
-                    if a.name not in peft.__all__ or _is_peft_submodule(a.name)
-                ]
-        elif isinstance(node, ast.Import):
-            found += [f"{where}: import {a.name}" for a in node.names if a.name.startswith("peft.")]
-        elif isinstance(node, ast.Attribute):
-            exported = node.attr in peft.__all__ or node.attr.startswith("__")  # __version__
-            if isinstance(node.value, ast.Name) and node.value.id == "peft" and not exported:
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "peft":
+            if not _is_public(node.attr):
                 found.append(f"{where}: peft.{node.attr}")
-            elif node.attr in PRIVATE_NAMES:
-                found.append(f"{where}: .{node.attr}")
         elif isinstance(node, ast.FunctionDef) and node.name in PRIVATE_NAMES:
             found.append(f"{where}: def {node.name}")
-        elif isinstance(node, ast.Constant) and node.value in PRIVATE_NAMES:
-            found.append(f"{where}: {node.value!r}")
     return found
 
 
@@ -74,7 +61,7 @@ def test_the_private_names_are_known_to_this_peft():
 
 
 def test_no_module_but_the_door_uses_peft_private_api():
-    violations = [v for path in sorted(SOURCE.rglob("*.py")) if path != DOOR for v in _violations(path)]
+    violations = uses_outside(SOURCE, DOOR, _violations)
     assert violations == [], "private PEFT API outside modelpatch/_peft.py:\n" + "\n".join(violations)
 
 
@@ -90,28 +77,17 @@ def _functions(tree: ast.Module) -> list[ast.FunctionDef]:
     return [node for node in tree.body if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")]
 
 
-def _required_paths(node: ast.AST) -> list[str]:
-    """The PRIVATE_API paths a function passes to ``require`` (string literals)."""
-    return [
-        arg.value
-        for call in ast.walk(node)
-        if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "require"
-        for arg in call.args
-        if isinstance(arg, ast.Constant) and isinstance(arg.value, str)
-    ]
-
-
 def test_every_private_name_the_door_uses_is_listed_and_checked():
     """What the door requires is in PRIVATE_API; every private name it touches is listed there; every function
     reaching one says which releases it was checked against."""
     tree = ast.parse(DOOR.read_text())
-    required = _required_paths(tree)
+    required = required_paths(tree)
     assert required and set(required) <= door.PRIVATE_API.keys()
     listed = {re.split(r"[.:]", path)[-1] for path in door.PRIVATE_API}
     used = {v.rpartition(" ")[2].strip(".'") for v in _violations(DOOR) if ": from" not in v}
     assert used - listed == set()
     for function in _functions(tree):
-        if _required_paths(function):
+        if required_paths(function):
             claim = re.search(r"Checked against ([\d.]+)", ast.get_docstring(function) or "")
             assert claim is not None and claim[1] in door.CHECKED, function.name
 
