@@ -78,7 +78,8 @@ from transformers.models.auto.configuration_auto import (
 )
 
 import modelpatch
-from modelpatch.conversion import transformers_mapping
+from modelpatch import _transformers_mapping as transformers_mapping
+from modelpatch.conversion.registry import LEGACY
 from modelpatch.fusions.generated import SPEC_ATTRIBUTE
 from modelpatch.fusions.patch_embeddings.modules import Conv3dAsLinear
 from modelpatch.fusions.registry import get_fusion
@@ -312,7 +313,7 @@ def _registry_classes() -> dict[str, list[str]]:
     """Class names in transformers' conversion mapping, by the model type of their config."""
     by_type: dict[str, list[str]] = {}
     for key in sorted(transformers_mapping.builtin_keys()):
-        if key in CONFIG_MAPPING_NAMES or key == transformers_mapping.LEGACY:
+        if key in CONFIG_MAPPING_NAMES or key == LEGACY:
             continue
         try:
             cls = getattr(transformers, key)

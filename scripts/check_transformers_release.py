@@ -2,7 +2,7 @@
 what broke.
 
 Following a new transformers release is routine: run this script with the release, read the report, fix what it
-names (the door, ``src/modelpatch/_transformers.py``, and ``conversion/transformers_mapping.py`` first), then widen
+names (the door, ``src/modelpatch/_transformers.py``, and ``_transformers_mapping.py`` first), then widen
 the range in pyproject.toml and ``_transformers.SUPPORTED``, repin ``.ci/constraints.txt`` and update the door's
 ``CHECKED`` (docs/transformers_releases.md).
 
@@ -54,7 +54,7 @@ TORCH = "torch==2.13.0"  # the CPU wheel on the machine: any other version downl
 PROBE = """
 import transformers
 from modelpatch import _transformers as door
-from modelpatch.conversion import transformers_mapping
+from modelpatch import _transformers_mapping as transformers_mapping
 print("transformers", transformers.__version__, "| supported:", door.SUPPORTED)
 missing = [path for path in door.PRIVATE_API if not door.available(path)]
 for path in missing:

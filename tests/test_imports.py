@@ -4,8 +4,10 @@ Every module of ``src/modelpatch`` is parsed with ``ast``; each import of the pa
 module level, under ``TYPE_CHECKING`` or inside a function) is resolved to the module it names and checked against
 the layers, bottom-up:
 
-* ``errors.py`` and ``state.py`` sit beside the layers: every layer may import them, they import only each other;
-* ``checkpoint/`` (file I/O), then ``conversion/`` (tensors; it may read checkpoints, never the reverse);
+* ``errors.py``, ``state.py``, ``registry.py``, ``_transformers.py``, ``_peft.py`` and ``_installs.py`` sit beside
+  the layers: every layer may import them, they import only each other;
+* ``checkpoint/`` (file I/O), then ``conversion/`` (tensors; it may read checkpoints, never the reverse), then
+  ``_transformers_mapping.py`` (transformers' conversion objects, translated);
 * ``patching/``, then ``fusions/`` (a fusion is a class patch with transforms);
 * ``loading/``;
 * the user API: ``__init__.py``, ``auto.py``, ``verify.py``, ``cli/``, ``integrations/`` (importing each other).
@@ -18,6 +20,9 @@ check: they name types for annotations and never run.
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,13 +31,18 @@ PACKAGE = "modelpatch"
 SOURCE = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 
 # The rank of each top-level module or sub-package of modelpatch: a module may import ranks up to its own.
-LAYERS = {
+LAYERS: dict[str, float] = {
     "errors": 0,
     "state": 0,
     "registry": 0,
     "_transformers": 0,
+    "_installs": 0,
+    "_peft": 0,
     "checkpoint": 1,
     "conversion": 2,
+    # The border where transformers' conversion objects enter: above conversion/, which never imports it (and
+    # imports no transformers at all, test_conversion_imports_no_transformers), below what hands it transforms.
+    "_transformers_mapping": 2.5,
     "patching": 3,
     "fusions": 4,
     "loading": 5,
@@ -92,7 +102,7 @@ def imported_modules(path: Path, name: str, known: set[str], *, runtime_only: bo
     return {module for module in found if module == PACKAGE or module.startswith(PACKAGE + ".")}
 
 
-def layer(module: str) -> int:
+def layer(module: str) -> float:
     """The rank of ``module``; a module outside every layer fails the test, so that a new one gets placed."""
     top = module.split(".")[1] if "." in module else ""
     if top not in LAYERS:
@@ -203,3 +213,28 @@ def test_circles_are_found_through_functions_but_not_through_type_checking_impor
     for name, text in files.items():
         (root / name).write_text(text)
     assert import_circles(root) == [["modelpatch.loading.a", "modelpatch.loading.b", "modelpatch.loading.c"]]
+
+
+@pytest.mark.parametrize("module", ["modelpatch.conversion", "modelpatch.conversion.operations"])
+def test_conversion_imports_no_transformers(module):
+    """The conversion layer is pure tensor code: transformers' objects are translated above it, where they enter."""
+    code = f"import sys, {module}; assert 'transformers' not in sys.modules, 'transformers imported'"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_child_env())
+    assert result.returncode == 0, result.stderr
+
+
+def test_a_lookup_imports_the_border_that_provides_the_builtin_mappings():
+    """The lazy hook: a lookup made before anything imported the border module still sees transformers' registry."""
+    code = (
+        "import sys\n"
+        "from modelpatch.conversion import get_checkpoint_conversion_mapping\n"
+        "assert 'modelpatch._transformers_mapping' not in sys.modules\n"
+        "assert get_checkpoint_conversion_mapping('mixtral'), 'no built-in mapping'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_child_env())
+    assert result.returncode == 0, result.stderr
+
+
+def _child_env() -> dict[str, str]:
+    """This process's environment, with the source tree this test module reads first on the path."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(SOURCE.parent), os.environ.get("PYTHONPATH", "")])}

@@ -10,7 +10,7 @@ from torch import nn
 import modelpatch
 from modelpatch import ConversionError, FusionError, PatchRegistryError, RegistryError, WeightRenaming
 from modelpatch.conversion.registry import conversion_registry
-from modelpatch.fusions.gate_up import GateUpFusionSpec
+from modelpatch.fusions.projections import GateUpFusionSpec
 from modelpatch.fusions.registry import fusion_registry
 from modelpatch.patching.candidates import namespace_registry
 from modelpatch.patching.registry import patch_registry

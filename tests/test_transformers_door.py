@@ -21,6 +21,7 @@ from transformers.models.auto.auto_factory import _BaseAutoModelClass
 import modelpatch
 from modelpatch import TransformersVersionError
 from modelpatch import _transformers as door
+from support.doors import private_uses, required_paths, uses_outside
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = Path(modelpatch.__file__).parent
@@ -56,25 +57,9 @@ def _is_transformers_submodule(name: str) -> bool:
 
 
 def _violations(path: Path) -> list[str]:
-    found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        where = f"{path.relative_to(SOURCE)}:{getattr(node, 'lineno', '?')}"
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module.startswith("transformers."):
-                found.append(f"{where}: from {node.module} import ...")
-            elif node.module == "transformers":
-                found += [
-                    f"{where}: from transformers import {a.name}"
-                    for a in node.names
-                    if _is_transformers_submodule(a.name)
-                ]
-        elif isinstance(node, ast.Import):
-            found += [f"{where}: import {a.name}" for a in node.names if a.name.startswith("transformers.")]
-        elif isinstance(node, ast.Attribute) and node.attr in PRIVATE_NAMES | INTERNAL_NAMES:
-            found.append(f"{where}: .{node.attr}")
-        elif isinstance(node, ast.Constant) and node.value in PRIVATE_NAMES | INTERNAL_NAMES:
-            found.append(f"{where}: {node.value!r}")
-    return found
+    return private_uses(
+        path, SOURCE, "transformers", PRIVATE_NAMES | INTERNAL_NAMES, lambda name: not _is_transformers_submodule(name)
+    )
 
 
 def test_the_private_names_are_known_to_this_transformers():
@@ -84,7 +69,7 @@ def test_the_private_names_are_known_to_this_transformers():
 
 
 def test_no_module_but_the_door_uses_transformers_private_api():
-    violations = [v for path in sorted(SOURCE.rglob("*.py")) if path != DOOR for v in _violations(path)]
+    violations = uses_outside(SOURCE, DOOR, _violations)
     assert violations == [], "private transformers API outside modelpatch/_transformers.py:\n" + "\n".join(violations)
 
 
@@ -116,22 +101,11 @@ def _functions(tree: ast.Module) -> list[ast.FunctionDef]:
     return [node for node in tree.body if isinstance(node, ast.FunctionDef) and not node.name.startswith("__")]
 
 
-def _required_paths(node: ast.AST) -> list[str]:
-    """The PRIVATE_API paths a function passes to ``require`` / ``available`` (string literals)."""
-    return [
-        arg.value
-        for call in ast.walk(node)
-        if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in {"require", "available"}
-        for arg in call.args
-        if isinstance(arg, ast.Constant) and isinstance(arg.value, str)
-    ]
-
-
 def test_every_door_function_names_the_releases_it_was_checked_against():
     """Every function that reaches a private name says which releases it was checked against, ending at the newest
     release CI runs and starting no lower than the lowest."""
     tree = ast.parse(DOOR.read_text())
-    functions = [f for f in _functions(tree) if _required_paths(f) or _violations_in(f)]
+    functions = [f for f in _functions(tree) if required_paths(f) or _violations_in(f)]
     assert len(functions) > 25
     lowest, newest = (Version(v) for v in door.CHECKED)
     unchecked = []
@@ -155,7 +129,7 @@ def test_every_private_name_the_door_uses_is_listed():
     """What the door requires is in PRIVATE_API, and every private name it touches is listed there (or is one of
     the instance markers no class declares)."""
     tree = ast.parse(DOOR.read_text())
-    required = _required_paths(tree)
+    required = required_paths(tree)
     assert required and set(required) <= door.PRIVATE_API.keys()
     listed = {path.rpartition(".")[2].rpartition(":")[2] for path in door.PRIVATE_API} | set(door.INSTANCE_ATTRIBUTES)
     unlisted = {name for function in _functions(tree) for name in _violations_in(function)} - listed

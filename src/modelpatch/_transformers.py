@@ -5,7 +5,7 @@ transformers' internals: underscore methods and attributes (``_from_config``, ``
 ``_can_record_outputs``, ...), positional signatures of internal helpers (``get_init_context``, ``get_hf_quantizer``)
 and names that only live in submodules (the Auto-class factory, the conversion registry, the quantizers). They are
 all reached through this module, so moving to another transformers release means auditing this one file (and
-``conversion/transformers_mapping.py``, which translates the conversion registry).
+``_transformers_mapping.py``, which translates transformers' conversion objects).
 
 :data:`PRIVATE_API` lists every such name, where it lives, the first release that has it, and the feature that needs
 it. Each function resolves the names it needs when it is called (:func:`require`), so on a transformers release

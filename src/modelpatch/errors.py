@@ -90,3 +90,8 @@ class PeftIntegrationError(ModelPatchError, TypeError):
 class ShardingError(ModelPatchError, ValueError):
     """An operation that a model spread over processes (FSDP2, tensor parallelism) cannot take part in as it is
     sharded; the message names the sharding and what to do instead."""
+
+
+class PeftVersionError(PeftIntegrationError):
+    """The installed PEFT lacks a private name the PEFT integration relies on (``modelpatch/_peft.py``). The message
+    names the release, the missing name, the feature and the releases checked."""

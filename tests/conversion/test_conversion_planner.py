@@ -171,11 +171,23 @@ def test_groups_reverse_bit_for_bit():
     for group in plan.groups:
         outputs = group.run(tensors.__getitem__)
         assert {k: tuple(v.shape) for k, v in outputs.items()} == {k: m.shape for k, m in group.target_metas().items()}
-        restored = group.reversed().run(outputs.__getitem__)
+        restored = group.reverse().run(outputs.__getitem__)
         assert sorted(restored) == sorted(group.source_keys())
         for key, value in restored.items():
             assert value.dtype == torch.bfloat16
             assert_tensor_bitwise_equal(value, tensors[key], key)
+
+
+def test_the_deprecated_inversion_verbs_still_answer_and_warn():
+    """``reverse()`` is the one verb (operations, renamings, groups); ``ConversionGroup.reversed()`` and
+    ``WeightRenaming.inverse()``, public before, still give the same answer, with a DeprecationWarning."""
+    plan = plan_load(moe_checkpoint(1, 2, "mixtral"), transforms_for("mixtral", fused_qkv=True))
+    group = plan.groups[0]
+    with pytest.warns(DeprecationWarning, match=r"reversed\(\) is deprecated; use \.reverse\(\)"):
+        assert group.reversed() == group.reverse()
+    renaming = WeightRenaming(r"\.feed_forward\.", ".mlp.")
+    with pytest.warns(DeprecationWarning, match=r"WeightRenaming\.inverse\(\) is deprecated"):
+        assert renaming.inverse() == renaming.reverse()
 
 
 def test_grouped_query_sizes_are_bound_from_headers():
@@ -186,7 +198,23 @@ def test_grouped_query_sizes_are_bound_from_headers():
     assert plan.produced_keys().count("model.layers.0.self_attn.qkv_proj.weight") == 1
     assert weight_group.operations == (Concatenate(dim=0, sizes=(H, KV, KV)),)
     assert weight_group.sources == tuple(f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv")
-    assert weight_group.reversed().target_shapes == ((H, H), (KV, H), (KV, H))
+    assert weight_group.reverse().target_shapes == ((H, H), (KV, H), (KV, H))
+
+
+def test_plan_load_and_plan_save_translate_transformers_own_transforms():
+    """``plan_load`` / ``plan_save`` are entry points too: a transformers transform handed to them is translated
+    (through the border module), and plans as modelpatch's own."""
+    from transformers import core_model_loading as hf
+
+    checkpoint = {f"layers.0.{p}.weight": TensorMeta((4, 8), torch.float32) for p in ("q_proj", "k_proj", "v_proj")}
+    stock = hf.WeightConverter(["q_proj", "k_proj", "v_proj"], "qkv_proj", [hf.Concatenate(dim=0)])
+    own = WeightConverter(["q_proj", "k_proj", "v_proj"], "qkv_proj", [Concatenate(dim=0, equal_parts=True)])
+    loaded = plan_load(checkpoint, [stock])
+    assert loaded.outputs == plan_load(checkpoint, [own]).outputs
+    assert [g.converter for g in loaded.groups] == [own]
+    assert plan_save(loaded.outputs, [stock]).outputs == plan_save(loaded.outputs, [own]).outputs
+    with pytest.raises(TypeError, match="plan_load.*'q_proj'"):
+        plan_load(checkpoint, ["q_proj"])
 
 
 def test_first_matching_converter_wins():
@@ -361,7 +389,7 @@ def test_alternative_converter_loads_its_layout_but_plan_save_keeps_the_targets(
         **{f"m.experts.{e}.{p}_proj.weight": meta(I, H) for e in range(3) for p in ("gate", "up")},
         **{f"m.experts.{e}.down_proj.weight": meta(H, I) for e in range(3)},
     }
-    assert [g.reversed().target_shapes for g in plan.groups] == [((3, 2 * I, H),), ((3, H, I),)]
+    assert [g.reverse().target_shapes for g in plan.groups] == [((3, 2 * I, H),), ((3, H, I),)]
     assert plan_load(per_expert, split).groups == []
     assert not plan_save(per_expert, split).groups and plan_save(per_expert, split).outputs == per_expert
 

@@ -1,26 +1,24 @@
 """The conversion registry: transformers' own mapping translated, register_checkpoint_conversion_mapping /
-get_checkpoint_conversion_mapping, and how a model's transforms are collected (class names, sub-model scopes,
-legacy)."""
+get_checkpoint_conversion_mapping, legacy renamings. (How a model's transforms are collected:
+tests/test_transformers_mapping.py.)"""
 
 from __future__ import annotations
 
 import threading
 
 import pytest
-import torch
 
 import modelpatch
 from modelpatch import (
     Concatenate,
     ConversionError,
     MergeModulelist,
-    PrefixChange,
     WeightConverter,
     WeightRenaming,
     get_checkpoint_conversion_mapping,
     register_checkpoint_conversion_mapping,
 )
-from modelpatch.conversion.registry import legacy_conversions, registered_model_types
+from modelpatch.conversion.registry import registered_model_types
 
 QKV = WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"], [Concatenate(dim=0)])
 
@@ -90,25 +88,6 @@ def test_an_operation_without_translation_is_named():
     with pytest.raises(ConversionError, match=r"Dequantize.*'my_moe'"):
         register_checkpoint_conversion_mapping("my_moe", [HFConverter("w", "w2", [Dequantize()])])
     assert get_checkpoint_conversion_mapping("my_moe") is None
-
-
-def test_model_conversions_walk_sub_models_class_names_first():
-    from transformers import AutoConfig, LlavaForConditionalGeneration
-
-    from modelpatch.conversion.registry import model_conversions
-
-    config = AutoConfig.for_model("llava")
-    with torch.device("meta"):
-        model = LlavaForConditionalGeneration(config)
-    transforms = model_conversions(model)
-    # The root's model-type mapping unscoped, then the class mappings of LlavaModel and of the CLIP vision tower, each
-    # scoped to its sub-model (with or without the base model's prefix).
-    assert transforms[:4] == get_checkpoint_conversion_mapping("llava")
-    inner, vision = transforms[4:]
-    assert inner.source_patterns == ("^language_model.model",) and inner.scope == ("", "model")
-    assert isinstance(vision, PrefixChange) and vision.scope == ("vision_tower", "model")
-    assert vision.rename("model.vision_tower.vision_model.embeddings.x") == "model.vision_tower.embeddings.x"
-    assert all(t.alternative for t in legacy_conversions())
 
 
 def test_register_with_keyword_model_type_and_overwrite():
@@ -183,22 +162,3 @@ def test_concurrent_registrations_all_land():
         t.join()
     assert not errors
     assert all(get_checkpoint_conversion_mapping(f"custom_{i}") == [QKV] for i in range(16))
-
-
-def test_a_class_name_mapping_wins_over_the_model_type():
-    from transformers import AutoConfig, Qwen2MoeForCausalLM
-
-    from modelpatch.conversion.registry import model_conversions
-
-    config = AutoConfig.for_model("qwen2_moe", num_hidden_layers=1, num_experts=2)
-    with torch.device("meta"):
-        model = Qwen2MoeForCausalLM(config)
-    renaming = WeightRenaming(r"^transformer\.", "model.")
-    register_checkpoint_conversion_mapping("Qwen2MoeForCausalLM", [renaming])
-    transforms = model_conversions(model)
-    # The root matched by class; its Qwen2MoeModel still gets the model type's mapping, scoped to it, as in stock.
-    assert transforms[0] == renaming
-    assert [t.source_patterns for t in transforms[1:]] == [
-        t.source_patterns for t in get_checkpoint_conversion_mapping("qwen2_moe")
-    ]
-    assert all(t.scope == ("", "model") for t in transforms[1:])

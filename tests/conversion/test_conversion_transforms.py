@@ -137,7 +137,7 @@ def test_renaming_and_inverse():
     renaming = WeightRenaming(r"\.block_sparse_moe\.", ".mlp.")
     assert renaming.rename("model.layers.0.block_sparse_moe.gate.weight") == "model.layers.0.mlp.gate.weight"
     assert renaming.rename("model.norm.weight") is None
-    inverse = renaming.inverse()
+    inverse = renaming.reverse()
     assert inverse.rename("model.layers.0.mlp.gate.weight") == "model.layers.0.block_sparse_moe.gate.weight"
 
 
@@ -146,21 +146,21 @@ def test_renaming_with_lookahead_inverts():
     assert renaming.rename("model.layers.0.x") == "model.language_model.layers.0.x"
     assert renaming.rename("model.visual.blocks.0") is None
     assert renaming.rename("lm_head.weight") is None
-    assert renaming.inverse().rename("model.language_model.layers.0.x") == "model.layers.0.x"
+    assert renaming.reverse().rename("model.language_model.layers.0.x") == "model.layers.0.x"
 
 
 def test_renaming_with_a_group_inverts_like_transformers():
     renaming = WeightRenaming(r"layers\.(\d+)\.attn", r"blocks.\1.attention")
     assert renaming.rename("m.layers.3.attn.w") == "m.blocks.3.attention.w"
-    assert renaming.inverse().rename("m.blocks.3.attention.w") == "m.layers.3.attn.w"
+    assert renaming.reverse().rename("m.blocks.3.attention.w") == "m.layers.3.attn.w"
     prefix = PrefixChange(prefix_to_add="timm_model")
     assert prefix.rename("conv.weight") == "timm_model.conv.weight" and prefix.rename("timm_model.conv.weight") is None
-    assert prefix.inverse().rename("timm_model.conv.weight") == "conv.weight" and prefix.alternative
+    assert prefix.reverse().rename("timm_model.conv.weight") == "conv.weight" and prefix.alternative
 
 
 def test_renaming_that_cannot_be_inverted():
     with pytest.raises(ConversionError, match="cannot be reversed"):
-        WeightRenaming(r"layer.+norm", "norm").inverse()
+        WeightRenaming(r"layer.+norm", "norm").reverse()
 
 
 def test_renaming_takes_one_target_for_any_number_of_sources():
@@ -180,7 +180,7 @@ def test_group_rename_pairs_and_guard():
         and group.rename("blocks.0.norm1.w") == "blocks.0.norm2.w"
     )
     assert group.is_guard("blocks.2.norm0.w") and not group.is_guard("blocks.2.norm1.w")
-    assert group.inverse().rename("blocks.0.norm2.w") == "blocks.0.norm1.w"
+    assert group.reverse().rename("blocks.0.norm2.w") == "blocks.0.norm1.w"
     with pytest.raises(ConversionError, match="pairs"):
         GroupWeightRename(["a", "b"], ["c"])
 
@@ -188,7 +188,7 @@ def test_group_rename_pairs_and_guard():
 def test_index_offset_renaming():
     renaming = IndexOffsetRenaming(r"attn_queries\.(\d+)", r"layers.\1.query", offset=1)
     assert renaming.rename("m.attn_queries.0.w") == "m.layers.1.query.w"
-    assert renaming.inverse().rename("m.layers.1.query.w") == "m.attn_queries.0.w"
+    assert renaming.reverse().rename("m.layers.1.query.w") == "m.attn_queries.0.w"
 
 
 def test_renaming_to_empty_string_is_allowed():

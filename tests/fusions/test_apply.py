@@ -212,3 +212,17 @@ def test_a_fusion_the_checkpoint_does_not_plan_into_steps_aside(tiny, caplog):
     assert_outputs_close(ckpt.outputs(model), ckpt.stock_outputs())
     with pytest.raises(FusionError, match=r"Fusions \['unconverted_qkv'\] \(strict\): the checkpoint does not load"):
         ckpt.load({"unconverted_qkv": {"strict": True}})
+
+
+def test_a_fusion_spec_pattern_that_is_no_regex_is_refused_by_name():
+    """A user's spec with a broken ``target_modules_patterns`` entry: a FusionError naming it, not re's error."""
+    from modelpatch.fusions.apply import discover
+    from support.patching import llama_config
+
+    class Broken(QKVFusionSpec):
+        target_modules_patterns = ("layers.(",)
+
+    with torch.device("meta"):
+        model = transformers.LlamaModel(llama_config(num_hidden_layers=1))
+    with pytest.raises(FusionError, match=r"target_modules_patterns entry 'layers\.\(' is not a valid regular"):
+        discover(model, {"qkv": Broken()})

@@ -263,6 +263,7 @@ def test_packed_through_to_deepcopy_and_pickle(tiny):
         torch.testing.assert_close(as_bf16(*args), stock_bf16(*args), atol=0, rtol=0)
 
 
+@pytest.mark.slow
 def test_compiled_experts_have_no_graph_break_and_follow_a_swap(tiny):
     ckpt = tiny("qwen2_moe")
     model = ckpt.load({"linear_experts": True})
@@ -286,6 +287,7 @@ def test_compiled_experts_have_no_graph_break_and_follow_a_swap(tiny):
         assert not torch.equal(changed, expected)
 
 
+@pytest.mark.slow
 def test_compiled_model_matches_eager(tiny):
     ckpt = tiny("qwen3_moe")
     model = ckpt.load({"linear_experts": True})
@@ -386,6 +388,7 @@ CHANGES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change", sorted(CHANGES))
 def test_compiled_experts_run_what_changed_after_compiling(change):
     """Compiled code guards on the experts' change signal instead of on every Linear: after it ran grouped, a change
@@ -409,6 +412,7 @@ def test_compiled_experts_run_what_changed_after_compiling(change):
         assert len(graphs.graphs) <= 5 and not any(_takes_the_grouped_path(graph) for graph in graphs.graphs[1:])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "change", ["Linear set on an expert", "expert assigned into the list", "weight Parameter assigned"]
 )
@@ -429,6 +433,7 @@ def test_compiled_experts_take_the_grouped_path_again_once_packed(change):
         assert len(graphs.graphs) == compiles and _forward_compiles() == 2
 
 
+@pytest.mark.slow
 def test_an_eager_call_that_finds_the_layout_intact_rearms_the_compiled_path():
     """A change that leaves the layout as packed (a Linear set back in its place) costs compiled code a full check
     of every Linear, until an eager call finds them intact and clears the signal."""

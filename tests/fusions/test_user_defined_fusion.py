@@ -179,7 +179,7 @@ def test_make_transforms_receives_the_modules_to_fuse(tiny):
 def test_overwriting_a_fusion_takes_effect(tiny):
     """Replacing a registered fusion with another spec class changes what later loads build, even for a class the
     previous spec already generated a fused class for."""
-    from modelpatch.fusions.qkv import QKVFusionSpec
+    from modelpatch.fusions.projections import QKVFusionSpec
 
     class KVFusionSpec(QKVFusionSpec):
         groups = ((("k_proj", "v_proj"), "kv_proj"),)

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 import modelpatch
 from modelpatch import Chunk, Concatenate, LoadPlanError, WeightConverter
-from modelpatch.conversion.transformers_mapping import builtin_mapping
+from modelpatch._transformers_mapping import builtin_mapping
 from support.compare import assert_bitwise_equal, bits
 from support.files import read_tensors
 

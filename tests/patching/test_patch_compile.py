@@ -20,7 +20,10 @@ def _compile_available() -> bool:
         return False
 
 
-pytestmark = pytest.mark.skipif(not _compile_available(), reason="torch.compile is not available on this platform")
+pytestmark = [
+    pytest.mark.skipif(not _compile_available(), reason="torch.compile is not available on this platform"),
+    pytest.mark.slow,
+]
 
 
 @pytest.fixture(autouse=True)

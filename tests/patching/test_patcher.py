@@ -102,6 +102,19 @@ def test_single_values_are_accepted_as_lists():
     assert patcher.extra_weight_conversions == [converter]
 
 
+def test_transformers_own_transforms_are_translated_when_the_patcher_is_made():
+    """A Patcher is where transformers' transforms enter: it holds modelpatch's translation from then on."""
+    from transformers import core_model_loading as hf
+
+    from modelpatch import MergeModulelist, WeightConverter
+
+    stock = hf.WeightConverter("experts.*.w1.weight", "experts.w1", [hf.MergeModulelist(dim=0)])
+    patcher = Patcher(extra_weight_conversions=[stock])
+    assert patcher.extra_weight_conversions == [
+        WeightConverter("experts.*.w1.weight", "experts.w1", [MergeModulelist(dim=0)])
+    ]
+
+
 def test_class_mapping_property_is_a_copy():
     patcher = Patcher({"LlamaAttention": MarkedLlamaAttention})
     mapping = patcher.class_mapping

@@ -21,7 +21,7 @@ from transformers.models.perceiver.modeling_perceiver import PerceiverSelfAttent
 
 import modelpatch
 from modelpatch import Concatenate, FusionError, Patcher, WeightConverter
-from modelpatch.fusions.gate_up.spec import GateUpFusionSpec
+from modelpatch.fusions.projections.spec import GateUpFusionSpec
 from support.compare import assert_same_files
 
 pytestmark = pytest.mark.reliability

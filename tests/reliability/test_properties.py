@@ -193,7 +193,7 @@ def test_complete_key_sets_match_the_oracle_and_round_trip_bit_for_bit(arch, see
     assert all(same_bits(runtime[k], oracle[k]) for k in oracle), "forward differs from plain torch"
     back = {src: runtime[out] for out, src in plan.direct.items()}
     for group in plan.groups:
-        back.update(group.reversed().run(runtime.__getitem__))
+        back.update(group.reverse().run(runtime.__getitem__))
     assert back.keys() == tensors.keys()
     assert all(same_bits(back[k], tensors[k]) for k in tensors), "reverse(forward(x)) != x"
 

@@ -629,23 +629,25 @@ def _recover_stale_siblings(directory: Path) -> None:
         _remove_leftover(directory, old)
 
 
-_WRITEBACK_BYTES = 64 * 2**20
-_SYNC_FILE_RANGE_WRITE = 2
-
-
-def _load_sync_file_range():
+def _linux_libc_function(name: str, argtypes: list[type]):
+    """The C library's ``name`` (returning an int, setting errno), or None off Linux or where the C library lacks it
+    (glibc < 2.28 has no ``renameat2``)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+        function = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.argtypes = argtypes
     function.restype = ctypes.c_int
     return function
 
 
-_sync_file_range = _load_sync_file_range()
+_WRITEBACK_BYTES = 64 * 2**20
+_SYNC_FILE_RANGE_WRITE = 2
+_sync_file_range = _linux_libc_function(
+    "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+)
 
 
 def _start_writeback(fd: int, offset: int, length: int) -> None:
@@ -659,21 +661,9 @@ def _start_writeback(fd: int, offset: int, length: int) -> None:
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
-
-
-def _load_renameat2():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        function = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):  # glibc < 2.28, or a libc without it
-        return None
-    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    function.restype = ctypes.c_int
-    return function
-
-
-_renameat2 = _load_renameat2()
+_renameat2 = _linux_libc_function(
+    "renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+)
 
 
 def _exchange(a: Path, b: Path) -> bool:

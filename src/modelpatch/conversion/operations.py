@@ -20,8 +20,8 @@ import json
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import Field, dataclass, field, replace
-from typing import Any, ClassVar
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -142,14 +142,18 @@ def _text_config_count(config: Any, attribute: str, what: str, op: object) -> in
     return value
 
 
-class _PartsFromConfig:
-    """``configured`` of :class:`Concatenate` and :class:`Chunk`: the number of parts of an indexed slot read from the
-    text config's ``parts_attribute`` (transformers' ``num_shards_attribute``)."""
+@dataclass(frozen=True)
+class _Parts(ConversionOperation):
+    """What :class:`Concatenate` and its reverse :class:`Chunk` share: the parts along ``dim`` (their ``sizes``, whether
+    they are ``equal_parts``, whether they form one ``indexed`` slot of ``parts`` entries), and ``configured``, which
+    reads that number of entries from the text config's ``parts_attribute`` (transformers' ``num_shards_attribute``)."""
 
-    # Mixed into frozen dataclasses that declare these fields (so ``replace`` applies to ``self``).
-    __dataclass_fields__: ClassVar[dict[str, Field[Any]]]
-    parts_attribute: str | None
-    parts: int | None
+    dim: int = 0
+    sizes: tuple[int, ...] | None = None
+    equal_parts: bool = False
+    indexed: bool = False
+    parts: int | None = None
+    parts_attribute: str | None = None
 
     def configured(self, config):
         if self.parts_attribute is None or self.parts is not None:
@@ -158,7 +162,7 @@ class _PartsFromConfig:
 
 
 @dataclass(frozen=True)
-class Concatenate(_PartsFromConfig, ConversionOperation):
+class Concatenate(_Parts):
     """Concatenate all slots along ``dim`` into one tensor (``q, k, v -> qkv``), or the entries of a single indexed
     slot (``shard_0 .. shard_n -> one``).
 
@@ -167,13 +171,6 @@ class Concatenate(_PartsFromConfig, ConversionOperation):
     saved in the checkpoint layout; an indexed slot then splits back into ``parts`` entries (or as many as the text
     config's ``parts_attribute`` says).
     """
-
-    dim: int = 0
-    sizes: tuple[int, ...] | None = None
-    equal_parts: bool = False
-    indexed: bool = False
-    parts: int | None = None
-    parts_attribute: str | None = None
 
     def bind(self, shapes, num_targets):
         indexed = len(shapes) == 1 and isinstance(shapes[0], list)
@@ -216,19 +213,12 @@ class Concatenate(_PartsFromConfig, ConversionOperation):
 
 
 @dataclass(frozen=True)
-class Chunk(_PartsFromConfig, ConversionOperation):
+class Chunk(_Parts):
     """Split one tensor along ``dim`` into one part per target (equal parts unless ``sizes`` are given).
 
     ``indexed=True`` makes the parts one indexed slot (``one -> shard_0 .. shard_n``) of ``parts`` entries (or as
     many as the text config's ``parts_attribute`` says) instead of one slot per target.
     """
-
-    dim: int = 0
-    sizes: tuple[int, ...] | None = None
-    equal_parts: bool = False
-    indexed: bool = False
-    parts: int | None = None
-    parts_attribute: str | None = None
 
     def bind(self, shapes, num_targets):
         shape, dim = _one_tensor(shapes, self.dim, self)
@@ -287,11 +277,17 @@ class Split(Chunk):
 
 
 @dataclass(frozen=True)
-class MergeModulelist(ConversionOperation):
-    """Stack each slot's list of per-index tensors (experts ``0..n-1``) into one tensor along a new ``dim``."""
+class _ModulelistOperation(ConversionOperation):
+    """Between a list of per-index tensors (experts ``0..n-1``) and one tensor holding them along ``dim``; ``count``
+    is the number of entries, learnt when bound (so that the reverse checks it)."""
 
     dim: int = 0
     count: int | None = None
+
+
+@dataclass(frozen=True)
+class MergeModulelist(_ModulelistOperation):
+    """Stack each slot's list of per-index tensors (experts ``0..n-1``) into one tensor along a new ``dim``."""
 
     def bind(self, shapes, num_targets):
         out = []
@@ -318,11 +314,8 @@ class MergeModulelist(ConversionOperation):
 
 
 @dataclass(frozen=True)
-class SplitModulelist(ConversionOperation):
+class SplitModulelist(_ModulelistOperation):
     """Unstack each slot along ``dim`` into a list of tensors (one per index)."""
-
-    dim: int = 0
-    count: int | None = None
 
     def bind(self, shapes, num_targets):
         out = []
@@ -910,7 +903,7 @@ def bind_operations(
 
 
 def reverse_operations(bound: list[ConversionOperation]) -> list[ConversionOperation]:
-    """The inverse chain of a bound chain."""
+    """The reverse chain of a bound chain (each operation reversed, last first)."""
     return [op.reverse() for op in reversed(bound)]
 
 

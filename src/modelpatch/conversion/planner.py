@@ -12,6 +12,7 @@ the real shapes, so executing it is mechanical and reversing it is exact.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,9 +31,10 @@ from .operations import (
     bind_operations,
     common_dtype,
     concatenates_rows,
+    reverse_operations,
     run_operations,
 )
-from .transformers_mapping import translate
+from .registry import as_transforms
 from .transforms import (
     _PLACEHOLDER,
     GroupWeightRename,
@@ -85,17 +87,22 @@ class ConversionGroup:
             for key, shape in _per_key(keys, shapes)
         }
 
-    def reversed(self) -> ConversionGroup:
+    def reverse(self) -> ConversionGroup:
         """The group that turns this group's targets back into its sources, exactly."""
         return ConversionGroup(
             converter=self.converter,
             sources=self.targets,
             targets=self.sources,
-            operations=tuple(op.reverse() for op in reversed(self.operations)),
+            operations=tuple(reverse_operations(list(self.operations))),
             source_shapes=self.target_shapes,
             target_shapes=self.source_shapes,
             dtype=self.dtype,
         )
+
+    def reversed(self) -> ConversionGroup:
+        """Deprecated spelling of :meth:`reverse` (modelpatch's one verb for undoing a conversion)."""
+        warnings.warn("ConversionGroup.reversed() is deprecated; use .reverse().", DeprecationWarning, stacklevel=2)
+        return self.reverse()
 
     def concatenated_rows(self) -> list[str] | None:
         """The source keys whose bytes, one after the other, are this group's one target's bytes (a concatenation
@@ -140,7 +147,7 @@ class ConversionPlan:
 
     def raise_problems(self) -> None:
         if any(self.problems.values()):
-            raise ConversionError(_format_problems(self.problems))
+            raise ConversionError("\n".join(format_problems(self.problems)))
 
     def problem_lines(self) -> list[str]:
         """Every problem reported, across kinds, in the order found."""
@@ -155,6 +162,14 @@ class ConversionPlan:
         result: dict[str, tuple[str, ...]] = {output: (source,) for output, source in self.direct.items()}
         for group in self.groups:
             result.update(dict.fromkeys(group.target_keys(), tuple(group.source_keys())))
+        return result
+
+    def described_sources(self) -> dict[str, str]:
+        """Output key -> what it is built from, for messages: the input key read unchanged (quoted), or the group's
+        sources and converter."""
+        result = {output: repr(source) for output, source in self.direct.items()}
+        for group in self.groups:
+            result.update(dict.fromkeys(group.target_keys(), f"{group.sources_summary()} via {group.converter!r}"))
         return result
 
     def reads(self) -> dict[str, int]:
@@ -179,13 +194,17 @@ class ConversionPlan:
         return outputs
 
 
-def _format_problems(problems: Mapping[str, list[str]]) -> str:
+def format_problems(
+    problems: Mapping[str, Sequence[str]], collapse: Callable[[Sequence[str]], Sequence[str]] = list
+) -> list[str]:
+    """The lines of a problem list in a message: ``kind (count):`` then ``  - item`` for each item of each kind that
+    has any (``collapse`` may shorten the items, indices collapsed, say; the count is of the items given)."""
     lines = []
     for kind, items in problems.items():
         if items:
             lines.append(f"{kind} ({len(items)}):")
-            lines.extend(f"  - {item}" for item in items)
-    return "\n".join(lines)
+            lines.extend(f"  - {item}" for item in collapse(items))
+    return lines
 
 
 def _per_key(keys: KeySlot, values: Any) -> list[tuple[str, Any]]:
@@ -245,6 +264,10 @@ def _prefix_change(key: str, expected: Mapping[str, TensorMeta] | None, prefix: 
     return "+" if f"{prefix}.{key}" in expected else ""
 
 
+_Buckets = dict[tuple[int, str, str], dict[int, dict[int | None, _Entry]]]
+"""Matched keys by group ``(converter number, prefix change, group id)``, then input position, then index."""
+
+
 def _group_and_bind(
     keys: Mapping[str, TensorMeta],
     entries: Sequence[_Entry],
@@ -265,10 +288,42 @@ def _group_and_bind(
     def name(key: str) -> str:
         return names.get(key, key) if names else key
 
-    buckets: dict[tuple[int, str, str], dict[int, dict[int | None, _Entry]]] = defaultdict(lambda: defaultdict(dict))
+    for (number, change, _), slots in _bucket_entries(entries, converters, plan, reverse, name).items():
+        converter = converters[number]
+        inputs = converter.target_patterns if reverse else converter.source_patterns
+        outputs = converter.source_patterns if reverse else converter.target_patterns
+        optional = frozenset() if reverse else converter.optional
+        missing = [p for i, p in enumerate(inputs) if i not in slots and p not in optional]
+        any_entry = next(iter(next(iter(slots.values())).values()))
+        if missing:
+            present = sorted(name(e.key) for s in slots.values() for e in s.values())
+            plan.problems["incomplete groups"].append(f"{present} match {converter!r} but nothing matches {missing}")
+            plan.unbuilt |= _unbuilt(converter, outputs, any_entry.found, reverse)
+            continue
+        try:
+            first = next(iter(slots[0].values())).found
+            output_key = functools.partial(_output_key, converter, first, reverse, change, prefix)
+            group = _bind_group(converter, slots, keys, output_key, reverse=reverse, name=name, expected=expected)
+        except ConversionError as exc:
+            plan.problems["conversion errors"].append(f"{converter!r} on {name(any_entry.key)!r}: {exc}")
+            plan.unbuilt |= _unbuilt(converter, outputs, any_entry.found, reverse)
+            continue
+        plan.groups.append(group)
+        plan.outputs.update(group.target_metas())
+    return {entry.key for entry in entries}
+
+
+def _bucket_entries(
+    entries: Sequence[_Entry],
+    converters: Sequence[WeightConverter],
+    plan: ConversionPlan,
+    reverse: bool,
+    name: Callable[[str], str],
+) -> _Buckets:
+    """The entries by group and slot; two keys filling one slot are a problem of ``plan`` (the first stays)."""
+    buckets: _Buckets = defaultdict(lambda: defaultdict(dict))
     for entry in entries:
         converter = converters[entry.number]
-        outputs = converter.source_patterns if reverse else converter.target_patterns
         # Keys of one group render to the same first output key (whatever the index of an indexed slot).
         group_id = _render(converter, 0, entry.found, _ANY_INDEX, reverse)
         slot = buckets[(entry.number, entry.prefix_change, group_id)][entry.found.position]
@@ -278,84 +333,86 @@ def _group_and_bind(
                 f"{name(entry.key)!r} and {name(slot[index].key)!r} fill the same slot of {converter!r}"
             )
         slot[index] = entry
+    return buckets
 
-    consumed: set[str] = {entry.key for entry in entries}
-    for (number, change, _), slots in buckets.items():
-        converter = converters[number]
-        inputs = converter.target_patterns if reverse else converter.source_patterns
-        outputs = converter.source_patterns if reverse else converter.target_patterns
-        optional = frozenset() if reverse else converter.optional
-        missing = [p for i, p in enumerate(inputs) if i not in slots and p not in optional]
-        any_entry = next(iter(next(iter(slots.values())).values()))
-        any_key = any_entry.key
-        if missing:
-            present = sorted(name(e.key) for s in slots.values() for e in s.values())
-            plan.problems["incomplete groups"].append(f"{present} match {converter!r} but nothing matches {missing}")
-            plan.unbuilt |= _unbuilt(converter, outputs, any_entry.found, reverse)
-            continue
-        try:
-            key_slots: list[KeySlot] = []
-            shape_slots: list[ShapeSlot | None] = []
-            for position in range(len(inputs)):
-                found = slots.get(position)
-                if found is None:  # an optional pattern this group lacks
-                    key_slots.append(None)
-                    shape_slots.append(None)
-                elif None not in found:
-                    indices = sorted(i for i in found if i is not None)
-                    if indices != list(range(len(indices))):
-                        raise ConversionError(
-                            f"indices {indices} of pattern {inputs[position]!r} are not 0..{len(indices) - 1}"
-                        )
-                    key_slots.append(tuple(found[i].key for i in indices))
-                    shape_slots.append([keys[found[i].key].shape for i in indices])
-                else:
-                    (entry,) = found.values()
-                    key_slots.append(entry.key)
-                    shape_slots.append(keys[entry.key].shape)
-            slot_dtypes = [_slot_dtype(k, keys) for k in key_slots]
-            first = next(iter(slots[0].values())).found
-            output_key = functools.partial(_output_key, converter, first, reverse, change, prefix)
-            operations = (
-                [op.reverse() for op in reversed(converter.operations)] if reverse else list(converter.operations)
-            )
-            if expected is not None:
-                targets = [
-                    None if has_index(template) else getattr(expected.get(output_key(i, None)), "shape", None)
-                    for i, template in enumerate(outputs)
-                ]
-                operations = [op.for_targets(targets) for op in operations]
-            if operations:
-                source_names = [
-                    None if k is None else tuple(map(name, k)) if isinstance(k, tuple) else name(k) for k in key_slots
-                ]
-                operations[0] = operations[0].for_sources(source_names, slot_dtypes)
-            bound, out_shapes = bind_operations(operations, shape_slots, len(outputs))
-            dtype = _output_dtype(bound, slot_dtypes)
-            if len(out_shapes) != len(outputs):
-                raise ConversionError(f"the operations produce {len(out_shapes)} tensors for {len(outputs)} patterns")
-            out_keys: list[KeySlot] = [
-                tuple(output_key(position, i) for i in range(len(shape)))
-                if isinstance(shape, list)
-                else output_key(position, None)
-                for position, shape in enumerate(out_shapes)
-            ]
-        except ConversionError as exc:
-            plan.problems["conversion errors"].append(f"{converter!r} on {name(any_key)!r}: {exc}")
-            plan.unbuilt |= _unbuilt(converter, outputs, any_entry.found, reverse)
-            continue
-        group = ConversionGroup(
-            converter=converter,
-            sources=tuple(key_slots),
-            targets=tuple(out_keys),
-            operations=tuple(bound),
-            source_shapes=tuple(shape_slots),
-            target_shapes=tuple(out_shapes),
-            dtype=dtype,
-        )
-        plan.groups.append(group)
-        plan.outputs.update(group.target_metas())
-    return consumed
+
+def _input_slots(
+    slots: Mapping[int, Mapping[int | None, _Entry]], inputs: Sequence[str], keys: Mapping[str, TensorMeta]
+) -> tuple[list[KeySlot], list[ShapeSlot | None]]:
+    """The keys and shapes of a group's inputs, position by position (None: an optional pattern it lacks)."""
+    key_slots: list[KeySlot] = []
+    shape_slots: list[ShapeSlot | None] = []
+    for position in range(len(inputs)):
+        found = slots.get(position)
+        if found is None:
+            key_slots.append(None)
+            shape_slots.append(None)
+        elif None not in found:
+            indices = sorted(i for i in found if i is not None)
+            if indices != list(range(len(indices))):
+                raise ConversionError(
+                    f"indices {indices} of pattern {inputs[position]!r} are not 0..{len(indices) - 1}"
+                )
+            key_slots.append(tuple(found[i].key for i in indices))
+            shape_slots.append([keys[found[i].key].shape for i in indices])
+        else:
+            (entry,) = found.values()
+            key_slots.append(entry.key)
+            shape_slots.append(keys[entry.key].shape)
+    return key_slots, shape_slots
+
+
+def _bind_group(
+    converter: WeightConverter,
+    slots: Mapping[int, Mapping[int | None, _Entry]],
+    keys: Mapping[str, TensorMeta],
+    output_key: Callable[[int, int | None], str],
+    *,
+    reverse: bool,
+    name: Callable[[str], str],
+    expected: Mapping[str, TensorMeta] | None,
+) -> ConversionGroup:
+    """One complete group of ``converter`` bound to its real shapes: its operations (reversed when saving) learn
+    their sources and, with ``expected``, the model's shapes of their targets.
+
+    Raises:
+        ConversionError: the group's keys or shapes do not fit the operations.
+    """
+    inputs = converter.target_patterns if reverse else converter.source_patterns
+    outputs = converter.source_patterns if reverse else converter.target_patterns
+    key_slots, shape_slots = _input_slots(slots, inputs, keys)
+    slot_dtypes = [_slot_dtype(k, keys) for k in key_slots]
+    operations = reverse_operations(list(converter.operations)) if reverse else list(converter.operations)
+    if expected is not None:
+        targets = [
+            None if has_index(template) else getattr(expected.get(output_key(i, None)), "shape", None)
+            for i, template in enumerate(outputs)
+        ]
+        operations = [op.for_targets(targets) for op in operations]
+    if operations:
+        source_names = [
+            None if k is None else tuple(map(name, k)) if isinstance(k, tuple) else name(k) for k in key_slots
+        ]
+        operations[0] = operations[0].for_sources(source_names, slot_dtypes)
+    bound, out_shapes = bind_operations(operations, shape_slots, len(outputs))
+    dtype = _output_dtype(bound, slot_dtypes)
+    if len(out_shapes) != len(outputs):
+        raise ConversionError(f"the operations produce {len(out_shapes)} tensors for {len(outputs)} patterns")
+    out_keys: list[KeySlot] = [
+        tuple(output_key(position, i) for i in range(len(shape)))
+        if isinstance(shape, list)
+        else output_key(position, None)
+        for position, shape in enumerate(out_shapes)
+    ]
+    return ConversionGroup(
+        converter=converter,
+        sources=tuple(key_slots),
+        targets=tuple(out_keys),
+        operations=tuple(bound),
+        source_shapes=tuple(shape_slots),
+        target_shapes=tuple(out_shapes),
+        dtype=dtype,
+    )
 
 
 def _output_dtype(bound: Sequence[ConversionOperation], dtypes: list[DtypeSlot]) -> torch.dtype:
@@ -467,7 +524,7 @@ def plan_load(
     gives a key of the model, a key the transforms would make unknown to the model loads under its own name when the
     model has it, and operations learn the model's shapes of their targets.
     """
-    renamings, converters = _split(translate(transforms, "plan_load"))
+    renamings, converters = _split(as_transforms(transforms, "plan_load"))
     plan = ConversionPlan()
     renamed: dict[str, str] = {}
     entries: list[_Entry] = []
@@ -529,13 +586,13 @@ def plan_save(
     ``alternative`` transforms are skipped unless ``alternatives`` is true: their targets already are the checkpoint
     layout the model saves to. (Unfusing a live model runs them backwards: there the sources are the layout wanted.)
     """
-    transforms = [t for t in translate(transforms, "plan_save") if alternatives or not t.alternative]
+    transforms = [t for t in as_transforms(transforms, "plan_save") if alternatives or not t.alternative]
     renamings, converters = _split(transforms)
     plan = ConversionPlan()
     matched = _match_converters(runtime, converters, reverse=True)
     entries = [_Entry(key, number, found) for key, (number, found) in matched.items()]
     consumed = _group_and_bind(runtime, entries, converters, plan, reverse=True)
-    inverses = [r.inverse() for r in reversed(renamings)]
+    inverses = [r.reverse() for r in reversed(renamings)]
     produced = [k for g in plan.groups for k in g.target_keys()] + [k for k in runtime if k not in consumed]
     unrenamed = apply_renamings(produced, inverses)
 

@@ -1,32 +1,86 @@
 """The conversion registry: which transforms turn a checkpoint into a model's runtime layout.
 
 Mappings are keyed by model type (``config.model_type``) or by class name, as in transformers. The built-in ones are
-transformers' own registry, read live and translated (:mod:`.transformers_mapping`); what is registered here takes
-precedence over it, key by key. :func:`model_conversions` collects a model's transforms the way transformers'
-``get_model_conversion_mapping`` does: every ``PreTrainedModel`` in the module tree is looked up by class name first,
-then by model type; a sub-model's transforms are scoped to its prefix; ``"legacy"`` renamings come last.
+transformers' own registry, read live and translated by the border module :mod:`modelpatch._transformers_mapping`;
+what is registered here takes precedence over it, key by key.
+
+This layer imports no transformers: the border module, when imported, registers itself here as the
+:class:`BuiltinMappings` provider (:func:`set_builtin_mappings`); a lookup that needs the built-in mappings before
+anything imported it imports it then (:func:`_builtins`, the one lazy hook), so ``import modelpatch.conversion``
+stays free of transformers and a lookup answers the same either way.
 """
 
 from __future__ import annotations
 
 import copy
-from collections import defaultdict
+import importlib
 from collections.abc import Iterable
+from typing import Protocol
 
-from torch import nn
-from transformers import PreTrainedModel
-
-from .._transformers import user_registered_in_transformers
 from ..errors import ConversionError, ConversionRegistryError
 from ..registry import Registry
-from . import transformers_mapping
 from .transforms import WeightTransform
+
+LEGACY = "legacy"
+"""The key of the renamings every load applies after the model's own (transformers' ``"legacy"`` entry)."""
 
 conversion_registry: Registry[str, tuple[WeightTransform, ...]] = Registry(
     "conversion mapping", ConversionRegistryError
 )
 """What was registered through modelpatch (translated); it overrides transformers' entry of the same key.
 ``conversion_registry.scoped()`` restores it on exit."""
+
+
+class BuiltinMappings(Protocol):
+    """Where the built-in mappings come from, and how foreign transforms are translated where they enter."""
+
+    def keys(self) -> set[str]:
+        """Every key with a built-in mapping (model types, class names, ``"legacy"``)."""
+        ...
+
+    def mapping(self, key: str) -> list[WeightTransform] | None:
+        """The built-in mapping of ``key``, as modelpatch transforms; None when there is none."""
+        ...
+
+    def translate(self, items: Iterable[object], owner: str) -> list[WeightTransform]:
+        """``items`` as modelpatch transforms (modelpatch's kept, foreign ones translated; ``owner`` names them in
+        errors)."""
+        ...
+
+
+_BUILTIN_PROVIDER = "modelpatch._transformers_mapping"
+_provider: BuiltinMappings | None = None
+
+
+def set_builtin_mappings(provider: BuiltinMappings) -> None:
+    """Install the provider of built-in mappings (the border module does, when imported)."""
+    global _provider
+    _provider = provider
+
+
+def _builtins() -> BuiltinMappings:
+    if _provider is None:
+        # The lazy hook: importing the border module registers it (set_builtin_mappings). Done here, at the first
+        # lookup, rather than at import, so that this layer's import never pulls transformers in.
+        importlib.import_module(_BUILTIN_PROVIDER)
+    if _provider is None:
+        raise RuntimeError(f"{_BUILTIN_PROVIDER} did not register the built-in conversion mappings.")
+    return _provider
+
+
+def as_transforms(items: Iterable[object], owner: str) -> list[WeightTransform]:
+    """``items`` as modelpatch transforms: what every entry point taking transforms from a user calls (a ``Patcher``'s
+    extra conversions, a fusion's transforms, the registry, ``plan_load`` / ``plan_save``). modelpatch's are kept as
+    they are; any other item (transformers' own ``WeightConverter`` / ``WeightRenaming``) goes to the provider, which
+    translates it or refuses it by name, with ``owner``.
+
+    Raises:
+        TypeError: an item is no weight transform.
+        ConversionError: a transformers transform or operation that has no translation.
+    """
+    items = list(items)
+    own = [item for item in items if isinstance(item, WeightTransform)]
+    return own if len(own) == len(items) else _builtins().translate(items, owner)
 
 
 def register_checkpoint_conversion_mapping(
@@ -49,10 +103,11 @@ def register_checkpoint_conversion_mapping(
     """
     if not isinstance(model_type, str) or not model_type:
         raise ConversionError(f"model_type must be a non-empty string, got {model_type!r}.")
-    transforms = tuple(transformers_mapping.translate(mapping, model_type))
+    builtins = _builtins()
+    transforms = tuple(builtins.translate(mapping, model_type))
     # transformers' keys (built in, or registered through transformers) are checked here; modelpatch's own keys by
     # the registry, atomically with the change.
-    if not overwrite and model_type in transformers_mapping.builtin_keys():
+    if not overwrite and model_type in builtins.keys():
         raise ConversionRegistryError(
             f"A conversion mapping for model type {model_type!r} is built into transformers; pass overwrite=True to "
             "replace it."
@@ -65,68 +120,19 @@ def get_checkpoint_conversion_mapping(model_type: str) -> list[WeightTransform] 
     transforms = conversion_registry.get(model_type, None)
     if transforms is not None:
         return copy.deepcopy(list(transforms))
-    return transformers_mapping.builtin_mapping(model_type)
+    return _builtins().mapping(model_type)
 
 
 def registered_model_types() -> list[str]:
     """Every key with a mapping: registered here or built into transformers (model types, class names, legacy)."""
-    return sorted(set(conversion_registry.snapshot()) | transformers_mapping.builtin_keys())
-
-
-def _user_registered(key: str) -> bool:
-    return key in conversion_registry.snapshot() or user_registered_in_transformers(key)
+    return sorted(set(conversion_registry.snapshot()) | _builtins().keys())
 
 
 def legacy_conversions() -> list[WeightTransform]:
     """The ``"legacy"`` renamings every load applies after the model's own (``LayerNorm.gamma`` -> ``LayerNorm.weight``,
     ...). Legacy key names are another layout of the same checkpoints, so they are ``alternative``: a model with
     nothing recorded never writes them, as stock transformers leaves them out of such a save."""
-    transforms = get_checkpoint_conversion_mapping(transformers_mapping.LEGACY) or []
+    transforms = get_checkpoint_conversion_mapping(LEGACY) or []
     for transform in transforms:
         transform.alternative = True
     return transforms
-
-
-def model_conversions(model: nn.Module) -> list[WeightTransform]:
-    """The transforms of ``model`` and of its sub-models, as stock transformers collects them, configured with the
-    model's config (head counts, numbers of parts).
-
-    Each ``PreTrainedModel`` in the tree is looked up by class name, then by model type. A sub-model whose class or
-    model type an ancestor already matched is skipped; the transforms of any other sub-model only apply to keys under
-    its prefix. Custom code (a class outside transformers) gets only what was registered explicitly. The ``"legacy"``
-    renamings are not part of it (see :func:`legacy_conversions`).
-    """
-    transforms: list[WeightTransform] = []
-    claimed: dict[str, list[str]] = defaultdict(list)
-    base_model_prefix = getattr(model, "base_model_prefix", "") or ""
-
-    def claimed_above(identifier: str, name: str) -> bool:
-        return any(owner == "" or name.startswith(owner + ".") for owner in claimed[identifier])
-
-    for name, module in model.named_modules():
-        if not isinstance(module, PreTrainedModel):
-            continue
-        class_name, model_type = type(module).__name__, module.config.model_type
-        if module.is_custom_code() and not (
-            _user_registered(class_name) or (model_type and _user_registered(model_type))
-        ):
-            continue
-        if claimed_above(class_name, name):
-            continue
-        found = get_checkpoint_conversion_mapping(class_name)
-        by_class = found is not None
-        if not by_class:
-            if not model_type or claimed_above(model_type, name):
-                continue
-            found = get_checkpoint_conversion_mapping(model_type)
-        if found is None:
-            continue
-        if name:
-            scope = name.removeprefix(base_model_prefix).removeprefix(".")
-            found = [t.scoped(scope, base_model_prefix) for t in found]
-        transforms.extend(found)
-        claimed[class_name].append(name)
-        if not by_class and model_type:
-            claimed[model_type].append(name)
-    config = getattr(model, "config", None)
-    return [t.configured(config) for t in transforms]

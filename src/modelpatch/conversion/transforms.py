@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 import re
-from abc import ABCMeta
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -47,6 +47,22 @@ def _as_patterns(value: str | Sequence[str], what: str, allow_empty: bool = Fals
     if not patterns or not all(isinstance(p, str) and (p or allow_empty) for p in patterns):
         raise ConversionError(f"{what} must be a non-empty string or list of non-empty strings, got {value!r}.")
     return patterns
+
+
+def compile_user_pattern(pattern: object, what: str, error: type[Exception] = ValueError) -> re.Pattern[str]:
+    """``pattern``, a regular expression a user gave as ``what`` (``"new_parameters"``, a fusion's
+    ``target_modules_patterns``, ...), compiled for ``re.search``.
+
+    Raises:
+        TypeError: it is not a string.
+        error: it does not compile (named, with ``what`` and why).
+    """
+    if not isinstance(pattern, str):
+        raise TypeError(f"{what} must be regex strings, got {pattern!r}.")
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise error(f"{what} entry {pattern!r} is not a valid regular expression: {exc}.") from None
 
 
 def compile_key_pattern(pattern: str, *, indexed: bool = False) -> re.Pattern[str]:
@@ -137,8 +153,7 @@ class KeyMatch:
         return self.replace(_expand(template, self.match, index))
 
 
-# ABCMeta without abstract methods: for ``register`` (transformers' own transforms count as instances).
-class WeightTransform(metaclass=ABCMeta):  # noqa: B024
+class WeightTransform:
     """Base of :class:`WeightRenaming` and :class:`WeightConverter`.
 
     ``alternative=True`` marks a transform whose sources are another layout some checkpoints use, while its targets
@@ -183,6 +198,13 @@ class WeightTransform(metaclass=ABCMeta):  # noqa: B024
             sources.append(pattern)
         self._compiled = tuple(compile_key_pattern(p, indexed=self.indexed) for p in sources)
         self._order = tuple(sorted(range(len(sources)), key=lambda i: -len(sources[i])))
+
+    def filtered_by(self, filters: Iterable[re.Pattern[str]]) -> bool:
+        """Whether one of ``filters`` (``re.search``) matches one of this transform's source or target patterns: how
+        a ``Patcher``'s ``filtered_weight_conversion_patterns`` and a fusion's ``filtered_conversion_patterns`` drop
+        conversions."""
+        names = (*self.source_patterns, *self.target_patterns)
+        return any(f.search(name) for f in filters for name in names)
 
     def scoped(self, scope_prefix: str, base_model_prefix: str) -> WeightTransform:
         """A copy that only matches keys under sub-model ``scope_prefix`` (optionally after ``base_model_prefix``)."""
@@ -254,7 +276,7 @@ class WeightRenaming(WeightTransform):
         found = self.match_source(key)
         return None if found is None else found.render(self._template(found.position))
 
-    def _inverse_pairs(self) -> tuple[list[str], list[str]]:
+    def _reverse_pairs(self) -> tuple[list[str], list[str]]:
         """Source and target patterns of the renaming that undoes this one (of its first source, when several share
         the target: which one a key came from is unknown)."""
         target_group = next((group for _, group in map(key_template, self.target_patterns) if group), None)  # type: ignore[misc]
@@ -280,13 +302,20 @@ class WeightRenaming(WeightTransform):
     def _target_position(self, position: int) -> int:
         return 0
 
-    def inverse(self) -> WeightRenaming:
+    def reverse(self) -> WeightRenaming:
         """The renaming that undoes this one, for saving in the checkpoint layout (transformers' reverse rules, with
         the inverse's source escaped so that it matches only the text this renaming writes)."""
-        sources, targets = self._inverse_pairs()
+        sources, targets = self._reverse_pairs()
         inverse = WeightRenaming(sources[0], targets[0], alternative=self.alternative)
         inverse.scope = self.scope
         return inverse
+
+    def inverse(self) -> WeightRenaming:
+        """Deprecated spelling of :meth:`reverse` (modelpatch's one verb for undoing a conversion)."""
+        warnings.warn(
+            f"{type(self).__name__}.inverse() is deprecated; use .reverse().", DeprecationWarning, stacklevel=2
+        )
+        return self.reverse()
 
     def __repr__(self) -> str:
         sources = self.source_patterns[0] if len(self.source_patterns) == 1 else list(self.source_patterns)
@@ -316,8 +345,8 @@ class GroupWeightRename(WeightRenaming):
     def _target_position(self, position: int) -> int:
         return position
 
-    def inverse(self) -> GroupWeightRename:
-        sources, targets = self._inverse_pairs()
+    def reverse(self) -> GroupWeightRename:
+        sources, targets = self._reverse_pairs()
         # The smallest inverse source is the guard, as transformers orders them.
         pairs = sorted(zip(sources, targets, strict=True))
         inverse = GroupWeightRename([s for s, _ in pairs], [t for _, t in pairs], alternative=self.alternative)
@@ -350,8 +379,8 @@ class IndexOffsetRenaming(WeightRenaming):
         shifted = str(int(found.match.group(1)) + self.offset)
         return found.replace(self._templates[0].replace("\\1", shifted))
 
-    def inverse(self) -> IndexOffsetRenaming:
-        sources, targets = self._inverse_pairs()
+    def reverse(self) -> IndexOffsetRenaming:
+        sources, targets = self._reverse_pairs()
         inverse = IndexOffsetRenaming(sources[0], targets[0], -self.offset, alternative=self.alternative)
         inverse.scope = self.scope
         return inverse
@@ -394,7 +423,7 @@ class LayerPairRenaming(WeightRenaming):
             return found.replace(f"layers.{2 * index + position}.{stored}")
         return found.replace(f"layers.{index // 2}.{self._RATES.get(name, ('self_attn', 'mlp')[index % 2])}")
 
-    def inverse(self) -> LayerPairRenaming:
+    def reverse(self) -> LayerPairRenaming:
         inverse = LayerPairRenaming(split=not self.split)
         inverse.scope = self.scope
         return inverse
@@ -424,7 +453,7 @@ class PrefixChange(WeightRenaming):
             source, target = rf"^{prefix}{prefix_to_remove}\.(.+)", rf"{prefix}\1"
         super().__init__(source, target, alternative=True)
 
-    def inverse(self) -> PrefixChange:
+    def reverse(self) -> PrefixChange:
         inverse = PrefixChange(self.prefix_to_remove, self.prefix_to_add, self.model_prefix)
         inverse.scope = self.scope
         return inverse

@@ -1,13 +1,13 @@
 """Fusion mapping: opt-in, load-scoped replacement of modules by fused equivalents, reversible on save.
 
 Each family lives in its own sub-package with the same shape (``modules.py``: the runtime modules, ``spec.py``: its
-:class:`ModuleFusionSpec`), and registers itself here.
+:class:`ModuleFusionSpec`), and registers itself here; ``projections/`` holds two families, ``qkv`` and ``gate_up``,
+which share both.
 """
 
-from .gate_up import GateUpFusionSpec
 from .linear_experts import LinearExpertsFusionSpec, LinearExpertsOptions
 from .patch_embeddings import PatchEmbeddingsFusionSpec
-from .qkv import QKVFusionSpec
+from .projections import GateUpFusionSpec, QKVFusionSpec
 from .registry import available_fusions, get_fusion, register_fusion, unregister_fusion
 from .spec import FusionOptions, ModuleFusionSpec
 

@@ -18,8 +18,9 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from .._transformers import tied_weight_keys
-from ..conversion.registry import model_conversions
-from ..conversion.transforms import WeightConverter, WeightTransform
+from .._transformers_mapping import model_conversions
+from ..conversion.registry import as_transforms
+from ..conversion.transforms import WeightConverter, WeightTransform, compile_user_pattern
 from ..errors import FusionError
 from ..patching.candidates import is_patch_candidate
 from ..patching.mapping import PatchMapping
@@ -43,12 +44,7 @@ class PreparedFusions:
 
     def adjust_conversions(self, conversions: Sequence[WeightTransform]) -> list[WeightTransform]:
         """Fusion transforms first, then ``conversions`` minus those the fused layout replaces."""
-        kept = [
-            t
-            for t in conversions
-            if not any(f.search(p) for f in self.filters for p in (*t.source_patterns, *t.target_patterns))
-        ]
-        return [*self.transforms, *kept]
+        return [*self.transforms, *(t for t in conversions if not t.filtered_by(self.filters))]
 
     def record(self, model: PreTrainedModel) -> None:
         """Persist the fusion config on the model's config (``save_pretrained`` writes it to config.json)."""
@@ -114,8 +110,10 @@ def spec_transforms(
     spec: ModuleFusionSpec, config: PretrainedConfig, modules: Mapping[str, nn.Module], base_model_prefix: str = ""
 ) -> list[WeightTransform]:
     """``spec.make_transforms`` for ``modules`` (unfused instances by name) of a model whose ``base_model_prefix``
-    is given (see :class:`ModulesToFuse`)."""
-    return spec.make_transforms(config, ModulesToFuse(modules, base_model_prefix))
+    is given (see :class:`ModulesToFuse`). A spec may return transformers' own transforms: they enter here, and are
+    translated."""
+    transforms = spec.make_transforms(config, ModulesToFuse(modules, base_model_prefix))
+    return as_transforms(transforms, f"{type(spec).__name__}.make_transforms")
 
 
 @dataclass(frozen=True)
@@ -144,12 +142,12 @@ def _converted_state(
     """Why ``module``'s tensors cannot come to the fusion's transforms as they are: one of them is the target of a
     converter of the model (its checkpoint stores it otherwise, a fused ``Wqkv`` say), which the fusion's filters do
     not drop. A fusion's converter reads checkpoint keys; it does not chain after another converter."""
-    filters = [re.compile(p) for p in spec.filtered_conversion_patterns]
+    filters = _compiled(spec.filtered_conversion_patterns, "filtered_conversion_patterns")
     for key in module.state_dict(prefix=f"{path}." if path else ""):
         for transform in conversions:
             if not isinstance(transform, WeightConverter) or transform.match_target(key) is None:
                 continue
-            if any(f.search(p) for f in filters for p in (*transform.source_patterns, *transform.target_patterns)):
+            if transform.filtered_by(filters):
                 continue
             return (
                 f"its {key.rpartition('.')[0][len(path) + 1 :] or key} comes from the model's conversion of "
@@ -157,6 +155,11 @@ def _converted_state(
                 "converter cannot follow"
             )
     return None
+
+
+def _compiled(patterns: Sequence[str], what: str) -> list[re.Pattern[str]]:
+    """A fusion spec's ``patterns`` (its ``what``) compiled; a bad one is a FusionError naming it."""
+    return [compile_user_pattern(p, what, FusionError) for p in patterns]
 
 
 def _tied_state(path: str, tied: Mapping[str, str]) -> str | None:
@@ -185,56 +188,20 @@ def discover(
     produce from another checkpoint layout: those instances could not load. So is a class for which
     ``replaceable`` (a load: whether its constructions are dispatched) is false.
     """
-    instances: dict[type, list[tuple[str, nn.Module]]] = defaultdict(list)
-    for module_name, module in model.named_modules():
-        instances[type(module)].append((module_name, module))
-    # Every name of a module held in several places (its tensors are saved under each).
-    aliases: dict[int, list[str]] = defaultdict(list)
-    for module_name, module in model.named_modules(remove_duplicate=False):
-        aliases[id(module)].append(module_name)
+    instances, aliases, namesakes = _module_index(model)
     tied = tied or {}
-    # A fusion maps a class by its name: another class of the same name (another modeling module's) would be built as
-    # the fused class too.
-    namesakes: dict[str, set[type]] = defaultdict(set)
-    for cls in instances:
-        namesakes[cls.__name__].add(cls)
     found = Discovery(modules={name: {} for name in specs}, unfused={name: [] for name in specs})
     owner: dict[str, str] = {}
     for name, spec in specs.items():
-        targets = [re.compile(p) for p in spec.target_modules_patterns]
+        targets = _compiled(spec.target_modules_patterns, "target_modules_patterns")
         for cls, members in instances.items():
-            reasons: dict[str, str | None] = {}
-            for path, module in members:
-                if targets and not any(p.search(path) for p in targets):
-                    reasons[path] = "outside the fusion's target_modules_patterns"
-                else:
-                    reasons[path] = spec.unfusable_reason(module)
+            reasons = _unfusable_reasons(spec, members, targets)
             fusable = [(path, module) for path, module in members if reasons[path] is None]
             candidates = [(path, m) for path, m in members if reasons[path] is not None and spec.is_candidate(m)]
             blocker = None
-            if fusable and not spec.per_instance and len(fusable) < len(members):
-                path = next(p for p, _ in members if reasons[p] is not None)
-                blocker = (
-                    f"its instance {path!r} is not fusable ({reasons[path]}), and every instance of a fused class is"
-                )
-            if fusable and spec.per_instance and targets:
-                outside = [p for p, m in members if not any(t.search(p) for t in targets) and spec.is_fusable(m)]
-                if outside:
-                    blocker = f"its instance {outside[0]!r} is outside the fusion's target_modules_patterns"
-            if fusable and replaceable is not None and not replaceable(cls):
-                blocker = (
-                    f"its class is defined in {cls.__module__}, outside the modeling modules whose constructions a "
-                    "load replaces (register_patchable_namespace adds a namespace)"
-                )
-            if fusable and len(namesakes[cls.__name__]) > 1:
-                others = sorted(c.__module__ for c in namesakes[cls.__name__] if c is not cls)
-                blocker = f"a class of the same name from {others[0]} is built too, and a fusion maps classes by name"
-            for path, module in fusable:
-                if blocker is not None:
-                    break
-                blocker = _tied_state(path, tied)
-                if blocker is None and spec.reads_runtime_names:
-                    blocker = _converted_state(path, module, conversions, spec)
+            if fusable:
+                blocker = _class_blocker(spec, cls, members, reasons, len(fusable), targets, replaceable, namesakes)
+                blocker = blocker or _instance_blocker(spec, fusable, tied, conversions)
             if blocker is not None:
                 candidates = [(path, m) for path, m in members if reasons[path] is None or spec.is_candidate(m)]
                 reasons = {path: reason or blocker for path, reason in reasons.items()}
@@ -252,6 +219,84 @@ def discover(
                 for alias in aliases[id(module)]:
                     found.modules[name][alias] = module
     return found
+
+
+_Members = list[tuple[str, nn.Module]]
+
+
+def _module_index(
+    model: nn.Module,
+) -> tuple[dict[type, _Members], dict[int, list[str]], dict[str, set[type]]]:
+    """The model's modules by class; every name of each module (one held in several places has its tensors saved
+    under each); the classes of each class name (a fusion maps a class by its name: another class of the same name,
+    another modeling module's, would be built as the fused class too)."""
+    instances: dict[type, _Members] = defaultdict(list)
+    for module_name, module in model.named_modules():
+        instances[type(module)].append((module_name, module))
+    aliases: dict[int, list[str]] = defaultdict(list)
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        aliases[id(module)].append(module_name)
+    namesakes: dict[str, set[type]] = defaultdict(set)
+    for cls in instances:
+        namesakes[cls.__name__].add(cls)
+    return instances, aliases, namesakes
+
+
+def _unfusable_reasons(
+    spec: ModuleFusionSpec, members: _Members, targets: Sequence[re.Pattern[str]]
+) -> dict[str, str | None]:
+    """Why each instance cannot be fused by ``spec`` on its own (None: it can)."""
+    reasons: dict[str, str | None] = {}
+    for path, module in members:
+        if targets and not any(p.search(path) for p in targets):
+            reasons[path] = "outside the fusion's target_modules_patterns"
+        else:
+            reasons[path] = spec.unfusable_reason(module)
+    return reasons
+
+
+def _class_blocker(
+    spec: ModuleFusionSpec,
+    cls: type,
+    members: _Members,
+    reasons: Mapping[str, str | None],
+    fusable: int,
+    targets: Sequence[re.Pattern[str]],
+    replaceable: Callable[[type], bool] | None,
+    namesakes: Mapping[str, set[type]],
+) -> str | None:
+    """Why ``cls``, of which ``fusable`` instances could be fused, must be left whole, or None (the last reason of
+    these that holds is the one said)."""
+    if len(namesakes[cls.__name__]) > 1:
+        others = sorted(c.__module__ for c in namesakes[cls.__name__] if c is not cls)
+        return f"a class of the same name from {others[0]} is built too, and a fusion maps classes by name"
+    if replaceable is not None and not replaceable(cls):
+        return (
+            f"its class is defined in {cls.__module__}, outside the modeling modules whose constructions a "
+            "load replaces (register_patchable_namespace adds a namespace)"
+        )
+    if spec.per_instance and targets:
+        outside = [p for p, m in members if not any(t.search(p) for t in targets) and spec.is_fusable(m)]
+        if outside:
+            return f"its instance {outside[0]!r} is outside the fusion's target_modules_patterns"
+    if not spec.per_instance and fusable < len(members):
+        path = next(p for p, _ in members if reasons[p] is not None)
+        return f"its instance {path!r} is not fusable ({reasons[path]}), and every instance of a fused class is"
+    return None
+
+
+def _instance_blocker(
+    spec: ModuleFusionSpec, fusable: _Members, tied: Mapping[str, str], conversions: Sequence[WeightTransform]
+) -> str | None:
+    """Why an instance that would be fused could not load fused (a tied tensor, or one the model's conversions
+    produce from another layout), which leaves its whole class; or None."""
+    for path, module in fusable:
+        blocker = _tied_state(path, tied)
+        if blocker is None and spec.reads_runtime_names:
+            blocker = _converted_state(path, module, conversions, spec)
+        if blocker is not None:
+            return blocker
+    return None
 
 
 def _report_unfused(name: str, spec: ModuleFusionSpec, found: Discovery, model_name: str) -> None:
@@ -400,7 +445,7 @@ def prepare_fusions(
         transforms = spec_transforms(spec, config, modules[name], getattr(model, "base_model_prefix", ""))
         fusion_transforms.extend((name, t) for t in transforms)
         prepared.transforms.extend(transforms)
-        prepared.filters += tuple(re.compile(p) for p in spec.filtered_conversion_patterns)
+        prepared.filters += tuple(_compiled(spec.filtered_conversion_patterns, "filtered_conversion_patterns"))
     extras = patcher.extra_weight_conversions if patcher is not None else []
     user_transforms = [("the Patcher's extra_weight_conversions", t) for t in extras]
     # The model type's registered conversions that survive the fusions' filters (adjust_conversions puts the

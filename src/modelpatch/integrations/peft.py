@@ -8,14 +8,14 @@
   The adapter then has the modules and state-dict keys it has on the stock model, so adapters move between both.
 * An adapter saved from the stock model: :func:`load_adapter`.
 
-``peft`` is imported on first use; modelpatch itself does not depend on it.
+``peft`` is imported on first use; modelpatch itself does not depend on it. Every private PEFT name is reached through
+``modelpatch/_peft.py`` (the PEFT door).
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import inspect
 import logging
 import warnings
 from collections.abc import Iterable, Iterator
@@ -28,6 +28,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from .. import _peft as door
 from ..checkpoint.json_file import MAX_CONFIG_BYTES, read_json
 from ..errors import PeftIntegrationError
 from ..fusions.linear_experts.modules import LinearExperts
@@ -50,20 +51,11 @@ class _TargetsModules(Protocol):
     target_modules: Any
 
 
-def _import_peft() -> ModuleType:
-    try:
-        import peft
-    except ImportError as error:
-        raise ImportError("modelpatch's PEFT integration needs PEFT: pip install peft") from error
-    return peft
-
-
 @functools.cache
 def _slice_lora_class() -> type[nn.Module]:
     """The LoRA layer class for :class:`ProjectionSlice`, created on first use because it subclasses PEFT's."""
-    from peft.tuners.lora import Linear as LoraLinear
 
-    class ProjectionSliceLoraLinear(LoraLinear):
+    class ProjectionSliceLoraLinear(door.lora_linear()):  # type: ignore[misc]  # a class of the installed PEFT
         """LoRA on one part of a fused projection.
 
         The forward is PEFT's: the slice's output (its part of the fused layer's output) plus the low-rank update.
@@ -72,10 +64,12 @@ def _slice_lora_class() -> type[nn.Module]:
         run PEFT's own code on a plain ``nn.Linear`` holding a copy of the slice's rows, then write the rows back.
         """
 
-        def _get_in_out_features(self, module: nn.Module) -> tuple[int, int] | tuple[None, None]:
+        base_layer: nn.Module  # PEFT's attribute: the layer adapted
+
+        def base_features(self, module: nn.Module) -> tuple[int, int] | None:
             if isinstance(module, ProjectionSlice):
                 return module.in_features, module.out_features
-            return super()._get_in_out_features(module)
+            return None
 
         def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
             with self._rows_as_linear():
@@ -153,46 +147,24 @@ def _fused_layer_name(slice_name: str, part: ProjectionSlice) -> str:
 
 
 def _is_all_linear(target_modules: object) -> bool:
-    from peft.utils.constants import INCLUDE_LINEAR_LAYERS_SHORTHAND
-
-    return isinstance(target_modules, str) and target_modules.lower() == INCLUDE_LINEAR_LAYERS_SHORTHAND
+    return isinstance(target_modules, str) and target_modules.lower() == door.all_linear_shorthand()
 
 
 def _model_type(model: nn.Module) -> str | None:
     return getattr(getattr(model, "config", None), "model_type", None)
 
 
-def _default_targets(config: PeftConfig, model: nn.Module) -> str | Iterable[str] | None:
-    """The ``target_modules`` PEFT fills in when a config has none, or ``None`` (PEFT then asks for them itself)."""
-    from peft import PEFT_TYPE_TO_TUNER_MAPPING, PeftType
-
-    tuner = PEFT_TYPE_TO_TUNER_MAPPING.get(PeftType(config.peft_type)) if config.peft_type is not None else None
-    if tuner is None:  # prompt learning: no target modules
-        return None
-    model_config = {"model_type": _model_type(model)}
-    # Most tuners read their per-model-type table; a few (IA3) fill the config in a static method of their own.
-    prepare = inspect.getattr_static(tuner, "_prepare_adapter_config")
-    if isinstance(prepare, staticmethod):
-        try:
-            return prepare.__func__(copy.deepcopy(config), model_config).target_modules
-        except ValueError:
-            return None
-    return getattr(tuner, "target_module_mapping", {}).get(model_config["model_type"])
-
-
 def _targeted_modules(config: PeftConfig, model: nn.Module, names: Iterable[str]) -> list[str]:
     """Which of ``names`` PEFT would adapt with ``config``."""
-    from peft.tuners.tuners_utils import check_target_module_exists
-
     if not isinstance(config, _TargetsModules):  # prompt learning: no target modules
         return []
     if config.target_modules is None:
-        defaults = _default_targets(config, model)
+        defaults = door.default_target_modules(config, _model_type(model))
         if defaults is None:
             return []
         config = copy.copy(config)
         config.target_modules = defaults if isinstance(defaults, str) else set(defaults)
-    return [name for name in names if check_target_module_exists(config, name)]
+    return [name for name in names if door.targets_module(config, name)]
 
 
 def _convert_for_transformers_v5(config: LoraConfig, model: nn.Module) -> None:
@@ -204,10 +176,8 @@ def _convert_for_transformers_v5(config: LoraConfig, model: nn.Module) -> None:
     :func:`_resolve_all_linear` starts from what PEFT would, and a ``linear_experts`` model (per-expert Linears, no
     3-D expert parameters) is refused where those targets would silently adapt nothing.
     """
-    from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
-
     before = set(config.target_parameters or ())
-    convert_peft_config_for_transformers(config, model=model, conversions=None)
+    door.convert_config_for_transformers(config, model)
     added = set(config.target_parameters or ()) - before
     if not added or not _expert_linears(model):
         return
@@ -229,12 +199,10 @@ def _resolve_all_linear(config: PeftConfig, model: nn.Module, slices: dict[str, 
     the fused layers; each is replaced by its parts' original names, which are what the stock model has. Targets
     PEFT already turned into leaf names (see :func:`_convert_for_transformers_v5`) are swapped leaf for leaf.
     """
-    from peft.tuners.tuners_utils import _maybe_include_all_linear_layers
-
     if not isinstance(config, _TargetsModules):  # a prompt-learning config targets no module
         return
     if _is_all_linear(config.target_modules):
-        _maybe_include_all_linear_layers(config, model)
+        door.include_all_linear_layers(config, model)
     targets = set(config.target_modules)
     resolved = set(targets)
     for name, part in slices.items():
@@ -259,7 +227,7 @@ def _config_for(config: PeftConfig, model: nn.Module) -> PeftConfig:
     slices = _projection_slices(model)
     if not slices and not _expert_linears(model):
         return config
-    _import_peft()  # its error names the missing package
+    door.import_peft()  # its error names the missing package
     from peft import LoraConfig
 
     if not isinstance(config, LoraConfig):
@@ -276,7 +244,7 @@ def _config_for(config: PeftConfig, model: nn.Module) -> PeftConfig:
     is_all_linear = _is_all_linear(config.target_modules)
     _convert_for_transformers_v5(config, model)
     if slices:
-        config._register_custom_module({ProjectionSlice: _slice_lora_class()})
+        door.register_custom_lora_module(config, {ProjectionSlice: _slice_lora_class()})
         if is_all_linear:
             _resolve_all_linear(config, model, slices)
     return config
@@ -295,7 +263,7 @@ def get_peft_model(model: nn.Module, peft_config: PeftConfig, *args: Any, **kwar
             expert targets of a ``linear_experts`` model into parameters it does not have.
         ImportError: PEFT is not installed.
     """
-    peft = _import_peft()
+    peft = door.import_peft()
     return peft.get_peft_model(model, _config_for(peft_config, model), *args, **kwargs)
 
 
@@ -323,7 +291,7 @@ def load_adapter(
         PeftIntegrationError: see :func:`get_peft_model`.
         ImportError: PEFT is not installed.
     """
-    peft = _import_peft()
+    peft = door.import_peft()
     directory = Path(adapter_dir, kwargs.get("subfolder") or "")
     config = _config_for(_saved_config(peft, adapter_dir, directory, kwargs), model)
     expert_linears = set(_expert_linears(model))
@@ -378,16 +346,8 @@ def _load_as_saved(peft_model: PeftModel, directory: Path, adapter_name: str, mo
 
     Saved keys are mapped to parameters by PEFT's own mapping (the reverse of how it saves them).
     """
-    from peft import PEFT_TYPE_TO_TUNER_MAPPING, PeftType
-
-    config = peft_model.peft_config[adapter_name]
-    prefix = _parameter_prefix(config)
-    remap = functools.partial(
-        PEFT_TYPE_TO_TUNER_MAPPING[PeftType(config.peft_type)]._remap_adapter_state_dict_for_load,
-        model=peft_model,
-        config=config,
-        adapter_name=adapter_name,
-    )
+    prefix = door.adapter_parameter_prefix(peft_model.peft_config[adapter_name])
+    remap = door.adapter_state_remapper(peft_model, adapter_name)
     keys = _saved_keys(directory)
     state = remap(state_dict=_saved_tensors(directory, [k for k in keys if _module_of(k, prefix) in modules]))
     # With low_cpu_mem_usage, PEFT made the parameters on the meta device, to be assigned (as PEFT does).
@@ -397,24 +357,13 @@ def _load_as_saved(peft_model: PeftModel, directory: Path, adapter_name: str, mo
     if result.unexpected_keys:
         raise PeftIntegrationError(f"Adapter weights {result.unexpected_keys[:3]} in {directory} fit no LoRA layer.")
     if assign:
-        for module in peft_model.modules():
-            move = getattr(module, "_move_adapter_to_device_of_base_layer", None)
-            if move is not None:
-                move(adapter_name)
+        door.move_adapters_to_their_base_layers(peft_model, adapter_name)
     # Only the names are remapped here: PEFT reads the keys, not the values (annotated as tensors).
-    provided = remap(state_dict=dict.fromkeys(keys))  # type: ignore[arg-type]
+    provided = remap(state_dict=dict.fromkeys(keys))
     missing = [k for k in peft_model.state_dict() if prefix in k and adapter_name in k and k not in provided]
     if missing:
         # stacklevel 3: the warning points at the caller of load_adapter.
         warnings.warn(f"Found missing adapter keys while loading the checkpoint: {missing}.", stacklevel=3)
-
-
-def _parameter_prefix(config: PeftConfig) -> str:
-    """The prefix of the adapter's parameter names (``lora_``)."""
-    from peft import PeftType
-    from peft.mapping import PEFT_TYPE_TO_PREFIX_MAPPING
-
-    return PEFT_TYPE_TO_PREFIX_MAPPING[PeftType(config.peft_type)]
 
 
 def _module_of(saved_key: str, prefix: str) -> str:
@@ -441,9 +390,7 @@ def _saved_tensors(directory: Path, keys: list[str]) -> dict[str, torch.Tensor]:
 
 
 def _safetensors_file(directory: Path) -> Path:
-    from peft.utils.constants import SAFETENSORS_WEIGHTS_NAME
-
-    return directory / SAFETENSORS_WEIGHTS_NAME
+    return directory / door.adapter_weights_name()
 
 
 def _load_all(directory: Path) -> dict[str, torch.Tensor]:
@@ -454,5 +401,5 @@ def _load_all(directory: Path) -> dict[str, torch.Tensor]:
 
 def _saved_modules(directory: Path, config: PeftConfig) -> set[str]:
     """Names of the modules that the adapter saved in ``directory`` has weights for."""
-    prefix = _parameter_prefix(config)
+    prefix = door.adapter_parameter_prefix(config)
     return {_module_of(key, prefix) for key in _saved_keys(directory) if f".{prefix}" in key}

@@ -8,31 +8,31 @@ vision tower and text model among them). Left in, a patch registered with *trans
 modelpatch build of the process, outside modelpatch's scopes and without the conversions that go with them; and
 ``patch_output_recorders`` would rewrite ``_can_record_outputs`` after it. Filtering the top-level init contexts
 cannot reach the nested ``_from_config`` calls, so both readers of that registry are made to see it empty while, and
-only while, the current context is inside a modelpatch build (see :func:`_isolate_from_transformers_patches`).
+only while, the current context is inside a modelpatch build (see
+:func:`modelpatch._installs.isolate_from_transformers_patches`).
 
 Module constructors initialise their parameters even on the meta device (``nn.Linear`` runs ``kaiming_uniform_``
 through torch's meta decompositions), which is half the time of a meta build and fills nothing: meta tensors hold
 no values and draw no random numbers. Inside modelpatch builds, ``torch.nn.init``'s filling functions therefore
-return a meta tensor untouched (see :func:`_skip_meta_initialisation`); a real tensor is initialised as always.
+return a meta tensor untouched (see :func:`modelpatch._installs.skip_meta_initialisation`); a real tensor is
+initialised as always. Both are process-wide installs, and live with the others in ``modelpatch/_installs.py``.
 """
 
 from __future__ import annotations
 
-import contextvars
 import copy
-import functools
 import re
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from .._transformers import fp32_module_patterns, init_contexts, initialized_from_config, patch_registry_module
+from .._installs import inside_build, isolate_from_transformers_patches, skip_meta_initialisation
+from .._transformers import fp32_module_patterns, init_contexts, initialized_from_config
 from ..errors import CheckpointError, LoadPlanError, ModelPatchError
 from ..patching.mapping import PatchMapping
 from ..patching.scope import PatchScope, patch_scope
@@ -42,111 +42,19 @@ from ..patching.scope import PatchScope, patch_scope
 # finalisation therefore take turns; loading tensor data runs concurrently.
 model_state_lock = threading.RLock()
 
-# Whether the current context is inside a modelpatch build.
-_inside_build = contextvars.ContextVar("modelpatch_inside_build", default=False)
-_isolation_lock = threading.Lock()
-
-
-def _isolate_from_transformers_patches() -> None:
-    """Make ``transformers.monkey_patching.get_patch_mapping`` return ``{}`` inside modelpatch builds (installed once).
-
-    It is what ``apply_patches`` and ``patch_output_recorders`` read the registry through (by its module-global
-    name, at call time), so both do nothing there; every other caller, and every other context, gets exactly what
-    the original returns.
-
-    Raises:
-        RuntimeError: One of those two no longer reads the registry through ``get_patch_mapping``: transformers'
-            structure changed, and modelpatch cannot keep its registry out of builds with this version.
-    """
-    # Any: the module's functions are read and one is replaced, which a ModuleType annotation does not allow.
-    monkey_patching: Any = patch_registry_module()
-
-    if getattr(monkey_patching.get_patch_mapping, "_modelpatch_isolating", False):
-        return
-    with _isolation_lock:
-        original = monkey_patching.get_patch_mapping
-        if getattr(original, "_modelpatch_isolating", False):
-            return
-        readers = {
-            "apply_patches": getattr(monkey_patching.apply_patches, "__wrapped__", monkey_patching.apply_patches),
-            "patch_output_recorders": monkey_patching.patch_output_recorders,
-        }
-        for name, reader in readers.items():
-            if "get_patch_mapping" not in getattr(getattr(reader, "__code__", None), "co_names", ()):
-                raise RuntimeError(
-                    f"transformers.monkey_patching.{name} no longer reads the registry through get_patch_mapping: "
-                    "modelpatch cannot keep transformers' patch registry out of its builds with this transformers "
-                    "version."
-                )
-
-        @functools.wraps(original)
-        def get_patch_mapping():
-            return {} if _inside_build.get() else original()
-
-        get_patch_mapping.__dict__["_modelpatch_isolating"] = True
-        monkey_patching.get_patch_mapping = get_patch_mapping
-
-
-# torch.nn.init's functions that fill a tensor in place (what module constructors call to initialise parameters).
-_FILLING_FUNCTIONS = (
-    "uniform_",
-    "normal_",
-    "trunc_normal_",
-    "constant_",
-    "ones_",
-    "zeros_",
-    "eye_",
-    "dirac_",
-    "xavier_uniform_",
-    "xavier_normal_",
-    "kaiming_uniform_",
-    "kaiming_normal_",
-    "orthogonal_",
-    "sparse_",
-)
-_SKIPS_META = "_modelpatch_skips_meta"
-
-
-def _skipping_meta(fill: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    @functools.wraps(fill)
-    def skipping(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if _inside_build.get() and tensor.is_meta:
-            return tensor
-        return fill(tensor, *args, **kwargs)
-
-    setattr(skipping, _SKIPS_META, True)
-    return skipping
-
-
-def _skip_meta_initialisation() -> None:
-    """Make ``torch.nn.init``'s filling functions return meta tensors untouched inside modelpatch builds.
-
-    Modules look these functions up on ``torch.nn.init`` at call time, so wrapping the module's attributes reaches
-    every constructor that initialises through it. Checked at every build, not once: transformers' init contexts
-    (``no_init_weights``, ``guard_torch_init_functions``) swap these attributes and put back what they found, which
-    may be torch's originals. Every other context, and every real tensor, gets the original function.
-    """
-    from torch.nn import init
-
-    with _isolation_lock:
-        for name in _FILLING_FUNCTIONS:
-            fill = getattr(init, name, None)
-            if fill is not None and not getattr(fill, _SKIPS_META, False):
-                setattr(init, name, _skipping_meta(fill))
-
 
 @contextmanager
 def _isolated_build() -> Iterator[None]:
     """The context of one build: the turn on process-wide state, transformers' patch registry reading empty, and no
     initialisation of meta tensors."""
-    _isolate_from_transformers_patches()
-    _skip_meta_initialisation()
+    isolate_from_transformers_patches()
+    skip_meta_initialisation()
     with model_state_lock:
-        token = _inside_build.set(True)
+        token = inside_build.set(True)
         try:
             yield
         finally:
-            _inside_build.reset(token)
+            inside_build.reset(token)
 
 
 def build_empty_model(

@@ -89,7 +89,7 @@ def set_original_state_dict(model: PreTrainedModel, state_dict: Mapping[str, tor
             )
             local_part(target).copy_(local_part(source) if same else shard_of(target, full(ckpt)))
         for group in sharded.plan.groups:
-            forward = group.reversed()
+            forward = group.reverse()
             fulls = {key: full(key) for key in forward.source_keys()}
             for runtime, tensor in forward.run(fulls.__getitem__).items():
                 local_part(targets[runtime]).copy_(shard_of(targets[runtime], tensor))

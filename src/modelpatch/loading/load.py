@@ -35,11 +35,11 @@ import torch
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 
 from .._transformers import initialize_missing, set_attention_implementation, set_experts_implementation
+from .._transformers_mapping import model_conversions
 from ..checkpoint import Checkpoint
 from ..checkpoint.json_file import MAX_CONFIG_BYTES, read_json
 from ..checkpoint.prefetch import prefetching
 from ..conversion.planner import TensorMeta
-from ..conversion.registry import model_conversions
 from ..conversion.transforms import WeightTransform
 from ..errors import CheckpointError, FusionError, LoadPlanError, ModelPatchError
 from ..fusions.apply import PreparedFusions, has_enabled_fusions, prepare_fusions, resolve_fusion_config

@@ -16,7 +16,6 @@ from transformers import PreTrainedModel
 from .._transformers import keys_to_ignore_on_load, tied_weight_keys
 from ..conversion.planner import ConversionPlan, TensorMeta, plan_load
 from ..conversion.registry import legacy_conversions
-from ..conversion.transformers_mapping import translate
 from ..conversion.transforms import WeightTransform
 from ..errors import LoadPlanError
 from .diagnose import Replacement, collapse_lines, explain
@@ -132,9 +131,9 @@ def plan_model_load(
     called only to explain missing keys in the error.
     """
     expected = model_expectations(model)
-    # transformers' own transforms (a Patcher's extras, say) become modelpatch's, configured like the model's own.
+    # Configured like the model's own (transformers' own transforms were translated where they entered).
     applied = [] if runtime_layout else transforms
-    translated = [t.configured(model.config) for t in translate(applied, type(model).__name__)]
+    translated = [t.configured(model.config) for t in applied]
     legacy = legacy_conversions()
     conversion = plan_load(
         checkpoint if parameters is None else parameters,

@@ -35,8 +35,8 @@ from torch import nn
 from torch.nn.modules.module import _WrappedHook
 from transformers import PreTrainedModel
 
+from .._transformers_mapping import model_conversions
 from ..conversion.planner import ConversionGroup, ConversionPlan, TensorMeta, plan_load, plan_save
-from ..conversion.registry import model_conversions
 from ..conversion.transforms import WeightConverter, WeightTransform
 from ..errors import FusionError
 from ..fusions.apply import normalize_fusion_config, prepare_fusions, resolve_fusion_config, spec_transforms

@@ -19,8 +19,8 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .._transformers import tied_weight_keys
+from .._transformers_mapping import model_conversions
 from ..conversion.planner import ConversionPlan, TensorMeta, plan_save
-from ..conversion.registry import model_conversions
 from ..conversion.transforms import WeightTransform
 from ..errors import ConversionError, SaveError
 from ..state import mark_runtime_layout, model_record, record_file_layout, stored_fusion_config
@@ -176,7 +176,7 @@ def checkpoint_layout(
                     f"Cannot save {group.target_keys()} back to {group.sources_summary()}: the model no longer has "
                     "all of these parameters."
                 )
-            layout.groups.append(group.reversed())
+            layout.groups.append(group.reverse())
             for key in group.target_keys():
                 remaining.pop(key)
     if remaining:

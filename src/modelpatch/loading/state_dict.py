@@ -206,7 +206,7 @@ class OriginalLayoutLoad:
                     return {}
                 # One dtype per group, the model's: the converted tensor is copied into the model's anyway.
                 parts[key] = value.detach().to(device=tensor.device, dtype=tensor.dtype)
-            return group.reversed().run(parts.__getitem__)
+            return group.reverse().run(parts.__getitem__)
 
     @staticmethod
     def _names(missing: list[str], layout: Any, original: bool) -> list[str]:

@@ -15,6 +15,7 @@ from types import MappingProxyType
 
 from torch import nn
 
+from ..conversion.transforms import compile_user_pattern
 from ..errors import PatchRegistryError
 
 
@@ -30,10 +31,7 @@ def validate_replacement(key: str, replacement: object) -> type[nn.Module]:
 
 def compile_pattern(key: str) -> re.Pattern[str]:
     """Compile a pattern key, raising :class:`PatchRegistryError` naming it when it is not a valid regex."""
-    try:
-        return re.compile(key)
-    except re.error as exc:
-        raise PatchRegistryError(f"Invalid regular expression {key!r} in patch mapping: {exc}.") from None
+    return compile_user_pattern(key, "patch mapping key", PatchRegistryError)
 
 
 @dataclass(frozen=True)

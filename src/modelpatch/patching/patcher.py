@@ -52,8 +52,8 @@ class Patcher:
         filtered_weight_conversion_patterns: Regex (or list of them); any conversion of the model type whose source
             or target pattern matches one is dropped from the load (e.g. ``".gate_up_proj"`` when experts are
             restructured).
-        extra_weight_conversions: ``WeightConverter`` / ``WeightRenaming`` (or a list), tried before the model
-            type's own conversions.
+        extra_weight_conversions: ``WeightConverter`` / ``WeightRenaming`` (or a list; modelpatch's or transformers'
+            own, translated here), tried before the model type's own conversions.
     """
 
     def __init__(
@@ -62,27 +62,16 @@ class Patcher:
         filtered_weight_conversion_patterns: str | Iterable[str] | None = None,
         extra_weight_conversions: WeightTransform | Iterable[WeightTransform] | None = None,
     ):
-        from ..conversion.transforms import WeightTransform
+        from ..conversion.registry import as_transforms
+        from ..conversion.transforms import compile_user_pattern
 
         self._mapping: PatchMapping = as_patch_mapping(class_mapping)
-        patterns = _as_list(filtered_weight_conversion_patterns)
-        compiled = []
-        for pattern in patterns:
-            if not isinstance(pattern, str):
-                raise TypeError(f"filtered_weight_conversion_patterns must be strings, got {pattern!r}.")
-            try:
-                compiled.append(re.compile(pattern))
-            except re.error as exc:
-                raise PatchRegistryError(
-                    f"Invalid filtered_weight_conversion_patterns entry {pattern!r}: {exc}."
-                ) from None
-        self._filters: tuple[re.Pattern[str], ...] = tuple(compiled)
-        extra = _as_list(extra_weight_conversions)
-        for transform in extra:
-            if not isinstance(transform, WeightTransform):
-                raise TypeError(
-                    f"extra_weight_conversions must be WeightConverter/WeightRenaming instances, got {transform!r}."
-                )
+        self._filters: tuple[re.Pattern[str], ...] = tuple(
+            compile_user_pattern(p, "filtered_weight_conversion_patterns", PatchRegistryError)
+            for p in _as_list(filtered_weight_conversion_patterns)
+        )
+        # transformers' own transforms enter modelpatch here: translated once, and refused by name when they cannot be.
+        extra = as_transforms(_as_list(extra_weight_conversions), "extra_weight_conversions")
         self._extra: tuple[WeightTransform, ...] = tuple(extra)
         # Open entries of every context, oldest first, and those of the current context.
         self._lock = threading.Lock()
@@ -110,8 +99,7 @@ class Patcher:
 
     def filters_out(self, transform: WeightTransform) -> bool:
         """Whether a conversion of the model type is dropped by ``filtered_weight_conversion_patterns``."""
-        names = [*transform.source_patterns, *transform.target_patterns]
-        return any(f.search(name) for f in self._filters for name in names)
+        return transform.filtered_by(self._filters)
 
     def adjust_conversions(self, conversions: Iterable[WeightTransform]) -> list[WeightTransform]:
         """``extra_weight_conversions`` first, then ``conversions`` minus the filtered ones."""

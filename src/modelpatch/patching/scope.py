@@ -25,9 +25,10 @@ entered a scope and is closed by another thread (or collected) ends the scope in
 Scopes are removed by identity, not by restoring a saved value, so nested and interleaved scopes (A enters, B enters,
 A leaves, B leaves) and exits by exception always leave exactly the scopes still open.
 
-The dispatcher is installed on first use and stays: CPython cannot restore ``object.__new__``'s slot once a type
-has had a ``__new__`` of its own. Outside every scope it costs a ``torch.compiler.is_compiling()`` check and one
-``ContextVar.get`` per module construction. Inside a scope, a class no key matches costs one dictionary lookup more.
+The dispatcher is installed on first use and stays (``modelpatch/_installs.py``, with every process-wide
+install): CPython cannot restore ``object.__new__``'s slot once a type has had a ``__new__`` of its own. Outside
+every scope it costs a ``torch.compiler.is_compiling()`` check and one ``ContextVar.get`` per module construction.
+Inside a scope, a class no key matches costs one dictionary lookup more.
 Modules built inside a ``torch.compile``'d region are never replaced.
 """
 
@@ -36,7 +37,6 @@ from __future__ import annotations
 import contextvars
 import logging
 import sys
-import threading
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -44,6 +44,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from .._installs import ORIGINAL_MODULE_NEW, install_module_new
 from ..errors import PatchError
 from . import registry
 from .candidates import is_patch_candidate, is_patchable_module
@@ -157,9 +158,6 @@ def _active_scopes(scopes: tuple[PatchScope, ...]) -> _ActiveScopes | None:
 
 _active: contextvars.ContextVar[_ActiveScopes | None] = contextvars.ContextVar("modelpatch_active_scopes", default=None)
 
-_hook_lock = threading.Lock()
-_saved_new = nn.Module.__dict__.get("__new__")
-
 
 class _Build:
     """A non-subclass replacement being built for ``original`` in this context."""
@@ -225,8 +223,8 @@ def _dispatching_new(cls, *args, **kwargs):
                 return _build_replacement(cls, resolution.replacement, resolution.key, building, args, kwargs)
             if wrapping is not None:
                 wrapping.wraps_original = True
-    if _saved_new is not None:
-        return _saved_new(cls, *args, **kwargs)
+    if ORIGINAL_MODULE_NEW is not None:
+        return ORIGINAL_MODULE_NEW(cls, *args, **kwargs)
     # What ``cls(...)`` would have used without the dispatcher: the next ``__new__`` after nn.Module in its MRO
     # (a user class ``class M(nn.Module, Base)`` may get its ``__new__`` from ``Base``).
     new = super(nn.Module, cls).__new__
@@ -287,15 +285,6 @@ def _build_replacement(cls, replacement, key, building, args, kwargs):
     return instance
 
 
-def _install_dispatcher() -> None:
-    if nn.Module.__new__ is _dispatching_new:
-        return
-    with _hook_lock:
-        if nn.Module.__new__ is not _dispatching_new:
-            # Replacing a method on purpose: the dispatcher is the one class-level hook modelpatch installs.
-            nn.Module.__new__ = staticmethod(_dispatching_new)  # type: ignore[method-assign]
-
-
 def _end(scope: PatchScope) -> None:
     """End ``scope`` in every context: here at once, elsewhere at that context's next dispatch."""
     global _epoch
@@ -317,7 +306,7 @@ def patch_scope(*layers: PatchMapping) -> Iterator[PatchScope]:
     if not scope.layers:
         yield scope
         return
-    _install_dispatcher()
+    install_module_new(_dispatching_new)
     current = _active.get()
     _active.set(_active_scopes((current.scopes if current else ()) + (scope,)))
     try:

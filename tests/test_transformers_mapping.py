@@ -1,5 +1,6 @@
 """transformers' conversion registry, translated: every entry of the installed release translates or is refused by
-name, and the transforms a release added load its checkpoints as stock does."""
+name, the transforms a release added load its checkpoints as stock does, and a model's transforms are collected as
+stock collects them (class names, sub-model scopes, legacy)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,17 @@ import torch
 import transformers
 
 import modelpatch
-from modelpatch import ConversionError, LayerPairRenaming, WeightTransform
-from modelpatch.conversion import transformers_mapping
+from modelpatch import (
+    ConversionError,
+    LayerPairRenaming,
+    PrefixChange,
+    WeightRenaming,
+    WeightTransform,
+    get_checkpoint_conversion_mapping,
+    register_checkpoint_conversion_mapping,
+)
+from modelpatch import _transformers_mapping as transformers_mapping
+from modelpatch.conversion.registry import legacy_conversions
 from support.compare import assert_bitwise_equal
 from support.files import read_tensors, rewrite_checkpoint
 
@@ -46,7 +56,7 @@ def test_layer_pair_renaming_names_and_inverse():
         "backbone.layers.3.mlp_alpha": "backbone.layers.1.lambda_2",
     }
     for stored, runtime in pairs.items():
-        assert renaming.rename(stored) == runtime and renaming.inverse().rename(runtime) == stored
+        assert renaming.rename(stored) == runtime and renaming.reverse().rename(runtime) == stored
     assert renaming.rename("backbone.layers.2.mixers.weight") is None
     assert renaming.rename("backbone.layers.1.self_attn.q_proj.weight") is None
 
@@ -84,3 +94,37 @@ def test_a_two_block_checkpoint_loads_as_stock_and_saves_back(tmp_path):
     assert_bitwise_equal(patched.state_dict(), stock.state_dict())
     patched.save_pretrained(tmp_path / "saved")
     assert_bitwise_equal(read_tensors(tmp_path / "saved"), stored)
+
+
+def test_model_conversions_walk_sub_models_class_names_first():
+    from transformers import AutoConfig, LlavaForConditionalGeneration
+
+    config = AutoConfig.for_model("llava")
+    with torch.device("meta"):
+        model = LlavaForConditionalGeneration(config)
+    transforms = transformers_mapping.model_conversions(model)
+    # The root's model-type mapping unscoped, then the class mappings of LlavaModel and of the CLIP vision tower, each
+    # scoped to its sub-model (with or without the base model's prefix).
+    assert transforms[:4] == get_checkpoint_conversion_mapping("llava")
+    inner, vision = transforms[4:]
+    assert inner.source_patterns == ("^language_model.model",) and inner.scope == ("", "model")
+    assert isinstance(vision, PrefixChange) and vision.scope == ("vision_tower", "model")
+    assert vision.rename("model.vision_tower.vision_model.embeddings.x") == "model.vision_tower.embeddings.x"
+    assert all(t.alternative for t in legacy_conversions())
+
+
+def test_a_class_name_mapping_wins_over_the_model_type():
+    from transformers import AutoConfig, Qwen2MoeForCausalLM
+
+    config = AutoConfig.for_model("qwen2_moe", num_hidden_layers=1, num_experts=2)
+    with torch.device("meta"):
+        model = Qwen2MoeForCausalLM(config)
+    renaming = WeightRenaming(r"^transformer\.", "model.")
+    register_checkpoint_conversion_mapping("Qwen2MoeForCausalLM", [renaming])
+    transforms = transformers_mapping.model_conversions(model)
+    # The root matched by class; its Qwen2MoeModel still gets the model type's mapping, scoped to it, as in stock.
+    assert transforms[0] == renaming
+    assert [t.source_patterns for t in transforms[1:]] == [
+        t.source_patterns for t in get_checkpoint_conversion_mapping("qwen2_moe")
+    ]
+    assert all(t.scope == ("", "model") for t in transforms[1:])

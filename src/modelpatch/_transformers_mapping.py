@@ -1,9 +1,15 @@
-"""transformers' own conversion mapping, translated into modelpatch's transforms and operations.
+"""The border where transformers' conversion objects enter modelpatch: transformers' own conversion registry and
+any transformers ``WeightConverter`` / ``WeightRenaming`` a user hands in, translated once into modelpatch's
+transforms and operations.
 
 This is the one module that works with transformers' conversion machinery (``transformers.conversion_mapping`` and
 ``transformers.core_model_loading``: their registry, its transforms, its classes of operations); the private names
 it reads (the registry's cache, the ``_original_*_patterns`` of its transforms) come through
-:mod:`modelpatch._transformers`. Moving to another transformers release means auditing this file and that one.
+:mod:`modelpatch._transformers`. Moving to another transformers release means auditing this file and that one. It
+sits above ``conversion/`` (whose modules import no transformers) and below ``patching/``: everything above
+translates what it is given here, where it enters (a ``Patcher``'s extra conversions, a fusion's transforms,
+:func:`~modelpatch.conversion.registry.register_checkpoint_conversion_mapping` through the provider this module
+registers), and the conversion layer only ever sees modelpatch's transforms.
 
 The registry of transformers is read live, at lookup time: its ~260 built-in entries (model types, class names and
 ``"legacy"``) and whatever was registered there since. Every transform and operation is translated one to one; one
@@ -15,28 +21,25 @@ module imports. Checked against transformers 5.22.2–5.24.0.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from .._transformers import (
+from torch import nn
+from transformers import PreTrainedModel
+
+from ._transformers import (
     conversion_mapping_cache,
     conversion_mapping_of,
     original_patterns,
+    user_registered_in_transformers,
 )
-from .._transformers import core_model_loading as hf
-from ..errors import ConversionError
-from . import operations as ops
-from .transforms import (
-    GroupWeightRename,
-    IndexOffsetRenaming,
-    LayerPairRenaming,
-    PrefixChange,
-    WeightConverter,
-    WeightRenaming,
-    WeightTransform,
-)
-
-LEGACY = "legacy"
+from ._transformers import core_model_loading as hf
+from .conversion import operations as ops
+from .conversion import registry
+from .conversion import transforms as ours
+from .conversion.transforms import WeightTransform
+from .errors import ConversionError
 
 
 class _Absent:
@@ -48,11 +51,6 @@ def _hf(name: str) -> type:
     ``Inkling2IndexOffsetWeightRename`` came in later 5.x releases, ``Inkling2UnpadVocab`` and ``LayerPairCollapse`` in
     5.24)."""
     return getattr(hf, name, _Absent)
-
-
-# transformers' transforms are accepted wherever modelpatch's are (a Patcher's extra conversions, a fusion's
-# transforms): they pass isinstance checks, and planning translates them (:func:`translate`) before using them.
-WeightTransform.register(_hf("WeightTransform"))
 
 
 def builtin_keys() -> set[str]:
@@ -67,7 +65,9 @@ def builtin_mapping(key: str) -> list[WeightTransform] | None:
 
 
 def translate(items: Iterable[Any], owner: str) -> list[WeightTransform]:
-    """modelpatch transforms for ``items`` (modelpatch's, kept as they are, or transformers', translated).
+    """modelpatch transforms for ``items`` (modelpatch's, kept as they are, or transformers', translated): what
+    :func:`~modelpatch.conversion.registry.as_transforms`, which every entry point taking transforms calls, hands
+    foreign items to.
 
     Raises:
         TypeError: an item is neither.
@@ -75,12 +75,12 @@ def translate(items: Iterable[Any], owner: str) -> list[WeightTransform]:
     """
     translated = []
     for item in items:
-        if isinstance(item, _hf("WeightTransform")):  # first: it is a virtual WeightTransform too (below)
+        if isinstance(item, _hf("WeightTransform")):
             translated.append(_translate_transform(item, owner))
         elif isinstance(item, WeightTransform):
             translated.append(item)
         else:
-            raise TypeError(f"Conversion mapping items must be WeightConverter/WeightRenaming, got {item!r}.")
+            raise TypeError(f"{owner}: items must be WeightConverter/WeightRenaming instances, got {item!r}.")
     return translated
 
 
@@ -89,18 +89,20 @@ def _translate_transform(transform: Any, owner: str) -> WeightTransform:
     sources, targets = original_patterns(transform)  # what its constructor took, and what ours takes
     result: WeightTransform
     if kind is _hf("PrefixChange"):
-        result = PrefixChange(transform.prefix_to_add, transform.prefix_to_remove, transform.model_prefix)
+        result = ours.PrefixChange(transform.prefix_to_add, transform.prefix_to_remove, transform.model_prefix)
     elif kind is _hf("GroupWeightRename"):
-        result = GroupWeightRename(sources, targets)
+        result = ours.GroupWeightRename(sources, targets)
     elif kind is _hf("LayerPairCollapse"):
-        result = LayerPairRenaming()
+        result = ours.LayerPairRenaming()
     elif kind is _hf("Inkling2IndexOffsetWeightRename"):
-        result = IndexOffsetRenaming(sources, targets, transform.offset)
+        result = ours.IndexOffsetRenaming(sources, targets, transform.offset)
     elif kind is _hf("WeightRenaming"):
         # transformers reads a renaming with several targets through its first (its reverse, say).
-        result = WeightRenaming(sources, targets[:1])
+        result = ours.WeightRenaming(sources, targets[:1])
     elif kind is _hf("WeightConverter"):
-        result = WeightConverter(sources, targets, _translate_operations(transform.operations, sources, targets, owner))
+        result = ours.WeightConverter(
+            sources, targets, _translate_operations(transform.operations, sources, targets, owner)
+        )
     else:
         raise ConversionError(f"Cannot translate transformers' {kind.__name__} in the conversion mapping of {owner!r}.")
     if getattr(transform, "scope_prefix", None) is not None:
@@ -181,3 +183,69 @@ _PER_TENSOR = {
         "Inkling2UnpadVocab",
     )
 }
+
+
+class _TransformersMappings:
+    """transformers' registry as the conversion registry's provider of built-in mappings."""
+
+    def keys(self) -> set[str]:
+        return builtin_keys()
+
+    def mapping(self, key: str) -> list[WeightTransform] | None:
+        return builtin_mapping(key)
+
+    def translate(self, items: Iterable[object], owner: str) -> list[WeightTransform]:
+        return translate(items, owner)
+
+
+registry.set_builtin_mappings(_TransformersMappings())
+
+
+def _user_registered(key: str) -> bool:
+    return key in registry.conversion_registry.snapshot() or user_registered_in_transformers(key)
+
+
+def model_conversions(model: nn.Module) -> list[WeightTransform]:
+    """The transforms of ``model`` and of its sub-models, as stock transformers collects them, configured with the
+    model's config (head counts, numbers of parts).
+
+    Each ``PreTrainedModel`` in the tree is looked up by class name, then by model type (as transformers'
+    ``get_model_conversion_mapping`` does). A sub-model whose class or model type an ancestor already matched is
+    skipped; the transforms of any other sub-model only apply to keys under its prefix. Custom code (a class outside
+    transformers) gets only what was registered explicitly. The ``"legacy"`` renamings are not part of it (see
+    :func:`~modelpatch.conversion.registry.legacy_conversions`).
+    """
+    transforms: list[WeightTransform] = []
+    claimed: dict[str, list[str]] = defaultdict(list)
+    base_model_prefix = getattr(model, "base_model_prefix", "") or ""
+
+    def claimed_above(identifier: str, name: str) -> bool:
+        return any(owner == "" or name.startswith(owner + ".") for owner in claimed[identifier])
+
+    for name, module in model.named_modules():
+        if not isinstance(module, PreTrainedModel):
+            continue
+        class_name, model_type = type(module).__name__, module.config.model_type
+        if module.is_custom_code() and not (
+            _user_registered(class_name) or (model_type and _user_registered(model_type))
+        ):
+            continue
+        if claimed_above(class_name, name):
+            continue
+        found = registry.get_checkpoint_conversion_mapping(class_name)
+        by_class = found is not None
+        if not by_class:
+            if not model_type or claimed_above(model_type, name):
+                continue
+            found = registry.get_checkpoint_conversion_mapping(model_type)
+        if found is None:
+            continue
+        if name:
+            scope = name.removeprefix(base_model_prefix).removeprefix(".")
+            found = [t.scoped(scope, base_model_prefix) for t in found]
+        transforms.extend(found)
+        claimed[class_name].append(name)
+        if not by_class and model_type:
+            claimed[model_type].append(name)
+    config = getattr(model, "config", None)
+    return [t.configured(config) for t in transforms]

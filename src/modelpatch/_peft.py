@@ -1,0 +1,236 @@
+"""The one door to PEFT's private API: every private PEFT name modelpatch's PEFT integration uses, one small function
+each (the same shape as :mod:`modelpatch._transformers`, the door to transformers).
+
+``integrations/peft.py`` runs stock PEFT on fused models, which takes a few of PEFT's internals: names that live
+only in its submodules (``peft.tuners.lora.Linear``, ``peft.tuners.tuners_utils``, ``peft.utils.constants``,
+``peft.mapping``, ``peft.utils.transformers_weight_conversion``) and underscore members
+(``LoraConfig._register_custom_module``, ``Linear._get_in_out_features``, a tuner's ``_prepare_adapter_config``
+and ``_remap_adapter_state_dict_for_load``, ``_maybe_include_all_linear_layers``,
+``_move_adapter_to_device_of_base_layer``). They are all reached through this module, so moving to another PEFT
+release means auditing this one file.
+
+:data:`PRIVATE_API` lists every such name, where it lives, the first release that has it and the feature that needs
+it. Each function resolves the names it needs when it is called (:func:`require`): PEFT is imported only then (it is
+an optional dependency), and on a release that dropped or moved a name, only the feature needing it is refused, with a
+:class:`~modelpatch.errors.PeftVersionError` naming the release, the name, the feature and the checked releases.
+``tests/test_peft_door.py`` fails if a private PEFT name is used anywhere else, or is used here unlisted.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torch import nn
+
+from .errors import PeftVersionError
+
+# The PEFT releases the door was read against and the suite exercises ("Checked against" in the functions below);
+# pyproject.toml's ``peft`` extra requires the first of them.
+CHECKED = ("0.21.2",)
+
+# Every private name of PEFT the door relies on: "module:attribute path" (no attribute: the module itself) -> (the
+# first PEFT release modelpatch supports that has it, the feature that needs it).
+PRIVATE_API: dict[str, tuple[str, str]] = {
+    "peft.tuners.lora:Linear": ("0.21", "LoRA on the original names of fused projections"),
+    "peft.tuners.lora:Linear._get_in_out_features": ("0.21", "LoRA on the original names of fused projections"),
+    "peft.tuners.lora:LoraConfig._register_custom_module": ("0.21", "LoRA on the original names of fused projections"),
+    "peft.utils.constants:INCLUDE_LINEAR_LAYERS_SHORTHAND": ("0.21", 'LoRA on "all-linear" of a fused model'),
+    "peft.tuners.tuners_utils:_maybe_include_all_linear_layers": ("0.21", 'LoRA on "all-linear" of a fused model'),
+    "peft.tuners.tuners_utils:check_target_module_exists": ("0.21", "adapters on a fused model (which modules)"),
+    "peft.tuners.tuners_utils:BaseTuner._prepare_adapter_config": ("0.21", "adapters on a fused model (defaults)"),
+    "peft.utils.transformers_weight_conversion:convert_peft_config_for_transformers": (
+        "0.21",
+        "LoRA on a linear_experts model (PEFT's transformers-v5 expert targets)",
+    ),
+    "peft.mapping:PEFT_TYPE_TO_PREFIX_MAPPING": ("0.21", "load_adapter on a linear_experts model"),
+    "peft.utils.constants:SAFETENSORS_WEIGHTS_NAME": ("0.21", "load_adapter on a linear_experts model"),
+    "peft.tuners.tuners_utils:BaseTuner._remap_adapter_state_dict_for_load": (
+        "0.21",
+        "load_adapter on a linear_experts model",
+    ),
+    "peft.tuners.lora:LoraLayer._move_adapter_to_device_of_base_layer": (
+        "0.21",
+        "load_adapter on a linear_experts model (low_cpu_mem_usage)",
+    ),
+}
+
+
+def require(path: str) -> Any:
+    """The private name ``path`` of :data:`PRIVATE_API` ("module:attribute"), looked up now (PEFT imported here).
+
+    Raises:
+        PeftVersionError: the installed PEFT lacks it (named, with the feature that needs it).
+        ImportError: PEFT is not installed.
+    """
+    module, _, attribute = path.partition(":")
+    feature = PRIVATE_API[path][1]
+    peft = import_peft()
+    try:
+        value: Any = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not (module == exc.name or module.startswith(exc.name + ".")):
+            raise
+        raise _missing(peft.__version__, module, feature) from None
+    for part in attribute.split(".") if attribute else ():
+        try:
+            value = getattr(value, part)
+        except AttributeError:
+            raise _missing(peft.__version__, f"{module}.{attribute}", feature) from None
+    return value
+
+
+def _missing(version: str, name: str, feature: str) -> PeftVersionError:
+    return PeftVersionError(
+        f"PEFT {version} lacks {name}, which {feature} needs; modelpatch's PEFT integration was checked against "
+        f"PEFT {', '.join(CHECKED)}. Install one of those: pip install 'peft=={CHECKED[-1]}'."
+    )
+
+
+def import_peft() -> Any:
+    """``peft`` itself, imported now.
+
+    Raises:
+        ImportError: PEFT is not installed (saying how to install it).
+    """
+    try:
+        import peft
+    except ImportError as error:
+        raise ImportError("modelpatch's PEFT integration needs PEFT: pip install peft") from error
+    return peft
+
+
+@functools.cache
+def lora_linear() -> Any:
+    """PEFT's LoRA ``Linear`` layer, as a base whose public hook ``base_features(module)`` sizes a base layer PEFT
+    does not know (``(in_features, out_features)``, or None for PEFT's own answer).
+
+    Checked against 0.21.2: ``peft.tuners.lora.Linear._get_in_out_features(module)`` is where the layer reads its
+    base layer's sizes.
+    """
+    base = require("peft.tuners.lora:Linear")
+    require("peft.tuners.lora:Linear._get_in_out_features")
+
+    class LoraLinear(base):  # type: ignore[misc, valid-type]  # a class of the installed PEFT
+        def base_features(self, module: nn.Module) -> tuple[int, int] | None:
+            return None
+
+        def _get_in_out_features(self, module: nn.Module) -> tuple[int, int] | tuple[None, None]:
+            features = self.base_features(module)
+            return features if features is not None else super()._get_in_out_features(module)
+
+    return LoraLinear
+
+
+def register_custom_lora_module(config: Any, mapping: Mapping[type[nn.Module], type[nn.Module]]) -> None:
+    """Make ``config`` (a ``LoraConfig``) build ``mapping[type(base)]`` as the LoRA layer of such base layers.
+
+    Checked against 0.21.2: ``LoraConfig._register_custom_module(mapping)``.
+    """
+    require("peft.tuners.lora:LoraConfig._register_custom_module")
+    config._register_custom_module(dict(mapping))
+
+
+def all_linear_shorthand() -> str:
+    """The ``target_modules`` value that means every linear layer (``"all-linear"``).
+
+    Checked against 0.21.2: ``peft.utils.constants.INCLUDE_LINEAR_LAYERS_SHORTHAND``.
+    """
+    return str(require("peft.utils.constants:INCLUDE_LINEAR_LAYERS_SHORTHAND"))
+
+
+def include_all_linear_layers(config: Any, model: nn.Module) -> None:
+    """Resolve ``"all-linear"`` in ``config.target_modules`` in place, as PEFT does when it injects an adapter.
+
+    Checked against 0.21.2: ``peft.tuners.tuners_utils._maybe_include_all_linear_layers(config, model)``.
+    """
+    require("peft.tuners.tuners_utils:_maybe_include_all_linear_layers")(config, model)
+
+
+def targets_module(config: Any, name: str) -> bool:
+    """Whether PEFT adapts the module named ``name`` with ``config``.
+
+    Checked against 0.21.2: ``peft.tuners.tuners_utils.check_target_module_exists(config, name)``.
+    """
+    return bool(require("peft.tuners.tuners_utils:check_target_module_exists")(config, name))
+
+
+def default_target_modules(config: Any, model_type: str | None) -> Any:
+    """The ``target_modules`` PEFT fills in for ``config`` (which has none) on a ``model_type`` model, or None (PEFT
+    then asks for them itself; prompt learning has no target modules).
+
+    Checked against 0.21.2: most tuners read their ``target_module_mapping`` table; a few (IA3) fill the config in a
+    static ``BaseTuner._prepare_adapter_config(config, model_config)`` of their own.
+    """
+    peft = import_peft()
+    tuner = peft.PEFT_TYPE_TO_TUNER_MAPPING.get(peft.PeftType(config.peft_type)) if config.peft_type else None
+    if tuner is None:
+        return None
+    require("peft.tuners.tuners_utils:BaseTuner._prepare_adapter_config")
+    prepare = inspect.getattr_static(tuner, "_prepare_adapter_config")
+    if isinstance(prepare, staticmethod):
+        try:
+            return prepare.__func__(copy.deepcopy(config), {"model_type": model_type}).target_modules
+        except ValueError:
+            return None
+    return getattr(tuner, "target_module_mapping", {}).get(model_type)
+
+
+def convert_config_for_transformers(config: Any, model: nn.Module) -> None:
+    """Apply PEFT's rewrite of LoRA targets for transformers v5 MoE layouts to ``config``, in place.
+
+    Checked against 0.21.2: ``peft.utils.transformers_weight_conversion.convert_peft_config_for_transformers(config,
+    model=, conversions=None)``.
+    """
+    convert = require("peft.utils.transformers_weight_conversion:convert_peft_config_for_transformers")
+    convert(config, model=model, conversions=None)
+
+
+def adapter_parameter_prefix(config: Any) -> str:
+    """The prefix of an adapter's parameter names for ``config``'s method (``lora_``).
+
+    Checked against 0.21.2: ``peft.mapping.PEFT_TYPE_TO_PREFIX_MAPPING[PeftType]``.
+    """
+    peft = import_peft()
+    return str(require("peft.mapping:PEFT_TYPE_TO_PREFIX_MAPPING")[peft.PeftType(config.peft_type)])
+
+
+def adapter_weights_name() -> str:
+    """The file name PEFT saves an adapter's weights under in safetensors (``adapter_model.safetensors``).
+
+    Checked against 0.21.2: ``peft.utils.constants.SAFETENSORS_WEIGHTS_NAME``.
+    """
+    return str(require("peft.utils.constants:SAFETENSORS_WEIGHTS_NAME"))
+
+
+def adapter_state_remapper(peft_model: Any, adapter_name: str) -> Callable[..., dict[str, Any]]:
+    """PEFT's mapping of a saved adapter's keys to ``peft_model``'s parameters (the reverse of how it saves them):
+    call it with ``state_dict=``.
+
+    Checked against 0.21.2: ``<tuner>._remap_adapter_state_dict_for_load(state_dict=, model=, config=,
+    adapter_name=)``.
+    """
+    peft = import_peft()
+    require("peft.tuners.tuners_utils:BaseTuner._remap_adapter_state_dict_for_load")
+    config = peft_model.peft_config[adapter_name]
+    tuner = peft.PEFT_TYPE_TO_TUNER_MAPPING[peft.PeftType(config.peft_type)]
+    return functools.partial(
+        tuner._remap_adapter_state_dict_for_load, model=peft_model, config=config, adapter_name=adapter_name
+    )
+
+
+def move_adapters_to_their_base_layers(model: nn.Module, adapter_name: str) -> None:
+    """Move the ``adapter_name`` weights of every adapter layer of ``model`` to its base layer's device, as PEFT does
+    after assigning them.
+
+    Checked against 0.21.2: ``LoraLayer._move_adapter_to_device_of_base_layer(adapter_name)``.
+    """
+    require("peft.tuners.lora:LoraLayer._move_adapter_to_device_of_base_layer")
+    for module in model.modules():
+        move = getattr(module, "_move_adapter_to_device_of_base_layer", None)
+        if move is not None:
+            move(adapter_name)
