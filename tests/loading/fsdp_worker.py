@@ -27,7 +27,6 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 
 import modelpatch
 from modelpatch.errors import FusionError, ModelPatchError
-from modelpatch.loading.distributed import refuse_adapters
 from modelpatch.loading.save_contents import model_layout
 
 transformers.logging.set_verbosity_error()
@@ -153,7 +152,8 @@ def tensor_parallel_refusals(path: Path, out: Path, rank: int) -> None:
         {
             "fuse": lambda: modelpatch.fuse(plain, {"qkv": True}),
             "unfuse": lambda: modelpatch.unfuse(fused),
-            "adapters": lambda: refuse_adapters(fused, "modelpatch.get_peft_model()"),
+            "adapters": lambda: modelpatch.get_peft_model(fused, LoraConfig(target_modules=["q_proj"])),
+            "load_adapter": lambda: modelpatch.load_adapter(fused, str(path)),
         },
         ModelPatchError,
     )

@@ -160,6 +160,7 @@ def test_tensor_parallel_models_refuse_restructuring_and_adapters_by_name(fsdp_r
             assert "before fully_shard or the tensor-parallel load" in record["tp"][call]
         assert "modelpatch.get_peft_model() does not work on a tensor-parallel model" in record["tp"]["adapters"]
         assert "load it without tp_plan" in record["tp"]["adapters"]
+        assert "modelpatch.load_adapter() does not work on a tensor-parallel model" in record["tp"]["load_adapter"]
 
 
 def test_tensor_parallel_and_fsdp2_together_are_refused_by_name(fsdp_run):

@@ -33,6 +33,7 @@ from ..checkpoint.json_file import MAX_CONFIG_BYTES, read_json
 from ..errors import PeftIntegrationError
 from ..fusions.linear_experts.modules import LinearExperts
 from ..fusions.projections import ProjectionSlice
+from ..loading.distributed import refuse_adapters
 
 if TYPE_CHECKING:
     from peft import LoraConfig, PeftConfig, PeftMixedModel, PeftModel
@@ -259,11 +260,13 @@ def get_peft_model(model: nn.Module, peft_config: PeftConfig, *args: Any, **kwar
     fused layers' rows. ``peft_config`` itself is not modified.
 
     Raises:
-        PeftIntegrationError: a non-LoRA config targets an original name of a fused projection, or PEFT would turn
-            expert targets of a ``linear_experts`` model into parameters it does not have.
+        PeftIntegrationError: a non-LoRA config targets an original name of a fused projection, PEFT would turn
+            expert targets of a ``linear_experts`` model into parameters it does not have, or the model is sharded
+            (tensor parallelism, FSDP2: add adapters before ``fully_shard``).
         ImportError: PEFT is not installed.
     """
     peft = door.import_peft()
+    refuse_adapters(model, "modelpatch.get_peft_model()")
     return peft.get_peft_model(model, _config_for(peft_config, model), *args, **kwargs)
 
 
@@ -292,6 +295,7 @@ def load_adapter(
         ImportError: PEFT is not installed.
     """
     peft = door.import_peft()
+    refuse_adapters(model, "modelpatch.load_adapter()")
     directory = Path(adapter_dir, kwargs.get("subfolder") or "")
     config = _config_for(_saved_config(peft, adapter_dir, directory, kwargs), model)
     expert_linears = set(_expert_linears(model))
