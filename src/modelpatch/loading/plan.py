@@ -14,7 +14,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .._transformers import keys_to_ignore_on_load, tied_weight_keys
-from ..conversion.planner import ConversionPlan, TensorMeta, plan_load
+from ..conversion.planner import ConversionPlan, TensorMeta, format_problems, plan_load
 from ..conversion.registry import legacy_conversions
 from ..conversion.transforms import WeightTransform
 from ..errors import LoadPlanError
@@ -193,12 +193,12 @@ def _check_outputs(
         if want is None:
             continue
         if tuple(meta.shape) != tuple(want.shape):
-            sources = sources or _sources_by_output(conversion)
+            sources = sources or conversion.described_sources()
             problems["shape mismatches"].append(
                 f"{key}: checkpoint {sources[key]} gives {list(meta.shape)}, model expects {list(want.shape)}"
             )
         elif meta.dtype != want.dtype and _kind(meta.dtype) != _kind(want.dtype):
-            sources = sources or _sources_by_output(conversion)
+            sources = sources or conversion.described_sources()
             problems["dtype mismatches"].append(
                 f"{key}: checkpoint {sources[key]} is {meta.dtype}, model expects {want.dtype}"
             )
@@ -251,24 +251,14 @@ def _plan_error(
 ) -> LoadPlanError:
     """One error listing every problem (indices collapsed), the keys the model has no place for, and hints."""
     lines = [f"The checkpoint does not match {type(model).__name__}; nothing was loaded."]
-    sections = [(kind, items) for kind, items in problems.items() if items]
+    sections = dict(problems)
     if unexpected and unexpected_keys != "error":
         # Not an error by themselves, but they are usually the other half of the story (renamed or fused weights).
-        sections.append(("in the checkpoint but not used by the model", unexpected))
-    for kind, items in sections:
-        lines.append(f"{kind} ({len(items)}):")
-        lines.extend(f"  - {item}" for item in collapse_lines(items))
+        sections["in the checkpoint but not used by the model"] = unexpected
+    lines.extend(format_problems(sections, collapse_lines))
     missing = problems.get("missing from the checkpoint", [])
     hints, explained = explain(missing, unexpected, conversion.unbuilt, quantized, replacements)
     if missing and not explained:
         hints.append("Pass new_parameters=[...] (regex patterns) for parameters you want freshly initialised.")
     lines.extend(f"Hint: {hint}" for hint in hints)
     return LoadPlanError("\n".join(lines), {k: list(v) for k, v in problems.items() if v})
-
-
-def _sources_by_output(conversion: ConversionPlan) -> dict[str, str]:
-    sources = {out: repr(src) for out, src in conversion.direct.items()}
-    for group in conversion.groups:
-        described = f"{group.sources_summary()} via {group.converter!r}"
-        sources.update(dict.fromkeys(group.target_keys(), described))
-    return sources

@@ -51,7 +51,7 @@ from .._transformers import (
 )
 from ..checkpoint.pages import release_pages
 from ..conversion.operations import ConversionOperation, Fp8BlockDequantize, TorchAoTensor
-from ..conversion.planner import ConversionPlan, TensorMeta, plan_load
+from ..conversion.planner import ConversionPlan, TensorMeta, format_problems, plan_load
 from ..conversion.transforms import WeightConverter, WeightRenaming, WeightTransform
 from ..errors import LoadPlanError, ModelPatchError
 from ..state import ensure_model_record
@@ -180,9 +180,7 @@ class Quantization(LoadMode):
                 f"The {self.method} quantized tensors of the checkpoint do not make up {type(model).__name__}'s "
                 "parameters; nothing was loaded."
             ]
-            for kind, items in plan.problems.items():
-                lines.append(f"{kind} ({len(items)}):")
-                lines.extend(f"  - {item}" for item in collapse_lines(items))
+            lines.extend(format_problems(plan.problems, collapse_lines))
             raise LoadPlanError("\n".join(lines), {k: list(v) for k, v in plan.problems.items() if v})
         # A group with none of its companions is a tensor the checkpoint did not quantize (a norm): read it directly.
         # Unless it is stored quantized (float8, packed integers): without its scales its values mean nothing, and
