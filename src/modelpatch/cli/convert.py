@@ -13,19 +13,20 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 
-def register(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
-        "convert",
-        help="convert SRC with patches/fusions into DST, streamed tensor by tensor (atomic)",
-        description="Convert a checkpoint offline, planned from its headers as a load would be and streamed one "
-        "tensor at a time (memory holds one converted group, never the model). By default DST is in the original "
-        "layout; --runtime-format "
-        "writes the patched/fused layout, which later loads need no conversion for. A SRC in a runtime layout is "
-        "loaded with the fusions it was saved with, so `--fusion none` turns it back into the original layout. Every "
-        "tensor of SRC is kept: when the model class has no place for one, nothing is written and the command fails. "
-        "SRC's other files (tokenizer, chat template, processor configs, README, LICENSE, ...) are copied along; its "
-        "weight files and subdirectories are not (see docs/cli.md).",
-    )
+HELP = "convert SRC with patches/fusions into DST, streamed tensor by tensor (atomic)"
+DESCRIPTION = (
+    "Convert a checkpoint offline, planned from its headers as a load would be and streamed one "
+    "tensor at a time (memory holds one converted group, never the model). By default DST is in the original "
+    "layout; --runtime-format "
+    "writes the patched/fused layout, which later loads need no conversion for. A SRC in a runtime layout is "
+    "loaded with the fusions it was saved with, so `--fusion none` turns it back into the original layout. Every "
+    "tensor of SRC is kept: when the model class has no place for one, nothing is written and the command fails. "
+    "SRC's other files (tokenizer, chat template, processor configs, README, LICENSE, ...) are copied along; its "
+    "weight files and subdirectories are not (see docs/cli.md)."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_source_arguments(parser, "src")
     parser.add_argument("dst", help="destination directory")
     add_patch_arguments(parser)
@@ -33,7 +34,6 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--runtime-format", action="store_true", help="write the runtime (fused) layout")
     parser.add_argument("--max-shard-size", default="50GB", help="shard above this size (default 50GB)")
     parser.add_argument("--force", action="store_true", help="overwrite DST if it exists")
-    parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -39,15 +39,15 @@ def demo_models() -> list[tuple[str, type[PreTrainedModel], PretrainedConfig, di
     ]
 
 
-def register(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
-        "demo",
-        help="run the embedded end-to-end demo (tiny checkpoints, no network)",
-        description="Build tiny checkpoints with stock save_pretrained, load them with fusions, verify against the "
-        "unfused models and save them back bit for bit.",
-    )
+HELP = "run the embedded end-to-end demo (tiny checkpoints, no network)"
+DESCRIPTION = (
+    "Build tiny checkpoints with stock save_pretrained, load them with fusions, verify against the "
+    "unfused models and save them back bit for bit."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep", metavar="DIR", help="write the demo checkpoints under DIR instead of a temp dir")
-    parser.set_defaults(run=run)
 
 
 def _same_files(a: Path, b: Path) -> bool:

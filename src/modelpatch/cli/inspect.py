@@ -11,15 +11,15 @@ from .arguments import add_source_arguments
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
 
 
-def register(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
-        "inspect",
-        help="model type, module classes, applicable fusions and checkpoint key layout",
-        description="Describe a local checkpoint without reading tensor data. Everything is checked (config, "
-        "model build, file headers) before anything is printed.",
-    )
+HELP = "model type, module classes, applicable fusions and checkpoint key layout"
+DESCRIPTION = (
+    "Describe a local checkpoint without reading tensor data. Everything is checked (config, "
+    "model build, file headers) before anything is printed."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_source_arguments(parser)
-    parser.set_defaults(run=run)
 
 
 def _size(num_bytes: float) -> str:

@@ -42,7 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_options(parser, per_command=False)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
-        command.register(commands)
+        # Each command module names its help, description, arguments and run function; the parsers are made here.
+        name = command.__name__.rpartition(".")[2]
+        command_parser = commands.add_parser(name, help=command.HELP, description=command.DESCRIPTION)
+        command.add_arguments(command_parser)
+        command_parser.set_defaults(run=command.run)
     for command_parser in commands.choices.values():
         add_common_options(command_parser, per_command=True)
     return parser

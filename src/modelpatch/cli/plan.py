@@ -6,16 +6,13 @@ import argparse
 
 from .arguments import add_patch_arguments, add_source_arguments
 
+HELP = "each runtime parameter <- its checkpoint keys and operations (no tensor data read)"
+DESCRIPTION = "Plan a load with the given patches and fusions and print where every parameter comes from."
 
-def register(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
-        "plan",
-        help="each runtime parameter <- its checkpoint keys and operations (no tensor data read)",
-        description="Plan a load with the given patches and fusions and print where every parameter comes from.",
-    )
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_source_arguments(parser)
     add_patch_arguments(parser)
-    parser.set_defaults(run=run)
 
 
 def _keys(keys: list[str]) -> str:

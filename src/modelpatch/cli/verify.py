@@ -8,22 +8,21 @@ from contextlib import contextmanager
 
 from .arguments import UsageError, add_dtype_argument, add_patch_arguments, add_source_arguments
 
+HELP = "compare stock and patched outputs on identical deterministic inputs"
+DESCRIPTION = (
+    "Load PATH twice, stock and with the given patches/fusions (and the patches registered by "
+    "--import modules), run identical deterministic inputs (token ids, and an image for vision-language models) "
+    "and print the max abs/rel difference of every output and the speed ratio. Exits 1 when an output is out of "
+    "tolerance."
+)
 
-def register(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
-        "verify",
-        help="compare stock and patched outputs on identical deterministic inputs",
-        description="Load PATH twice, stock and with the given patches/fusions (and the patches registered by "
-        "--import modules), run identical deterministic inputs (token ids, and an image for vision-language models) "
-        "and print the max abs/rel difference of every output and the speed ratio. Exits 1 when an output is out of "
-        "tolerance.",
-    )
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_source_arguments(parser)
     add_patch_arguments(parser)
     add_dtype_argument(parser, "float32", "the tolerances are meant for it: loosen them for half precision")
     parser.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance (default 1e-5)")
     parser.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)")
-    parser.set_defaults(run=run)
 
 
 @contextmanager

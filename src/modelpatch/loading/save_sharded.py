@@ -192,11 +192,7 @@ class ShardedState:
 
 
 def save_sharded(
-    model: PreTrainedModel,
-    path: str | Path,
-    *,
-    save_original_format: bool = True,
-    max_shard_size: int | str = "50GB",
+    model: PreTrainedModel, path: str | Path, *, save_original_format: bool, max_shard_size: int | str
 ) -> list[Path]:
     """Save a sharded ``model`` (``DTensor`` parameters: FSDP2, tensor parallelism) collectively: call it on every rank.
 
