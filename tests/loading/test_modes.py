@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import pytest
 import torch
@@ -19,7 +19,9 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 import modelpatch
 from modelpatch import CheckpointError, LoadPlanError
 from modelpatch.checkpoint import Checkpoint
+from modelpatch.conversion.planner import ConversionGroup
 from modelpatch.conversion.transforms import WeightTransform
+from modelpatch.loading.materialize import set_tensor
 from modelpatch.loading.modes import LoadMode, Metas, TensorSource
 from modelpatch.loading.plan import LoadPlan
 from support.compare import assert_bitwise_equal, assert_same_files, assert_tensor_bitwise_equal
@@ -180,6 +182,78 @@ def test_the_two_step_load_runs_the_modes_hooks_split_at_the_plan(tiny):
     model = modelpatch.load_planned(plan)
     assert log == DOCUMENTED_ORDER
     expected = {k: v * 2 if v.is_floating_point() else v for k, v in stock_state(checkpoint).items()}
+    assert_bitwise_equal(model.state_dict(), expected)
+
+
+class OfferedMode(LoadMode):
+    """Takes no group and no tensor (the hooks' defaults), recording what it is offered."""
+
+    def __init__(self) -> None:
+        self.groups: list[tuple[str, ...]] = []
+        self.placed: list[str] = []
+
+    def run_group(self, group: ConversionGroup, fetch: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        self.groups.append(tuple(group.target_keys()))
+        return super().run_group(group, fetch)
+
+    def place(self, key: str, value: torch.Tensor) -> bool:
+        self.placed.append(key)
+        return super().place(key, value)
+
+
+class NegatingGroups(LoadMode):
+    """Converts every group itself, negating its outputs; ``taken`` names the groups it ran."""
+
+    def __init__(self) -> None:
+        self.taken: list[tuple[str, ...]] = []
+
+    def run_group(self, group: ConversionGroup, fetch: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        self.taken.append(tuple(group.target_keys()))
+        return {key: -value for key, value in group.run(fetch).items()}
+
+
+class PlacingDownProjections(LoadMode):
+    """Places every ``down_proj.weight`` itself, plus one, on the model it is planned into."""
+
+    def plan(self, model: PreTrainedModel, plan: LoadPlan, checkpoint: Checkpoint) -> None:
+        self.model = model
+
+    def place(self, key: str, value: torch.Tensor) -> bool:
+        if not key.endswith("down_proj.weight"):
+            return False
+        set_tensor(self.model, key, value + 1)
+        return True
+
+
+FUSED = {"qkv": True, "gate_up": True}
+
+
+def test_modes_taking_no_group_and_no_tensor_leave_the_load_as_it_is(tiny):
+    checkpoint = tiny("llama")
+    mode = OfferedMode()
+    plan = modelpatch.plan_pretrained(AutoModelForCausalLM, checkpoint.path, fusion_config=FUSED, load_modes=[mode])
+    model = modelpatch.load_planned(plan)
+    direct = modelpatch.from_pretrained(AutoModelForCausalLM, checkpoint.path, fusion_config=FUSED)
+    assert_bitwise_equal(model.state_dict(), direct.state_dict())
+    # Every converted group and every loaded tensor was offered to the mode, once.
+    assert mode.groups == [tuple(group.target_keys()) for group in plan.conversion.groups]
+    assert sorted(mode.placed) == sorted(plan.loaded_keys())
+
+
+def test_the_last_mode_taking_a_group_or_a_tensor_decides_how_it_lands(tiny):
+    checkpoint = tiny("llama")
+    first, last = NegatingGroups(), NegatingGroups()
+    plan = modelpatch.plan_pretrained(
+        AutoModelForCausalLM, checkpoint.path, fusion_config=FUSED, load_modes=[first, last, PlacingDownProjections()]
+    )
+    model = modelpatch.load_planned(plan)
+    direct = modelpatch.from_pretrained(AutoModelForCausalLM, checkpoint.path, fusion_config=FUSED).state_dict()
+    grouped = {key for group in plan.conversion.groups for key in group.target_keys()}
+    assert grouped and first.taken == [] and len(last.taken) == len(plan.conversion.groups)
+    expected = {
+        key: -value if key in grouped else value + 1 if key.endswith("down_proj.weight") else value
+        for key, value in direct.items()
+    }
     assert_bitwise_equal(model.state_dict(), expected)
 
 

@@ -13,8 +13,9 @@ device, then ``model.to_empty(device=...)``); :func:`load_sharded` then fills ev
 * the checkpoint's file pages a rank read are released once copied, so they do not stay resident.
 
 :class:`FullyShardedLoad` is this as a :class:`~modelpatch.loading.modes.LoadMode` (its ``plan``, ``wrap_source``,
-``device`` and ``after_load`` hooks, and the shard-aware group runner :meth:`FullyShardedLoad.run_group`), which
-:func:`load_sharded` drives; the collective save (``save_sharded.py``) reads the same row layout back.
+``device``, ``run_group``, ``place`` and ``after_load`` hooks): :func:`load_sharded` plans the load with it and runs
+the loader's execute stage into the sharded model, so the tensors go through the one materialize loop of every
+load; the collective save (``save_sharded.py``) reads the same row layout back.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,15 +32,13 @@ from transformers import PreTrainedModel
 
 from .._transformers import initialize_missing, mark_initialized
 from ..checkpoint import Checkpoint
-from ..checkpoint.pages import release_pages
 from ..conversion.operations import Concatenate, MergeModulelist, run_operations
 from ..conversion.planner import ConversionGroup
 from ..errors import ModelPatchError
 from ..patching.patcher import Patcher
 from ..state import record_report, stored_fusion_config
 from .distributed import Rows, current_rank, local_part, local_rows, part_offsets, shard_of
-from .hub import HubOptions, resolve_checkpoint
-from .load import plan_pretrained
+from .load import execute_plan, plan_pretrained
 from .modes import LoadMode, TensorSource
 from .plan import LoadPlan
 from .report import LoadReport
@@ -108,19 +106,22 @@ class FullyShardedLoad(LoadMode):
         self._direct = {checkpoint: runtime for runtime, checkpoint in plan.conversion.direct.items()}
 
     def wrap_source(self, source: TensorSource) -> TensorSource:
-        """Tensors read unchanged into a row-sharded parameter come as that parameter's rows (views of the file)."""
+        """Tensors read unchanged come as this rank's part of their parameter: its rows (views of the file) for a
+        row-sharded one, else its shard of the whole tensor."""
 
         def fetch(key: str) -> torch.Tensor:
             tensor = source.fetch(key)
             runtime = self._direct.get(key)
-            rows = None if runtime is None else self.rows.get(runtime)
-            if rows is None or not isinstance(self.targets[runtime], DTensor):  # type: ignore[index]  # rows: known
+            if runtime is None or runtime not in self.targets:
                 return tensor
-            return tensor[rows.start : rows.stop]
+            rows, target = self.rows.get(runtime), self.targets[runtime]
+            if rows is None:
+                return shard_of(target, tensor)
+            return tensor[rows.start : rows.stop] if isinstance(target, DTensor) else tensor
 
         return TensorSource(fetch, source.file_mapped)
 
-    def run_group(self, group: ConversionGroup, fetch: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    def run_group(self, group: ConversionGroup, fetch: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """This rank's part of each output of ``group``, reading through ``fetch`` only the source rows it needs
         where the group allows it (a concatenation along dim 0, experts stacked along dim 0), else the whole group."""
         targets = group.target_keys()
@@ -142,32 +143,14 @@ class FullyShardedLoad(LoadMode):
                 return {targets[0]: output}
         return {key: shard_of(self.targets[key], tensor) for key, tensor in group.run(fetch).items()}
 
-    def fill(self, plan: LoadPlan, source: TensorSource) -> None:
-        """Copy every planned tensor's local part into the sharded model, one converted group at a time."""
+    def place(self, key: str, value: torch.Tensor) -> bool:
+        """Copy ``value``, this rank's part of ``key`` (:meth:`wrap_source`, :meth:`run_group`), into its shard."""
+        target = self.targets.get(key)
+        if target is None:
+            return False
         with torch.no_grad():
-            for runtime, checkpoint in plan.conversion.direct.items():
-                if runtime not in self.targets:
-                    continue
-                tensor = source.fetch(checkpoint)
-                target = self.targets[runtime]
-                value = tensor if self.rows.get(runtime) is not None else shard_of(target, tensor)
-                local_part(target).copy_(value)
-                if source.file_mapped(checkpoint):
-                    release_pages(tensor)
-            for group in plan.conversion.groups:
-                read: list[torch.Tensor] = []
-
-                def fetch(key: str) -> torch.Tensor:
-                    tensor = source.fetch(key)
-                    if source.file_mapped(key):
-                        read.append(tensor)  # noqa: B023 - used by this iteration's run_group only
-                    return tensor
-
-                for runtime, value in self.run_group(group, fetch).items():
-                    if runtime in self.targets:
-                        local_part(self.targets[runtime]).copy_(value)
-                for tensor in read:
-                    release_pages(tensor)
+            local_part(target).copy_(value)
+        return True
 
     def after_load(self, model: PreTrainedModel, plan: LoadPlan, checkpoint: Checkpoint) -> None:
         """Mark the loaded shards as loaded, recompute the non-persistent buffers (``to_empty`` left them
@@ -248,25 +231,22 @@ def load_sharded(
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}.")
     if fusion_config is None:
         fusion_config = stored_fusion_config(model.config)
-    hub = HubOptions(revision, subfolder, cache_dir, token, local_files_only, False)
-    directory = resolve_checkpoint(path, hub)
-    dtype = model.dtype
+    mode = FullyShardedLoad(model)
     plan = plan_pretrained(
         type(model),
-        directory,
+        path,
         patcher=patcher,
         fusion_config=dict(fusion_config) if fusion_config is not None else None,
-        dtype=dtype,
+        dtype=model.dtype,
         allow_external_symlinks=allow_external_symlinks,
+        revision=revision,
+        subfolder=subfolder,
+        cache_dir=cache_dir,
+        token=token,
+        local_files_only=local_files_only,
+        load_modes=[mode],
     )
-    mode = FullyShardedLoad(model)
-    with Checkpoint.open(Path(directory), allow_external_symlinks=allow_external_symlinks) as checkpoint:
-        mode.plan(plan.model, plan, checkpoint)
-        source = mode.wrap_source(
-            TensorSource(checkpoint.tensor, lambda key: checkpoint.info(key).start >= 0)  # mapped safetensors
-        )
-        mode.fill(plan, source)
-        checkpoint.check_unchanged()
-        mode.after_load(plan.model, plan, checkpoint)
-    logger.info("Loaded the shards of rank %d of %s from %s", current_rank(), type(model).__name__, directory)
+    # The loader's execute stage, into the sharded model: the mode's hooks read and place each rank's part.
+    execute_plan(plan, model)
+    logger.info("Loaded the shards of rank %d of %s from %s", current_rank(), type(model).__name__, plan.directory)
     return mode.finish(model)

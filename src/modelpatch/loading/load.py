@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Literal, overload
 
 import torch
+from torch import nn
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 
 from .._transformers import initialize_missing, set_attention_implementation, set_experts_implementation
@@ -437,20 +438,7 @@ def load_planned(plan: LoadPlan) -> PreTrainedModel:
             rewritten while it is read.
         ValueError: The plan was loaded already.
     """
-    if plan.loaded:
-        raise ValueError(
-            "This LoadPlan was executed already (a plan loads once, failed or not): plan again with plan_pretrained."
-        )
-    with plan.options.open_checkpoint(plan.directory) as checkpoint:
-        planned = plan.checkpoint
-        now = {key: TensorMeta(checkpoint.info(key).shape, checkpoint.info(key).dtype) for key in checkpoint.keys()}
-        if now != planned:
-            changed = sorted(k for k in planned.keys() | now.keys() if planned.get(k) != now.get(k))
-            raise CheckpointError(
-                f"{plan.directory}: the checkpoint changed since it was planned ({len(changed)} tensor(s) differ: "
-                f"{', '.join(changed[:3])}): plan it again. Nothing was loaded."
-            )
-        device = _fill(plan, checkpoint)
+    device = execute_plan(plan, plan.model)
     return _finish(plan, device)
 
 
@@ -523,17 +511,52 @@ def load_with_options(model_class: type, path: str | os.PathLike[str], options: 
     return _finish(plan, device)
 
 
-def _fill(plan: LoadPlan, checkpoint: Checkpoint) -> torch.device:
-    """Read every planned tensor into the plan's model, through the tensor source the modes wrap
-    (:meth:`LoadMode.wrap_source`), onto the device they name; then :meth:`LoadMode.after_load`. Returns that
-    device."""
+def execute_plan(plan: LoadPlan, model: nn.Module) -> torch.device:
+    """The execute stage of :func:`load_planned`, into ``model`` (the plan's model, or one of its structure a mode
+    fills, as :func:`~modelpatch.load_sharded` fills a sharded model): reopen the checkpoint, check its headers are
+    those planned, and fill the model (:func:`_fill`), without transformers' finalisation. Returns the device the
+    tensors were placed on.
+
+    Raises:
+        CheckpointError: The checkpoint's headers changed since the plan was made.
+        ValueError: The plan was loaded already.
+    """
+    if plan.loaded:
+        raise ValueError(
+            "This LoadPlan was executed already (a plan loads once, failed or not): plan again with plan_pretrained."
+        )
+    with plan.options.open_checkpoint(plan.directory) as checkpoint:
+        planned = plan.checkpoint
+        now = {key: TensorMeta(checkpoint.info(key).shape, checkpoint.info(key).dtype) for key in checkpoint.keys()}
+        if now != planned:
+            changed = sorted(k for k in planned.keys() | now.keys() if planned.get(k) != now.get(k))
+            raise CheckpointError(
+                f"{plan.directory}: the checkpoint changed since it was planned ({len(changed)} tensor(s) differ: "
+                f"{', '.join(changed[:3])}): plan it again. Nothing was loaded."
+            )
+        return _fill(plan, checkpoint, model)
+
+
+def _fill(plan: LoadPlan, checkpoint: Checkpoint, model: nn.Module | None = None) -> torch.device:
+    """Read every planned tensor into ``model`` (default: the plan's), through the tensor source the modes wrap
+    (:meth:`LoadMode.wrap_source`), onto the device they name, each group converted and each tensor placed as the
+    modes take them (:meth:`LoadMode.run_group`, :meth:`LoadMode.place`); then :meth:`LoadMode.after_load`. Returns
+    that device."""
     plan.loaded = True  # from here on the model holds read tensors: a failure leaves nothing to load again
     # Safetensors tensors (byte range known) are views of a private file mapping; pickle ones are not.
     source = TensorSource(checkpoint.tensor, lambda key: checkpoint.info(key).start >= 0)
     for mode in plan.modes:
         source = mode.wrap_source(source)
     device = _device(plan)
-    load_into_model(plan.model, plan, source.fetch, device, checkpoint.total_bytes, file_mapped=source.file_mapped)
+    load_into_model(
+        plan.model if model is None else model,
+        plan,
+        source.fetch,
+        device,
+        checkpoint.total_bytes,
+        file_mapped=source.file_mapped,
+        modes=plan.modes,
+    )
     # A file rewritten in place while its tensors were being read may have given data of two versions.
     checkpoint.check_unchanged()
     for mode in plan.modes:

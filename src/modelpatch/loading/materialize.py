@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -18,6 +18,8 @@ from tqdm.auto import tqdm
 
 from .._transformers import mark_initialized
 from ..checkpoint.pages import release_pages
+from ..conversion.planner import ConversionGroup
+from .modes import LoadMode
 from .plan import LoadPlan
 
 # Below this many bytes a load is quick enough that a progress bar is noise.
@@ -83,23 +85,41 @@ def load_into_model(
     device: torch.device,
     total_bytes: int,
     file_mapped: Callable[[str], bool] = lambda key: False,
+    modes: Sequence[LoadMode] = (),
 ) -> None:
     """Fill every planned parameter of ``model`` from ``fetch(checkpoint_key)``.
 
     ``file_mapped(key)`` says whether ``fetch(key)`` is a view of a private file mapping, whose pages
-    :func:`release_pages` may drop once the tensor has been copied or converted.
+    :func:`release_pages` may drop once the tensor has been copied or converted. Each converted group runs through
+    the last of ``modes`` whose :meth:`~LoadMode.run_group` takes it, and each tensor lands through the last whose
+    :meth:`~LoadMode.place` takes it; by default a group runs whole and a tensor is cast to its planned dtype, moved
+    to ``device`` and set on ``model``.
     """
     expected = plan.expected
     # One walk of the module tree instead of a path lookup per tensor (every name: a module shared under two names
     # owns the keys of both).
     modules = dict(model.named_modules(remove_duplicate=False))
 
-    def place(runtime_key: str, value: torch.Tensor) -> None:
+    latest_first = list(reversed(modes))
+
+    def place(runtime_key: str, value: torch.Tensor) -> bool:
+        """Put ``value`` on the model; whether it was copied (not kept as it is, e.g. as a view of the file)."""
+        if any(mode.place(runtime_key, value) for mode in latest_first):
+            return True
+        placed = _placed(value, expected[runtime_key].dtype, device)
         module_name, _, name = runtime_key.rpartition(".")
         module = modules.get(module_name)
         if module is None:
             raise KeyError(f"{runtime_key} is neither a parameter nor a buffer of the model.")
-        _set_on(module, name, runtime_key, value)
+        _set_on(module, name, runtime_key, placed)
+        return placed is not value
+
+    def run_group(group: ConversionGroup, fetch_source: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+        for mode in latest_first:
+            outputs = mode.run_group(group, fetch_source)
+            if outputs is not None:
+                return outputs
+        return group.run(fetch_source)
 
     with tqdm(
         total=total_bytes,
@@ -113,9 +133,7 @@ def load_into_model(
             if runtime_key not in expected:
                 continue
             tensor = fetch(checkpoint_key)
-            placed = _placed(tensor, expected[runtime_key].dtype, device)
-            place(runtime_key, placed)
-            if placed is not tensor and file_mapped(checkpoint_key):
+            if place(runtime_key, tensor) and file_mapped(checkpoint_key):
                 release_pages(tensor)
             progress.update(tensor.numel() * tensor.element_size())
         for group in plan.conversion.groups:
@@ -127,10 +145,10 @@ def load_into_model(
                     sources.append(tensor)  # noqa: B023 - called only within this iteration, by group.run
                 return tensor
 
-            outputs = group.run(fetch_source)
+            outputs = run_group(group, fetch_source)
             for runtime_key, tensor in outputs.items():
                 if runtime_key in expected:
-                    place(runtime_key, _placed(tensor.contiguous(), expected[runtime_key].dtype, device))
+                    place(runtime_key, tensor.contiguous())
                 progress.update(tensor.numel() * tensor.element_size())
             del outputs
             for tensor in sources:

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from ..checkpoint import Checkpoint
-    from ..conversion.planner import TensorMeta
+    from ..conversion.planner import ConversionGroup, TensorMeta
     from ..conversion.transforms import WeightTransform
     from .plan import LoadPlan
 
@@ -58,14 +58,17 @@ class LoadMode:
        cannot do what it was asked refuses here, so nothing is read;
     5. :meth:`wrap_source` — the tensor source the loader reads from (each mode wraps the previous mode's);
     6. :meth:`device` — where the loaded tensors are placed (the last mode that names one wins);
-    7. :meth:`after_load` — after every tensor was placed and the files were found unchanged, while the checkpoint
+    7. :meth:`run_group` and :meth:`place` — for each converted group, then each tensor, while the model is filled:
+       how a group is converted and how a tensor lands on the model (for each, the last mode that takes it decides;
+       none: the group runs whole, the tensor is cast to its planned dtype, moved to the device and set);
+    8. :meth:`after_load` — after every tensor was placed and the files were found unchanged, while the checkpoint
        files are still open;
-    8. :meth:`finish` — after transformers' finalisation (buffers, new parameters, tied weights) and the load
+    9. :meth:`finish` — after transformers' finalisation (buffers, new parameters, tied weights) and the load
        report; returns the model the caller gets (a mode may wrap it);
-    9. :meth:`prepare_save` — when the model is saved: turns the model's state into plain tensors of the runtime
+    10. :meth:`prepare_save` — when the model is saved: turns the model's state into plain tensors of the runtime
        layout (gathered, dequantized or read back from disk), before the save's reverse conversions run.
 
-    Hooks 1–4 run when the load is planned (:func:`~modelpatch.plan_pretrained`), 5–8 when it is executed
+    Hooks 1–4 run when the load is planned (:func:`~modelpatch.plan_pretrained`), 5–9 when it is executed
     (:func:`~modelpatch.load_planned`); :func:`~modelpatch.from_pretrained` does both.
     """
 
@@ -100,6 +103,17 @@ class LoadMode:
     def device(self) -> torch.device | None:
         """Where the loaded tensors are placed; None: this mode does not decide it."""
         return None
+
+    def run_group(self, group: ConversionGroup, fetch: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """The outputs of converted ``group`` (runtime key -> tensor), reading its sources through ``fetch``; None:
+        this mode leaves the group to the previous mode (or, for the first, to ``group.run(fetch)``)."""
+        return None
+
+    def place(self, key: str, value: torch.Tensor) -> bool:
+        """Put ``value``, what was read or converted for runtime tensor ``key``, on the model; True: placed (the
+        loader copies nothing, and may release the file pages ``value`` was read from); False: this mode leaves it
+        to the previous mode (or, for the first, to the loader's cast, move and set)."""
+        return False
 
     def after_load(self, model: PreTrainedModel, plan: LoadPlan, checkpoint: Checkpoint) -> None:
         """Work on the filled model while the checkpoint files are still open (e.g. wrap local shards in DTensors)."""
