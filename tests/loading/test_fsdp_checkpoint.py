@@ -54,9 +54,8 @@ CASES = {
     # rank runs whole (load) or gathers one group at a time (save).
     "qwen2_moe_3d_linear_experts": ("qwen2_moe_3d", {"linear_experts": True}),
 }
-# Not trained: its batches leave an expert without tokens on one rank, whose gradient reduction FSDP2 then misses
-# (issue 23 item 1); its DCP checkpoints hold the loaded weights.
-UNTRAINED = {"qwen2_moe_3d_linear_experts"}
+# Every case trains (an expert without tokens on one rank still takes part in FSDP2's gradient reduction).
+UNTRAINED: set[str] = set()
 TRAINED = sorted(set(CASES) - UNTRAINED)
 
 
@@ -163,6 +162,17 @@ def test_sharded_load_refuses_another_structure(tiny):
         modelpatch.load_sharded(model, checkpoint.path, fusion_config={"qkv": False})
 
 
+@pytest.mark.parametrize("keyword", [{"device_map": "cpu"}, {"dtype": torch.bfloat16}, {"tp_plan": "auto"}])
+def test_sharded_load_refuses_placing_keywords_by_name(tiny, keyword):
+    """The sharded model decides where its shards live; a keyword placing them is refused before anything is read."""
+    checkpoint = tiny("llama")
+    with torch.device("meta"):
+        model = modelpatch.from_config(AutoModelForCausalLM, AutoConfig.from_pretrained(checkpoint.path))
+    model.to_empty(device="cpu")
+    with pytest.raises(TypeError, match=f"load_sharded\\(\\) got {next(iter(keyword))}"):
+        modelpatch.load_sharded(model, checkpoint.path, **keyword)
+
+
 def test_collective_save_refused_on_every_rank(fsdp_run):
     """Rank 0 cannot replace the directory: every rank raises, naming it, and the previous save stays whole."""
     target = fsdp_run / "read_only_save"
@@ -171,5 +181,5 @@ def test_collective_save_refused_on_every_rank(fsdp_run):
         assert refused != "saved"
         assert str(target) in refused and "permissions" in refused, refused
     assert sorted(p.name for p in target.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
-    # The worker saves its last case's model there.
-    assert_bitwise_equal(read_tensors(target), read_tensors(fsdp_run / f"{list(CASES)[-1]}_save"))
+    # The worker saves its last case's model there, as trained (what it also saved as "_before_original").
+    assert_bitwise_equal(read_tensors(target), read_tensors(fsdp_run / f"{list(CASES)[-1]}_before_original"))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,7 +35,6 @@ from ..checkpoint import Checkpoint
 from ..conversion.operations import Concatenate, MergeModulelist, run_operations
 from ..conversion.planner import ConversionGroup
 from ..errors import ModelPatchError
-from ..patching.patcher import Patcher
 from ..state import record_report, stored_fusion_config
 from .distributed import Rows, current_rank, local_part, local_rows, part_offsets, shard_of
 from .load import execute_plan, plan_pretrained
@@ -185,19 +184,26 @@ def _concatenated(pieces: list[torch.Tensor], group: ConversionGroup) -> torch.T
     return torch.empty((0, *shape[1:]), dtype=group.dtype)
 
 
-def load_sharded(
-    model: PreTrainedModel,
-    path: str | os.PathLike[str],
-    *,
-    patcher: Patcher | None = None,
-    fusion_config: Mapping[str, Any] | None = None,
-    allow_external_symlinks: bool = False,
-    revision: str | None = None,
-    subfolder: str = "",
-    cache_dir: str | os.PathLike[str] | None = None,
-    token: bool | str | None = None,
-    local_files_only: bool = False,
-) -> PreTrainedModel:
+# from_pretrained's keywords that place tensors: a sharded model has placed them already.
+_PLACING_KEYWORDS = frozenset(
+    {
+        "dtype",
+        "torch_dtype",
+        "device",
+        "device_map",
+        "max_memory",
+        "offload_folder",
+        "offload_buffers",
+        "tp_plan",
+        "tp_size",
+        "distributed_config",
+        "quantization_config",
+        "load_modes",
+    }
+)
+
+
+def load_sharded(model: PreTrainedModel, path: str | os.PathLike[str], **keywords: Any) -> PreTrainedModel:
     """Fill ``model``, whose parameters are already sharded (FSDP2 ``fully_shard``, DTensors), from the checkpoint at
     ``path``: each rank reads and keeps only its own shard of every parameter, with the load's conversions applied.
 
@@ -218,7 +224,13 @@ def load_sharded(
     of the ``q``/``k``/``v`` (``gate``/``up``) sources of a fused projection, the experts it holds of stacked experts;
     other conversions run on the whole group, of which the rank keeps its shard. The model's non-persistent buffers
     (rotary ``inv_freq``) are recomputed, and the load is recorded on the model (what
-    :func:`modelpatch.save_pretrained` reverses). The other keywords mean what they mean to ``from_pretrained``.
+    :func:`modelpatch.save_pretrained` reverses).
+
+    ``keywords`` are :func:`modelpatch.from_pretrained`'s that plan a load (``patcher``, ``fusion_config``,
+    ``new_parameters``, ``unexpected_keys``, the hub and file options: ``revision``, ``subfolder``, ``cache_dir``,
+    ``token``, ``local_files_only``, ``allow_external_symlinks``, ...), with their meanings. Those that place tensors
+    (``dtype``, ``device``, ``device_map``, ``tp_plan``, ``quantization_config``, ...) are refused: the sharded model
+    already decides where its shards live and in which dtype.
 
     Returns:
         ``model``, filled.
@@ -229,23 +241,15 @@ def load_sharded(
     """
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}.")
-    if fusion_config is None:
-        fusion_config = stored_fusion_config(model.config)
+    if placing := sorted(keywords.keys() & _PLACING_KEYWORDS):
+        raise TypeError(
+            f"load_sharded() got {', '.join(placing)}: the sharded model already decides where each rank's shards "
+            "live and in which dtype; shard (and cast) the model before loading."
+        )
+    if keywords.get("fusion_config") is None:
+        keywords["fusion_config"] = stored_fusion_config(model.config)
     mode = FullyShardedLoad(model)
-    plan = plan_pretrained(
-        type(model),
-        path,
-        patcher=patcher,
-        fusion_config=dict(fusion_config) if fusion_config is not None else None,
-        dtype=model.dtype,
-        allow_external_symlinks=allow_external_symlinks,
-        revision=revision,
-        subfolder=subfolder,
-        cache_dir=cache_dir,
-        token=token,
-        local_files_only=local_files_only,
-        load_modes=[mode],
-    )
+    plan = plan_pretrained(type(model), path, **keywords, dtype=model.dtype, load_modes=[mode])
     # The loader's execute stage, into the sharded model: the mode's hooks read and place each rank's part.
     execute_plan(plan, model)
     logger.info("Loaded the shards of rank %d of %s from %s", current_rank(), type(model).__name__, plan.directory)
