@@ -447,6 +447,17 @@ _started: contextvars.ContextVar[Prefetch | None] = contextvars.ContextVar("mode
 
 
 @contextmanager
+def _stopped_on_failure(prefetch: Prefetch | None) -> Iterator[None]:
+    """Stop ``prefetch`` when the block fails; it goes on past a block that succeeds."""
+    try:
+        yield
+    except BaseException:
+        if prefetch is not None:
+            prefetch.stop()
+        raise
+
+
+@contextmanager
 def prefetching_directory(directory: Path | None) -> Iterator[Prefetch | None]:
     """Prefetch local checkpoint ``directory`` (None: nothing to prefetch) during the block, and after it unless it
     fails. Meant to start before anything heavy is imported; a load in the block adopts it (:func:`prefetching`).
@@ -454,11 +465,8 @@ def prefetching_directory(directory: Path | None) -> Iterator[Prefetch | None]:
     prefetch = directory_prefetch(directory) if directory is not None and prefetch_mode() != "off" else None
     token = _started.set(prefetch)
     try:
-        yield prefetch
-    except BaseException:
-        if prefetch is not None:
-            prefetch.stop()
-        raise
+        with _stopped_on_failure(prefetch):
+            yield prefetch
     finally:
         _started.reset(token)
 
@@ -487,9 +495,5 @@ def prefetching(checkpoint: Checkpoint, enabled: bool = True) -> Iterator[Prefet
             logger.debug("checkpoint prefetch not started: %s", exc)
         else:
             prefetch = Prefetch.start(ranges)
-    try:
+    with _stopped_on_failure(prefetch):
         yield prefetch
-    except BaseException:
-        if prefetch is not None:
-            prefetch.stop()
-        raise
