@@ -17,7 +17,7 @@ returns, so interpreter start, every import and the load are in the figure. Figu
 * ``whole-process cold``: every checkpoint file evicted from the page cache before each sample
   (``posix_fadvise(POSIX_FADV_DONTNEED)`` on each file, after an ``fsync``; the resident fraction is then measured
   with ``mincore`` and printed); ~2.2 GB TinyLlama-shaped bf16 Llama. A third side, modelpatch with
-  ``MODELPATCH_PREFETCH=1``, shows what the (opt-in) checkpoint prefetch does;
+  ``MODELPATCH_PREFETCH=0``, shows what the checkpoint prefetch (started first thing in ``from_pretrained``) does;
 * ``in-process``: measured inside the warm samples: the ``from_pretrained`` call alone, first call in the fresh
   process (the imports it makes land there), and a second load + forward in the same process.
 
@@ -160,8 +160,8 @@ def sample(side: str, path: Path, fused: bool, again: bool) -> dict:
     # set, a source checkout would compile modelpatch's modules in every sample while transformers' are cached.
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     env["PYTHONPYCACHEPREFIX"] = str(PYCACHE)
-    if side == "modelpatch-prefetch":
-        env["MODELPATCH_PREFETCH"] = "1"
+    if side == "modelpatch-no-prefetch":
+        env["MODELPATCH_PREFETCH"] = "0"
     spawned = time.time()
     result = subprocess.run(
         [sys.executable, "-c", CHILD, side, str(path), "1" if fused else "0", "1" if again else "0"],
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                 "whole-process fused warm (qkv + gate_up)", small, ["stock", "modelpatch"], args.pairs, False, True
             )
         if "cold" in args.cases:
-            sides = ["stock", "modelpatch", "modelpatch-prefetch"]
+            sides = ["stock", "modelpatch", "modelpatch-no-prefetch"]
             report += run_case("whole-process cold", large, sides, args.pairs, True, False)
         print("\n".join(report))
     finally:

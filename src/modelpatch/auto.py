@@ -7,25 +7,56 @@ documentation shows. Nothing in transformers is changed: its own Auto classes ke
 
 One class exists for every Auto model class transformers exports (``AutoModel``, ``AutoModelForCausalLM``,
 ``AutoModelForSequenceClassification``, ...); each is made the first time it is imported.
+
+The import line stays light (transformers' package, not its modeling code, and not torch), because what a user waits
+for is the whole process: ``from_pretrained`` first starts reading the checkpoint's files into the page cache
+(:func:`~modelpatch.checkpoint.prefetch.prefetching_directory`), then imports torch and the loader, so that seconds of
+imports overlap the disk reads a cold start otherwise pays in the first forward's page faults.
 """
 
 from __future__ import annotations
 
+import os
 import threading
-from typing import Any, ClassVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from transformers import PretrainedConfig, PreTrainedModel
+from .checkpoint.layout import SAFE_INDEX, SAFE_SINGLE
+from .checkpoint.prefetch import prefetching_directory
 
-from ._transformers import is_auto_class
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
 _lock = threading.Lock()
 _made: dict[str, type[ModelPatchAutoClass]] = {}
 
+# Keywords of a load that reads only part of the files, or reads them in several processes: nothing is prefetched.
+_PARTIAL_READS = ("device_map", "tp_plan", "tp_size", "distributed_config")
 
-class ModelPatchAutoClass:
+
+class _AutoClassType(type):
+    """The metaclass of modelpatch's Auto classes: ``transformers_class`` is looked up on first use, so that making
+    the class (the import line) imports none of transformers' modeling code."""
+
+    @property
+    def transformers_class(cls) -> type[_BaseAutoModelClass]:
+        """The transformers Auto class this class stands for (``transformers.AutoModelForCausalLM``)."""
+        found = cls.__dict__.get("_transformers_class")
+        if found is None:
+            import transformers
+
+            from ._transformers import is_auto_class
+
+            found = getattr(transformers, cls.__name__, None)
+            if not is_auto_class(found):
+                raise TypeError(f"transformers.{cls.__name__} is not one of transformers' Auto model classes.")
+            type.__setattr__(cls, "_transformers_class", found)
+        return found
+
+
+class ModelPatchAutoClass(metaclass=_AutoClassType):
     """Base of modelpatch's Auto classes; ``transformers_class`` is the transformers Auto class it stands for."""
-
-    transformers_class: ClassVar[type]  # one of transformers' Auto model classes
 
     def __init__(self, *args: Any, **kwargs: Any):
         raise OSError(
@@ -35,16 +66,21 @@ class ModelPatchAutoClass:
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: Any, *model_args: Any, **kwargs: Any) -> PreTrainedModel:
-        """:func:`modelpatch.from_pretrained` with ``transformers.<this class>``; takes its keyword arguments."""
-        from .loading import from_pretrained
+        """:func:`modelpatch.from_pretrained` with ``transformers.<this class>``; takes its keyword arguments.
 
+        The checkpoint's files are read into the page cache on a background thread from the first line on, while
+        torch and the loader are imported (docs/benchmarks.md; ``MODELPATCH_PREFETCH=0`` turns it off).
+        """
         if model_args:
             raise TypeError(
                 f"{cls.__name__}.from_pretrained takes the checkpoint and keyword arguments only; "
                 f"got {len(model_args)} extra positional argument(s) "
                 "(pass a config as config=... or load it with AutoConfig first)."
             )
-        return from_pretrained(cls.transformers_class, pretrained_model_name_or_path, **kwargs)
+        with prefetching_directory(_prefetched_directory(pretrained_model_name_or_path, kwargs)):
+            from .loading import from_pretrained
+
+            return from_pretrained(cls.transformers_class, pretrained_model_name_or_path, **kwargs)
 
     @classmethod
     def from_config(cls, config: PretrainedConfig, **kwargs: Any) -> PreTrainedModel:
@@ -54,8 +90,40 @@ class ModelPatchAutoClass:
         return from_config(cls.transformers_class, config, **kwargs)
 
 
+def _prefetched_directory(path: Any, kwargs: dict[str, Any]) -> Path | None:
+    """The local directory a load of ``path`` with ``kwargs`` will read every file of, where that is known before
+    anything heavy is imported: a local directory, or a snapshot already in the hub cache. None for a load that
+    reads part of the files or runs in several processes (``torchrun``), one to download, or one not known yet (the
+    loader resolves it and reports what is wrong)."""
+    if any(kwargs.get(name) is not None for name in _PARTIAL_READS) or os.environ.get("WORLD_SIZE", "1") != "1":
+        return None
+    if not isinstance(path, (str, os.PathLike)):
+        return None
+    subfolder = kwargs.get("subfolder") or ""
+    local = Path(path) / subfolder
+    if local.is_dir():
+        return local
+    if kwargs.get("force_download"):
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    for name in (SAFE_INDEX, SAFE_SINGLE):
+        try:
+            found = try_to_load_from_cache(
+                os.fspath(path),
+                f"{subfolder}/{name}" if subfolder else name,
+                cache_dir=kwargs.get("cache_dir"),
+                revision=kwargs.get("revision"),
+            )
+        except Exception:  # not a repo id (the loader says why)
+            return None
+        if isinstance(found, str):
+            return Path(found).parent
+    return None
+
+
 def auto_class_names() -> list[str]:
-    """The names transformers exports for its Auto model classes."""
+    """The names transformers exports for its Auto model classes (read from its package, importing no model code)."""
     import transformers
 
     return sorted(name for name in dir(transformers) if name.startswith("AutoModel"))
@@ -66,19 +134,12 @@ def auto_class(name: str) -> type[ModelPatchAutoClass]:
     with _lock:
         if name in _made:
             return _made[name]
-        import transformers
-
-        try:
-            original = getattr(transformers, name)
-        except (AttributeError, ImportError):
-            original = None
-        if not is_auto_class(original):
+        if name not in auto_class_names():
             raise AttributeError(f"transformers has no Auto model class {name!r}.")
-        cls = type(
+        cls: type[ModelPatchAutoClass] = _AutoClassType(  # type: ignore[assignment]  # a subclass, made by its metaclass
             name,
             (ModelPatchAutoClass,),
             {
-                "transformers_class": original,
                 "__module__": "modelpatch",
                 "__qualname__": name,
                 "__doc__": f"``transformers.{name}`` loading through modelpatch: patches, fusions and conversions "

@@ -4,6 +4,7 @@ load gives, never fails a load, and its threads end."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -15,7 +16,15 @@ import modelpatch
 import modelpatch.checkpoint.prefetch as prefetch_module
 from modelpatch.checkpoint import Checkpoint
 from modelpatch.checkpoint.file_range import FileRange
-from modelpatch.checkpoint.prefetch import ENV_VAR, Prefetch, checkpoint_ranges, prefetch_enabled, resident_fraction
+from modelpatch.checkpoint.prefetch import (
+    ENV_VAR,
+    Prefetch,
+    checkpoint_ranges,
+    directory_prefetch,
+    prefetch_mode,
+    prefetching_directory,
+    resident_fraction,
+)
 from support.compare import assert_bitwise_equal
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore and posix_fadvise")
@@ -53,11 +62,12 @@ def _prefetch_on(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "1")
 
 
-def test_prefetch_is_opt_in(monkeypatch):
+def test_prefetch_mode(monkeypatch):
     monkeypatch.delenv(ENV_VAR)
-    assert not prefetch_enabled()
-    monkeypatch.setenv(ENV_VAR, "on")
-    assert prefetch_enabled()
+    assert prefetch_mode() == "auto"
+    for value, mode in (("on", "on"), ("1", "on"), ("0", "off"), ("no", "off"), ("auto", "auto"), ("bogus", "auto")):
+        monkeypatch.setenv(ENV_VAR, value)
+        assert prefetch_mode() == mode
 
 
 def test_prefetch_reads_the_files_into_the_page_cache(tmp_path):
@@ -92,7 +102,6 @@ def test_a_load_with_prefetch_gives_the_same_model_and_its_threads_end(stock_che
     prefetched = ckpt.load()
     _join_prefetch_threads()
     monkeypatch.setenv(ENV_VAR, "0")
-    assert not prefetch_enabled()
     plain = ckpt.load()
     assert not _prefetch_threads()
     assert_bitwise_equal(prefetched.state_dict(), plain.state_dict())
@@ -148,3 +157,108 @@ def _other_config(ckpt):
     config = AutoConfig.from_pretrained(ckpt.path)
     config.hidden_size *= 2  # every weight's shape differs from the checkpoint's
     return config
+
+
+def test_the_headers_alone_give_the_load_s_ranges_in_natural_key_order(stock_checkpoint):
+    """The early prefetch reads the headers without torch: the same byte ranges as the checkpoint's, in the same
+    (natural key) order across the shards."""
+    ckpt = stock_checkpoint("llama_sharded")
+    prefetch = directory_prefetch(ckpt.path)
+    assert prefetch is not None
+    prefetch.stop()
+    with Checkpoint.open(ckpt.path) as checkpoint:
+        expected = [(r.path, r.start, r.length) for r in checkpoint_ranges(checkpoint)]
+        assert prefetch.reads(checkpoint.files)
+        assert len({r[0] for r in expected}) > 1
+    from modelpatch.checkpoint.prefetch import _natural_order, _safetensors_ranges, safetensors_files
+
+    found = []
+    for path in safetensors_files(ckpt.path):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            found += _safetensors_ranges(path, fd)
+        finally:
+            os.close(fd)
+    assert [(r.path, r.start, r.length) for r in _natural_order(found)] == expected
+
+
+def test_the_auto_class_starts_the_prefetch_before_torch_is_imported(stock_checkpoint, tmp_path):
+    ckpt = stock_checkpoint("llama")
+    script = (
+        "import sys, threading\n"
+        "import modelpatch.checkpoint.prefetch as p\n"
+        "seen = []\n"
+        "start = p.Prefetch.start.__func__\n"
+        "def recording(cls, *args, **kwargs):\n"
+        "    seen.append('torch' in sys.modules)\n"
+        "    return start(cls, *args, **kwargs)\n"
+        "p.Prefetch.start = classmethod(recording)\n"
+        "from modelpatch import AutoModelForCausalLM\n"
+        "assert 'torch' not in sys.modules\n"
+        "model = AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
+        "print(seen)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop(ENV_VAR, None)
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(ckpt.path)], capture_output=True, text=True, env=env, check=False
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "[False]"  # one prefetch, started before torch, adopted
+
+
+def test_a_failed_auto_class_load_stops_its_prefetch(stock_checkpoint, monkeypatch):
+    ckpt = stock_checkpoint("llama")
+    release = threading.Event()
+    started: list[Prefetch] = []
+    original = prefetch_module.directory_prefetch
+
+    def recorded(directory):
+        prefetch = original(directory)
+        started.append(prefetch)
+        return prefetch
+
+    monkeypatch.setattr(prefetch_module, "_read", lambda *args: release.wait(30))  # a slow disk
+    monkeypatch.setattr(prefetch_module._File, "resident", lambda self, start, length: False)
+    monkeypatch.setattr(prefetch_module, "directory_prefetch", recorded)
+    from modelpatch import AutoModelForCausalLM as PatchedAuto
+
+    with pytest.raises(modelpatch.LoadPlanError):
+        try:
+            PatchedAuto.from_pretrained(ckpt.path, fusion_config={"qkv": True}, config=_other_config(ckpt))
+        finally:
+            release.set()
+    assert len(started) == 1 and started[0] is not None and started[0].stopped
+    _join_prefetch_threads()
+
+
+def test_no_prefetch_for_partial_reads_or_when_turned_off(stock_checkpoint, monkeypatch):
+    ckpt = stock_checkpoint("llama")
+    from modelpatch.auto import _prefetched_directory
+
+    assert _prefetched_directory(ckpt.path, {}) == ckpt.path
+    assert _prefetched_directory(ckpt.path, {"device_map": {"": "cpu"}}) is None
+    assert _prefetched_directory(ckpt.path, {"tp_plan": "auto"}) is None
+    assert _prefetched_directory(object(), {}) is None
+    monkeypatch.setenv(ENV_VAR, "0")
+    with prefetching_directory(ckpt.path) as prefetch:
+        assert prefetch is None
+
+
+def test_the_prefetch_adds_nothing_to_the_process_memory(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({f"layers.{i}.weight": torch.ones(1024, 1024) for i in range(16)}, tmp_path / "model.safetensors")
+    _evict(tmp_path / "model.safetensors")
+    if resident_fraction(tmp_path / "model.safetensors") > 0.5:
+        pytest.skip("this file system keeps the file cached (posix_fadvise(DONTNEED) is only a hint)")
+
+    def rss() -> int:
+        return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS"))
+
+    before = rss()
+    prefetch = directory_prefetch(tmp_path)
+    assert prefetch is not None
+    prefetch.join(30)
+    assert prefetch.read_bytes >= 32 * 2**20  # 64 MiB file, most of it read
+    assert rss() - before < 8 * 2**20

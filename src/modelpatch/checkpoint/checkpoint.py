@@ -13,15 +13,12 @@ import torch
 from modelpatch.errors import CheckpointError
 
 from .file_range import FileRange
-from .json_file import MAX_INDEX_BYTES, read_json
+from .layout import PICKLE_INDEX, PICKLE_SINGLE, SAFE_INDEX, SAFE_SINGLE, read_weight_map
 from .safetensors_file import ClosesOnExit, FileIdentity, SafetensorsFile, TensorInfo
 
 logger = logging.getLogger(__name__)
 
-SAFE_INDEX = "model.safetensors.index.json"
-SAFE_SINGLE = "model.safetensors"
-PICKLE_INDEX = "pytorch_model.bin.index.json"
-PICKLE_SINGLE = "pytorch_model.bin"
+__all__ = ["PICKLE_INDEX", "PICKLE_SINGLE", "SAFE_INDEX", "SAFE_SINGLE", "Checkpoint", "read_weight_map"]
 
 
 class PickleFile(ClosesOnExit):
@@ -372,23 +369,6 @@ def _read_weight_map(handle: _Directory, index_name: str) -> dict[str, str]:
     except OSError as exc:
         raise CheckpointError(f"{index_path}: cannot read it: {exc}") from exc
     return read_weight_map(index_path, fd)
-
-
-def read_weight_map(index_path: Path, fd: int | None = None) -> dict[str, str]:
-    """The ``weight_map`` of shard index ``index_path`` (read from ``fd``, which is then closed, when given), read
-    with the bounds of :func:`~modelpatch.checkpoint.json_file.read_json` before it is parsed.
-
-    Raises:
-        CheckpointError: naming the index, when it is too large, nests too deeply, is not JSON or has no
-            ``weight_map`` of tensor key to shard file name.
-    """
-    index = read_json(index_path, MAX_INDEX_BYTES, fd)
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-    ):
-        raise CheckpointError(f"{index_path}: 'weight_map' must be a JSON object of tensor key to shard file name")
-    return weight_map
 
 
 def _confined_shard(directory: Path, handle: _Directory, index_path: Path, name: str) -> Path:

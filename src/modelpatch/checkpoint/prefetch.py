@@ -4,33 +4,49 @@ A load maps the safetensors files and hands out views of them: their bytes are r
 touched, by the conversions of the load and then by the first forward pass, one page fault at a time (each a small
 synchronous read). On a cold page cache that costs several times what reading the same bytes in large sequential
 reads costs. A :class:`Prefetch` reads the files' byte ranges in the order given (the order the load and the forward
-need them) in large chunks on daemon threads, so that the faults find the pages already cached while the main thread
-goes on building the model and running it.
+need them: natural key order, layer 2 before layer 10) in large chunks on a daemon thread, so that the faults find
+the pages already cached while the main thread goes on.
 
-It is a hint, and never more: the threads read with ``sendfile`` to ``/dev/null`` (the kernel reads the pages into the
-page cache and copies them nowhere; a small buffer where it cannot), through their own duplicates of the file
-descriptors (closing the checkpoint leaves them reading a file that is still open, never another file given the same
-descriptor number); they skip chunks whose pages are all resident already (a warm cache costs one ``mincore`` per
-chunk), read every byte at most once and at most half the memory available, and stop on the first error, which is
-logged at DEBUG level and never raised. Opt-in: ``MODELPATCH_PREFETCH=1`` turns it on.
+Started late (once a load has opened its checkpoint) it gains nothing measurable: the only work left to overlap is
+the load itself, a fraction of a second. Started first thing in ``from_pretrained`` by modelpatch's Auto classes
+(:func:`prefetching_directory`), before torch and transformers' modeling code are imported, it overlaps the reads
+with seconds of imports: the load that follows adopts it (:func:`prefetching`) instead of starting its own.
+docs/benchmarks.md has the figures. This module imports nothing heavy for that reason (no torch).
+
+It is a hint, and never more: the thread reads with ``sendfile`` to ``/dev/null`` (the kernel reads the pages into the
+page cache and copies them nowhere; a small buffer where it cannot), through its own duplicates of the file
+descriptors (closing the checkpoint leaves it reading a file that is still open, never another file given the same
+descriptor number); it skips chunks whose pages are all resident already (a warm cache costs one ``mincore`` per
+chunk), reads every byte at most once and at most half the memory available, and stops on the first error, which is
+logged at DEBUG level and never raised, and when the load fails. ``MODELPATCH_PREFETCH``: unset (or ``auto``), the
+Auto classes' early prefetch only; ``1`` every load prefetches; ``0`` none does.
 """
 
 from __future__ import annotations
 
 import collections
+import contextvars
 import ctypes
 import errno
 import logging
 import mmap
 import os
 import re
+import stat
+import struct
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
-from .checkpoint import Checkpoint
 from .file_range import FileRange
+from .json_file import parse_json
+from .layout import MAX_HEADER_BYTES, SAFE_INDEX, SAFE_SINGLE, read_weight_map
+
+if TYPE_CHECKING:
+    from .checkpoint import Checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +78,21 @@ def read_budget() -> int | None:
     return None if available is None else available // 2
 
 
-def prefetch_enabled() -> bool:
-    """Whether loads prefetch their checkpoint: only when ``MODELPATCH_PREFETCH`` is 1/true/yes/on. Off by default:
-    measured on a virtual disk with 8 MiB read-ahead, it did not shorten a cold load + first forward (see
-    docs/benchmarks.md)."""
-    return os.environ.get(ENV_VAR, "0").strip().lower() in ("1", "true", "yes", "on")
+Mode = Literal["auto", "on", "off"]
+
+
+def prefetch_mode() -> Mode:
+    """What ``MODELPATCH_PREFETCH`` asks for: ``"on"`` (1/true/yes/on: every load prefetches), ``"off"``
+    (0/false/no/off: none does) or ``"auto"`` (unset, empty or ``auto``: the early prefetch of the Auto classes only,
+    the one measured to help; any other value is logged as a warning and read as ``auto``)."""
+    value = os.environ.get(ENV_VAR, "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return "on"
+    if value in ("0", "false", "no", "off"):
+        return "off"
+    if value not in ("", "auto"):
+        logger.warning("%s=%r is none of 1, 0, auto: read as auto", ENV_VAR, value)
+    return "auto"
 
 
 def _natural(key: str) -> list[object]:
@@ -77,8 +103,13 @@ def _natural(key: str) -> list[object]:
 def checkpoint_ranges(checkpoint: Checkpoint) -> list[FileRange]:
     """The byte ranges of ``checkpoint``'s safetensors tensors, in natural key order (layer 2 before layer 10): the
     order of a model's layers, known from the headers alone. Tensors of pickle files have none."""
-    ranges = (checkpoint.file_range(key) for key in sorted(checkpoint.keys(), key=_natural))
-    return [r for r in ranges if r is not None and r.length > 0]
+    ranges = ((key, checkpoint.file_range(key)) for key in checkpoint.keys())
+    return _natural_order([(key, r) for key, r in ranges if r is not None])
+
+
+def _natural_order(ranges: list[tuple[str, FileRange]]) -> list[FileRange]:
+    """The non-empty ranges of ``(key, range)`` pairs, sorted by :func:`_natural` key."""
+    return [r for _, r in sorted(ranges, key=lambda item: _natural(item[0])) if r.length > 0]
 
 
 def _find_mincore() -> tuple[Callable[..., int], Callable[..., int], Callable[..., int]] | None:
@@ -110,10 +141,12 @@ class _File:
         self.fd = os.dup(fd)
         self.address: int | None = None
         try:
-            self.size = os.fstat(self.fd).st_size
+            status = os.fstat(self.fd)
         except OSError:
             os.close(self.fd)
             raise
+        self.size = status.st_size
+        self.identity = (status.st_dev, status.st_ino)
         if _MINCORE is not None and self.size > 0:
             address = _MINCORE[0](None, self.size, mmap.PROT_READ, mmap.MAP_SHARED, self.fd, 0)
             self.address = None if address in (None, _MAP_FAILED) else address
@@ -227,6 +260,9 @@ class Prefetch:
         except BaseException:
             self._close_files()
             raise
+        self.planned_bytes = sum(length for _, _, length in self._chunks)
+        # (device, inode) of each file read: which files these are, whatever path or descriptor named them.
+        self.files = frozenset(file.identity for file in self._files.values())
         self._running = min(threads, len(self._chunks))
         self._threads = [
             threading.Thread(target=self._run, name=f"modelpatch-prefetch-{i}", daemon=True)
@@ -239,8 +275,8 @@ class Prefetch:
     def start(
         cls, ranges: Sequence[FileRange], threads: int = THREADS, chunk_bytes: int = CHUNK_BYTES
     ) -> Prefetch | None:
-        """Start prefetching ``ranges``; None when prefetching is turned off or could not start (logged)."""
-        if not prefetch_enabled() or not ranges:
+        """Start prefetching ``ranges``; None when there is nothing to read or it could not start (logged)."""
+        if not ranges:
             return None
         try:
             prefetch = cls(ranges, threads, chunk_bytes)
@@ -256,6 +292,7 @@ class Prefetch:
         except Exception as exc:  # a hint that cannot start is no reason to fail a load
             logger.debug("checkpoint prefetch not started: %s", exc)
             return None
+        logger.debug("checkpoint prefetch started: %d bytes of %d file(s)", prefetch.planned_bytes, len(prefetch.files))
         return prefetch
 
     def _merged(self, ranges: Sequence[FileRange]) -> Iterator[tuple[_File, int, int]]:
@@ -326,8 +363,22 @@ class Prefetch:
 
     def stop(self, timeout: float | None = None) -> None:
         """Stop after the chunks being read now, and wait up to ``timeout`` seconds for the threads to end."""
+        if self.alive() and not self._stopped.is_set():
+            logger.debug("checkpoint prefetch stopped after %d of %d bytes", self.read_bytes, self.planned_bytes)
         self._stopped.set()
         self.join(timeout)
+
+    @property
+    def stopped(self) -> bool:
+        """Whether :meth:`stop` was called or an error ended the reads."""
+        return self._stopped.is_set()
+
+    def reads(self, paths: Sequence[str | os.PathLike[str]]) -> bool:
+        """Whether this prefetch reads exactly the files ``paths`` (the same files, by device and inode)."""
+        try:
+            return {(status.st_dev, status.st_ino) for status in map(os.stat, paths)} == self.files
+        except OSError:
+            return False
 
     def join(self, timeout: float | None = None) -> None:
         """Wait up to ``timeout`` seconds (None: until done) for the threads to end."""
@@ -340,22 +391,109 @@ class Prefetch:
         return any(thread.is_alive() for thread in self._threads)
 
 
+def _safetensors_ranges(path: Path, fd: int) -> list[tuple[str, FileRange]]:
+    """The (key, byte range) of each tensor in safetensors file ``path`` open as ``fd``, read from its header alone
+    (no torch: see the module docstring). Checked only as far as a hint needs (ranges clipped to the file): the
+    load validates the header itself."""
+    size = os.fstat(fd).st_size
+    prefix = os.pread(fd, 8, 0)
+    if len(prefix) < 8:
+        raise ValueError(f"{path}: too short for a safetensors header")
+    (header_length,) = struct.unpack("<Q", prefix)
+    if header_length > min(MAX_HEADER_BYTES, size - 8):
+        raise ValueError(f"{path}: header length {header_length} out of bounds")
+    header = parse_json(path, os.pread(fd, header_length, 8))
+    data = 8 + header_length
+    ranges = []
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        begin, end = (min(data + offset, size) for offset in entry["data_offsets"])
+        ranges.append((key, FileRange(path, fd, begin, max(end - begin, 0))))
+    return ranges
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    """The safetensors files a load of checkpoint ``directory`` reads: the shards its index names (a name that
+    would leave the directory is skipped: the load refuses it), or ``model.safetensors``; none for a pickle one."""
+    if (directory / SAFE_INDEX).is_file():
+        names = sorted(set(read_weight_map(directory / SAFE_INDEX).values()))
+        return [directory / name for name in names if not Path(name).is_absolute() and ".." not in Path(name).parts]
+    return [directory / SAFE_SINGLE] if (directory / SAFE_SINGLE).is_file() else []
+
+
+def directory_prefetch(directory: Path) -> Prefetch | None:
+    """Start prefetching the tensors of local checkpoint ``directory``, in natural key order across its files, from
+    the files' headers alone (no torch); None when it has no safetensors file or one cannot be read (logged at DEBUG
+    level: the load reports it)."""
+    try:
+        with ExitStack() as opened:
+            ranges: list[tuple[str, FileRange]] = []
+            for path in safetensors_files(directory):
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO must not block
+                opened.callback(os.close, fd)
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise ValueError(f"{path}: not a regular file")
+                ranges += _safetensors_ranges(path, fd)
+            return Prefetch.start(_natural_order(ranges))  # it reads duplicates of the descriptors closed here
+    except Exception as exc:
+        logger.debug("checkpoint prefetch not started for %s: %s", directory, exc)
+        return None
+
+
+# The prefetch started by prefetching_directory() for the load running in this context (thread), which that load's
+# prefetching() adopts.
+_started: contextvars.ContextVar[Prefetch | None] = contextvars.ContextVar("modelpatch_prefetch", default=None)
+
+
+@contextmanager
+def _stopped_on_failure(prefetch: Prefetch | None) -> Iterator[None]:
+    """Stop ``prefetch`` when the block fails; it goes on past a block that succeeds."""
+    try:
+        yield
+    except BaseException:
+        if prefetch is not None:
+            prefetch.stop()
+        raise
+
+
+@contextmanager
+def prefetching_directory(directory: Path | None) -> Iterator[Prefetch | None]:
+    """Prefetch local checkpoint ``directory`` (None: nothing to prefetch) during the block, and after it unless it
+    fails. Meant to start before anything heavy is imported; a load in the block adopts it (:func:`prefetching`).
+    Off only with ``MODELPATCH_PREFETCH=0``."""
+    prefetch = directory_prefetch(directory) if directory is not None and prefetch_mode() != "off" else None
+    token = _started.set(prefetch)
+    try:
+        with _stopped_on_failure(prefetch):
+            yield prefetch
+    finally:
+        _started.reset(token)
+
+
 @contextmanager
 def prefetching(checkpoint: Checkpoint, enabled: bool = True) -> Iterator[Prefetch | None]:
-    """Prefetch ``checkpoint``'s tensors (when ``enabled`` and not turned off) during the block, and after it: the
-    threads go on past a block that succeeds (the first forward reads what they read), and stop with one that fails.
+    """Prefetch ``checkpoint``'s tensors during the block, and after it: the threads go on past a block that succeeds
+    (the first forward reads what they read), and stop with one that fails.
+
+    A prefetch :func:`prefetching_directory` started for this load is adopted when it reads the checkpoint's files
+    (and stopped when it does not, or when ``enabled`` is False: a placement that reads part of the files). Otherwise
+    one is started only when ``enabled`` and ``MODELPATCH_PREFETCH=1``: started this late, it was not measured to
+    help.
     """
-    prefetch = None
-    if enabled and prefetch_enabled():
+    prefetch = _started.get()
+    if prefetch is not None:
+        _started.set(None)  # adopted once: a nested load starts its own
+        if not enabled or not prefetch.reads(checkpoint.files):
+            logger.debug("checkpoint prefetch stopped: it reads other files than the load, or the load reads a part")
+            prefetch.stop()
+            prefetch = None
+    if prefetch is None and enabled and prefetch_mode() == "on":
         try:
             ranges = checkpoint_ranges(checkpoint)
         except Exception as exc:  # the load reports a file it cannot read; the hint just does not start
             logger.debug("checkpoint prefetch not started: %s", exc)
         else:
             prefetch = Prefetch.start(ranges)
-    try:
+    with _stopped_on_failure(prefetch):
         yield prefetch
-    except BaseException:
-        if prefetch is not None:
-            prefetch.stop()
-        raise

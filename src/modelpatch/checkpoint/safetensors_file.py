@@ -17,13 +17,11 @@ import torch
 
 from modelpatch.checkpoint.file_range import FileRange
 from modelpatch.checkpoint.json_file import parse_json
+from modelpatch.checkpoint.layout import MAX_HEADER_BYTES
 from modelpatch.checkpoint.pages import register_mapping
 from modelpatch.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
-
-MAX_HEADER_BYTES = 100_000_000
-"""Upper bound on the JSON header length; the safetensors reference implementation uses the same limit."""
 
 
 def _build_dtype_table() -> dict[str, torch.dtype]:
