@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import modelpatch
 from modelpatch.loading.fsdp import ShardedLoadError
@@ -171,6 +171,16 @@ def test_sharded_load_refuses_placing_keywords_by_name(tiny, keyword):
     model.to_empty(device="cpu")
     with pytest.raises(TypeError, match=f"load_sharded\\(\\) got {next(iter(keyword))}"):
         modelpatch.load_sharded(model, checkpoint.path, **keyword)
+
+
+def test_sharded_load_refuses_parameters_the_checkpoint_does_not_fill(tiny):
+    """A new head would keep to_empty's uninitialised memory: refused, naming it, before anything is read."""
+    checkpoint = tiny("llama")
+    with torch.device("meta"):
+        model = modelpatch.from_config(AutoModelForSequenceClassification, AutoConfig.from_pretrained(checkpoint.path))
+    model.to_empty(device="cpu")
+    with pytest.raises(ShardedLoadError, match=r"does not fill \['score\.weight'\]"):
+        modelpatch.load_sharded(model, checkpoint.path, new_parameters=["score"])
 
 
 def test_collective_save_refused_on_every_rank(fsdp_run):

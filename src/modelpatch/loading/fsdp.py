@@ -101,6 +101,19 @@ class FullyShardedLoad(LoadMode):
                 f"The sharded {type(self.model).__name__} is not the model the checkpoint {plan.directory} loads into "
                 f"(built with other fusions or patches?); nothing was loaded:\n  - " + "\n  - ".join(differing)
             )
+        if others := [mode.name for mode in plan.modes if mode is not self]:
+            raise ShardedLoadError(
+                f"A sharded load of {type(self.model).__name__} cannot also be a load with {', '.join(others)} (from "
+                "the checkpoint's config or the keywords); nothing was loaded."
+            )
+        # A parameter the checkpoint does not fill would keep the uninitialised memory to_empty gave it.
+        if unfilled := sorted(plan.expected.keys() - set(plan.loaded_keys()) - plan.tied.keys()):
+            raise ShardedLoadError(
+                f"The checkpoint {plan.directory} does not fill {unfilled[:5]}"
+                f"{' and more' if len(unfilled) > 5 else ''} of the sharded {type(self.model).__name__}: a sharded "
+                "load initialises no new parameters (load unsharded with new_parameters=, save, then load sharded); "
+                "nothing was loaded."
+            )
         self.rows = {key: local_rows(tensor) for key, tensor in self.targets.items()}
         self._direct = {checkpoint: runtime for runtime, checkpoint in plan.conversion.direct.items()}
 
@@ -126,6 +139,8 @@ class FullyShardedLoad(LoadMode):
         targets = group.target_keys()
         rows = self.rows.get(targets[0]) if len(targets) == 1 else None
         if rows is not None and isinstance(self.targets[targets[0]], DTensor):
+            if rows.start == rows.stop:  # an uneven shard can leave this rank no rows at all: nothing to read
+                return {targets[0]: torch.empty_like(local_part(self.targets[targets[0]]))}
             concatenated = group.concatenated_rows()
             if concatenated is not None:
                 sizes = [shape[0] for shape in _source_shapes(group)]
@@ -246,6 +261,7 @@ def load_sharded(model: PreTrainedModel, path: str | os.PathLike[str], **keyword
             f"load_sharded() got {', '.join(placing)}: the sharded model already decides where each rank's shards "
             "live and in which dtype; shard (and cast) the model before loading."
         )
+    keywords.setdefault("unexpected_keys", "warn")  # as from_pretrained (plan_pretrained's default is "ignore")
     if keywords.get("fusion_config") is None:
         keywords["fusion_config"] = stored_fusion_config(model.config)
     mode = FullyShardedLoad(model)

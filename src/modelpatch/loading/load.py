@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any, Literal, overload
 
 import torch
-from torch import nn
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 
 from .._transformers import initialize_missing, set_attention_implementation, set_experts_implementation
@@ -500,8 +499,9 @@ def load_with_options(model_class: type, path: str | os.PathLike[str], options: 
     """:func:`from_pretrained` with its keywords gathered in ``options``: planned and executed on one open
     checkpoint."""
     request = _Request.resolve(model_class, path, options)
-    # With MODELPATCH_PREFETCH=1, the files are read into the page cache on a background thread from here on, while
-    # the model is built and loaded and during the first forward (a hint: off for placements reading part of them).
+    # A prefetch modelpatch's Auto classes started (before torch was imported) is adopted here; otherwise one starts
+    # here only with MODELPATCH_PREFETCH=1. It reads the files into the page cache while the model is built and
+    # loaded and during the first forward (a hint: off for placements reading part of them).
     with (
         options.open_checkpoint(request.directory) as checkpoint,
         prefetching(checkpoint, enabled=request.prefetches()),
@@ -511,7 +511,7 @@ def load_with_options(model_class: type, path: str | os.PathLike[str], options: 
     return _finish(plan, device)
 
 
-def execute_plan(plan: LoadPlan, model: nn.Module) -> torch.device:
+def execute_plan(plan: LoadPlan, model: PreTrainedModel) -> torch.device:
     """The execute stage of :func:`load_planned`, into ``model`` (the plan's model, or one of its structure a mode
     fills, as :func:`~modelpatch.load_sharded` fills a sharded model): reopen the checkpoint, check its headers are
     those planned, and fill the model (:func:`_fill`), without transformers' finalisation. Returns the device the
@@ -537,19 +537,20 @@ def execute_plan(plan: LoadPlan, model: nn.Module) -> torch.device:
         return _fill(plan, checkpoint, model)
 
 
-def _fill(plan: LoadPlan, checkpoint: Checkpoint, model: nn.Module | None = None) -> torch.device:
+def _fill(plan: LoadPlan, checkpoint: Checkpoint, model: PreTrainedModel | None = None) -> torch.device:
     """Read every planned tensor into ``model`` (default: the plan's), through the tensor source the modes wrap
     (:meth:`LoadMode.wrap_source`), onto the device they name, each group converted and each tensor placed as the
     modes take them (:meth:`LoadMode.run_group`, :meth:`LoadMode.place`); then :meth:`LoadMode.after_load`. Returns
     that device."""
     plan.loaded = True  # from here on the model holds read tensors: a failure leaves nothing to load again
+    model = plan.model if model is None else model
     # Safetensors tensors (byte range known) are views of a private file mapping; pickle ones are not.
     source = TensorSource(checkpoint.tensor, lambda key: checkpoint.info(key).start >= 0)
     for mode in plan.modes:
         source = mode.wrap_source(source)
     device = _device(plan)
     load_into_model(
-        plan.model if model is None else model,
+        model,
         plan,
         source.fetch,
         device,
@@ -560,7 +561,7 @@ def _fill(plan: LoadPlan, checkpoint: Checkpoint, model: nn.Module | None = None
     # A file rewritten in place while its tensors were being read may have given data of two versions.
     checkpoint.check_unchanged()
     for mode in plan.modes:
-        mode.after_load(plan.model, plan, checkpoint)
+        mode.after_load(model, plan, checkpoint)
     return device
 
 

@@ -32,7 +32,7 @@ from .._transformers import has_transformers_adapter
 from ..checkpoint import write_checkpoint
 from .distributed import is_fully_sharded
 from .parallel import barrier, writes_files
-from .save_contents import checkpoint_contents, checkpoint_tensors, config_files, untied_pairs
+from .save_contents import checkpoint_contents, checkpoint_tensors, config_files, reject_wrapped, untied_pairs
 from .save_sharded import save_sharded
 
 logger = logging.getLogger(__name__)
@@ -71,6 +71,7 @@ def save_pretrained(
         SaveError: A module was substituted since the model was built (a quantizer's module, a quantized tensor
             subclass, PEFT layers) and its state cannot be written so that it loads back the same; nothing is written.
     """
+    reject_wrapped(model)  # a PEFT model or injected adapters: said as such, sharded or not
     if is_fully_sharded(model):  # DTensor parameters (FSDP2, tensor parallelism): every rank writes its own rows
         return save_sharded(model, path, save_original_format=save_original_format, max_shard_size=max_shard_size)
     tensors, metadata = checkpoint_contents(model, None, original_format=save_original_format)

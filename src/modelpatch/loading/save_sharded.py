@@ -22,8 +22,10 @@ Every rank must share the file system the directory is on (one machine, or a sha
 from __future__ import annotations
 
 import logging
+import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -99,10 +101,25 @@ class _Pieces:
             path, offset = self.places[key]
             if path not in self.fds:
                 self.fds[path] = os.open(path, os.O_WRONLY)
-            row_bytes = meta[0].numel() * meta.element_size() if meta.ndim else 0
+            row_bytes = math.prod(meta.shape[1:]) * meta.element_size() if meta.ndim else 0
             write_at(self.fds[path], offset + row * row_bytes, tensor)
-        except (OSError, SaveError) as exc:
-            self.error = f"rank {dist.get_rank()}: cannot write {key}: {exc}"
+        except Exception as exc:  # whatever it is, this rank must go on to the collectives the others wait in
+            self.fail(f"cannot write {key}: {exc}")
+
+    def fail(self, message: str) -> None:
+        """Note this rank's first failure; the save goes on through its collectives and is refused at the end."""
+        if self.error is None:
+            self.error = f"rank {dist.get_rank()}: {message}"
+
+    def converted(self, group: ConversionGroup, convert: Callable[[], Any]) -> Any:
+        """``convert()`` (local work of one rank: no collective), or None when it fails (the failure is noted)."""
+        if self.error is not None:
+            return None
+        try:
+            return convert()
+        except Exception as exc:  # as in put: the other ranks must not be left waiting in a collective
+            self.fail(f"cannot convert {group.target_keys()} back to {group.sources_summary()}: {exc}")
+            return None
 
     def close(self) -> None:
         for fd in self.fds.values():
@@ -176,17 +193,23 @@ class ShardedState:
                     continue
                 if rows is not None and _unstacks_rows(group):
                     if rows.writes:
-                        outputs = run_operations(
-                            list(group.operations), [local_part(self.state[key]) for key in sources]
+                        outputs = pieces.converted(
+                            group,
+                            partial(
+                                run_operations,
+                                list(group.operations),
+                                [local_part(self.state[key]) for key in sources],
+                            ),
                         )
-                        for keys, entries in zip(group.targets, outputs, strict=True):
-                            for position, tensor in enumerate(entries):  # type: ignore[arg-type]
+                        for keys, entries in zip(group.targets, outputs or (), strict=False):
+                            for position, tensor in enumerate(entries):
                                 pieces.put(keys[rows.start + position], 0, tensor)  # type: ignore[index]
                     continue
                 # Not row by row: the group's sources gathered on every rank, converted and written by one.
                 fulls = {key: self.full(key) for key in sources}
                 if index % world == rank:
-                    for key, tensor in group.run(fulls.__getitem__).items():
+                    converted = pieces.converted(group, partial(group.run, fulls.__getitem__))
+                    for key, tensor in (converted or {}).items():
                         pieces.put(key, 0, tensor)
                 del fulls
 
@@ -237,6 +260,8 @@ def _write_collectively(
         pieces = _Pieces(places, sharded.layout)
         try:
             sharded.write(pieces)
+        except Exception as exc:  # a failed collective: the others failed in it too, or they learn it below
+            pieces.fail(str(exc))
         finally:
             pieces.close()
         errors: list[str | None] = [None] * dist.get_world_size()
