@@ -33,6 +33,7 @@ __all__ = [
     "shard_of",
     "full_tensor",
     "is_fsdp",
+    "is_tensor_parallel",
     "refuse_adapters",
     "refuse_sharded",
     "refuse_two_shardings",
@@ -54,7 +55,8 @@ def is_fsdp(model: nn.Module) -> bool:
     return any(isinstance(module, FSDPModule) for module in model.modules())
 
 
-def _tensor_parallel(model: nn.Module) -> bool:
+def is_tensor_parallel(model: nn.Module) -> bool:
+    """Whether ``model`` was loaded with tensor parallelism (its parameters are shards)."""
     record = model_record(model)
     return record is not None and record.tensor_parallel_parts is not None
 
@@ -62,7 +64,7 @@ def _tensor_parallel(model: nn.Module) -> bool:
 def sharding_of(model: nn.Module) -> str | None:
     """How ``model``'s parameters are spread over processes, in words for messages ("tensor-parallel",
     "FSDP2-sharded", or both), or None when each process holds them whole."""
-    kinds = {"tensor-parallel": _tensor_parallel(model), "FSDP2-sharded": is_fsdp(model)}
+    kinds = {"tensor-parallel": is_tensor_parallel(model), "FSDP2-sharded": is_fsdp(model)}
     return " and ".join(kind for kind, sharded in kinds.items() if sharded) or None
 
 
@@ -75,7 +77,7 @@ def refuse_sharded(model: nn.Module, what: str, remedy: str, error: type[ModelPa
 
 def refuse_two_shardings(model: nn.Module, what: str) -> None:
     """Raise :class:`ShardingError` naming ``what`` when ``model`` is both tensor-parallel and FSDP2-sharded."""
-    if _tensor_parallel(model) and is_fsdp(model):
+    if is_tensor_parallel(model) and is_fsdp(model):
         raise ShardingError(
             f"{what} does not work on a tensor-parallel and FSDP2-sharded model ({type(model).__name__}): "
             + _TWO_D_REMEDY

@@ -56,6 +56,7 @@ from ..errors import ModelPatchError
 from ..fusions.linear_experts.modules import ExpertMLP, LinearExperts
 from ..fusions.projections import FusedLinear, ProjectionSlice
 from ..state import ensure_model_record, model_record
+from .distributed import is_tensor_parallel
 from .modes import LoadMode, TensorSource
 
 if TYPE_CHECKING:
@@ -568,12 +569,6 @@ class ShardedLoad:
                 module._parameters[name] = sharded
 
 
-def is_tensor_parallel(model: nn.Module) -> bool:
-    """Whether ``model`` was loaded with tensor parallelism (its parameters are shards)."""
-    record = model_record(model)
-    return record is not None and record.tensor_parallel_parts is not None
-
-
 def gather_state(model: nn.Module, state: Mapping[str, Any]) -> dict[str, Any]:
     """``state`` with every shard gathered into its full tensor; every rank must call it (collectives).
 
@@ -604,11 +599,6 @@ def gather_state(model: nn.Module, state: Mapping[str, Any]) -> dict[str, Any]:
             tensor = torch.cat([piece[index] for index in range(len(parts[key])) for piece in pieces])
         gathered[key] = tensor
     return gathered
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a ``DTensor`` (what holds its storage); any other tensor as is."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def writes_files(model: nn.Module) -> bool:

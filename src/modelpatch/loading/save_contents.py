@@ -24,10 +24,9 @@ from ..conversion.planner import ConversionPlan, TensorMeta, plan_save
 from ..conversion.transforms import WeightTransform
 from ..errors import ConversionError, SaveError
 from ..state import mark_runtime_layout, model_record, record_file_layout, stored_fusion_config
-from .distributed import model_class
+from .distributed import local_part, model_class
 from .modes import prepare_save
 from .offload import meta_tensors, unreadable_meta_tensors
-from .parallel import local_tensor
 from .quantized_save import quantized_checkpoint
 from .report import LoadReport, get_load_report
 
@@ -119,7 +118,7 @@ _REMEDY_SUBSTITUTED = (
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a, b = local_tensor(a), local_tensor(b)  # a tensor-parallel shard's storage is its local tensor's
+    a, b = local_part(a), local_part(b)  # a tensor-parallel shard's storage is its local tensor's
     return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
