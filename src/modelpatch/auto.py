@@ -26,7 +26,6 @@ from .checkpoint.prefetch import prefetching_directory
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
-    from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
 _lock = threading.Lock()
 _made: dict[str, type[ModelPatchAutoClass]] = {}
@@ -40,7 +39,7 @@ class _AutoClassType(type):
     the class (the import line) imports none of transformers' modeling code."""
 
     @property
-    def transformers_class(cls) -> type[_BaseAutoModelClass]:
+    def transformers_class(cls) -> type:
         """The transformers Auto class this class stands for (``transformers.AutoModelForCausalLM``)."""
         found = cls.__dict__.get("_transformers_class")
         if found is None:
