@@ -179,11 +179,9 @@ def shard_of(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     target is row-sharded, else DTensor's own split of ``full`` along ``target``'s placements (no communication:
     every rank holds ``full``)."""
     rows = local_rows(target)
-    if rows is not None:
-        return full[rows.start : rows.stop] if isinstance(target, DTensor) else full
-    if not isinstance(target, DTensor):
-        return full
-    return distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+    if rows is not None and isinstance(target, DTensor):
+        return full[rows.start : rows.stop]  # a view: what torch's own split of these placements gives, uncopied
+    return local_part(shard_like(full, target))
 
 
 def part_offsets(sizes: Sequence[int]) -> list[int]:

@@ -21,23 +21,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from ..errors import SaveError
-from .distributed import local_part, shard_of
+from .distributed import local_part, shard_like, shard_of
 from .save_sharded import ShardedState
-
-
-def _sharded_like(reference: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """``full`` sharded as ``reference`` is (same mesh and placements; this rank's part copied out of ``full``)."""
-    if not isinstance(reference, DTensor):
-        return full.clone()
-    sharded = distribute_tensor(full, reference.device_mesh, reference.placements, src_data_rank=None)
-    local = sharded.to_local().clone()
-    return DTensor.from_local(
-        local, reference.device_mesh, reference.placements, run_check=False, shape=full.shape, stride=full.stride()
-    )
 
 
 def get_original_state_dict(model: PreTrainedModel) -> dict[str, torch.Tensor]:
@@ -55,7 +44,8 @@ def get_original_state_dict(model: PreTrainedModel) -> dict[str, torch.Tensor]:
             sources = group.source_keys()
             fulls = {key: sharded.full(key) for key in sources}
             for key, tensor in group.run(fulls.__getitem__).items():
-                result[key] = _sharded_like(sharded.state[sources[0]], tensor)
+                # Sharded as the source is, this rank's part copied out of the whole converted tensor.
+                result[key] = shard_like(tensor, sharded.state[sources[0]]).clone()
     return result
 
 
