@@ -16,8 +16,15 @@ returns, so interpreter start, every import and the load are in the figure. Figu
   loads the same checkpoint unfused);
 * ``whole-process cold``: every checkpoint file evicted from the page cache before each sample
   (``posix_fadvise(POSIX_FADV_DONTNEED)`` on each file, after an ``fsync``; the resident fraction is then measured
-  with ``mincore`` and printed); ~2.2 GB TinyLlama-shaped bf16 Llama. A third side, modelpatch with
-  ``MODELPATCH_PREFETCH=0``, shows what the checkpoint prefetch (started first thing in ``from_pretrained``) does;
+  with ``mincore`` and printed), then ``--settle`` seconds of waiting (default 15); ~2.2 GB TinyLlama-shaped bf16
+  Llama. A third side, modelpatch with ``MODELPATCH_PREFETCH=0``, shows what the checkpoint prefetch (started first
+  thing in ``from_pretrained``) does. Why the wait: on a virtual machine with virtio-balloon free page reporting,
+  the memory the eviction frees goes back to the host about two seconds later, and the first CPU touch of each page
+  re-allocated from it then costs a host fault, about as much as reading it from disk (measured here: ~3.5 s for
+  2.2 GB). A checkpoint that is really cold (the first load after a boot, or after other work pushed it out) sits
+  in such memory; one evicted just before the sample does not, which makes the figure depend on how fast the child
+  starts. ``--settle 0`` measures that other state. ``cold-floor`` runs stock and modelpatch on the same checkpoint
+  warm: what each costs without the disk, the floor a cold start cannot go below;
 * ``in-process``: measured inside the warm samples: the ``from_pretrained`` call alone, first call in the fresh
   process (the imports it makes land there), and a second load + forward in the same process.
 
@@ -35,6 +42,7 @@ Usage::
 
     python benchmarks/process.py                    # all cases, 5 pairs each (~10 minutes on 2 cores)
     python benchmarks/process.py --pairs 7 --cases warm fused
+    python benchmarks/process.py --cases cold cold-floor --settle 0
     python benchmarks/process.py --quick            # tiny checkpoints: checks the script, not the speed
 """
 
@@ -109,8 +117,9 @@ def resident_fraction(folder: Path) -> float:
     return sum(file_fraction(f) * size for f, size in zip(files, sizes, strict=True)) / max(sum(sizes), 1)
 
 
-def evict(folder: Path) -> float:
-    """Drop ``folder``'s files from the page cache; returns the fraction of their pages still resident."""
+def evict(folder: Path, settle: float = 0.0) -> float:
+    """Drop ``folder``'s files from the page cache and wait ``settle`` seconds (the module docstring says why);
+    returns the fraction of their pages still resident."""
     for file in sorted(folder.iterdir()):
         fd = os.open(file, os.O_RDONLY)
         try:
@@ -118,6 +127,7 @@ def evict(folder: Path) -> float:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+    time.sleep(settle)
     return resident_fraction(folder)
 
 
@@ -181,11 +191,13 @@ def loadavg() -> str:
     return " ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
-EVICTED = "evicted: fsync + posix_fadvise(DONTNEED) per file"
+EVICTED = "evicted: fsync + posix_fadvise(DONTNEED) per file, then {settle:g} s of waiting"
 WARMED = "warmed: every file read"
 
 
-def run_case(name: str, path: Path, sides: list[str], pairs: int, cold: bool, fused: bool) -> list[str]:
+def run_case(
+    name: str, path: Path, sides: list[str], pairs: int, cold: bool, fused: bool, settle: float = 0.0
+) -> list[str]:
     """Alternate the sides ``pairs`` times; returns the report lines of the case."""
     samples: dict[str, list[dict]] = {side: [] for side in sides}
     residency: list[float] = []
@@ -196,14 +208,14 @@ def run_case(name: str, path: Path, sides: list[str], pairs: int, cold: bool, fu
     for i in range(pairs):
         order = sides if i % 2 == 0 else sides[::-1]
         for side in order:
-            residency.append(evict(path) if cold else warm(path))
+            residency.append(evict(path, settle) if cold else warm(path))
             samples[side].append(sample(side, path, fused and side != "stock", again=not cold))
     after = loadavg()
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     lines = [
         f"## {name}: {path.name}, {size / 1e6:.0f} MB in {len(list(path.glob('*.safetensors')))} file(s); "
         f"{pairs} pairs; load average before {before}, after {after}",
-        f"   page cache before each sample ({EVICTED if cold else WARMED}); "
+        f"   page cache before each sample ({EVICTED.format(settle=settle) if cold else WARMED}); "
         f"resident fraction by mincore: min {min(residency):.3f}, max {max(residency):.3f}",
     ]
     stock = samples["stock"]
@@ -235,7 +247,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None, help="where checkpoints are built (default: under /tmp)")
     parser.add_argument("--pairs", type=int, default=5, help="alternated samples per side (medians reported)")
-    parser.add_argument("--cases", nargs="+", choices=("warm", "fused", "cold"), default=["warm", "fused", "cold"])
+    parser.add_argument(
+        "--cases", nargs="+", choices=("warm", "fused", "cold", "cold-floor"), default=["warm", "fused", "cold"]
+    )
+    parser.add_argument(
+        "--settle", type=float, default=15.0, help="seconds waited after each eviction (cold case; see above)"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints (reused by the next run)")
     parser.add_argument("--quick", action="store_true", help="tiny checkpoints: check the script, not the speed")
     args = parser.parse_args(argv)
@@ -245,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     small, large = out / ("quick" if args.quick else "llama-380mb"), out / ("quick" if args.quick else "llama-2.2gb")
     try:
         build(small, QUICK if args.quick else LLAMA_WARM)
-        if "cold" in args.cases:
+        if "cold" in args.cases or "cold-floor" in args.cases:
             build(large, QUICK if args.quick else LLAMA_COLD)
         report = [f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs; {'QUICK' if args.quick else 'full size'}"]
         if "warm" in args.cases:
@@ -256,7 +273,10 @@ def main(argv: list[str] | None = None) -> int:
             )
         if "cold" in args.cases:
             sides = ["stock", "modelpatch", "modelpatch-no-prefetch"]
-            report += run_case("whole-process cold", large, sides, args.pairs, True, False)
+            report += run_case("whole-process cold", large, sides, args.pairs, True, False, args.settle)
+        if "cold-floor" in args.cases:
+            floor = "whole-process warm, the cold case's checkpoint"
+            report += run_case(floor, large, ["stock", "modelpatch"], args.pairs, False, False)
         print("\n".join(report))
     finally:
         if not args.keep:

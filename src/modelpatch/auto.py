@@ -8,15 +8,18 @@ documentation shows. Nothing in transformers is changed: its own Auto classes ke
 One class exists for every Auto model class transformers exports (``AutoModel``, ``AutoModelForCausalLM``,
 ``AutoModelForSequenceClassification``, ...); each is made the first time it is imported.
 
-The import line stays light (transformers' package, not its modeling code, and not torch), because what a user waits
-for is the whole process: ``from_pretrained`` first starts reading the checkpoint's files into the page cache
-(:func:`~modelpatch.checkpoint.prefetch.prefetching_directory`), then imports torch and the loader, so that seconds of
-imports overlap the disk reads a cold start otherwise pays in the first forward's page faults.
+The import line stays light (neither transformers nor torch: :func:`auto_class_names` reads one file), because
+what a user waits for is the whole process: ``from_pretrained`` first starts reading the checkpoint's files into
+the page cache (:func:`~modelpatch.checkpoint.prefetch.prefetching_directory`), then imports transformers, torch and
+the loader, so that seconds of imports overlap the disk reads a cold start otherwise pays in the first forward.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import os
+import re
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -122,10 +125,40 @@ def _prefetched_directory(path: Any, kwargs: dict[str, Any]) -> Path | None:
 
 
 def auto_class_names() -> list[str]:
-    """The names transformers exports for its Auto model classes (read from its package, importing no model code)."""
-    import transformers
+    """The names transformers exports for its Auto model classes, read without importing transformers.
 
-    return sorted(name for name in dir(transformers) if name.startswith("AutoModel"))
+    They are the ``AutoModel*`` names of the ``__all__`` list of ``transformers/models/auto/modeling_auto.py``: the
+    list transformers' own lazy package reads from that file's source to know what it exports (checked against
+    5.22.2–5.24.0: the same names as ``dir(transformers)``). Importing transformers' package to ask it costs about a
+    second, which the import line would add to the process and which would delay the checkpoint prefetch; this is a
+    read of one file. Where the file cannot be found or read, the package is imported and asked. A name listed here
+    that transformers lacks is refused at first use (:attr:`_AutoClassType.transformers_class`).
+    """
+    names = _names_in_source()
+    if names is None:
+        import transformers
+
+        names = [name for name in dir(transformers) if name.startswith("AutoModel")]
+    return sorted(names)
+
+
+_ALL_LIST = re.compile(r"^__all__\s*=\s*(\[[^\]]*\])", re.MULTILINE)
+
+
+def _names_in_source() -> list[str] | None:
+    """The ``AutoModel*`` names of ``modeling_auto.py``'s ``__all__`` (None where it cannot be read)."""
+    try:
+        spec = importlib.util.find_spec("transformers")  # finds the package without running it
+        if spec is None or spec.origin is None:
+            return None
+        source = (Path(spec.origin).parent / "models" / "auto" / "modeling_auto.py").read_text(encoding="utf-8")
+        found = _ALL_LIST.search(source)
+        listed = ast.literal_eval(found.group(1)) if found else None
+    except (OSError, ValueError, SyntaxError, ImportError):
+        return None
+    if not isinstance(listed, list) or not all(isinstance(name, str) for name in listed):
+        return None
+    return [name for name in listed if name.startswith("AutoModel")]
 
 
 def auto_class(name: str) -> type[ModelPatchAutoClass]:

@@ -182,7 +182,7 @@ def test_the_headers_alone_give_the_load_s_ranges_in_natural_key_order(stock_che
     assert [(r.path, r.start, r.length) for r in _natural_order(found)] == expected
 
 
-def test_the_auto_class_starts_the_prefetch_before_torch_is_imported(stock_checkpoint, tmp_path):
+def test_the_auto_class_starts_the_prefetch_before_torch_or_transformers_is_imported(stock_checkpoint, tmp_path):
     ckpt = stock_checkpoint("llama")
     script = (
         "import sys, threading\n"
@@ -190,11 +190,11 @@ def test_the_auto_class_starts_the_prefetch_before_torch_is_imported(stock_check
         "seen = []\n"
         "start = p.Prefetch.start.__func__\n"
         "def recording(cls, *args, **kwargs):\n"
-        "    seen.append('torch' in sys.modules)\n"
+        "    seen.append(('torch' in sys.modules, 'transformers' in sys.modules))\n"
         "    return start(cls, *args, **kwargs)\n"
         "p.Prefetch.start = classmethod(recording)\n"
         "from modelpatch import AutoModelForCausalLM\n"
-        "assert 'torch' not in sys.modules\n"
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules\n"
         "model = AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
         "print(seen)\n"
     )
@@ -204,7 +204,8 @@ def test_the_auto_class_starts_the_prefetch_before_torch_is_imported(stock_check
         [sys.executable, "-c", script, str(ckpt.path)], capture_output=True, text=True, env=env, check=False
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip().splitlines()[-1] == "[False]"  # one prefetch, started before torch, adopted
+    # One prefetch, started before torch and transformers were imported, and adopted by the load.
+    assert result.stdout.strip().splitlines()[-1] == "[(False, False)]"
 
 
 def test_a_failed_auto_class_load_stops_its_prefetch(stock_checkpoint, monkeypatch):

@@ -13,13 +13,13 @@ the load itself, a fraction of a second. Started first thing in ``from_pretraine
 with seconds of imports: the load that follows adopts it (:func:`prefetching`) instead of starting its own.
 docs/benchmarks.md has the figures. This module imports nothing heavy for that reason (no torch).
 
-It is a hint, and never more: the thread reads with ``sendfile`` to ``/dev/null`` (the kernel reads the pages into the
-page cache and copies them nowhere; a small buffer where it cannot), through its own duplicates of the file
-descriptors (closing the checkpoint leaves it reading a file that is still open, never another file given the same
-descriptor number); it skips chunks whose pages are all resident already (a warm cache costs one ``mincore`` per
-chunk), reads every byte at most once and at most half the memory available, and stops on the first error, which is
-logged at DEBUG level and never raised, and when the load fails. ``MODELPATCH_PREFETCH``: unset (or ``auto``), the
-Auto classes' early prefetch only; ``1`` every load prefetches; ``0`` none does.
+It is a hint, and never more: the thread reads with ``preadv`` into one small buffer it overwrites (the copy is the
+point: see :class:`_Sink`), through its own duplicates of the file descriptors (closing the checkpoint leaves it
+reading a file that is still open, never another file given the same descriptor number); it skips chunks whose pages
+are all resident already (a warm cache costs one ``mincore`` per chunk), reads every byte at most once and at most
+half the memory available, and stops on the first error, which is logged at DEBUG level and never raised, and when
+the load fails. ``MODELPATCH_PREFETCH``: unset (or ``auto``), the Auto classes' early prefetch only; ``1`` every load
+prefetches; ``0`` none does.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from __future__ import annotations
 import collections
 import contextvars
 import ctypes
-import errno
 import logging
 import mmap
 import os
@@ -51,8 +50,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "MODELPATCH_PREFETCH"
-# Large enough for sequential throughput, small enough that order is kept and a stop is quick.
-CHUNK_BYTES = 8 * 2**20
+# Large enough for sequential throughput and few trips through the GIL (see _PIECES), small enough that the order
+# is kept and a stop is quick (one chunk: well under a second at disk speed).
+CHUNK_BYTES = 64 * 2**20
 # One reader: a second one competed with the forward's own page faults for the disk (measured, docs/benchmarks.md).
 THREADS = 1
 
@@ -193,45 +193,40 @@ def resident_fraction(path: str | os.PathLike[str]) -> float:
         file.close()
 
 
-# sendfile() fails with these where the kernel cannot splice from the file to /dev/null: read() is used instead.
-_NO_SENDFILE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ESPIPE}
+# One read system call fills this many buffer-sized pieces (the same small buffer, listed again and again): the
+# thread holds the GIL once per call, not once per buffer. While the main thread runs Python code (imports), a
+# thread that wants the GIL back waits up to the switch interval (5 ms) for it; per 1 MiB that throttled the reads.
+_PIECES = 64
 
 
 class _Sink:
-    """Where a thread's reads go. ``sendfile`` to ``/dev/null`` makes the kernel read the pages into the page cache
-    without copying them anywhere (no buffer in this process: nothing added to its memory); where it cannot,
-    ``preadv`` into a small buffer, allocated on first use."""
+    """Where a thread's reads go: a small buffer, allocated on first use and overwritten by every read.
+
+    The bytes are copied, on purpose: the copy is the CPU's first touch of each page, and on a virtual machine whose
+    free memory goes back to the host (virtio-balloon free page reporting) that first touch is what costs (the host
+    backs the page then): about as much as the disk read, measured (docs/benchmarks.md). Paid here, on the
+    background thread; with ``sendfile`` to ``/dev/null`` (no copy) it landed in the first forward instead. On bare
+    metal the copy is a memcpy of the checkpoint on an idle core.
+    """
 
     def __init__(self, chunk_bytes: int) -> None:
-        self.chunk_bytes = chunk_bytes
-        self.null: int | None = os.open(os.devnull, os.O_WRONLY) if hasattr(os, "sendfile") else None
+        self.piece_bytes = max(mmap.PAGESIZE, min(chunk_bytes, 2**20))
         self.buffer: memoryview | None = None
 
     def read(self, fd: int, start: int, length: int) -> None:
         end = start + length
-        while start < end and self.null is not None:
-            try:
-                done = os.sendfile(self.null, fd, start, end - start)
-            except OSError as exc:
-                if exc.errno not in _NO_SENDFILE:
-                    raise
-                self.close()
-                break
-            if done == 0:  # the end of the file
-                return
-            start += done
+        if self.buffer is None:
+            self.buffer = memoryview(bytearray(self.piece_bytes))
         while start < end:
-            if self.buffer is None:
-                self.buffer = memoryview(bytearray(min(self.chunk_bytes, 2**20)))
-            done = os.preadv(fd, [self.buffer[: end - start]], start)
-            if done == 0:
+            pieces, rest = divmod(min(end - start, self.piece_bytes * _PIECES), self.piece_bytes)
+            views = [self.buffer] * pieces + ([self.buffer[:rest]] if rest else [])
+            done = os.preadv(fd, views, start)
+            if done == 0:  # the end of the file
                 return
             start += done
 
     def close(self) -> None:
-        if self.null is not None:
-            os.close(self.null)
-            self.null = None
+        self.buffer = None
 
 
 def _read(file: _File, start: int, length: int, sink: _Sink) -> None:

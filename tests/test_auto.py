@@ -1,0 +1,52 @@
+"""modelpatch's drop-in Auto classes (src/modelpatch/auto.py): which names exist, read without importing
+transformers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import transformers
+
+from modelpatch import auto
+
+
+def _transformers_names() -> list[str]:
+    return sorted(name for name in dir(transformers) if name.startswith("AutoModel"))
+
+
+def test_the_names_read_from_the_source_are_transformers_auto_classes():
+    names = auto.auto_class_names()
+    assert names == _transformers_names()
+    assert "AutoModelForCausalLM" in names and "AutoModel" in names
+
+
+def test_without_the_source_file_the_package_is_asked(monkeypatch):
+    monkeypatch.setattr(auto, "_names_in_source", lambda: None)
+    assert auto.auto_class_names() == _transformers_names()
+
+
+def test_the_import_line_imports_neither_transformers_nor_torch_and_refuses_unknown_names():
+    script = (
+        "import sys\n"
+        "from modelpatch import AutoModelForCausalLM, AutoModelForSequenceClassification\n"
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'imported'\n"
+        "try:\n"
+        "    from modelpatch import AutoModelForCasualLM\n"
+        "except ImportError as error:\n"
+        "    print(error)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "cannot import name 'AutoModelForCasualLM'" in result.stdout
+
+
+def test_a_listed_name_transformers_lacks_is_refused_at_first_use(monkeypatch):
+    monkeypatch.setattr(auto, "_names_in_source", lambda: ["AutoModelForTomorrow"])
+    monkeypatch.setattr(auto, "_made", {})
+    made = auto.auto_class("AutoModelForTomorrow")
+    with pytest.raises(TypeError, match="transformers.AutoModelForTomorrow is not one of transformers' Auto"):
+        made.from_config(transformers.LlamaConfig())
