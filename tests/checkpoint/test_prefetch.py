@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -219,17 +220,22 @@ def test_a_failed_auto_class_load_stops_its_prefetch(stock_checkpoint, monkeypat
         started.append(prefetch)
         return prefetch
 
-    monkeypatch.setattr(prefetch_module, "_read", lambda *args: release.wait(30))  # a slow disk
+    monkeypatch.setattr(prefetch_module, "_read", lambda *args: release.wait(60))  # a hung disk
     monkeypatch.setattr(prefetch_module._File, "resident", lambda self, start, length: False)
     monkeypatch.setattr(prefetch_module, "directory_prefetch", recorded)
+    monkeypatch.setattr(prefetch_module, "STOP_WAIT_SECONDS", 0.5)
     from modelpatch import AutoModelForCausalLM as PatchedAuto
 
+    began = time.monotonic()
     with pytest.raises(modelpatch.LoadPlanError):
         try:
             PatchedAuto.from_pretrained(ckpt.path, fusion_config={"qkv": True}, config=_other_config(ckpt))
         finally:
+            # The error came while the read still hung: the stop waited its bounded time, not for the read.
+            assert started and started[0] is not None and started[0].alive()
             release.set()
-    assert len(started) == 1 and started[0] is not None and started[0].stopped
+    assert time.monotonic() - began < 30
+    assert len(started) == 1 and started[0].stopped
     _join_prefetch_threads()
 
 

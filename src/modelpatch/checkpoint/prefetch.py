@@ -53,6 +53,9 @@ ENV_VAR = "MODELPATCH_PREFETCH"
 # Large enough for sequential throughput and few trips through the GIL (see _PIECES), small enough that the order
 # is kept and a stop is quick (one chunk: well under a second at disk speed).
 CHUNK_BYTES = 64 * 2**20
+# How long a failing load waits for the chunk being read to end: a hung file system must not hold the error back
+# (the thread stops by itself after that chunk, reading through its own descriptors).
+STOP_WAIT_SECONDS = 10.0
 # One reader: a second one competed with the forward's own page faults for the disk (measured, docs/benchmarks.md).
 THREADS = 1
 
@@ -448,7 +451,7 @@ def _stopped_on_failure(prefetch: Prefetch | None) -> Iterator[None]:
         yield
     except BaseException:
         if prefetch is not None:
-            prefetch.stop()
+            prefetch.stop(STOP_WAIT_SECONDS)
         raise
 
 
@@ -481,7 +484,7 @@ def prefetching(checkpoint: Checkpoint, enabled: bool = True) -> Iterator[Prefet
         _started.set(None)  # adopted once: a nested load starts its own
         if not enabled or not prefetch.reads(checkpoint.files):
             logger.debug("checkpoint prefetch stopped: it reads other files than the load, or the load reads a part")
-            prefetch.stop()
+            prefetch.stop(STOP_WAIT_SECONDS)
             prefetch = None
     if prefetch is None and enabled and prefetch_mode() == "on":
         try:
