@@ -50,3 +50,11 @@ def test_a_listed_name_transformers_lacks_is_refused_at_first_use(monkeypatch):
     made = auto.auto_class("AutoModelForTomorrow")
     with pytest.raises(TypeError, match="transformers.AutoModelForTomorrow is not one of transformers' Auto"):
         made.from_config(transformers.LlamaConfig())
+
+
+def test_a_name_the_file_does_not_list_is_asked_of_the_package_before_it_is_refused(monkeypatch):
+    monkeypatch.setattr(auto, "_names_in_source", lambda: [])  # a release exporting its Auto classes elsewhere
+    monkeypatch.setattr(auto, "_made", {})
+    assert auto.auto_class("AutoModelForCausalLM").transformers_class is transformers.AutoModelForCausalLM
+    with pytest.raises(AttributeError, match="no Auto model class 'AutoModelForNothing'"):
+        auto.auto_class("AutoModelForNothing")

@@ -131,15 +131,17 @@ def auto_class_names() -> list[str]:
     list transformers' own lazy package reads from that file's source to know what it exports (checked against
     5.22.2–5.24.0: the same names as ``dir(transformers)``). Importing transformers' package to ask it costs about a
     second, which the import line would add to the process and which would delay the checkpoint prefetch; this is a
-    read of one file. Where the file cannot be found or read, the package is imported and asked. A name listed here
-    that transformers lacks is refused at first use (:attr:`_AutoClassType.transformers_class`).
+    read of one file. Where the file cannot be found or read, the package is asked (:func:`_package_names`).
     """
     names = _names_in_source()
-    if names is None:
-        import transformers
+    return sorted(names if names is not None else _package_names())
 
-        names = [name for name in dir(transformers) if name.startswith("AutoModel")]
-    return sorted(names)
+
+def _package_names() -> list[str]:
+    """The ``AutoModel*`` names of transformers' package, asked of the package itself (imports it)."""
+    import transformers
+
+    return [name for name in dir(transformers) if name.startswith("AutoModel")]
 
 
 _ALL_LIST = re.compile(r"^__all__\s*=\s*(\[[^\]]*\])", re.MULTILINE)
@@ -166,7 +168,10 @@ def auto_class(name: str) -> type[ModelPatchAutoClass]:
     with _lock:
         if name in _made:
             return _made[name]
-        if name not in auto_class_names():
+        # The package is asked too before a name is refused: a release that exports an Auto class from another file
+        # than the one read. A name the file lists but the package lacks is refused at first use
+        # (:attr:`_AutoClassType.transformers_class`).
+        if name not in auto_class_names() and name not in _package_names():
             raise AttributeError(f"transformers has no Auto model class {name!r}.")
         cls: type[ModelPatchAutoClass] = _AutoClassType(  # type: ignore[assignment]  # a subclass, made by its metaclass
             name,
