@@ -56,7 +56,8 @@ CHUNK_BYTES = 64 * 2**20
 # How long a failing load waits for the chunk being read to end: a hung file system must not hold the error back
 # (the thread stops by itself after that chunk, reading through its own descriptors).
 STOP_WAIT_SECONDS = 10.0
-# One reader: a second one competed with the forward's own page faults for the disk (measured, docs/benchmarks.md).
+# One reader: a second one competed with the forward's own page faults for the disk, and with the main thread's
+# imports for the two CPUs measured (docs/benchmarks.md).
 THREADS = 1
 
 _DIGITS = re.compile(r"(\d+)")
@@ -197,8 +198,9 @@ def resident_fraction(path: str | os.PathLike[str]) -> float:
 
 
 # One read system call fills this many buffer-sized pieces (the same small buffer, listed again and again): the
-# thread holds the GIL once per call, not once per buffer. While the main thread runs Python code (imports), a
-# thread that wants the GIL back waits up to the switch interval (5 ms) for it; per 1 MiB that throttled the reads.
+# thread takes the GIL back once per call, not once per buffer. While the main thread runs Python code (imports), a
+# thread that wants the GIL back can wait up to the switch interval (5 ms) for it: a call per 1 MiB could cap the
+# reads near 200 MiB/s.
 _PIECES = 64
 
 
