@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from fusion_models import EXPERT_NAMES, assert_outputs_close, check_fused_roundtrip, checkpoint_shapes
@@ -490,3 +494,19 @@ def test_not_packed_while_the_list_holds_other_than_num_experts():
     assert not experts.pack()
     with torch.no_grad():
         torch.testing.assert_close(experts(*args), _each_expert(experts, *args), atol=1e-6, rtol=0)
+
+
+def test_importing_the_loader_registers_no_custom_operator():
+    """Registering ``modelpatch::grouped_linear`` reads source files (~60 ms): it waits for the first LinearExperts,
+    so a process that loads no fused experts does not pay it."""
+    script = (
+        "import torch, modelpatch.loading\n"
+        "assert not hasattr(torch.ops.modelpatch, 'grouped_linear'), 'registered at import'\n"
+        "from modelpatch.fusions.linear_experts.modules import LinearExperts\n"
+        "names = ('gate_proj', 'up_proj', 'down_proj')\n"
+        "LinearExperts(2, 4, 8, torch.nn.functional.silu, names, 'cpu', torch.float32)\n"
+        "assert torch.ops.modelpatch.grouped_linear.default is not None\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -253,16 +253,28 @@ def _one_tensor(rows: Sequence[Sequence[torch.Tensor]], shape: tuple[int, int, i
     return first.detach().as_strided(shape, (stride, shape[2], 1), first.storage_offset())
 
 
-@torch.library.custom_op("modelpatch::grouped_linear", mutates_args=())
-def _opaque_grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """The grouped product as one opaque operator for ``torch.compile``, whose own lowering takes bfloat16 only.
     It takes the weight untransposed: compiled code would copy a transposed view to a contiguous tensor first."""
     return _GROUPED_MM(x, weight.transpose(-2, -1), offs=offsets)  # type: ignore[misc]
 
 
-@_opaque_grouped_linear.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def _grouped_linear_shape(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[-2])
+
+
+# ``modelpatch::grouped_linear``, registered when the first LinearExperts is built (never inside a compiled
+# region): registering a custom operator reads its source file (~60 ms), which every process importing the loader
+# paid at import time when this was a decorator, fused experts or not.
+_opaque_grouped_linear: Any = None
+
+
+def _register_opaque_grouped_linear() -> None:
+    global _opaque_grouped_linear
+    if _opaque_grouped_linear is None:
+        op = torch.library.custom_op("modelpatch::grouped_linear", _grouped_linear, mutates_args=())
+        op.register_fake(_grouped_linear_shape)
+        _opaque_grouped_linear = op
 
 
 def _grouped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -292,6 +304,7 @@ class LinearExperts(nn.ModuleList):
         super().__init__(
             ExpertMLP(hidden, intermediate, act_fn, names, device, dtype, bias, gate_fn) for _ in range(num_experts)
         )
+        _register_opaque_grouped_linear()
         self.num_experts = num_experts
         self.hidden_dim = hidden
         self.intermediate_dim = intermediate
@@ -392,6 +405,7 @@ class LinearExperts(nn.ModuleList):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        _register_opaque_grouped_linear()  # unpickled in a process that never built one
         self.pack()
 
     # ModuleList's __delitem__ / pop delete through delattr, and insert writes its dict directly: neither takes a
