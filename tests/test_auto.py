@@ -3,14 +3,11 @@ transformers."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import transformers
 
 from modelpatch import auto
+from support.process import run_fresh
 
 
 def _transformers_names() -> list[str]:
@@ -38,10 +35,7 @@ def test_the_import_line_imports_neither_transformers_nor_torch_and_refuses_unkn
         "except ImportError as error:\n"
         "    print(error)\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=False)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "cannot import name 'AutoModelForCasualLM'" in result.stdout
+    assert "cannot import name 'AutoModelForCasualLM'" in run_fresh(script).stdout
 
 
 def test_a_listed_name_transformers_lacks_is_refused_at_first_use(monkeypatch):

@@ -4,7 +4,6 @@ load gives, never fails a load, and its threads end."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -27,6 +26,7 @@ from modelpatch.checkpoint.prefetch import (
     resident_fraction,
 )
 from support.compare import assert_bitwise_equal
+from support.process import run_fresh
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore and posix_fadvise")
 
@@ -199,12 +199,7 @@ def test_the_auto_class_starts_the_prefetch_before_torch_or_transformers_is_impo
         "model = AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
         "print(seen)\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    env.pop(ENV_VAR, None)
-    result = subprocess.run(
-        [sys.executable, "-c", script, str(ckpt.path)], capture_output=True, text=True, env=env, check=False
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+    result = run_fresh(script, str(ckpt.path), unset=[ENV_VAR])
     # One prefetch, started before torch and transformers were imported, and adopted by the load.
     assert result.stdout.strip().splitlines()[-1] == "[(False, False)]"
 

@@ -3,10 +3,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from fusion_models import EXPERT_NAMES, assert_outputs_close, check_fused_roundtrip, checkpoint_shapes
@@ -14,6 +10,7 @@ from torch import nn
 
 import modelpatch
 from modelpatch.fusions.linear_experts.modules import ExpertMLP, LinearExperts
+from support.process import run_fresh
 
 
 @pytest.mark.parametrize("name", sorted(EXPERT_NAMES))
@@ -507,6 +504,4 @@ def test_importing_the_loader_registers_no_custom_operator():
         "LinearExperts(2, 4, 8, torch.nn.functional.silu, names, 'cpu', torch.float32)\n"
         "assert torch.ops.modelpatch.grouped_linear.default is not None\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=False)
-    assert result.returncode == 0, result.stderr[-2000:]
+    run_fresh(script)
