@@ -307,3 +307,14 @@ def test_garbage_pickle(tmp_path: Path) -> None:
     (tmp_path / "pytorch_model.bin").write_bytes(b"not a zip nor a pickle")
     with pytest.raises(CheckpointError, match=r"pytorch_model\.bin"):
         Checkpoint.open(tmp_path, allow_pickle=True)
+
+
+def test_joined_only_within_one_safetensors_file(sharded_dir: Path, tmp_path: Path) -> None:
+    with Checkpoint.open(str(sharded_dir)) as ckpt:
+        joined = ckpt.joined(["a", "b"])
+        assert joined is not None
+        assert joined.tolist() == [0.0, 1.0, 2.0, 3.0, 1.0, 1.0, 1.0, 1.0]
+        assert ckpt.joined(["b", "c"]) is None  # two files
+    torch.save({"a": torch.ones(2), "b": torch.ones(2)}, tmp_path / "pytorch_model.bin")
+    with Checkpoint.open(tmp_path, allow_pickle=True) as ckpt:
+        assert ckpt.joined(["a", "b"]) is None  # torch's own mapping: no byte ranges

@@ -167,3 +167,46 @@ def test_truncated_real_file(tmp_path: Path) -> None:
     path.write_bytes(data[:-10])
     with pytest.raises(CheckpointError, match=r"t\.safetensors.*truncated"):
         SafetensorsFile.open(path)
+
+
+def test_joined_is_the_concatenation_of_back_to_back_tensors_without_a_copy(tmp_path: Path) -> None:
+    """Tensors the file holds one right after another are their dim-0 concatenation, as one view of the mapping."""
+    path = tmp_path / "j.safetensors"
+    torch.manual_seed(0)
+    tensors = {"a.gate": torch.randn(3, 4), "a.up": torch.randn(5, 4), "b": torch.randn(2, 4)}
+    save_file(tensors, str(path))
+    with SafetensorsFile.open(path) as f:
+        order = sorted(f.tensors, key=lambda key: f.tensors[key].start)
+        assert order == ["a.gate", "a.up", "b"]  # save_file's order: the test's premise
+        joined = f.joined(["a.gate", "a.up"])
+        assert joined is not None and joined.dim() == 1
+        assert_tensor_bitwise_equal(joined.view(8, 4), torch.cat([tensors["a.gate"], tensors["a.up"]]), "joined")
+        assert joined.data_ptr() == f.tensor("a.gate").data_ptr()  # the file's bytes, not a copy
+        assert f.joined(["a.gate", "a.up", "b"]).numel() == 40
+        assert f.joined(["a.up"]).numel() == 20
+        # Not in file order, or not adjacent: no view (the caller concatenates).
+        assert f.joined(["a.up", "a.gate"]) is None
+        assert f.joined(["a.gate", "b"]) is None
+        joined[0] = 42.0  # a private mapping, as every view the file hands out
+    assert load_file(str(path))["a.gate"][0, 0].item() == tensors["a.gate"][0, 0].item()
+
+
+def test_joined_needs_one_dtype_and_names_an_unknown_key(tmp_path: Path) -> None:
+    path = tmp_path / "d.safetensors"
+    save_file({"a": torch.ones(4), "b": torch.ones(4, dtype=torch.float16)}, str(path))
+    with SafetensorsFile.open(path) as f:
+        first, second = sorted(f.tensors, key=lambda key: f.tensors[key].start)
+        assert f.tensors[first].end == f.tensors[second].start
+        assert f.joined([first, second]) is None
+        with pytest.raises(CheckpointError, match=r"d\.safetensors.*'nope'"):
+            f.joined([first, "nope"])
+
+
+def test_joined_refuses_a_file_truncated_after_opening(tmp_path: Path) -> None:
+    path = tmp_path / "t.safetensors"
+    save_file({"a": torch.ones(1000), "b": torch.ones(1000)}, str(path))
+    f = SafetensorsFile.open(path)
+    with open(path, "r+b") as handle:
+        handle.truncate(path.stat().st_size - 100)
+    with pytest.raises(CheckpointError, match=r"t\.safetensors"):
+        f.joined(["a", "b"])

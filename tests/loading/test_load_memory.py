@@ -68,6 +68,44 @@ def test_converted_parameters_are_materialised_and_the_rest_stays_mapped(stock_c
         assert param.is_contiguous()
 
 
+def test_a_fused_weight_the_file_holds_back_to_back_is_a_view_of_it(stock_checkpoint):
+    """``gate_up``: stock ``save_pretrained`` writes ``gate_proj`` right before ``up_proj``, so their concatenation
+    along dim 0 is already in the file and is kept as a view of it. ``qkv`` is not (the file has k, o, q, v): copied.
+    Either way the model computes what stock's does, and writing to it leaves the file as it was."""
+    ckpt = stock_checkpoint("llama")
+    before = (ckpt.path / "model.safetensors").read_bytes()
+    fusions = {"qkv": True, "gate_up": True}
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path, fusion_config=fusions)
+    stock = AutoModelForCausalLM.from_pretrained(ckpt.path)
+    ranges = file_mappings(ckpt.path / "model.safetensors")
+    for layer, stock_layer in zip(model.model.layers, stock.model.layers, strict=True):
+        gate_up, qkv = layer.mlp.gate_up_proj.weight, layer.self_attn.qkv_proj.weight
+        assert mapped_in(gate_up, ranges) and not mapped_in(qkv, ranges)
+        stock_mlp = stock_layer.mlp
+        assert torch.equal(gate_up, torch.cat([stock_mlp.gate_proj.weight, stock_mlp.up_proj.weight]))
+    with torch.no_grad():
+        assert torch.equal(model(**ckpt.inputs()).logits, stock(**ckpt.inputs()).logits)
+        model.model.layers[0].mlp.gate_up_proj.weight.zero_()
+    assert (ckpt.path / "model.safetensors").read_bytes() == before
+    again = modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path, fusion_config=fusions)
+    assert torch.equal(
+        again.model.layers[0].mlp.gate_up_proj.weight[: stock.config.intermediate_size],
+        stock.model.layers[0].mlp.gate_proj.weight,
+    )
+
+
+def test_a_fused_weight_cast_at_load_is_copied(stock_checkpoint):
+    ckpt = stock_checkpoint("llama_bf16")
+    fusions = {"gate_up": True}
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path, fusion_config=fusions, dtype=torch.float32)
+    stock = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=torch.float32)
+    ranges = file_mappings(ckpt.path / "model.safetensors")
+    for layer, stock_layer in zip(model.model.layers, stock.model.layers, strict=True):
+        gate_up = layer.mlp.gate_up_proj.weight
+        assert gate_up.dtype == torch.float32 and not mapped_in(gate_up, ranges)
+        assert torch.equal(gate_up, torch.cat([stock_layer.mlp.gate_proj.weight, stock_layer.mlp.up_proj.weight]))
+
+
 def test_writing_to_a_loaded_parameter_never_touches_the_file(stock_checkpoint):
     ckpt = stock_checkpoint("mistral")
     before = (ckpt.path / "model.safetensors").read_bytes()

@@ -70,6 +70,20 @@ def test_save_over_the_checkpoint_it_was_loaded_from(stock_checkpoint, tmp_path)
     assert_bitwise_equal(again.state_dict(), expected)
 
 
+def test_fused_views_of_the_file_saved_over_it(stock_checkpoint, tmp_path):
+    """A ``gate_up`` weight kept as a view of the file it was loaded from (the file holds gate and up back to back),
+    saved over that file: written in the original layout, exactly, and the live model is unchanged."""
+    directory = tmp_path / "ckpt"
+    shutil.copytree(stock_checkpoint("llama").path, directory)
+    original = read_tensors(directory)
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, directory, fusion_config={"gate_up": True})
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    modelpatch.save_pretrained(model, directory)
+    assert_bitwise_equal(model.state_dict(), expected)
+    assert_bitwise_equal(read_tensors(directory), original)
+    assert_bitwise_equal(AutoModelForCausalLM.from_pretrained(directory).state_dict(), original)
+
+
 def test_sharded_save_roundtrip(stock_checkpoint, tmp_path):
     ckpt = stock_checkpoint("qwen2_moe")
     model = modelpatch.from_pretrained(AutoModelForCausalLM, ckpt.path)

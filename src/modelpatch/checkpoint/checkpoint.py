@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -267,6 +267,19 @@ class Checkpoint(ClosesOnExit):
         if source is None:
             raise CheckpointError(f"{info.path}: checkpoint is closed (reading {key!r})")
         return source.tensor(key)
+
+    def joined(self, keys: Sequence[str]) -> torch.Tensor | None:
+        """Tensors ``keys`` as one flat view of their file, their bytes back to back (their concatenation along dim 0)
+        without a copy, when they share a dtype and lie one right after another in one safetensors file in that
+        order (:meth:`SafetensorsFile.joined`); None when they do not."""
+        paths = {self.info(key).path for key in keys}
+        if len(paths) != 1:
+            return None
+        (path,) = paths
+        source = self._sources.get(path)
+        if source is None:
+            raise CheckpointError(f"{path}: checkpoint is closed (reading {keys[0]!r})")
+        return source.joined(keys) if isinstance(source, SafetensorsFile) else None
 
     def file_range(self, key: str) -> FileRange | None:
         """Where tensor ``key``'s bytes lie in its safetensors file (None for a pickle checkpoint's tensors)."""

@@ -9,6 +9,7 @@ import os
 import stat
 import struct
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -234,18 +235,35 @@ class SafetensorsFile(ClosesOnExit):
         if info.numel == 0:
             # torch.frombuffer refuses count=0, and there is no data to share anyway.
             return torch.empty(info.shape, dtype=info.dtype)
+        return self._view(info.start, info.end, info.dtype, key).reshape(info.shape)
+
+    def joined(self, keys: Sequence[str]) -> torch.Tensor | None:
+        """Tensors ``keys`` as one flat (1-D) writable view of the memory-mapped file, when they share a dtype and lie
+        one right after another in the file in that order: their bytes back to back, i.e. their concatenation along
+        dim 0, with no copy. None when they do not."""
+        infos = [self._info(key) for key in keys]
+        if not infos or any(
+            info.dtype != infos[0].dtype or info.start != before.end
+            for before, info in zip(infos, infos[1:], strict=False)
+        ):
+            return None
+        if infos[-1].end == infos[0].start:
+            return None
+        return self._view(infos[0].start, infos[-1].end, infos[0].dtype, keys[-1])
+
+    def _view(self, start: int, end: int, dtype: torch.dtype, key: str) -> torch.Tensor:
+        """Bytes ``[start, end)`` of the file as a flat view of ``dtype`` (``key``: the last tensor, for messages)."""
         # Before handing out a view: data rewritten since the header was validated would be read as if it matched
         # that header (and touching pages a truncation removed kills the process with SIGBUS).
         self.check_unchanged()
         mm = self._mapping()
-        if info.end > len(mm):
+        if end > len(mm):
             raise CheckpointError(
-                f"{self.path}: tensor {key!r} ends at byte {info.end} but the file is now {len(mm)} bytes "
+                f"{self.path}: tensor {key!r} ends at byte {end} but the file is now {len(mm)} bytes "
                 "(was it truncated after opening?)"
             )
         # frombuffer keeps a reference to `mm`, so the mapping lives as long as any tensor viewing it.
-        flat = torch.frombuffer(mm, dtype=info.dtype, count=info.numel, offset=info.start)
-        return flat.reshape(info.shape)
+        return torch.frombuffer(mm, dtype=dtype, count=(end - start) // dtype.itemsize, offset=start)
 
     def map_tensor(self, key: str) -> torch.Tensor:
         """Return tensor ``key`` as a view of a private mapping of its own pages, for tensors read again and again.

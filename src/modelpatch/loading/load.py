@@ -545,19 +545,11 @@ def _fill(plan: LoadPlan, checkpoint: Checkpoint, model: PreTrainedModel | None 
     plan.loaded = True  # from here on the model holds read tensors: a failure leaves nothing to load again
     model = plan.model if model is None else model
     # Safetensors tensors (byte range known) are views of a private file mapping; pickle ones are not.
-    source = TensorSource(checkpoint.tensor, lambda key: checkpoint.info(key).start >= 0)
+    source = TensorSource(checkpoint.tensor, lambda key: checkpoint.info(key).start >= 0, checkpoint.joined)
     for mode in plan.modes:
         source = mode.wrap_source(source)
     device = _device(plan)
-    load_into_model(
-        model,
-        plan,
-        source.fetch,
-        device,
-        checkpoint.total_bytes,
-        file_mapped=source.file_mapped,
-        modes=plan.modes,
-    )
+    load_into_model(model, plan, source, device, checkpoint.total_bytes, modes=plan.modes)
     # A file rewritten in place while its tensors were being read may have given data of two versions.
     checkpoint.check_unchanged()
     for mode in plan.modes:

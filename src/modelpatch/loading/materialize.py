@@ -17,9 +17,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .._transformers import mark_initialized
-from ..checkpoint.pages import release_pages
+from ..checkpoint.pages import in_file_mapping, release_pages
 from ..conversion.planner import ConversionGroup
-from .modes import LoadMode
+from .modes import LoadMode, TensorSource
 from .plan import LoadPlan
 
 # Below this many bytes a load is quick enough that a progress bar is noise.
@@ -81,19 +81,19 @@ def _placed(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> t
 def load_into_model(
     model: nn.Module,
     plan: LoadPlan,
-    fetch: Callable[[str], torch.Tensor],
+    source: TensorSource,
     device: torch.device,
     total_bytes: int,
-    file_mapped: Callable[[str], bool] = lambda key: False,
     modes: Sequence[LoadMode] = (),
 ) -> None:
-    """Fill every planned parameter of ``model`` from ``fetch(checkpoint_key)``.
+    """Fill every planned parameter of ``model`` from ``source.fetch(checkpoint_key)``.
 
-    ``file_mapped(key)`` says whether ``fetch(key)`` is a view of a private file mapping, whose pages
-    :func:`release_pages` may drop once the tensor has been copied or converted. Each converted group runs through
-    the last of ``modes`` whose :meth:`~LoadMode.run_group` takes it, and each tensor lands through the last whose
-    :meth:`~LoadMode.place` takes it; by default a group runs whole and a tensor is cast to its planned dtype, moved
-    to ``device`` and set on ``model``.
+    Where ``source.file_mapped(key)`` says ``fetch(key)`` is a view of a private file mapping, :func:`release_pages`
+    drops its pages once the tensor has been copied or converted. Each converted group runs through the last of
+    ``modes`` whose :meth:`~LoadMode.run_group` takes it, and each tensor lands through the last whose
+    :meth:`~LoadMode.place` takes it; by default a group runs whole (or, when it only concatenates tensors along dim
+    0 that lie back to back in one file, is that view of the file: :attr:`TensorSource.joined`) and a tensor is cast
+    to its planned dtype, moved to ``device`` and set on ``model``.
     """
     expected = plan.expected
     # One walk of the module tree instead of a path lookup per tensor (every name: a module shared under two names
@@ -119,7 +119,19 @@ def load_into_model(
             outputs = mode.run_group(group, fetch_source)
             if outputs is not None:
                 return outputs
-        return group.run(fetch_source)
+        view = joined(group)
+        return group.run(fetch_source) if view is None else view
+
+    def joined(group: ConversionGroup) -> dict[str, torch.Tensor] | None:
+        """The one target of ``group`` as a view of the file, when the group only concatenates along dim 0 tensors
+        that the file holds back to back in that order."""
+        rows = group.concatenated_rows()
+        flat = None if rows is None else source.joined(rows)
+        if flat is None:
+            return None
+        (target,) = group.target_keys()
+        (shape,) = group.target_shapes
+        return {target: flat.view(shape)}  # type: ignore[arg-type]  # concatenated_rows: one tensor target
 
     with tqdm(
         total=total_bytes,
@@ -132,23 +144,23 @@ def load_into_model(
         for runtime_key, checkpoint_key in plan.conversion.direct.items():
             if runtime_key not in expected:
                 continue
-            tensor = fetch(checkpoint_key)
-            if place(runtime_key, tensor) and file_mapped(checkpoint_key):
+            tensor = source.fetch(checkpoint_key)
+            if place(runtime_key, tensor) and source.file_mapped(checkpoint_key):
                 release_pages(tensor)
             progress.update(tensor.numel() * tensor.element_size())
         for group in plan.conversion.groups:
             sources: list[torch.Tensor] = []
 
             def fetch_source(key: str) -> torch.Tensor:
-                tensor = fetch(key)
-                if file_mapped(key):
+                tensor = source.fetch(key)
+                if source.file_mapped(key):
                     sources.append(tensor)  # noqa: B023 - called only within this iteration, by group.run
                 return tensor
 
             outputs = run_group(group, fetch_source)
             for runtime_key, tensor in outputs.items():
-                if runtime_key in expected:
-                    place(runtime_key, tensor.contiguous())
+                if runtime_key in expected and place(runtime_key, tensor.contiguous()) and in_file_mapping(tensor):
+                    release_pages(tensor)  # a view of the file (joined), copied: as a direct tensor
                 progress.update(tensor.numel() * tensor.element_size())
             del outputs
             for tensor in sources:

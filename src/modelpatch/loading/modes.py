@@ -39,10 +39,14 @@ class TensorSource:
         fetch: ``fetch(checkpoint_key)`` returns the tensor (a view of the memory-mapped file where possible).
         file_mapped: ``file_mapped(checkpoint_key)`` says whether ``fetch`` returns a view of a private file mapping,
             whose resident pages may be dropped once the tensor was copied or converted.
+        joined: ``joined(checkpoint_keys)`` returns those tensors' bytes back to back as one flat view of a private
+            file mapping (their concatenation along dim 0, with no copy) where the file holds them so, else None. A
+            mode that wraps the source leaves it out: its ``fetch`` no longer returns the file's tensors as they are.
     """
 
     fetch: Callable[[str], torch.Tensor]
     file_mapped: Callable[[str], bool]
+    joined: Callable[[Sequence[str]], torch.Tensor | None] = lambda keys: None
 
 
 class LoadMode:
