@@ -25,9 +25,8 @@ from modelpatch.conversion.registry import legacy_conversions
 from support.compare import assert_bitwise_equal
 from support.files import read_tensors, rewrite_checkpoint
 
-# Operations of transformers that modelpatch does not translate yet: the mappings holding them are refused by name
-# (Inkling2Loop's original checkpoints: NVFP4 / MXFP8 experts dequantized on load, its message queries merged).
-NOT_TRANSLATED = {"Inkling2LoopDequantizeExperts", "Inkling2LoopMergeMessageQueries"}
+# Operations of transformers that modelpatch does not translate yet: the mappings holding them are refused by name.
+NOT_TRANSLATED: set[str] = set()
 
 
 def test_every_builtin_mapping_translates_or_is_refused_by_name():
@@ -128,3 +127,45 @@ def test_a_class_name_mapping_wins_over_the_model_type():
         t.source_patterns for t in get_checkpoint_conversion_mapping("qwen2_moe")
     ]
     assert all(t.scope == ("", "model") for t in transforms[1:])
+
+
+def _inkling2_loop(path):
+    """A tiny Inkling2Loop causal LM written by stock ``save_pretrained`` (transformers 5.24 added the type)."""
+    from transformers import CONFIG_MAPPING
+
+    if "inkling2_loop_text" not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no Inkling2Loop (5.24 added it)")
+    from support.zoo import load_zoo
+
+    config = load_zoo().tiny_config(CONFIG_MAPPING["inkling2_loop_text"])
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+def test_inkling2_loop_message_queries_and_experts_load_and_save_as_stock(tmp_path):
+    """Its mapping merges two query tensors by row groups, and passes its experts through when stored without scales."""
+    source = _inkling2_loop(tmp_path / "stock")
+    stored = read_tensors(source)
+    assert any(key.endswith("middle_cycle_cross_pass_kv_queries") for key in stored)
+    assert any(key.endswith("experts.w13_weight") for key in stored)
+    stock = transformers.AutoModelForCausalLM.from_pretrained(source)
+    patched = modelpatch.AutoModelForCausalLM.from_pretrained(source)
+    assert_bitwise_equal(patched.state_dict(), stock.state_dict())
+    assert any(".message_input.query" in key for key in modelpatch.get_load_report(patched).converted)
+    patched.save_pretrained(tmp_path / "saved")
+    assert_bitwise_equal(read_tensors(tmp_path / "saved"), stored)
+
+
+def test_inkling2_loop_experts_stored_with_their_scales_are_refused_by_name(tmp_path):
+    """The original checkpoints' NVFP4 / MXFP8 experts, which stock dequantizes: refused before any tensor is read."""
+    source = _inkling2_loop(tmp_path / "stock")
+
+    def add_scales(tensors: dict[str, torch.Tensor]) -> None:
+        for key in [k for k in tensors if k.endswith("experts.w13_weight")]:
+            tensors[key + "_scale"] = torch.full((*tensors[key].shape[:2], 1), 127, dtype=torch.uint8)
+
+    scaled = rewrite_checkpoint(source, tmp_path / "scaled", add_scales)
+    with pytest.raises(modelpatch.LoadPlanError, match=r"NVFP4 / MXFP8 scale data beside the weight") as caught:
+        modelpatch.AutoModelForCausalLM.from_pretrained(scaled)
+    assert "experts.w13_weight" in str(caught.value)

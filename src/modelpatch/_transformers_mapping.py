@@ -48,8 +48,8 @@ class _Absent:
 
 def _hf(name: str) -> type:
     """``transformers.core_model_loading.<name>``, or :class:`_Absent` on releases without it (``Split``,
-    ``Inkling2IndexOffsetWeightRename`` came in later 5.x releases, ``Inkling2UnpadVocab`` and ``LayerPairCollapse`` in
-    5.24)."""
+    ``Inkling2IndexOffsetWeightRename`` came in later 5.x releases; ``Inkling2UnpadVocab``, ``LayerPairCollapse`` and
+    the ``Inkling2Loop*`` operations in 5.24)."""
     return getattr(hf, name, _Absent)
 
 
@@ -100,8 +100,13 @@ def _translate_transform(transform: Any, owner: str) -> WeightTransform:
         # transformers reads a renaming with several targets through its first (its reverse, say).
         result = ours.WeightRenaming(sources, targets[:1])
     elif kind is _hf("WeightConverter"):
+        # transformers runs a converter on whichever of its sources a group has; ours names the ones it may lack.
+        lacking = any(type(operation) in _COMPANIONS for operation in transform.operations)
         result = ours.WeightConverter(
-            sources, targets, _translate_operations(transform.operations, sources, targets, owner)
+            sources,
+            targets,
+            _translate_operations(transform.operations, sources, targets, owner),
+            optional=sources[1:] if lacking else (),
         )
     else:
         raise ConversionError(f"Cannot translate transformers' {kind.__name__} in the conversion mapping of {owner!r}.")
@@ -165,11 +170,19 @@ _OPERATIONS: dict[type, Callable[[Any], ops.ConversionOperation]] = {
     _hf("LinearToConv3d"): lambda op: ops.LinearToConv3d(kernel_shape=(op.in_channels, *op.kernel_size)),
     _hf("ErnieFuseAndSplitTextVisionExperts"): lambda op: ops.FuseExpertGroups(op.stack_dim, op.concat_dim),
     _hf("ErnieSplitAndDecoupleTextVisionExperts"): lambda op: ops.SplitExpertGroups(op.stack_dim, op.concat_dim),
+    # The message queries of Inkling2Loop (5.24): [query, mlp] and [key, value] rows per loop layer -> one
+    # (loop layers, 4, hidden) tensor of [query, key, value, mlp].
+    _hf("Inkling2LoopMergeMessageQueries"): lambda op: ops.MergeRowGroups((2, 2), (0, 2, 3, 1), inverse=op.inverse),
+    # Inkling2Loop's experts (5.24): a weight alone passes (what save_pretrained writes); NVFP4 / MXFP8 experts with
+    # their scales (the original checkpoints) are refused by name, not dequantized.
+    _hf("Inkling2LoopDequantizeExperts"): lambda op: ops.WithoutCompanions(companions=3, format="NVFP4 / MXFP8 scale"),
     # The unembedding stored padded to `vocab_size` rows (transformers 5.24); its sizes come from the text config.
     _hf("Inkling2UnpadVocab"): lambda op: ops.Unpad(
         0, size_attribute="unpadded_vocab_size", padded_size_attribute="vocab_size", inverse=op.inverse
     ),
 }
+# Operations that take a weight and the optional companions a quantized format keeps beside it.
+_COMPANIONS = {_hf("Inkling2LoopDequantizeExperts")}
 # Operations that keep one tensor per pattern, so the tensors keep the patterns' names after them.
 _PER_TENSOR = {
     _hf(name)

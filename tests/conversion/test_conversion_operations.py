@@ -18,12 +18,14 @@ from modelpatch import (
     Interleave,
     LinearToConv3d,
     MergeModulelist,
+    MergeRowGroups,
     PermuteForRope,
     Split,
     SplitExpertGroups,
     SplitModulelist,
     Transpose,
     Unpad,
+    WithoutCompanions,
 )
 from modelpatch.conversion.operations import (
     bind_operations,
@@ -486,3 +488,50 @@ def test_fp8_block_dequantize_multiplies_each_block_by_its_scale_and_has_no_reve
         bound[0].reverse()
     with pytest.raises(ConversionError, match="not float8"):
         bound[0].output_dtype([torch.int8, torch.float32, None])
+
+
+@given(st.integers(1, 4), st.integers(1, 4), st.sampled_from(DTYPES[:4]), seeds)
+@PROPERTY
+def test_merge_row_groups_roundtrip_and_matches_transformers(layers, hidden, dtype, seed):
+    """Both directions compute what transformers' ``Inkling2LoopMergeMessageQueries`` does, and reverse exactly."""
+    stock_op = getattr(pytest.importorskip("transformers.core_model_loading"), "Inkling2LoopMergeMessageQueries", None)
+    if stock_op is None:
+        pytest.skip("this transformers has no Inkling2LoopMergeMessageQueries (5.24 added it)")
+    queries = random_tensor((2 * layers, hidden), dtype, seed)
+    kv_queries = random_tensor((2 * layers, hidden), dtype, seed + 1)
+    _, (merged,) = roundtrip([MergeRowGroups((2, 2), (0, 2, 3, 1))], [queries, kv_queries], 1)
+    assert merged.shape == (layers, 4, hidden)
+    (stock,) = _stock(stock_op(), {"q": queries, "kv": kv_queries}, ["q", "kv"], ["m"]).values()
+    assert same(merged, stock)
+    back = _stock(stock_op(inverse=True), {"m": merged}, ["m"], ["q", "kv"])
+    assert same(back["q"], queries) and same(back["kv"], kv_queries)
+
+
+def test_merge_row_groups_refuses_what_does_not_fit():
+    with pytest.raises(ConversionError, match="permutation"):
+        MergeRowGroups((2, 2), (0, 1, 2, 2))
+    with pytest.raises(ConversionError, match="row groups"):
+        MergeRowGroups((2, 2), (0, 2, 3, 1)).bind([(4, 3), (6, 3)], 1)
+    with pytest.raises(ConversionError, match="row groups"):
+        MergeRowGroups((2, 2), (0, 2, 3, 1)).bind([(3, 3), (3, 3)], 1)
+    with pytest.raises(ConversionError, match="one tensor of shape"):
+        MergeRowGroups((2, 2), (0, 2, 3, 1), inverse=True).bind([(2, 3, 5)], 1)
+
+
+def test_without_companions_passes_a_lone_weight_and_refuses_its_scales():
+    op = WithoutCompanions(companions=2, format="FP4 scale")
+    weight = random_tensor((3, 4), torch.bfloat16, 0)
+    bound, shapes = op.bind([(3, 4), None, None], 1)
+    assert shapes == [(3, 4)] and bound.output_dtype([torch.bfloat16, None, None]) == torch.bfloat16
+    (out,) = bound.apply([weight, None, None])
+    assert out is weight
+    reverse = bound.reverse()
+    assert reverse.bind([(3, 4)], 3)[1] == [(3, 4), None, None]
+    back = reverse.apply([out])
+    assert back[0] is weight and back[1:] == [None, None]
+    with pytest.raises(ConversionError, match="FP4 scale data beside the weight"):
+        op.bind([(3, 4), (3, 1), None], 1)
+    stock_op = getattr(pytest.importorskip("transformers.core_model_loading"), "Inkling2LoopDequantizeExperts", None)
+    if stock_op is not None:  # transformers' op on a lone weight: the weight
+        (stock,) = _stock(stock_op(), {"w": weight}, ["w", "s", "a", "d"], ["t"]).values()
+        assert same(stock, weight)

@@ -48,6 +48,8 @@ SLICE = {
     "kimi_k25": True,
     "mistral_large4": True,
     "inkling2_text": True,
+    # Inkling 2 Loop (5.24): message queries merged by row groups, experts whose scales a checkpoint may lack
+    "inkling2_loop_text": True,
     "qwen4_exp_text": True,
     "deepseek_v4": True,
     # VLMs: llava's mapping and its aliases, class-name mappings of Qwen2-VL / Qwen2.5-VL and their sub-models

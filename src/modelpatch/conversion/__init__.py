@@ -10,12 +10,14 @@ from .operations import (
     Interleave,
     LinearToConv3d,
     MergeModulelist,
+    MergeRowGroups,
     PermuteForRope,
     Split,
     SplitExpertGroups,
     SplitModulelist,
     Transpose,
     Unpad,
+    WithoutCompanions,
 )
 from .planner import ConversionGroup, ConversionPlan, TensorMeta, plan_load, plan_save
 from .registry import (
@@ -46,6 +48,7 @@ __all__ = [
     "LayerPairRenaming",
     "LinearToConv3d",
     "MergeModulelist",
+    "MergeRowGroups",
     "PermuteForRope",
     "PrefixChange",
     "Split",
@@ -57,6 +60,7 @@ __all__ = [
     "WeightConverter",
     "WeightRenaming",
     "WeightTransform",
+    "WithoutCompanions",
     "get_checkpoint_conversion_mapping",
     "plan_load",
     "plan_save",

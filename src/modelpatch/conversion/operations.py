@@ -689,6 +689,93 @@ class Unpad(ConversionOperation):
         return replace(self, inverse=not self.inverse)
 
 
+@dataclass(frozen=True)
+class MergeRowGroups(ConversionOperation):
+    """Merge tensors whose dim 0 holds, item after item (a layer, say), ``sizes[i]`` rows each into one tensor of shape
+    ``(items, sum(sizes), *rest)``: each item's rows of every slot, one slot after another, reordered by ``order``
+    (positions in that concatenation). With ``inverse``, the exact reverse: one such tensor -> one slot per size.
+
+    transformers' ``Inkling2LoopMergeMessageQueries`` (5.24) is ``sizes=(2, 2), order=(0, 2, 3, 1)``: the ``[query,
+    mlp]`` and ``[key, value]`` rows of each loop layer -> ``[query, key, value, mlp]``. A permutation of rows, so
+    exact both ways.
+    """
+
+    sizes: tuple[int, ...]
+    order: tuple[int, ...]
+    inverse: bool = False
+
+    def __post_init__(self):
+        if sorted(self.order) != list(range(sum(self.sizes))) or any(size < 1 for size in self.sizes):
+            raise ConversionError(f"{self!r}: order must be a permutation of range(sum(sizes)), sizes positive.")
+
+    def bind(self, shapes, num_targets):
+        tensors = _require_tensor_slots(shapes, self)
+        if self.inverse:
+            if len(tensors) != 1 or len(tensors[0]) < 2 or tensors[0][1] != sum(self.sizes):
+                raise ConversionError(f"{self!r} takes one tensor of shape (items, {sum(self.sizes)}, ...): {tensors}.")
+            count, _, *rest = tensors[0]
+            return self, [(count * size, *rest) for size in self.sizes]
+        if len(tensors) != len(self.sizes):
+            raise ConversionError(f"{self!r} takes {len(self.sizes)} tensors, got {len(tensors)}.")
+        counts = {
+            shape[0] // size if shape and shape[0] % size == 0 else None
+            for shape, size in zip(tensors, self.sizes, strict=True)
+        }
+        rests = {tuple(shape[1:]) for shape in tensors}
+        if None in counts or len(counts) != 1 or len(rests) != 1:
+            raise ConversionError(f"{self!r}: shapes {tensors} do not hold the same number of row groups {self.sizes}.")
+        return self, [(counts.pop(), sum(self.sizes), *rests.pop())]
+
+    def apply(self, slots):
+        if self.inverse:
+            (tensor,) = slots
+            back = tensor[:, [self.order.index(position) for position in range(len(self.order))]]
+            return [part.flatten(0, 1).contiguous() for part in back.split(list(self.sizes), dim=1)]
+        merged = torch.cat([t.unflatten(0, (-1, size)) for t, size in zip(slots, self.sizes, strict=True)], dim=1)
+        return [merged[:, list(self.order)].contiguous()]
+
+    def reverse(self):
+        return replace(self, inverse=not self.inverse)
+
+
+@dataclass(frozen=True)
+class WithoutCompanions(ConversionOperation):
+    """A weight a quantized format may store beside companion tensors (its scales), stored without them: passed
+    through as it is. The slots are the weight, then ``companions`` optional ones. A group that has any companion is
+    refused when it is bound, naming ``format``: dequantizing it is not something modelpatch does. With ``inverse``,
+    the reverse: the tensor back as the weight, with no companions, as stock writes it.
+
+    transformers' ``Inkling2LoopDequantizeExperts`` (5.24): a weight alone is passed through; NVFP4 / MXFP8 experts
+    with their scales are refused by name.
+    """
+
+    companions: int = 0
+    format: str = "quantized"
+    inverse: bool = False
+
+    def bind(self, shapes, num_targets):
+        if self.inverse:
+            (shape,) = _require_tensor_slots(shapes, self)
+            return self, [shape, *([None] * self.companions)]
+        if len(shapes) != 1 + self.companions or shapes[0] is None:
+            raise ConversionError(f"{self!r} takes a weight and {self.companions} optional companions: {shapes}.")
+        if any(shape is not None for shape in shapes[1:]):
+            raise ConversionError(
+                f"{self!r}: the checkpoint stores {self.format} data beside the weight, which modelpatch does not "
+                "dequantize. Load it with stock transformers and save it (dequantized), then load that."
+            )
+        return self, [shapes[0]]
+
+    def output_dtype(self, dtypes):
+        return common_dtype(dtypes[:1], repr(self))
+
+    def apply(self, slots):
+        return [slots[0], *([None] * self.companions)] if self.inverse else [slots[0]]
+
+    def reverse(self):
+        return replace(self, inverse=not self.inverse)
+
+
 _FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz)
 
 
