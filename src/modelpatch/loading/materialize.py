@@ -1,9 +1,11 @@
 """Execute a validated load plan: put checkpoint data into a meta-device model.
 
 Tensors that need no conversion are memory-mapped views of the checkpoint (zero-copy) whenever their dtype and
-device already match. Converted groups are materialised one at a time, so peak memory stays near the model's size
-plus its largest group: once a group (or a cast tensor) is materialised, the file pages its sources were read from
-are released, or they would stay resident in the mapping and count towards the process's memory.
+device already match; so is a group that only concatenates along dim 0 tensors the file holds back to back (a fused
+``gate_up`` from a ``save_pretrained`` file). Other converted groups are materialised one at a time, so peak memory
+stays near the model's size plus its largest group: once a group (or a cast tensor) is materialised, the file pages
+its sources were read from are released, or they would stay resident in the mapping and count towards the process's
+memory.
 """
 
 from __future__ import annotations
