@@ -107,16 +107,28 @@ def stream(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {key: tensor.clone() for key, tensor in modelpatch.iter_original_state_dict(model)}
 
 
+def load_checkpoint(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """``model.load_state_dict(state)`` of a whole checkpoint, which stores a tied weight once: torch's strict load
+    (stock's too) names the tied partner missing, so every other key must load and only tied names be missing."""
+    names: dict[int, str] = {}
+    tied = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if names.setdefault(id(param), name) != name:
+            tied.add(name)
+    result = model.load_state_dict(state, strict=False)
+    assert set(result.missing_keys) <= tied and not result.unexpected_keys, result
+
+
 def reload(model: torch.nn.Module, path: Path, record: dict) -> None:
     """``model.load_state_dict`` in the checkpoint's layout on the sharded model: every tensor plus one, then one
     tensor of a fused group alone, then the checkpoint itself again (what training starts from)."""
     original = load_file(str(path / "model.safetensors"))
-    model.load_state_dict({key: tensor + 1 for key, tensor in original.items()})
+    load_checkpoint(model, {key: tensor + 1 for key, tensor in original.items()})
     record["reloaded"] = stream(model)
-    model.load_state_dict(original)
+    load_checkpoint(model, original)
     model.load_state_dict({PART: original[PART] + 1}, strict=False)
     record["partly_reloaded"] = stream(model)
-    model.load_state_dict(original)
+    load_checkpoint(model, original)
 
 
 def restructure_refusals(model) -> list[str]:
@@ -230,6 +242,8 @@ def main() -> None:
             reload(model, path, record)
             record["refusals"] = restructure_refusals(model)
         train(model, rank, record)
+        # Tied input and output embeddings stay one parameter through the load, sharding, reloads and training.
+        record["tied"] = model.get_output_embeddings().weight is model.get_input_embeddings().weight
         torch.save(record, out / f"{case['id']}_rank{rank}.pt")
     torch.save(adapters_then_fsdp(Path(job["adapters"]), mesh, rank), out / f"adapters_rank{rank}.pt")
     if job["tensor_parallel"]:

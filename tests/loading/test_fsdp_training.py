@@ -1,6 +1,7 @@
 """Training with FSDP2 (``fully_shard``) on models modelpatch builds: two CPU processes under ``torchrun`` (gloo).
 
-Every case runs in one launch (fsdp_worker.py): llama plain and with fused q/k/v and gate/up, qwen2_moe with
+Every case runs in one launch (fsdp_worker.py): llama plain and with fused q/k/v and gate/up (its embeddings tied
+in one case), qwen2_moe with
 per-expert Linear experts (rank 0's batch is one token, so most experts get no token there), each beside FSDP2 on
 stock transformers' model of the same checkpoint. Losses and first-step gradients must equal stock's, the weights
 after training too, and the weight stream of the sharded model must equal the unsharded model's, bitwise.
@@ -36,19 +37,24 @@ CASES = {
     # Odd widths (33 hidden, 37 intermediate; 3 query heads to 1 key/value head): uneven shards of dim 0 (torch
     # refuses uneven shards of dim 1 itself, by name: "FSDP does not support uneven sharding on dim 1").
     "llama_uneven_fused": ("llama_uneven", {"qkv": True, "gate_up": True}, None),
+    # Tied input and output embeddings: one parameter under two names, sharded once; its gradient sums both uses.
+    "llama_tied_fused": ("llama_tied", {"qkv": True, "gate_up": True}, None),
 }
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tiny, tmp_path_factory) -> dict[str, Path]:
-    """The checkpoints of the cases: the shared tiny ones, and a Llama of odd widths saved by stock."""
-    torch.manual_seed(0)
+    """The checkpoints of the cases: the shared tiny ones, a Llama of odd widths and one with tied embeddings, saved
+    by stock."""
     widths = dict(hidden_size=33, num_attention_heads=3, num_key_value_heads=1, head_dim=8, intermediate_size=37)
-    uneven = LlamaForCausalLM(LlamaConfig(**dict(TEXT, **widths)))
-    perturb(uneven, 0)
-    path = tmp_path_factory.mktemp("llama_uneven")
-    uneven.save_pretrained(path)
-    return {"llama": tiny("llama").path, "qwen2_moe": tiny("qwen2_moe").path, "llama_uneven": path}
+    paths = {"llama": tiny("llama").path, "qwen2_moe": tiny("qwen2_moe").path}
+    for name, config in [("llama_uneven", dict(TEXT, **widths)), ("llama_tied", dict(TEXT, tie_word_embeddings=True))]:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**config))
+        perturb(model, 0)
+        paths[name] = tmp_path_factory.mktemp(name)
+        model.save_pretrained(paths[name])
+    return paths
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +123,12 @@ def test_inference_on_the_sharded_model_equals_stock(fsdp_run, case_id):
 def test_sharded_weight_stream_equals_the_unsharded_one(fsdp_run, case_id):
     for record in _records(fsdp_run, case_id):
         assert_bitwise_equal(record["streamed"], record["unsharded"])
+
+
+def test_tied_embeddings_stay_one_parameter_as_in_stock(fsdp_run):
+    for case_id in ("llama_tied_fused", "llama_tied_fused_stock"):
+        assert all(record["tied"] for record in _records(fsdp_run, case_id)), case_id
+    assert not any(record["tied"] for record in _records(fsdp_run, "llama_fused"))
 
 
 def test_the_expert_case_leaves_experts_without_tokens_on_one_rank(fsdp_run):
