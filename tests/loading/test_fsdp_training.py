@@ -1,10 +1,10 @@
 """Training with FSDP2 (``fully_shard``) on models modelpatch builds: two CPU processes under ``torchrun`` (gloo).
 
 Every case runs in one launch (fsdp_worker.py): llama plain and with fused q/k/v and gate/up (its embeddings tied
-in one case), qwen2_moe with
-per-expert Linear experts (rank 0's batch is one token, so most experts get no token there), each beside FSDP2 on
-stock transformers' model of the same checkpoint. Losses and first-step gradients must equal stock's, the weights
-after training too, and the weight stream of the sharded model must equal the unsharded model's, bitwise.
+in one case), qwen2_moe with per-expert Linear experts (rank 0's batch is one token, so most experts get no token
+there), each beside FSDP2 on stock transformers' model of the same checkpoint. Losses and first-step gradients must
+equal stock's, the weights after training too, and the weight stream of the sharded model must equal the unsharded
+model's, bitwise.
 """
 
 from __future__ import annotations
