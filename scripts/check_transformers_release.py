@@ -8,9 +8,9 @@ the range in pyproject.toml and ``_transformers.SUPPORTED``, repin ``.ci/constra
 
 What it does, in a throwaway virtual environment (removed afterwards unless ``--venv`` names where to keep it):
 
-1. installs torch 2.13.0 and the exact pins of ``.ci/constraints.txt``, except transformers and the packages the
-   requested release itself requires (read from its wheel's metadata: its huggingface_hub, tokenizers, ...), which
-   pip resolves for that release;
+1. installs the exact pins of ``.ci/constraints.txt`` (the newest supported set, its torch too), except transformers
+   and the packages the requested release itself requires (read from its wheel's metadata: its huggingface_hub,
+   tokenizers, ...), which pip resolves for that release;
 2. installs modelpatch from this checkout **without its transformers pin** (``--no-deps``, its other dependencies
    and the test extra installed explicitly);
 3. reports which private names of transformers the door lists (``PRIVATE_API``) the release lacks, and whether its
@@ -19,14 +19,15 @@ What it does, in a throwaway virtual environment (removed afterwards unless ``--
    the failing tests per file, and per failing test the first line of its error; the door's refusals
    (``TransformersVersionError``: "lacks <name>, which <feature> needs") are counted by name.
 
-It needs only the standard library (run it with any Python 3.11) and the network (or a package index) for pip.
-The whole suite takes ~5-8 minutes on a 2-core machine.
+It needs only the standard library (run it with any Python 3.11 or newer) and the network (or a package index) for pip.
+The venv is made with the Python that ``.ci/constraints.txt`` names (its ``# python: 3.X`` line; ``--python`` to
+choose another). The whole suite takes ~5-8 minutes on a 2-core machine.
 
 Usage::
 
-    python3.11 scripts/check_transformers_release.py 5.25.0
-    python3.11 scripts/check_transformers_release.py 5.25.0 --venv /tmp/t525              # keep the venv to debug
-    python3.11 scripts/check_transformers_release.py 5.25.0 -- tests/conversion -k zoo    # a part of the suite
+    python3 scripts/check_transformers_release.py 5.25.0
+    python3 scripts/check_transformers_release.py 5.25.0 --venv /tmp/t525              # keep the venv to debug
+    python3 scripts/check_transformers_release.py 5.25.0 -- tests/conversion -k zoo    # a part of the suite
 
 Exit status: 0 when the suite passed, 1 when tests failed, 2 when the release could not be installed.
 """
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import email.parser
+import os
 import re
 import shutil
 import subprocess
@@ -48,7 +50,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONSTRAINTS = ROOT / ".ci" / "constraints.txt"
-TORCH = "torch==2.13.0"  # the CPU wheel on the machine: any other version downloads gigabytes
 
 # Run inside the new venv: the door's private names the release lacks, and the mappings that do not translate.
 PROBE = """
@@ -115,6 +116,33 @@ def constraints_without(names: set[str], work: Path) -> Path:
     return path
 
 
+def constraints_version() -> str:
+    """The Python ``.ci/constraints.txt`` is for (its ``# python: 3.X`` line)."""
+    (version,) = re.findall(r"^# python: *([0-9.]+) *$", CONSTRAINTS.read_text(), flags=re.MULTILINE)
+    return version
+
+
+def constraints_python() -> str | None:
+    """An interpreter of :func:`constraints_version`: this one, one on PATH, or one of pyenv's, else None."""
+    version = constraints_version()
+    if "{}.{}".format(*sys.version_info[:2]) == version:
+        return sys.executable
+    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
+    for candidate in [f"python{version}", *map(str, sorted(pyenv.glob(f"versions/{version}.*/bin/python{version}")))]:
+        try:
+            found = subprocess.run(
+                [candidate, "-c", "import sys; print(*sys.version_info[:2], sep='.')"],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+        except OSError:
+            continue
+        if found.returncode == 0 and found.stdout.strip() == version:
+            return candidate
+    return None
+
+
 def install(python: Path, version: str, work: Path) -> bool:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     dependencies = [r for r in project["dependencies"] if name_of(r) != "transformers"]
@@ -122,7 +150,7 @@ def install(python: Path, version: str, work: Path) -> bool:
     constraints = constraints_without(release_requirements(python, version, work), work)
     pip = [str(python), "-m", "pip", "install", "--quiet"]
     steps = [
-        [*pip, TORCH, "-c", str(constraints)],
+        [*pip, "torch", "-c", str(constraints)],  # first, alone: the pinned build, not one another package asks for
         [*pip, f"transformers=={version}", *dependencies, "-c", str(constraints)],
         [*pip, "--no-deps", "-e", str(ROOT)],  # modelpatch itself, without its transformers pin
     ]
@@ -150,14 +178,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("version", help="the transformers release to check, e.g. 5.25.0")
     parser.add_argument("--venv", type=Path, help="make the venv here and keep it (default: a temporary one)")
-    parser.add_argument("--python", default="python3.11", help="the interpreter that creates the venv")
+    parser.add_argument(
+        "--python", help="the interpreter that creates the venv (default: the Python .ci/constraints.txt names)"
+    )
     parser.add_argument("pytest_args", nargs="*", help="after --: what pytest runs (default: the whole suite)")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix=f"modelpatch-transformers-{args.version}-"))
     venv = args.venv or work / "venv"
     try:
-        if run([args.python, "-m", "venv", str(venv)]).returncode != 0:
+        interpreter = args.python or constraints_python()
+        if interpreter is None:
+            print(f"\nno Python {constraints_version()} found (on PATH or in pyenv): pass --python.")
+            return 2
+        if run([interpreter, "-m", "venv", str(venv)]).returncode != 0:
             return 2
         python = venv / "bin" / "python"
         if not install(python, args.version, work):

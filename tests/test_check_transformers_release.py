@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "check_transformers_release.py"
 _spec = importlib.util.spec_from_file_location("check_transformers_release", SCRIPT)
 check = importlib.util.module_from_spec(_spec)
@@ -24,7 +26,18 @@ def test_the_release_and_what_it_requires_are_unpinned(tmp_path):
     constraints = check.constraints_without({"huggingface-hub", "tokenizers"}, tmp_path).read_text().splitlines()
     names = {check.name_of(line) for line in constraints}
     assert not names & {"transformers", "huggingface-hub", "tokenizers"}
-    assert "torch==2.13.0" in constraints and {"safetensors", "accelerate", "peft"} <= names
+    assert {"torch", "safetensors", "accelerate", "peft"} <= names
+
+
+def test_the_venv_is_made_with_the_python_the_constraints_name():
+    python = check.constraints_python()
+    assert check.constraints_version() == "3.13"
+    if python is None:
+        pytest.skip("no Python 3.13 on this machine")
+    found = subprocess.run(
+        [python, "-c", "import sys; print(*sys.version_info[:2], sep='.')"], capture_output=True, text=True, check=True
+    )
+    assert found.stdout.strip() == "3.13"
 
 
 def test_the_summary_counts_a_real_run_and_names_each_failure(tmp_path):

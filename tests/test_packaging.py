@@ -146,3 +146,46 @@ def test_ci_runs_the_lowest_and_the_newest_supported_transformers():
         assert pins[name] in declared.specifier, f"{name} pins transformers {pins[name]} outside {declared}"
     assert pins["constraints-lowest.txt"].release[:2] == floor.release[:2]
     assert pins["constraints.txt"].release[:2] == (ceiling.major, ceiling.minor - 1)
+
+
+def _ci_set(name: str) -> tuple[Version, dict[str, Version]]:
+    """The Python a constraints file is for (its ``# python: 3.X`` line) and its pins."""
+    lines = (ROOT / ".ci" / name).read_text().splitlines()
+    (python,) = [line.split(":", 1)[1].strip() for line in lines if line.startswith("# python:")]
+    pins = {
+        Requirement(line).name.lower(): Version(next(iter(Requirement(line).specifier)).version)
+        for line in lines
+        if line.strip() and not line.startswith("#")
+    }
+    return Version(python), pins
+
+
+def test_ci_runs_the_lowest_and_the_newest_python_and_torch():
+    """requires-python admits 3.11 to 3.13; CI's lowest set is the oldest of those with the declared torch floor, its
+    newest set the newest Python with a newer torch; the README says the same next to ``pip install modelpatch``."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pythons = SpecifierSet(project["requires-python"])
+    supported = [Version(f"3.{minor}") for minor in range(8, 16) if Version(f"3.{minor}") in pythons]
+    assert supported == [Version("3.11"), Version("3.12"), Version("3.13")], supported
+    (torch_range,) = [Requirement(r).specifier for r in project["dependencies"] if Requirement(r).name == "torch"]
+    torch_floor = Version(next(s.version for s in torch_range if s.operator == ">="))
+    lowest_python, lowest = _ci_set("constraints-lowest.txt")
+    newest_python, newest = _ci_set("constraints.txt")
+    assert (lowest_python, newest_python) == (supported[0], supported[-1])
+    assert lowest["torch"] == torch_floor and newest["torch"] > torch_floor
+    assert newest["torch"] in torch_range
+    readme = (ROOT / "README.md").read_text()
+    install = readme[readme.index("pip install modelpatch") :][:1500]
+    assert "Python 3.11, 3.12 and 3.13" in install and f"torch `>={torch_floor}" in install, install
+
+
+def test_this_venv_is_one_of_ci_sets():
+    """A venv set up by scripts/setup.sh from a constraints file runs that file's Python, torch and transformers."""
+    installed = {name: Version(metadata.version(name)) for name in ("torch", "transformers")}
+    for name in ("constraints.txt", "constraints-lowest.txt"):
+        python, pins = _ci_set(name)
+        if pins["transformers"] == installed["transformers"]:
+            assert Version("{}.{}".format(*sys.version_info[:2])) == python, f"{name} is for Python {python}"
+            assert Version(installed["torch"].base_version) == pins["torch"], f"{name} pins torch {pins['torch']}"
+            return
+    pytest.skip("this venv was not set up from .ci's constraints")

@@ -136,6 +136,60 @@ def test_a_changed_forward_is_not_fused():
     assert not spec.is_fusable(changed) and reason is not None and "ScaledExperts.forward" in reason, reason
 
 
+def _scaled_experts() -> type[nn.Module]:
+    """Mixtral's experts with a forward the family does not know (as a new transformers release may edit one)."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    class ScaledExperts(MixtralExperts):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return 2 * super().forward(hidden_states, top_k_index, top_k_weights)
+
+    return ScaledExperts
+
+
+def test_an_unrecognised_forward_is_a_candidate_left_with_its_reason(tmp_path, caplog):
+    """Loaded with a forward it does not know, the experts stay as they are and the load says so at INFO (class, path,
+    why); ``strict`` refuses by name instead of loading unfused without a word."""
+    scaled = _scaled_experts()
+    cls, source = _checkpoint("MixtralForCausalLM", tmp_path)
+    patcher = modelpatch.Patcher({"MixtralExperts": scaled})
+    with caplog.at_level("INFO", logger="modelpatch.fusions.apply"):
+        model = modelpatch.from_pretrained(cls, source, patcher=patcher, fusion_config=FUSION)
+    experts = _experts(model)
+    assert experts and all(type(m) is scaled for m in experts)
+    said = "\n".join(r.getMessage() for r in caplog.records if "linear_experts" in r.getMessage())
+    assert "ScaledExperts" in said and "model.layers.0.mlp.experts" in said and "ScaledExperts.forward" in said, said
+    stock = cls.from_pretrained(source)
+    stock_scaled = modelpatch.from_pretrained(cls, source, patcher=patcher)
+    assert_outputs_equal(_outputs(model), _outputs(stock_scaled))
+    # the patched forward ran, not the stock one
+    assert any(not torch.equal(a, b) for a, b in zip(_outputs(model).values(), _outputs(stock).values(), strict=True))
+
+    with pytest.raises(modelpatch.FusionError, match=r"(?s)strict.*ScaledExperts at model\.layers\.0\.mlp\.experts"):
+        modelpatch.from_pretrained(cls, source, patcher=patcher, fusion_config={"linear_experts": {"strict": True}})
+
+
+def test_a_fused_class_for_an_unrecognised_forward_is_refused():
+    spec = get_fusion("linear_experts")
+    with pytest.raises(modelpatch.FusionError, match=r"ScaledExperts.*ScaledExperts\.forward"):
+        spec.make_fused_class(_scaled_experts())
+
+
+def test_a_fused_class_refuses_an_instance_it_cannot_fuse():
+    """A fused class built directly (not by discovery) for a config whose experts hold another layout says why."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    class BiasedExperts(MixtralExperts):
+        def __init__(self, config):
+            super().__init__(config)
+            self.scale = nn.Parameter(torch.ones(1))
+
+    BiasedExperts.forward = MixtralExperts.forward  # the known forward, an extra parameter
+    fused = get_fusion("linear_experts").make_fused_class(BiasedExperts)
+    with pytest.raises(modelpatch.FusionError, match="BiasedExperts.*scale"):
+        fused(zoo.tiny_config(transformers.MixtralConfig))
+
+
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_the_gate_sees_the_stock_column_order(interleaved):
     """An ExpertGate gets the gate and up outputs back in the order the stock weights give them, from the separate

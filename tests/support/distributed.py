@@ -25,6 +25,9 @@ def run_ranks(worker: Path, job: Path, ranks: int, timeout: float = 300) -> None
         PYTHONPATH=os.pathsep.join(
             [str(Path(modelpatch.__file__).parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])]
         ),
+        # The ranks run on the CPU with gloo whatever accelerators the machine has: transformers' distributed setup
+        # binds rank r to cuda:r (with nccl) whenever CUDA is visible, which fails on a machine with one GPU.
+        CUDA_VISIBLE_DEVICES="",
     )
     command = [
         sys.executable,

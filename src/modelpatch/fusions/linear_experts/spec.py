@@ -12,12 +12,8 @@ those into the per-expert keys; the load records the split, so a default save wr
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import hashlib
-import inspect
 import re
-import textwrap
 import weakref
 from collections import defaultdict
 from collections.abc import Mapping
@@ -33,6 +29,7 @@ from ...conversion.registry import get_checkpoint_conversion_mapping
 from ...conversion.transforms import WeightConverter, WeightRenaming, WeightTransform
 from ...errors import FusionError
 from ..generated import make_class
+from ..source_digest import function_digest
 from ..spec import FusionOptions, ModuleFusionSpec
 from .modules import ExpertGate, LinearExperts
 
@@ -120,23 +117,23 @@ class ExpertsLayout:
 # transformers 5.23's source; any other forward (another release's edits included) is left unfused.
 KNOWN_FORWARDS: Mapping[str, ExpertsLayout] = MappingProxyType(
     {
-        "99df4e1ccc981d2f": ExpertsLayout(
+        "b72644b25fa73ab1": ExpertsLayout(
             "transformers' experts forward (MixtralExperts, Qwen3MoeExperts and 52 more)"
         ),
-        "0773b87dbdb0d496": ExpertsLayout(
+        "ea43cfd877ba0c93": ExpertsLayout(
             "transformers' experts forward through the class's _apply_gate (DeepseekV4Experts, Glm5NextTextExperts, "
             "HYV4Experts, MiniMaxM3VLExperts, BeamExperts)",
             gate="chunked",
         ),
         # the same forward without the experts-implementation dispatcher
-        "1363fbc4d8f57062": ExpertsLayout("Step3p7Experts' forward, through its _apply_gate", gate="chunked"),
-        "a13f1e9723000b27": ExpertsLayout("AriaExperts' forward (transposed weights)", transposed=True),
-        "af11e60e00785271": ExpertsLayout(
+        "de26a0bb41d25d0f": ExpertsLayout("Step3p7Experts' forward, through its _apply_gate", gate="chunked"),
+        "52e3c262c4cc8276": ExpertsLayout("AriaExperts' forward (transposed weights)", transposed=True),
+        "8ac1264123e72278": ExpertsLayout(
             "Llama4TextExperts' forward (transposed weights, every expert over the tokens dispatched to it)",
             transposed=True,
             dispatched=True,
         ),
-        "c5aa725a4d8d97bf": ExpertsLayout(
+        "2ff5ba2d53b7b2b3": ExpertsLayout(
             "GptOssExperts' forward (transposed weights with biases, gate and up columns interleaved)",
             transposed=True,
             bias=True,
@@ -147,9 +144,9 @@ KNOWN_FORWARDS: Mapping[str, ExpertsLayout] = MappingProxyType(
 # Forwards known to compute something the per-expert MLPs do not, and what.
 UNKNOWN_FORWARDS: Mapping[str, str] = MappingProxyType(
     {
-        "29f99cbea14936bf": "it routes some slots to weightless identity ('zero') experts (LongCat-Flash)",
-        "0d4fec9d7587187c": "it accumulates the experts' outputs in float32 whatever the weights' dtype (Inkling 2)",
-        "2cccab569b573c17": "it computes every projection in float32 whatever the weights' dtype "
+        "8813924efe89dd09": "it routes some slots to weightless identity ('zero') experts (LongCat-Flash)",
+        "052d35834090a2df": "it accumulates the experts' outputs in float32 whatever the weights' dtype (Inkling 2)",
+        "1d005de17766c9ea": "it computes every projection in float32 whatever the weights' dtype "
         "(OpenAI privacy filter)",
     }
 )
@@ -171,25 +168,22 @@ _DIGESTS: weakref.WeakKeyDictionary[type[nn.Module], str | None] = weakref.WeakK
 
 
 def forward_digest(cls: type[nn.Module]) -> str | None:
-    """A digest of the syntax trees of ``cls.forward`` and of every function it wraps (transformers' experts-
-    implementation dispatcher wraps the forward as written), docstrings aside: equal for the same code whatever its
-    formatting; None when a source cannot be read."""
+    """The digest (:func:`~modelpatch.fusions.source_digest.function_digest`) of ``cls.forward`` and of every function
+    it wraps (transformers' experts-implementation dispatcher wraps the forward as written): equal for the same code
+    whatever its formatting and whatever Python reads it; None when a source cannot be read."""
     if cls not in _DIGESTS:
-        trees: list[str] = []
-        function: Any = cls.forward
-        try:
-            while function is not None:
-                node = ast.parse(textwrap.dedent(inspect.getsource(function))).body[0]
-                body = getattr(node, "body", [])
-                if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-                    node.body = body[1:]  # type: ignore[attr-defined]
-                trees.append(ast.dump(node))
-                function = getattr(function, "__wrapped__", None)
-        except (OSError, TypeError, SyntaxError, IndexError):
-            _DIGESTS[cls] = None
-        else:
-            _DIGESTS[cls] = hashlib.sha256("\n".join(trees).encode()).hexdigest()[:16]
+        _DIGESTS[cls] = function_digest(cls.forward)
     return _DIGESTS[cls]
+
+
+def forward_layout(cls: type[nn.Module]) -> ExpertsLayout | str:
+    """The layout of ``cls``'s forward when this family knows it, else why it does not fuse the class."""
+    digest = forward_digest(cls) or ""
+    layout = KNOWN_FORWARDS.get(digest)
+    if layout is None:
+        note = UNKNOWN_FORWARDS.get(digest, "it is not one this family knows computes the same")
+        return f"its forward ({cls.__qualname__}.forward): {note}"
+    return layout
 
 
 def _weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -215,11 +209,9 @@ def experts_layout(module: nn.Module) -> ExpertsLayout | str:
     state = [name for name, _ in (*module.named_parameters(), *module.named_buffers()) if name not in _CARRIED]
     if state:
         return f"it holds {', '.join(state)} besides its experts' weights, which the per-expert MLPs have no place for"
-    digest = forward_digest(type(module))
-    layout = KNOWN_FORWARDS.get(digest or "")
-    if layout is None:
-        note = UNKNOWN_FORWARDS.get(digest or "", "it is not one this family knows computes the same")
-        return f"its forward ({type(module).__qualname__}.forward): {note}"
+    layout = forward_layout(type(module))
+    if isinstance(layout, str):
+        return layout
     if (unsplit := UNSPLIT_CHECKPOINTS.get(f"{type(module).__module__}.{type(module).__qualname__}")) is not None:
         return unsplit
     if not layout.bias and (unused := [name for name in _BIASES if module._parameters.get(name) is not None]):
@@ -303,6 +295,12 @@ class LinearExpertsFusionSpec(ModuleFusionSpec):
     def is_fusable(self, module: nn.Module) -> bool:
         return isinstance(experts_layout(module), ExpertsLayout)
 
+    def is_candidate(self, module: nn.Module) -> bool:
+        """Every module holding 3-D ``gate_up_proj`` and ``down_proj`` parameters is an experts module this family is
+        about, whether it knows its forward or not: one it leaves as it is is reported with the reason, and
+        ``strict`` refuses it by name."""
+        return _weights(module) is not None
+
     def unfusable_reason(self, module: nn.Module) -> str | None:
         found = experts_layout(module)
         return None if isinstance(found, ExpertsLayout) else found
@@ -371,13 +369,23 @@ class LinearExpertsFusionSpec(ModuleFusionSpec):
 
     def make_fused_class(self, original_cls: type[nn.Module]) -> type[nn.Module]:
         spec = self
+        known = forward_layout(original_cls)
+        if isinstance(known, str):
+            raise FusionError(
+                f"linear_experts cannot fuse {original_cls.__module__}.{original_cls.__qualname__}: {known}; "
+                "leave it as it is."
+            )
 
         def __init__(self, config, *args, **kwargs):
             # Build the original without dispatch (it is the class being replaced) on meta to read its sizes.
             reference = object.__new__(original_cls)
             with torch.device("meta"):
                 original_cls.__init__(reference, config, *args, **kwargs)
-            layout = cast(ExpertsLayout, experts_layout(reference))  # discovery fused only known layouts
+            layout = experts_layout(reference)
+            if not isinstance(layout, ExpertsLayout):  # discovery fuses only known layouts; a direct build may not
+                raise FusionError(
+                    f"linear_experts cannot fuse this {original_cls.__qualname__}: {layout}; leave it as it is."
+                )
             experts, hidden, intermediate = experts_sizes(reference, layout)
             LinearExperts.__init__(
                 self,
@@ -393,7 +401,6 @@ class LinearExpertsFusionSpec(ModuleFusionSpec):
             )
 
         namespace: dict[str, Any] = {"__init__": __init__}
-        layout = KNOWN_FORWARDS.get(forward_digest(original_cls) or "")
-        if layout is not None and layout.dispatched:
+        if known.dispatched:
             namespace["forward"] = LinearExperts.forward_dispatched
         return make_class("Linear", original_cls, namespace, base=LinearExperts, spec=self)
