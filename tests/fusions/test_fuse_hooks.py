@@ -11,6 +11,7 @@ import torch
 import modelpatch
 from modelpatch import FusionError
 from support.compare import assert_outputs_close, module_types
+from support.fusions import assert_refused_unchanged as _refused
 
 FUSIONS = {
     "llama": {"qkv": True, "gate_up": True},
@@ -112,15 +113,6 @@ def test_output_recorders_installed_before_fusing_keep_recording(tiny):
     assert len(fused) == len(expected) == stock.config.num_hidden_layers
     for actual, reference in zip(fused, expected, strict=True):
         torch.testing.assert_close(actual, reference, atol=1e-5, rtol=1e-4)
-
-
-def _refused(model, call, *match: str) -> None:
-    before = module_types(model)
-    with pytest.raises(FusionError) as error:
-        call(model)
-    for text in (*match, "The model was left unchanged"):
-        assert text in str(error.value)
-    assert module_types(model) == before
 
 
 def test_hooks_that_would_lose_their_meaning_are_refused_by_name(tiny):

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import pytest
 import torch
 from fusion_models import assert_outputs_close, assert_same_files, module_types
+from transformers.models.llama.modeling_llama import LlamaMLP
 
 import modelpatch
 from modelpatch import FusionError
+from modelpatch.conversion import ConversionOperation
 from modelpatch.fusions.projections import FusedLinear
 from support.compare import assert_bitwise_equal
+from support.fusions import assert_refused_unchanged
 
 CASES = {
     "llama": {"qkv": True, "gate_up": True},
@@ -105,3 +109,156 @@ def test_an_optimizer_holding_the_replaced_parameters_is_refused_before_anything
     assert_bitwise_equal(model.state_dict(), before)
     fresh = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
     (modelpatch.fuse(model, {"qkv": True}, optimizer=fresh) if direction == "fuse" else modelpatch.unfuse(model))
+
+
+def trainable(model: torch.nn.Module) -> dict[str, bool]:
+    return {key: parameter.requires_grad for key, parameter in model.named_parameters()}
+
+
+def backward(ckpt, model: torch.nn.Module) -> None:
+    model(**ckpt.inputs()).logits.sum().backward()
+
+
+@pytest.mark.parametrize("direction", ["fuse", "unfuse"])
+def test_parts_frozen_and_trainable_that_would_become_one_tensor_are_refused_by_name(tiny, direction):
+    """One Parameter has one requires_grad: a frozen q_proj fused with a trainable k_proj / v_proj would train (an
+    optimizer step would move its rows), and unfusing would leave it trainable. Refused before anything changes,
+    naming the module and which parts are frozen; a gradient mask would not be exact (weight decay, momentum)."""
+    if direction == "fuse":
+        model = tiny("llama").model_class.from_pretrained(tiny("llama").path)
+        model.model.layers[1].self_attn.q_proj.requires_grad_(False)
+        call = lambda m: modelpatch.fuse(m, CASES["llama"])  # noqa: E731
+        match = "model.layers.1.self_attn: qkv_proj.weight would be one parameter made of q_proj.weight (frozen: "
+        match += "requires_grad=False) and k_proj.weight, v_proj.weight (trainable)"
+    else:  # the experts fused at load, one Linear each: stock holds their gate / up rows in one 3-D tensor
+        model = tiny("qwen2_moe").load(CASES["qwen2_moe"])
+        model.model.layers[0].mlp.experts[2].up_proj.requires_grad_(False)
+        call = modelpatch.unfuse
+        match = "model.layers.0.mlp.experts: gate_up_proj would be one parameter made of 2.up_proj.weight (frozen: "
+        match += "requires_grad=False) and 0.gate_proj.weight, 0.up_proj.weight, 1.gate_proj.weight, "
+        match += "1.up_proj.weight and 3 more (trainable)"
+    assert_refused_unchanged(model, call, match)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2_moe"])
+def test_parts_frozen_alike_keep_their_state_through_fuse_and_unfuse(tiny, name):
+    """Parts that agree give the fused parameter their state, and unfusing gives each part the fused one's: frozen
+    q/k/v of layer 0 make a frozen qkv_proj there, stock's frozen 3-D gate_up_proj frozen gate / up Linears."""
+    ckpt = tiny(name)
+    model = ckpt.model_class.from_pretrained(ckpt.path)
+    for part in ("q_proj", "k_proj", "v_proj"):
+        getattr(model.model.layers[0].self_attn, part).requires_grad_(False)
+    if name == "qwen2_moe":
+        model.model.layers[1].mlp.experts.gate_up_proj.requires_grad_(False)
+    before = trainable(model)
+
+    modelpatch.fuse(model, CASES[name])
+    layers = model.model.layers
+    assert not layers[0].self_attn.qkv_proj.weight.requires_grad and layers[1].self_attn.qkv_proj.weight.requires_grad
+    if name == "qwen2_moe":
+        for expert in layers[1].mlp.experts:
+            assert not expert.gate_proj.weight.requires_grad and not expert.up_proj.weight.requires_grad
+            assert expert.down_proj.weight.requires_grad
+        assert all(weight.requires_grad for weight in layers[0].mlp.experts.parameters())
+    modelpatch.unfuse(model)
+    assert trainable(model) == before
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2_moe"])
+def test_accumulated_grads_are_carried_into_the_fused_layout_and_back(tiny, name):
+    """Gradients accumulated before fuse() (micro-batches of one step) are laid out as the weights are: the fused
+    model's .grad of each parameter is what fusing a model whose weights are those gradients gives; the next backward
+    accumulates into them; unfuse gives them back bit for bit (qkv, gate_up, linear_experts' 3-D gate_up / down)."""
+    ckpt = tiny(name)
+    model = ckpt.model_class.from_pretrained(ckpt.path)
+    backward(ckpt, model)
+    stock_grads = {key: parameter.grad.clone() for key, parameter in model.named_parameters()}
+    grads_as_weights = ckpt.model_class.from_pretrained(ckpt.path)
+    with torch.no_grad():
+        for key, parameter in grads_as_weights.named_parameters():
+            parameter.copy_(stock_grads[key])
+
+    modelpatch.fuse(grads_as_weights, CASES[name])
+    fused_grads = dict(grads_as_weights.named_parameters())
+    modelpatch.fuse(model, CASES[name])
+    assert_bitwise_equal({key: parameter.grad for key, parameter in model.named_parameters()}, fused_grads)
+
+    modelpatch.unfuse(model)
+    assert_bitwise_equal({key: parameter.grad for key, parameter in model.named_parameters()}, stock_grads)
+
+    modelpatch.fuse(model, CASES[name])
+    backward(ckpt, model)  # the same batch again, accumulated into the carried gradients: twice them
+    for key, parameter in model.named_parameters():
+        torch.testing.assert_close(parameter.grad, 2 * fused_grads[key].detach(), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("direction", ["fuse", "unfuse"])
+def test_parts_with_and_without_an_accumulated_grad_are_refused_by_name(tiny, direction):
+    """An optimizer skips a parameter without a .grad and steps one with zeros: parts with and parts without one
+    cannot become one tensor. Refused before anything changes, naming the module and the parts."""
+    if direction == "fuse":
+        ckpt = tiny("llama")
+        model = ckpt.model_class.from_pretrained(ckpt.path)
+        backward(ckpt, model)
+        model.model.layers[0].mlp.up_proj.weight.grad = None
+        call = lambda m: modelpatch.fuse(m, CASES["llama"])  # noqa: E731
+        match = "model.layers.0.mlp: gate_up_proj.weight would be made of gate_proj.weight (with an accumulated .grad)"
+        match += " and up_proj.weight (without one)"
+    else:
+        ckpt = tiny("qwen2_moe")
+        model = ckpt.load(CASES["qwen2_moe"])
+        backward(ckpt, model)
+        model.model.layers[1].mlp.experts[3].down_proj.weight.grad = None
+        call = modelpatch.unfuse
+        match = "model.layers.1.mlp.experts: down_proj would be made of 0.down_proj.weight, 1.down_proj.weight, "
+        match += "2.down_proj.weight (with an accumulated .grad) and 3.down_proj.weight (without one)"
+    assert_refused_unchanged(model, call, match)
+
+
+@dataclass(frozen=True)
+class Scale(ConversionOperation):
+    """A user's conversion that multiplies a weight by ``factor``: exact for the weight, not for its gradient (the
+    scaled weight's gradient is the original's divided by ``factor``, not multiplied)."""
+
+    factor: float = 2.0
+
+    def bind(self, shapes, num_targets):
+        return self, list(shapes)
+
+    def apply(self, slots):
+        return [slot * self.factor for slot in slots]
+
+    def reverse(self):
+        return Scale(1 / self.factor)
+
+
+class DoubledDownLlamaMLP(LlamaMLP):
+    """LlamaMLP holding twice its down projection (``Scale(2)`` on the way in) and halving its output."""
+
+    def forward(self, x):
+        return super().forward(x) / 2
+
+
+def test_a_grad_through_a_conversion_that_does_not_only_move_entries_is_refused_by_name(tiny):
+    """patch_model converts weights through the Patcher's conversions: a .grad is carried only through operations
+    that move entries (a scaled weight's gradient is not the scaled gradient)."""
+    ckpt = tiny("llama")
+    model = ckpt.model_class.from_pretrained(ckpt.path)
+    backward(ckpt, model)
+    patcher = modelpatch.Patcher(
+        {"LlamaMLP": DoubledDownLlamaMLP},
+        extra_weight_conversions=[
+            modelpatch.WeightConverter("mlp.down_proj.weight", "mlp.down_proj.weight", [Scale()])
+        ],
+    )
+    patch = lambda m: modelpatch.patch_model(m, patcher)  # noqa: E731
+    assert_refused_unchanged(
+        model,
+        patch,
+        "model.layers.1.mlp: the .grad of down_proj.weight cannot be carried through Scale",
+        "patch_model()",
+    )
+    model.zero_grad()
+    patch(model)
+    assert type(model.model.layers[1].mlp) is DoubledDownLlamaMLP
+    assert_outputs_close(ckpt.outputs(model), ckpt.stock_outputs())

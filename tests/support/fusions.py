@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+from torch import nn
 from transformers import PreTrainedModel
 
 import modelpatch
+from modelpatch import FusionError
 from support.checkpoints import TinyCheckpoint
 from support.compare import assert_outputs_close, assert_outputs_equal, assert_same_files, module_types
 from support.files import checkpoint_shapes
@@ -44,3 +48,21 @@ def check_fused_roundtrip(ckpt: TinyCheckpoint, fusion_config: dict[str, Any], t
     assert module_types(reloaded) == module_types(fused)
     assert_outputs_equal(ckpt.outputs(reloaded), outputs)
     return fused
+
+
+def assert_refused_unchanged(model: nn.Module, call: Callable[[nn.Module], Any], *match: str) -> None:
+    """``call(model)`` (a fuse, unfuse or patch_model) raises a FusionError whose message holds every ``match`` and
+    says the model was left unchanged, and it was: the same modules, the same parameter objects, each with the same
+    ``requires_grad`` and ``.grad``."""
+    types = module_types(model)
+    parameters = dict(model.named_parameters())
+    training = {key: (p.requires_grad, p.grad) for key, p in parameters.items()}
+    with pytest.raises(FusionError) as error:
+        call(model)
+    for text in (*match, "The model was left unchanged"):
+        assert text in str(error.value)
+    assert module_types(model) == types
+    after = dict(model.named_parameters())
+    assert after.keys() == parameters.keys() and all(after[key] is p for key, p in parameters.items())
+    for key, (requires_grad, grad) in training.items():
+        assert after[key].requires_grad == requires_grad and after[key].grad is grad, key

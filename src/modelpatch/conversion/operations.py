@@ -21,7 +21,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -70,6 +70,12 @@ def _one_tensor(shapes: list[ShapeSlot], dim: int, op: ConversionOperation) -> t
 
 class ConversionOperation(ABC):
     """Base class of conversion operations. Subclasses are frozen dataclasses."""
+
+    # Whether every output entry is one input entry, moved, or a zero it adds (padding): no entry is combined with
+    # another, scaled or repeated. Such an operation turns a weight's gradient into the gradient of the weight it
+    # converts it to, exactly, so a restructuring in memory (modelpatch.fuse) carries ``.grad`` through it; through
+    # any other it refuses to.
+    moves_entries: ClassVar[bool] = False
 
     @abstractmethod
     def bind(self, shapes: list[ShapeSlot], num_targets: int) -> tuple[ConversionOperation, list[ShapeSlot]]:
@@ -147,6 +153,8 @@ class _Parts(ConversionOperation):
     """What :class:`Concatenate` and its reverse :class:`Chunk` share: the parts along ``dim`` (their ``sizes``, whether
     they are ``equal_parts``, whether they form one ``indexed`` slot of ``parts`` entries), and ``configured``, which
     reads that number of entries from the text config's ``parts_attribute`` (transformers' ``num_shards_attribute``)."""
+
+    moves_entries: ClassVar[bool] = True
 
     dim: int = 0
     sizes: tuple[int, ...] | None = None
@@ -281,6 +289,8 @@ class _ModulelistOperation(ConversionOperation):
     """Between a list of per-index tensors (experts ``0..n-1``) and one tensor holding them along ``dim``; ``count``
     is the number of entries, learnt when bound (so that the reverse checks it)."""
 
+    moves_entries: ClassVar[bool] = True
+
     dim: int = 0
     count: int | None = None
 
@@ -345,6 +355,8 @@ class Transpose(_PerSlotOperation):
     loaded) it does nothing, which is what stock transformers' reverse does too.
     """
 
+    moves_entries: ClassVar[bool] = True
+
     dim0: int = 0
     dim1: int = 1
     check_dims: bool = False
@@ -388,6 +400,8 @@ class Interleave(_PerSlotOperation):
     de-interleaving otherwise): transformers' ``Interleave`` for checkpoints that store ``gate``/``up`` rows
     alternating. A permutation, so its reverse (``inverse`` flipped) is exact."""
 
+    moves_entries: ClassVar[bool] = True
+
     dim: int = 0
     inverse: bool = False
 
@@ -417,6 +431,8 @@ class PermuteForRope(ConversionOperation):
     (all when None: transformers' ``permute_layer_names``, resolved to positions). ``num_heads`` is read from the
     config's (or its ``subconfig_key`` sub-config's) ``num_attention_heads`` by :meth:`configured`.
     """
+
+    moves_entries: ClassVar[bool] = True
 
     num_heads: int | None = None
     inverse: bool = False
@@ -479,6 +495,8 @@ class FuseExpertGroups(ConversionOperation):
     size along ``concat_dim``, which the exact reverse (:class:`SplitExpertGroups`) splits back into.
     """
 
+    moves_entries: ClassVar[bool] = True
+
     stack_dim: int = 0
     concat_dim: int = 1
     group_sizes: tuple[int, ...] | None = None
@@ -536,6 +554,8 @@ class SplitExpertGroups(ConversionOperation):
     tensor is split along ``concat_dim`` into one part per output pattern (``part_sizes``, equal when unbound) and
     unstacked along ``stack_dim``; output ``j`` lists part ``j``'s experts of every tensor in order."""
 
+    moves_entries: ClassVar[bool] = True
+
     stack_dim: int = 0
     concat_dim: int = 1
     group_sizes: tuple[int, ...] | None = None
@@ -589,6 +609,8 @@ class SplitExpertGroups(ConversionOperation):
 class Conv3dToLinear(_PerSlotOperation):
     """Flatten a Conv3d kernel ``[out, C, T, H, W]`` into a Linear weight ``[out, C*T*H*W]`` (C, T, H, W order)."""
 
+    moves_entries: ClassVar[bool] = True
+
     kernel_shape: tuple[int, ...] | None = None
 
     def bind(self, shapes, num_targets):
@@ -616,6 +638,8 @@ class Conv3dToLinear(_PerSlotOperation):
 @dataclass(frozen=True)
 class LinearToConv3d(_PerSlotOperation):
     """Reshape a Linear weight ``[out, C*T*H*W]`` back into a Conv3d kernel ``[out, C, T, H, W]``."""
+
+    moves_entries: ClassVar[bool] = True
 
     kernel_shape: tuple[int, ...] = ()
 
@@ -647,6 +671,8 @@ class Unpad(ConversionOperation):
     :meth:`configured` when not given. A load records how many entries the checkpoint had, so its reverse pads back
     to that many. The padding comes back as zeros, as stock writes it: it was never part of the model.
     """
+
+    moves_entries: ClassVar[bool] = True
 
     dim: int = 0
     size: int | None = None
@@ -700,6 +726,8 @@ class MergeRowGroups(ConversionOperation):
     exact both ways.
     """
 
+    moves_entries: ClassVar[bool] = True
+
     sizes: tuple[int, ...]
     order: tuple[int, ...]
     inverse: bool = False
@@ -748,6 +776,8 @@ class WithoutCompanions(ConversionOperation):
     transformers' ``Inkling2LoopDequantizeExperts`` (5.24): a weight alone is passed through; NVFP4 / MXFP8 experts
     with their scales are refused by name.
     """
+
+    moves_entries: ClassVar[bool] = True
 
     companions: int = 0
     format: str = "quantized"

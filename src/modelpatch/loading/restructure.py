@@ -27,7 +27,7 @@ import functools
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 import torch
@@ -110,13 +110,19 @@ def _base_transforms(model: PreTrainedModel) -> list[WeightTransform]:
     return model_conversions(model)
 
 
-def _assign(module: nn.Module, name: str, tensor: torch.Tensor, requires_grad: bool) -> None:
+def _assign(
+    module: nn.Module, name: str, tensor: torch.Tensor, requires_grad: bool, grad: torch.Tensor | None = None
+) -> None:
+    """Set parameter or buffer ``name`` of ``module`` to ``tensor``: a Parameter is kept as it is (with its own
+    ``requires_grad`` and ``.grad``), another tensor becomes one with ``requires_grad`` and ``grad``."""
     owner_name, _, attribute = name.rpartition(".")
     owner = module.get_submodule(owner_name)
     if attribute in owner._parameters:
-        owner._parameters[attribute] = (
-            tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=requires_grad)
-        )
+        if not isinstance(tensor, nn.Parameter):
+            tensor = nn.Parameter(tensor, requires_grad=requires_grad)
+            if grad is not None:
+                tensor.grad = grad.contiguous()  # laid out as the weight is (``_fill`` makes it contiguous)
+        owner._parameters[attribute] = tensor
     else:
         owner._buffers[attribute] = tensor.detach()
 
@@ -236,17 +242,90 @@ def _tensor_hook_problems(tensors: Mapping[str, torch.Tensor], kept: set[str], v
     ]
 
 
-def _run_plan(
-    plan: ConversionPlan, tensors: Mapping[str, torch.Tensor], grads: Mapping[str, bool]
-) -> tuple[dict[str, torch.Tensor], dict[str, bool]]:
-    """Execute ``plan`` on ``tensors``; an output requires grad when one of its sources does."""
-    out = {key: tensors[source] for key, source in plan.direct.items()}
-    out_grads = {key: grads[source] for key, source in plan.direct.items()}
+def _grad(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The gradient a parameter has accumulated (None for a buffer)."""
+    return tensor.grad if isinstance(tensor, nn.Parameter) else None
+
+
+def _run_on_grads(plan: ConversionPlan, grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``plan`` run on the gradients of its inputs, converted exactly as the weights are: the outputs whose sources
+    all have one (the others have none: _training_state_problems refused the rest)."""
+    out = {key: grads[source] for key, source in plan.direct.items() if source in grads}
     for group in plan.groups:
-        requires_grad = any(grads[key] for key in group.source_keys())
-        for key, tensor in group.run(tensors.__getitem__).items():
-            out[key], out_grads[key] = tensor, requires_grad
-    return out, out_grads
+        if (sources := group.source_keys()) and all(key in grads for key in sources):
+            out.update(group.run(grads.__getitem__))
+    return out
+
+
+def _lineage(
+    plans: Sequence[ConversionPlan], keys: Iterable[str]
+) -> tuple[dict[str, frozenset[str]], list[tuple[ConversionGroup, frozenset[str]]]]:
+    """Each output of ``plans`` (run one after another on tensors ``keys``) -> the keys of ``keys`` it is built from;
+    and each converted group of every plan with the keys of ``keys`` its sources are built from."""
+    origins = {key: frozenset((key,)) for key in keys}
+    groups: list[tuple[ConversionGroup, frozenset[str]]] = []
+    for plan in plans:
+        groups += [(group, frozenset().union(*(origins[key] for key in group.source_keys()))) for group in plan.groups]
+        origins = {
+            out: frozenset().union(*(origins[key] for key in sources)) for out, sources in plan.sources_of().items()
+        }
+    return origins, groups
+
+
+def _listed(keys: Iterable[str], local: int, limit: int = 4) -> str:
+    names = [key[local:] for key in sorted(keys)]
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _training_state_problems(
+    name: str, state: Mapping[str, torch.Tensor], plans: Sequence[ConversionPlan]
+) -> list[str]:
+    """What of the parts' training state a tensor built from several of them cannot keep, in module ``name``.
+
+    A Parameter has one ``requires_grad``: parts frozen and parts trainable cannot become one (a gradient mask would
+    still let weight decay and momentum move the frozen entries). A ``.grad`` is carried into the new layout as the
+    weights are, which needs every part to have one (an optimizer skips a parameter without one, and steps one with
+    zeros) and operations that only move entries.
+    """
+    origins, groups = _lineage(plans, state)
+    local = len(name) + 1
+    problems: list[str] = []
+    for output, sources in sorted(origins.items()):
+        if len(sources) < 2:
+            continue
+        parameters = [key for key in sources if isinstance(state[key], nn.Parameter)]
+        frozen = [key for key in parameters if not state[key].requires_grad]
+        if frozen and len(frozen) < len(parameters):
+            trainable = set(parameters) - set(frozen)
+            problems.append(
+                f"{name}: {output[local:]} would be one parameter made of {_listed(frozen, local)} (frozen: "
+                f"requires_grad=False) and {_listed(trainable, local)} (trainable)"
+            )
+        graded = [key for key in sources if _grad(state[key]) is not None]
+        if graded and len(graded) < len(sources):
+            problems.append(
+                f"{name}: {output[local:]} would be made of {_listed(graded, local)} (with an accumulated .grad) and "
+                f"{_listed(sources - set(graded), local)} (without one)"
+            )
+    for group, sources in groups:
+        moving = [type(op).__name__ for op in group.operations if not op.moves_entries]
+        if moving and any(_grad(state[key]) is not None for key in sources):
+            problems.append(
+                f"{name}: the .grad of {_listed(sources, local)} cannot be carried through {', '.join(moving)} "
+                f"(it does not only move entries) to {_listed(group.target_keys(), local)}"
+            )
+    return problems
+
+
+def _training_state_error(model: nn.Module, problems: Sequence[str], verb: str) -> FusionError:
+    function = "patch_model" if verb == "patch" else verb
+    return FusionError(
+        f"Cannot {verb} {type(model).__name__} without changing how it trains: {'; '.join(problems)}. A parameter "
+        "has one requires_grad (a gradient mask would still let weight decay and momentum move the frozen entries), "
+        "and a .grad is carried over only where every part has one and the conversion only moves entries. Freeze or "
+        f"unfreeze the parts alike (requires_grad_) and clear their gradients (optimizer.zero_grad()) before "
+        f"{function}(), or leave the model as it is. The model was left unchanged."
+    )
 
 
 def _swap(
@@ -278,6 +357,7 @@ def _plan_swap(
     plans = []
     hook_moves: list[tuple[nn.Module, nn.Module]] = []
     hook_problems: list[str] = []
+    training_problems: list[str] = []
     for name in names:
         state = _module_state(model, name)
         metas = {key: TensorMeta(tuple(t.shape), t.dtype) for key, t in state.items()}
@@ -308,7 +388,10 @@ def _plan_swap(
                 f"those of {type(new).__name__} ({', '.join(wrong[:6])}{', ...' if len(wrong) > 6 else ''}"
                 f"{'; ' + '; '.join(problems) if problems else ''}). The model was left unchanged."
             )
+        training_problems += _training_state_problems(name, state, module_plans)
         plans.append((name, module_plans))
+    if training_problems:
+        raise _training_state_error(model, training_problems, verb)
     if hook_problems:
         raise FusionError(
             f"Cannot {verb} {type(model).__name__}: hooks are registered where the {verb}d model would not keep "
@@ -324,13 +407,19 @@ def _fill(model: PreTrainedModel, target: nn.Module, name: str, module_plans: Se
     """Convert the live module ``name``'s tensors through ``module_plans`` into ``target``'s meta module of that name,
     put it in the live one's place and dismantle the live one."""
     live, new = model.get_submodule(name), target.get_submodule(name)
-    tensors = _module_state(model, name)
-    grads = {key: tensor.requires_grad for key, tensor in tensors.items()}
+    state = _module_state(model, name)
+    tensors: Mapping[str, torch.Tensor] = state
+    grads = {key: grad for key, tensor in state.items() if (grad := _grad(tensor)) is not None}
     for plan in module_plans:
-        tensors, grads = _run_plan(plan, tensors, grads)
+        tensors, grads = plan.run(tensors.__getitem__), _run_on_grads(plan, grads)
+    origins, _ = _lineage(module_plans, state)
     local = len(name) + 1
     for key, tensor in tensors.items():
-        _assign(new, key[local:], tensor if isinstance(tensor, nn.Parameter) else tensor.contiguous(), grads[key])
+        # Its parts agree (_training_state_problems): the first Parameter among them says whether it trains.
+        parts = [state[origin] for origin in origins[key] if isinstance(state[origin], nn.Parameter)]
+        requires_grad = bool(parts) and parts[0].requires_grad
+        contiguous = tensor if isinstance(tensor, nn.Parameter) else tensor.contiguous()
+        _assign(new, key[local:], contiguous, requires_grad, grads.get(key))
     # Buffers outside the state dict (non-persistent ones) come from the live module, by name.
     live_buffers = dict(live.named_buffers())
     for buffer_name, buffer in list(new.named_buffers()):
