@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import modelpatch
-from support.compare import assert_bitwise_equal
+from support.compare import assert_bitwise_equal, assert_outputs_close
 from support.files import read_tensors
 
 FUSED = {"qkv": True, "gate_up": True}
@@ -80,6 +80,77 @@ def test_a_wrong_shape_in_a_group_is_a_size_mismatch_naming_the_original_key(tin
     with pytest.raises(RuntimeError, match=r"size mismatch for model\.layers\.0\.self_attn\.v_proj\.weight"):
         fused.load_state_dict(state, strict=False)
     assert_bitwise_equal(fused.state_dict(), before)
+
+
+LINEAR_EXPERTS = {"linear_experts": True}
+GATE_UP = "model.layers.0.mlp.experts.gate_up_proj"
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "qwen2_moe_3d", "mixtral"])
+def test_a_stock_moe_models_state_dict_loads_into_linear_experts(tiny, tmp_path, name):
+    """transformers 5's MoE models hold their experts as 3-D tensors: their ``state_dict()`` fills per-expert Linears
+    exactly as a load of a checkpoint of those 3-D tensors does, whatever layout the fused model was loaded from."""
+    checkpoint = tiny(name)
+    fused = checkpoint.load(LINEAR_EXPERTS)
+    stock = checkpoint.model_class.from_pretrained(checkpoint.path)
+    new = _perturbed(stock.state_dict(), 4)
+    assert GATE_UP in new
+    result = fused.load_state_dict(new)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    stock.load_state_dict(new)
+    stock.save_pretrained(tmp_path, save_original_format=False)  # the 3-D tensors, as the stock model holds them
+    assert_bitwise_equal(fused.state_dict(), checkpoint.load(LINEAR_EXPERTS, path=tmp_path).state_dict())
+    assert_outputs_close(checkpoint.outputs(fused), checkpoint.outputs(stock))
+
+
+def test_a_partial_stock_moe_dict_changes_exactly_what_it_names(tiny):
+    checkpoint = tiny("qwen2_moe")
+    fused = checkpoint.load(LINEAR_EXPERTS)
+    before = {k: v.clone() for k, v in fused.state_dict().items()}
+    new = _perturbed(checkpoint.stock().state_dict(), 5)
+    result = fused.load_state_dict({GATE_UP: new[GATE_UP]}, strict=False)
+    named = {f"model.layers.0.mlp.experts.{e}.{p}.weight" for e in range(4) for p in ("gate_proj", "up_proj")}
+    assert {k for k in before if not torch.equal(before[k], fused.state_dict()[k])} == named
+    # (The model's checkpoint is per expert: its missing keys are named so.)
+    assert result.unexpected_keys == [] and result.missing_keys == [k for k in before if k not in named]
+    gate, up = new[GATE_UP].chunk(2, dim=1)  # transformers' experts read the gate rows first
+    for expert in range(4):
+        assert torch.equal(fused.state_dict()[f"model.layers.0.mlp.experts.{expert}.gate_proj.weight"], gate[expert])
+        assert torch.equal(fused.state_dict()[f"model.layers.0.mlp.experts.{expert}.up_proj.weight"], up[expert])
+
+
+@pytest.mark.parametrize(
+    ("shape", "match"),
+    [
+        (
+            (4, 30, 32),
+            r"size mismatch for model\.layers\.0\.mlp\.experts\.gate_up_proj: copying a param with shape "
+            r"\[4, 30, 32\]",
+        ),
+        ((3, 32, 32), r"size mismatch for model\.layers\.0\.mlp\.experts\.gate_up_proj: .*expected 4 entries"),
+    ],
+    ids=["rows", "experts"],
+)
+def test_stock_moe_experts_of_another_shape_are_a_size_mismatch(tiny, shape, match):
+    checkpoint = tiny("qwen2_moe")
+    fused = checkpoint.load(LINEAR_EXPERTS)
+    before = {k: v.clone() for k, v in fused.state_dict().items()}
+    state = dict(checkpoint.stock().state_dict())
+    assert tuple(state[GATE_UP].shape) != shape
+    state[GATE_UP] = torch.zeros(shape)
+    with pytest.raises(RuntimeError, match=match):
+        fused.load_state_dict(state, strict=False)
+    assert_bitwise_equal(fused.state_dict(), before)
+
+
+def test_stock_moe_experts_of_a_layer_the_model_lacks_are_unexpected(tiny):
+    checkpoint = tiny("qwen2_moe")
+    fused = checkpoint.load(LINEAR_EXPERTS)
+    state = dict(checkpoint.stock().state_dict())
+    state["model.layers.7.mlp.experts.gate_up_proj"] = state[GATE_UP]
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "model\.layers\.7\.mlp\.experts'):
+        fused.load_state_dict(state)
+    assert fused.load_state_dict(state, strict=False).unexpected_keys == ["model.layers.7.mlp.experts.gate_up_proj"]
 
 
 @pytest.mark.parametrize(

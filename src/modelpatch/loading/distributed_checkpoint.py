@@ -18,13 +18,17 @@ the same structure only (exact across world sizes); across a fusion, the paramet
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-from ..errors import SaveError
+from .._transformers import tied_weight_keys
+from ..conversion.planner import format_problems
+from ..errors import LoadPlanError
 from .distributed import local_part, shard_like, shard_of
 from .save_sharded import ShardedState
 
@@ -53,15 +57,16 @@ def set_original_state_dict(model: PreTrainedModel, state_dict: Mapping[str, tor
     """Fill ``model`` from ``state_dict``, its state in the original layout (the placeholders of
     :func:`get_original_state_dict`, filled by ``torch.distributed.checkpoint.load``). Call it on every rank.
 
+    Every key of ``state_dict`` is checked against the model's original layout before anything is written, as torch's
+    strict ``load_state_dict`` checks its keys and shapes: a tensor is never broadcast into a parameter.
+
     Raises:
-        SaveError: ``state_dict`` lacks keys of the original layout (every missing key is named).
+        LoadPlanError: ``state_dict`` does not fit the model's original layout: keys missing, keys the layout does not
+            have, values that are not tensors or not of the layout's full shape (every key at fault is named);
+            nothing was written.
     """
     sharded = ShardedState(model, model.state_dict(), original_format=True)
-    missing = sorted(key for key in sharded.layout if key not in state_dict)
-    if missing:
-        raise SaveError(
-            f"The original-layout state dict lacks {len(missing)} key(s) of {type(model).__name__}: {missing}"
-        )
+    _check_original_state(model, sharded.layout, state_dict)
     targets = model.state_dict(keep_vars=True)
 
     def full(key: str) -> torch.Tensor:
@@ -83,3 +88,33 @@ def set_original_state_dict(model: PreTrainedModel, state_dict: Mapping[str, tor
             fulls = {key: full(key) for key in forward.source_keys()}
             for runtime, tensor in forward.run(fulls.__getitem__).items():
                 local_part(targets[runtime]).copy_(shard_of(targets[runtime], tensor))
+
+
+def _check_original_state(
+    model: PreTrainedModel, layout: Mapping[str, torch.Tensor], state_dict: Mapping[str, Any]
+) -> None:
+    """Raise :class:`LoadPlanError` naming every key of ``state_dict`` that does not fit ``layout`` (the model's
+    original layout: full shapes), and every key of ``layout`` it lacks."""
+    tied = tied_weight_keys(model)
+    problems: dict[str, list[str]] = defaultdict(list)
+    problems["missing from the state dict"] = [key for key in layout if key not in state_dict]
+    for key, value in state_dict.items():
+        meta = layout.get(key)
+        if meta is None:
+            note = f" (tied to {tied[key]}: the original layout holds it once, under that name)" if key in tied else ""
+            problems["not in the model's original layout"].append(key + note)
+        elif not isinstance(value, torch.Tensor):
+            problems["not tensors"].append(f"{key}: a {type(value).__name__}")
+        elif tuple(value.shape) != tuple(meta.shape):  # a DTensor's shape is its full shape
+            problems["shape mismatches"].append(
+                f"{key}: the state dict gives {list(value.shape)}, the model's original layout has {list(meta.shape)}"
+            )
+    if not any(problems.values()):
+        return
+    lines = [
+        f"The original-layout state dict does not fit {type(model).__name__}; nothing was changed.",
+        *format_problems(problems),
+        "Hint: pass the placeholders get_original_state_dict(model) gives for this model, filled by "
+        "torch.distributed.checkpoint.load; a checkpoint of a model of other sizes or layers does not fit it.",
+    ]
+    raise LoadPlanError("\n".join(lines), {kind: items for kind, items in problems.items() if items})

@@ -105,6 +105,34 @@ def _compile_any(patterns: Iterable[str]) -> re.Pattern[str] | None:
     return re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns else None
 
 
+def plan_checkpoint_keys(
+    model: PreTrainedModel,
+    checkpoint: Mapping[str, TensorMeta],
+    transforms: Sequence[WeightTransform],
+    expected: Mapping[str, TensorMeta],
+    *,
+    prefixes: bool = True,
+) -> tuple[ConversionPlan, list[WeightTransform]]:
+    """Plan ``checkpoint``'s keys into ``model``'s (``expected``) as every load plans them: ``transforms`` configured
+    like the model's own (transformers' own transforms were translated where they entered), then transformers' legacy
+    key names; the base model's prefix added or stripped as stock does (unless not ``prefixes``: keys keep theirs, as
+    torch's ``load_state_dict`` takes them). Problems are in the plan, not raised.
+
+    Returns:
+        The plan and the transforms it ran: the configured ones, with the legacy renamings some key had (what a load
+        report keeps).
+    """
+    translated = [t.configured(model.config) for t in transforms]
+    legacy = legacy_conversions()
+    conversion = plan_load(
+        checkpoint,
+        [*translated, *legacy],
+        expected=expected,
+        base_model_prefix=(getattr(model, "base_model_prefix", "") or "") if prefixes else "",
+    )
+    return conversion, [*translated, *(t for t in legacy if id(t) in conversion.used)]
+
+
 def plan_model_load(
     model: PreTrainedModel,
     directory: Path,
@@ -131,15 +159,8 @@ def plan_model_load(
     called only to explain missing keys in the error.
     """
     expected = model_expectations(model)
-    # Configured like the model's own (transformers' own transforms were translated where they entered).
-    applied = [] if runtime_layout else transforms
-    translated = [t.configured(model.config) for t in applied]
-    legacy = legacy_conversions()
-    conversion = plan_load(
-        checkpoint if parameters is None else parameters,
-        [*translated, *legacy],
-        expected=expected,
-        base_model_prefix=getattr(model, "base_model_prefix", "") or "",
+    conversion, used_transforms = plan_checkpoint_keys(
+        model, checkpoint if parameters is None else parameters, [] if runtime_layout else transforms, expected
     )
     plan = LoadPlan(
         directory=directory,
@@ -150,8 +171,7 @@ def plan_model_load(
         runtime_layout=runtime_layout,
         replaced=replaced,
         conversion=conversion,
-        # Every load also reads transformers' legacy key names; the report keeps those some key had.
-        used_transforms=[*translated, *(t for t in legacy if id(t) in conversion.used)],
+        used_transforms=used_transforms,
         expected=expected,
         tied=tied_weight_keys(model),
         modes=tuple(modes),

@@ -186,16 +186,22 @@ def checkpoint_layout(
     return layout
 
 
-def model_layout(model: PreTrainedModel, state: Mapping[str, torch.Tensor]) -> ConversionPlan:
-    """The checkpoint layout of ``model``'s runtime tensors ``state`` (see :func:`checkpoint_layout`), planned with the
-    transforms the model's record holds (its load report's for a loaded model never restructured)."""
-    report = get_load_report(model)
+def model_transforms(model: PreTrainedModel) -> Sequence[WeightTransform]:
+    """The transforms between ``model``'s checkpoint layout and its runtime layout: those its record holds (set when
+    it was restructured), else its load report's, else its classes' conversions (a model built with ``from_config``)."""
     record = model_record(model)
     transforms: Sequence[WeightTransform] | None = None if record is None else record.transforms
     if transforms is None:
+        report = get_load_report(model)
         transforms = report.transforms if report is not None else model_conversions(model)
+    return transforms
+
+
+def model_layout(model: PreTrainedModel, state: Mapping[str, torch.Tensor]) -> ConversionPlan:
+    """The checkpoint layout of ``model``'s runtime tensors ``state`` (see :func:`checkpoint_layout`), planned with
+    :func:`model_transforms`."""
     metas = {k: TensorMeta(tuple(v.shape), v.dtype) for k, v in state.items()}
-    return checkpoint_layout(report, transforms, metas)
+    return checkpoint_layout(get_load_report(model), model_transforms(model), metas)
 
 
 def saved_state(

@@ -16,7 +16,8 @@ conversion groups bound to the model's shapes, run forwards or backwards; nothin
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator, Mapping
+import re
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -24,13 +25,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-from ..conversion.planner import ConversionGroup
+from ..conversion.planner import ConversionGroup, TensorMeta
 from ..state import model_record
 from .distributed import full_tensor, is_fsdp, refuse_two_shardings, shard_like
 from .offload import gather_offloaded
 from .parallel import gather_state
+from .plan import plan_checkpoint_keys
 from .save import OriginalFormatSave
-from .save_contents import model_layout, reject_wrapped, saved_state
+from .save_contents import model_layout, model_transforms, reject_wrapped, saved_state
 
 __all__ = ["OriginalLayoutLoad", "install_state_dict_boundary", "iter_original_state_dict"]
 
@@ -99,6 +101,13 @@ def _quoted(keys: list[str]) -> str:
     return ", ".join(f'"{key}"' for key in keys)
 
 
+def _names_any(patterns: set[str], keys: Iterable[str]) -> bool:
+    """Whether a key of ``patterns`` (``*`` for an index, as :attr:`ConversionPlan.unbuilt` names them) is one of
+    ``keys``."""
+    compiled = [re.compile(re.escape(pattern).replace(r"\*", r"\d+")) for pattern in patterns]
+    return any(pattern.fullmatch(key) for pattern in compiled for key in keys)
+
+
 class OriginalLayoutLoad:
     """``model.load_state_dict`` of a model modelpatch built: torch's method, fed the model's own layout.
 
@@ -108,6 +117,11 @@ class OriginalLayoutLoad:
     model's current values, so a partial dict changes exactly what it names, as torch's ``strict=False`` does.
     ``strict``, ``assign`` and the returned missing / unexpected keys mean what they mean in torch, with keys in the
     names the caller used: the original names when the dict is in the original layout.
+
+    Keys in neither layout are planned as a load of a checkpoint holding them plans them, with the model's
+    transforms: a stock MoE model's ``state_dict()`` (transformers' in-memory 3-D experts) loads into per-expert Linear
+    experts (``linear_experts``) exactly as a load of a 3-D checkpoint fills them. Keys nothing turns into the model's
+    parameters are unexpected, as in torch.
 
     On an FSDP2-sharded model (``fully_shard``) the dict holds whole tensors, as a single process's ``state_dict()``
     or a checkpoint gives them, on every rank: each rank converts them and keeps its own shard of each parameter
@@ -146,6 +160,13 @@ class OriginalLayoutLoad:
             for runtime_key, tensor in self._convert(group, own, state_dict, given, errors).items():
                 self._take(runtime, runtime_key, tensor, ", ".join(given), errors)
             used.update(given)
+        others = [key for key in state_dict if key not in used and key not in own]
+        for group in self._other_layout(own, state_dict, others, errors) if others else ():
+            with torch.no_grad():
+                converted = group.run(lambda key: state_dict[key].detach())
+            for runtime_key, tensor in converted.items():
+                self._take(runtime, runtime_key, tensor, ", ".join(group.source_keys()), errors)
+            used.update(group.source_keys())
         if errors:
             raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__}:\n\t" + "\n\t".join(errors))
         result = stock_load(model, self._shards(runtime, own), strict=False, assign=assign)
@@ -207,6 +228,52 @@ class OriginalLayoutLoad:
                 # One dtype per group, the model's: the converted tensor is copied into the model's anyway.
                 parts[key] = value.detach().to(device=tensor.device, dtype=tensor.dtype)
             return group.reverse().run(parts.__getitem__)
+
+    def _other_layout(
+        self, own: Mapping[str, torch.Tensor], state_dict: Mapping[str, Any], keys: list[str], errors: list[str]
+    ) -> list[ConversionGroup]:
+        """The groups (checkpoint -> runtime) that turn ``keys`` of ``state_dict``, in neither the model's layout nor
+        its checkpoint's, into parameters of the model, planned as a load of a checkpoint holding them plans them,
+        with the model's transforms: a stock MoE model's ``state_dict()`` holds transformers' in-memory 3-D experts
+        (``mlp.experts.gate_up_proj``), which ``linear_experts`` splits per expert as it does at a load of a 3-D
+        checkpoint. Keys no group turns into the model's parameters stay unexpected; keys whose groups would, but do
+        not fit the model's shapes, are size mismatches in ``errors``."""
+        metas = {
+            key: TensorMeta(tuple(state_dict[key].shape), state_dict[key].dtype)
+            for key in keys
+            if isinstance(state_dict[key], torch.Tensor)
+        }
+        expected = {key: TensorMeta(tuple(tensor.shape), tensor.dtype) for key, tensor in own.items()}
+        transforms = model_transforms(self.model)
+        plan, _ = plan_checkpoint_keys(self.model, metas, transforms, expected, prefixes=False)
+        groups = []
+        for group in plan.groups:
+            targets = group.target_metas()
+            if not all(key in own for key in targets):
+                continue  # not the model's parameters (another model's layer, say): unexpected keys
+            wrong = [key for key, meta in targets.items() if tuple(meta.shape) != tuple(own[key].shape)]
+            if wrong:
+                sources = group.source_keys()
+                shapes = [list(metas[key].shape) for key in sources]
+                errors.append(
+                    f"size mismatch for {', '.join(sources)}: copying a param with shape "
+                    f"{shapes[0] if len(shapes) == 1 else shapes} from checkpoint gives {wrong[0]} "
+                    f"{list(targets[wrong[0]].shape)}{f' (and {len(wrong) - 1} more)' if len(wrong) > 1 else ''}, "
+                    f"the shape in current model is {list(own[wrong[0]].shape)}."
+                )
+                continue
+            groups.append(group)
+        # Keys matched by a converter whose group could not be built (neither converted nor read as they are).
+        placed = {*plan.direct.values(), *(key for group in plan.groups for key in group.source_keys())}
+        for key in (key for key in metas if key not in placed):
+            # Planned alone, the key's own converter says which parameters it is for.
+            alone, _ = plan_checkpoint_keys(self.model, {key: metas[key]}, transforms, expected, prefixes=False)
+            if _names_any(alone.unbuilt, own):
+                errors.append(
+                    f"size mismatch for {key}: copying a param with shape {list(metas[key].shape)} from checkpoint, "
+                    f"which does not convert into the current model's parameters: {'; '.join(alone.problem_lines())}"
+                )
+        return groups
 
     @staticmethod
     def _names(missing: list[str], layout: Any, original: bool) -> list[str]:
