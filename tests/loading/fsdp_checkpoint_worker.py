@@ -11,12 +11,17 @@ fusions), sharded with ``fully_shard`` per decoder layer and on the root, materi
   the fusions (``set_original_state_dict``) and saved collectively.
 
 Last, the last case's model saved collectively into a directory, made read-only, then saved there again: the message
-each rank got.
+each rank got. Then two saves over a previous checkpoint that every rank must refuse (the message or exception each
+rank got is written down): from ranks holding differently fused models (rank 0 fused with ``qkv`` and ``gate_up``,
+rank 1 with ``qkv`` only), and one interrupted on rank 1 (a real SIGINT, as Ctrl-C sends, raised when rank 1 writes
+its first rows); that one ends the process group, so it comes last and rank 1 then exits at once, as Ctrl-C ends it.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -30,6 +35,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import modelpatch
+import modelpatch.loading.save_sharded
 from modelpatch.errors import ModelPatchError
 
 transformers.logging.set_verbosity_error()
@@ -70,6 +76,42 @@ def train(model, optimizer, inputs: list[torch.Tensor]) -> list[float]:
 
 def optimizer_of(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def refused_save(model, target: Path) -> str:
+    """Save ``model`` into ``target`` collectively: "saved", or the type and message of what this rank raised."""
+    try:
+        modelpatch.save_pretrained(model, target)
+    except (Exception, KeyboardInterrupt) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "saved"
+
+
+def interrupt_first_write() -> None:
+    """Make this rank's next collective save receive SIGINT (what Ctrl-C sends) when it writes its first rows."""
+    write_at = modelpatch.loading.save_sharded.write_at
+
+    def interrupted(fd, offset, tensor):
+        modelpatch.loading.save_sharded.write_at = write_at
+        signal.raise_signal(signal.SIGINT)  # Python's own handler raises KeyboardInterrupt here
+        write_at(fd, offset, tensor)
+
+    modelpatch.loading.save_sharded.write_at = interrupted
+
+
+def refused_saves(model, job: dict, out: Path, mesh) -> None:
+    """The saves every rank must refuse, over a previous checkpoint of ``model`` (see the module docstring)."""
+    rank = dist.get_rank()
+    fusion_config = {"qkv": True, "gate_up": True} if rank == 0 else {"qkv": True}
+    mixed = sharded_model(job["mixed_fusions"], fusion_config, mesh)
+    modelpatch.save_pretrained(model, out / "mixed_fusions_save")
+    (out / f"mixed_fusions_rank{rank}.txt").write_text(refused_save(mixed, out / "mixed_fusions_save"))
+    modelpatch.save_pretrained(model, out / "interrupted_save")
+    if rank == 1:
+        interrupt_first_write()
+    (out / f"interrupted_rank{rank}.txt").write_text(refused_save(model, out / "interrupted_save"))
+    if rank == 1:
+        os._exit(0)  # interrupted: gone, as Ctrl-C ends a process; the other rank learns it from its collectives
 
 
 def main() -> None:
@@ -133,6 +175,7 @@ def main() -> None:
     if rank == 0:
         target.chmod(0o755)
     (out / f"refused_rank{rank}.txt").write_text(refused)
+    refused_saves(model, job, out, mesh)
     dist.destroy_process_group()
 
 

@@ -68,7 +68,7 @@ def fsdp_run(tiny, tmp_path_factory) -> Path:
         for case_id, (name, fusion_config) in CASES.items()
     ]
     job = out / "job.json"
-    job.write_text(json.dumps({"out": str(out), "cases": cases}))
+    job.write_text(json.dumps({"out": str(out), "cases": cases, "mixed_fusions": str(tiny("llama").path)}))
     run_ranks(WORKER, job, RANKS)
     return out
 
@@ -193,3 +193,39 @@ def test_collective_save_refused_on_every_rank(fsdp_run):
     assert sorted(p.name for p in target.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
     # The worker saves its last case's model there, as trained (what it also saved as "_before_original").
     assert_bitwise_equal(read_tensors(target), read_tensors(fsdp_run / f"{list(CASES)[-1]}_before_original"))
+
+
+def _unchanged_since_last_case(fsdp_run: Path, target: Path) -> None:
+    """``target`` holds, byte for byte, the worker's last case's model as it saved it, and no leftover of a save."""
+    before = fsdp_run / f"{list(CASES)[-1]}_before_original"
+    assert sorted(p.name for p in target.iterdir()) == sorted(p.name for p in before.iterdir())
+    for file in before.iterdir():
+        assert filecmp.cmp(target / file.name, file, shallow=False), f"{file.name} changed"
+    assert not list(fsdp_run.glob(f".{target.name}.modelpatch-*")), "a save left a temporary sibling"
+
+
+def test_collective_save_refuses_ranks_holding_different_fusions(fsdp_run):
+    """Rank 0 fused with qkv + gate_up, rank 1 with qkv only (both filled by load_sharded): the same SaveError on
+    both ranks, naming them and the fusions, before the previous checkpoint is touched."""
+    target = fsdp_run / "mixed_fusions_save"
+    refused = [(fsdp_run / f"mixed_fusions_rank{rank}.txt").read_text() for rank in range(RANKS)]
+    assert refused[0] == refused[1], refused
+    assert refused[0].startswith(f"SaveError: Cannot save to {target}; nothing was replaced"), refused[0]
+    assert (
+        'rank 1 differs from rank 0 in fusions: rank 0: {"gate_up": true, "qkv": true}; rank 1: {"qkv": true}'
+        in refused[0]
+    )
+    _unchanged_since_last_case(fsdp_run, target)
+
+
+def test_collective_save_interrupted_on_one_rank(fsdp_run):
+    """Rank 1 gets SIGINT (Ctrl-C) while it writes: it raises KeyboardInterrupt and exits; rank 0's collective fails,
+    which it raises as a SaveError saying a peer rank stopped and the previous checkpoint is intact, as it is."""
+    target = fsdp_run / "interrupted_save"
+    assert (fsdp_run / "interrupted_rank1.txt").read_text() == "KeyboardInterrupt: "
+    refused = (fsdp_run / "interrupted_rank0.txt").read_text()
+    assert refused.startswith(
+        f"SaveError: Cannot save to {target}: a peer rank failed or was interrupted during the collective save"
+    ), refused
+    assert refused.endswith(f"Nothing was replaced: the previous checkpoint in {target}, if any, is intact."), refused
+    _unchanged_since_last_case(fsdp_run, target)

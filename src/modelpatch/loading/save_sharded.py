@@ -4,7 +4,10 @@
 writes the same files as the save of the same model unsharded, byte for byte, without gathering the model anywhere:
 
 1. every rank plans the checkpoint layout from the full shapes alone (the load's recorded groups reversed, as an
-   unsharded save plans it) and runs the same checks as an unsharded save;
+   unsharded save plans it) and runs the same checks as an unsharded save; the ranks then compare what they would
+   write (every key, dtype, shape and source, the fusions, the config files, ``all_gather_object``), and refuse
+   together, before anything is touched, when a rank's checks failed or the plans differ (ranks holding differently
+   fused models would otherwise each write their own rows of another layout into the same files);
 2. rank 0 creates the files in a temporary sibling directory at their final sizes, with their headers
    (``checkpoint/writer.py``'s :func:`~modelpatch.checkpoint.writer.write_presized_checkpoint`), and tells every rank
    where each tensor's bytes lie (``broadcast_object_list``);
@@ -16,15 +19,22 @@ writes the same files as the save of the same model unsharded, byte for byte, wi
 4. every rank reports how its writes went (``all_gather_object``); rank 0 swaps the directory in only if all
    succeeded, atomically as every save, and tells the others.
 
+A rank whose local work fails goes on through the collectives the others wait in, and the save is refused on every
+rank at the end. A rank that stops (interrupted, killed) breaks the process group instead: the others' next collective
+fails (gloo: "Connection closed by peer", or the group's timeout), which they raise as a :class:`SaveError` saying so
+and whether the previous checkpoint is intact — it is, unless rank 0 had already swapped the new one in.
+
 Every rank must share the file system the directory is on (one machine, or a shared file system).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -34,11 +44,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-from ..checkpoint.writer import TensorPlaces, write_at, write_presized_checkpoint
+from ..checkpoint.writer import TensorPlaces, parse_size, write_at, write_presized_checkpoint
 from ..conversion.operations import Chunk, SplitModulelist, run_operations
 from ..conversion.planner import ConversionGroup, ConversionPlan
 from ..errors import SaveError
-from ..state import model_record
+from ..state import model_record, stored_fusion_config
 from .distributed import Rows, local_part, local_rows, part_offsets
 from .parallel import gather_state
 from .save_contents import config_files, model_layout, saved_state
@@ -152,6 +162,40 @@ class ShardedState:
             for key, meta in group.target_metas().items():
                 self.layout[key] = torch.empty(meta.shape, dtype=dtype, device="meta")
 
+    def _spread(self, key: str) -> str:
+        """How runtime tensor ``key`` is spread over the ranks, in words that are the same on every rank."""
+        tensor = self.state[key]
+        if key in self.parts:
+            return f"tensor-parallel parts {list(self.parts[key])}"
+        if isinstance(tensor, DTensor):
+            return f"{', '.join(map(str, tensor.placements))} over a mesh of {tuple(tensor.device_mesh.shape)}"
+        return "whole on every rank"
+
+    def _shape(self, key: str) -> str:
+        meta = self.layout[key]
+        return f"{str(meta.dtype).removeprefix('torch.')} {list(meta.shape)}"
+
+    def entries(self) -> list[tuple[str, str]]:
+        """What this rank writes, in the order :meth:`write` writes it (the order of its collectives): each checkpoint
+        tensor's dtype and shape (its bytes' places follow from them) and where it comes from. Ranks holding the same
+        model, built the same way, give the same list."""
+        entries = [
+            (ckpt, f"{self._shape(ckpt)}, {runtime} as it is ({self._spread(runtime)})")
+            for ckpt, runtime in self.plan.direct.items()
+        ]
+        for group in self.plan.groups:
+            sources = group.source_keys()
+            # One description per group, shared by its targets (pickled once); past the few keys it names, a digest
+            # covers every source key.
+            named = group.sources_summary()
+            if len(sources) > 3:
+                digest = hashlib.sha256(json.dumps(sources).encode()).hexdigest()[:16]
+                named += f" ({len(sources)} keys, digest {digest})"
+            spreads = "; ".join(sorted({self._spread(key) for key in sources}))
+            how = f"converted from {named} ({spreads}) by {list(group.operations)}"
+            entries.extend((key, f"{self._shape(key)}, {how}") for key in group.target_keys())
+        return entries
+
     def rows(self, key: str) -> Rows | None:
         return None if key in self.parts else local_rows(self.state[key])
 
@@ -226,23 +270,147 @@ def save_sharded(
         The files written (on every rank).
 
     Raises:
-        SaveError: What an unsharded save refuses (on every rank, before anything is written), a quantized model, or
-            a rank that could not write its part (the previous checkpoint is left in place, on every rank).
+        SaveError: What an unsharded save refuses (on every rank, before anything is written: a rank whose own checks
+            failed raises its own error), ranks that would write different checkpoints (the same message on every
+            rank, naming the ranks and the first difference), a quantized model, a rank that could not write its
+            part (the previous checkpoint is left in place, on every rank), or a rank that stopped during the save
+            (the message says whether rank 0 may have swapped the new checkpoint in already; either is whole).
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise SaveError(
             f"{type(model).__name__} holds DTensor parameters but no process group is initialised: a sharded model "
             "is saved by every rank of its process group (torch.distributed.init_process_group)."
         )
-    record = model_record(model)
-    if record is not None and record.quantization is not None:
-        raise SaveError(f"{type(model).__name__} is quantized: modelpatch does not save quantized sharded models.")
-    sharded = ShardedState(model, model.state_dict(), original_format=save_original_format)
-    extra_files = config_files(model, original_format=save_original_format)
-    written = _write_collectively(Path(path), sharded, extra_files, max_shard_size)
+    directory = Path(path).absolute()
+    entries: list[tuple[str, str]] = []
+    failure: Exception | None = None
+    try:
+        record = model_record(model)
+        if record is not None and record.quantization is not None:
+            raise SaveError(f"{type(model).__name__} is quantized: modelpatch does not save quantized sharded models.")
+        sharded = ShardedState(model, model.state_dict(), original_format=save_original_format)
+        extra_files = config_files(model, original_format=save_original_format)
+        entries = _save_entries(model, sharded, extra_files, directory, save_original_format, max_shard_size)
+    except Exception as exc:  # refused on every rank together: the others must not go on to collectives alone
+        failure = exc
+    _agree(directory, entries, failure)
+    written = _write_collectively(directory, sharded, extra_files, max_shard_size)
     layout = "checkpoint" if save_original_format else "runtime"
     logger.info("Saved %d tensors to %s collectively (%s layout)", len(sharded.layout), path, layout)
     return written
+
+
+def _save_entries(
+    model: PreTrainedModel,
+    sharded: ShardedState,
+    extra_files: Mapping[str, bytes],
+    directory: Path,
+    original_format: bool,
+    max_shard_size: int | str,
+) -> list[tuple[str, str]]:
+    """Everything that decides the bytes this rank writes, entry by entry (what the ranks compare before saving)."""
+    fusions = stored_fusion_config(model.config)
+    files = [
+        (name, f"{len(data)} bytes, sha256 {hashlib.sha256(data).hexdigest()[:16]}")
+        for name, data in sorted(extra_files.items())
+    ]
+    return [
+        ("fusions", "none" if fusions is None else json.dumps(fusions, sort_keys=True)),
+        ("layout", "original" if original_format else "runtime"),
+        ("directory", str(directory)),
+        ("max_shard_size", f"{parse_size(max_shard_size, context=directory)} bytes"),
+        *files,
+        *sharded.entries(),
+    ]
+
+
+# What a rank that saw a collective of the save fail can say of the directory, by how far the save had gone.
+_INTACT = "Nothing was replaced: the previous checkpoint in {directory}, if any, is intact."
+_SWAPPED_OR_NOT = (
+    "Every rank had written its part: {directory} holds either the previous checkpoint or the new one, whole (rank 0 "
+    "swaps it in atomically, and may have done so before it stopped)."
+)
+_SAVED = "The new checkpoint was already swapped in: {directory} holds it, whole."
+
+
+def _collective(call: Callable[[], Any], directory: Path, outcome: str) -> Any:
+    """``call()`` (a collective of the save), its failure raised as a :class:`SaveError` saying what it means.
+
+    A collective fails when a peer rank stops (interrupted, killed, crashed: gloo says "Connection closed by peer")
+    or does not reach it within the process group's timeout; a rank whose own work failed still joins them all
+    (:class:`_Pieces`), so a failed collective means a rank stopped. ``outcome`` says what that leaves in
+    ``directory`` at this point of the save.
+    """
+    try:
+        return call()
+    except RuntimeError as exc:  # gloo's and NCCL's errors (DistBackendError is a RuntimeError)
+        raise SaveError(
+            f"Cannot save to {directory}: a peer rank failed or was interrupted during the collective save (rank "
+            f"{dist.get_rank()} saw its collective fail: {exc}). " + outcome.format(directory=directory)
+        ) from exc
+
+
+def _gather_all(value: Any, directory: Path, outcome: str) -> list[Any]:
+    """Every rank's ``value``, in rank order (``all_gather_object`` on the default group)."""
+    values: list[Any] = [None] * dist.get_world_size()
+    _collective(partial(dist.all_gather_object, values, value), directory, outcome)
+    return values
+
+
+def _agree(directory: Path, entries: list[tuple[str, str]], failure: Exception | None) -> None:
+    """Go on only if every rank planned its save (``failure`` None) and all planned the same ``entries``; else raise
+    on every rank, before anything is touched: ``failure`` on a rank that had one, a :class:`SaveError` naming the
+    failed ranks or the ranks whose plans differ (the same message on every rank) on the others."""
+    digest = hashlib.sha256(json.dumps(entries).encode()).hexdigest()
+    reports = _gather_all(
+        ("planned", digest) if failure is None else ("failed", f"{type(failure).__name__}: {failure}"),
+        directory,
+        _INTACT,
+    )
+    if failure is not None:
+        raise failure
+    failed = [f"rank {rank}: {text}" for rank, (kind, text) in enumerate(reports) if kind == "failed"]
+    if failed:
+        raise SaveError(
+            f"Cannot save to {directory}; nothing was replaced: another rank refused it. " + "; ".join(failed)
+        )
+    digests = [text for _, text in reports]
+    if len(set(digests)) == 1:
+        return
+    # Only now the whole plans: the first difference between rank 0's and each other one.
+    plans = _gather_all(entries, directory, _INTACT)
+    differing: dict[str, list[int]] = {}
+    for rank, rank_digest in enumerate(digests):
+        if rank_digest != digests[0]:
+            differing.setdefault(rank_digest, []).append(rank)
+    differences = [
+        f"{_ranks(ranks)} differ{'s' if len(ranks) == 1 else ''} from rank 0 in "
+        + _first_difference(plans[0], plans[ranks[0]], ranks[0])
+        for ranks in differing.values()
+    ]
+    raise SaveError(
+        f"Cannot save to {directory}; nothing was replaced: the ranks would write different checkpoints (a collective "
+        "save needs the same model, built with the same fusions, and the same arguments on every rank): "
+        + "; ".join(differences)
+    )
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def _first_difference(ours: Sequence[tuple[str, str]], theirs: Sequence[tuple[str, str]], rank: int) -> str:
+    """The first entry of rank 0's plan ``ours`` that rank ``rank``'s plan ``theirs`` lacks or gives otherwise."""
+    mine, other = dict(ours), dict(theirs)
+    for name, value in ours:
+        if other.get(name) != value:
+            return f"{name}: rank 0: {value}; rank {rank}: {other.get(name, 'not written')}"
+    for name, value in theirs:
+        if name not in mine:
+            return f"{name}: rank 0: not written; rank {rank}: {value}"
+    # The same entries in another order: the ranks would gather (collectives) in another order.
+    first = next((index for index, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a[0] != b[0]), 0)
+    return f"the order of the writes: rank 0 writes {ours[first][0]} where rank {rank} writes {theirs[first][0]}"
 
 
 def _write_collectively(
@@ -250,9 +418,9 @@ def _write_collectively(
 ) -> list[Path]:
     """Rank 0 writes the files' frames and swaps them in; every rank writes its pieces in between."""
 
-    def broadcast(message: Any = None) -> Any:
+    def broadcast(outcome: str, message: Any = None) -> Any:
         box = [message]
-        dist.broadcast_object_list(box, src=0)
+        _collective(partial(dist.broadcast_object_list, box, src=0), directory, outcome)
         return box[0]
 
     def write_pieces(places: TensorPlaces) -> str | None:
@@ -264,25 +432,33 @@ def _write_collectively(
             pieces.fail(str(exc))
         finally:
             pieces.close()
-        errors: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, pieces.error)
+        # Rank 0 swaps only once it has every rank's report: a rank that cannot gather them knows it has not.
+        errors = _gather_all(pieces.error, directory, _INTACT)
         failed = [error for error in errors if error is not None]
         return f"Cannot save to {directory}; nothing was replaced: " + "; ".join(failed) if failed else None
 
     if dist.get_rank() != 0:
         # Rank 0 says where to write (or why not), then, whatever happened, how the save ended.
-        kind, content = broadcast()
+        kind, content = broadcast(_INTACT)
         if kind == "abort":
             raise SaveError(content)
         write_pieces(content)
-        kind, content = broadcast()
+        kind, content = broadcast(_SWAPPED_OR_NOT)
         if kind == "abort":
             raise SaveError(content)
         return [Path(name) for name in content]
 
+    # What the directory holds if rank 0 stops now, while the other ranks wait in a broadcast from rank 0 (to learn
+    # where to write, or how the save ended) and must be told why; None while they are in the writes' collectives,
+    # where a broadcast would not meet theirs (they learn it from their next collective failing).
+    stage: str | None = _INTACT
+
     def fill(places: TensorPlaces) -> None:
-        broadcast(("write", places))
+        nonlocal stage
+        stage = None  # already: once the broadcast has begun, the others may be past its first collective
+        broadcast(_INTACT, ("write", places))
         failed = write_pieces(places)
+        stage = _INTACT if failed is not None else _SWAPPED_OR_NOT
         if failed is not None:
             raise SaveError(failed)
 
@@ -291,8 +467,26 @@ def _write_collectively(
             directory, sharded.layout, fill, extra_files=extra_files, max_shard_size=max_shard_size
         )
     except BaseException as exc:
-        message = str(exc) if isinstance(exc, SaveError) else f"Rank 0 could not save to {directory}: {exc}"
-        broadcast(("abort", message))  # before the pieces were asked for, or after them: the others wait for it
+        if stage is not None:
+            _abort(directory, exc, stage.format(directory=directory))
         raise
-    broadcast(("done", [str(file) for file in files]))
+    broadcast(_SAVED, ("done", [str(file) for file in files]))
     return files
+
+
+def _abort(directory: Path, exc: BaseException, outcome: str) -> None:
+    """Rank 0: tell the other ranks, waiting in a broadcast, why the save stopped (``exc``) and what ``directory``
+    holds (``outcome``)."""
+    if isinstance(exc, SaveError):  # it says what was replaced
+        message = str(exc)
+    elif isinstance(exc, Exception):
+        message = f"Rank 0 could not save to {directory}: {str(exc).rstrip('.')}. {outcome}"
+    else:  # KeyboardInterrupt, SystemExit
+        message = (
+            f"Cannot save to {directory}: rank 0 was interrupted ({type(exc).__name__}) during the collective save. "
+            + outcome
+        )
+    try:
+        dist.broadcast_object_list([("abort", message)], src=0)
+    except RuntimeError as failure:  # the others are gone too: rank 0's own error is the one to raise
+        logger.warning("Could not tell the other ranks why the save to %s stopped: %s", directory, failure)
