@@ -5,9 +5,9 @@ each (the same shape as :mod:`modelpatch._transformers`, the door to transformer
 only in its submodules (``peft.tuners.lora.Linear``, ``peft.tuners.tuners_utils``, ``peft.utils.constants``,
 ``peft.mapping``, ``peft.utils.transformers_weight_conversion``) and underscore members
 (``LoraConfig._register_custom_module``, ``Linear._get_in_out_features``, a tuner's ``_prepare_adapter_config``
-and ``_remap_adapter_state_dict_for_load``, ``_maybe_include_all_linear_layers``,
-``_move_adapter_to_device_of_base_layer``). They are all reached through this module, so moving to another PEFT
-release means auditing this one file.
+and ``_remap_adapter_state_dict_for_load``, ``_maybe_include_all_linear_layers`` (called, and recognised as the caller
+of ``get_output_embeddings``), ``_move_adapter_to_device_of_base_layer``). They are all reached through this module,
+so moving to another PEFT release means auditing this one file.
 
 :data:`PRIVATE_API` lists every such name, where it lives, the first release that has it and the feature that needs
 it. Each function resolves the names it needs when it is called (:func:`require`): PEFT is imported only then (it is
@@ -18,11 +18,14 @@ an optional dependency), and on a release that dropped or moved a name, only the
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import functools
 import importlib
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from types import FrameType
 from typing import Any
 
 from torch import nn
@@ -143,12 +146,53 @@ def all_linear_shorthand() -> str:
     return str(require("peft.utils.constants:INCLUDE_LINEAR_LAYERS_SHORTHAND"))
 
 
+# Set while modelpatch itself runs PEFT's resolution of "all-linear" (to replace the fused layers it finds by their
+# parts): the resolution stock PEFT runs on a fused model is refused (see resolves_all_linear), modelpatch's is not.
+_MODELPATCH_RESOLVES: contextvars.ContextVar[bool] = contextvars.ContextVar("modelpatch_resolves", default=False)
+
+
+@contextlib.contextmanager
+def _resolving_for_modelpatch() -> Iterator[None]:
+    token = _MODELPATCH_RESOLVES.set(True)
+    try:
+        yield
+    finally:
+        _MODELPATCH_RESOLVES.reset(token)
+
+
+def modelpatch_resolves() -> bool:
+    """Whether the current call runs inside modelpatch's own use of PEFT's ``"all-linear"`` resolution
+    (:func:`include_all_linear_layers`, :func:`convert_config_for_transformers`)."""
+    return _MODELPATCH_RESOLVES.get()
+
+
 def include_all_linear_layers(config: Any, model: nn.Module) -> None:
     """Resolve ``"all-linear"`` in ``config.target_modules`` in place, as PEFT does when it injects an adapter.
 
     Checked against 0.21.2: ``peft.tuners.tuners_utils._maybe_include_all_linear_layers(config, model)``.
     """
-    require("peft.tuners.tuners_utils:_maybe_include_all_linear_layers")(config, model)
+    resolve = require("peft.tuners.tuners_utils:_maybe_include_all_linear_layers")
+    with _resolving_for_modelpatch():
+        resolve(config, model)
+
+
+def resolves_all_linear(frame: FrameType) -> bool:
+    """Whether ``frame`` is PEFT resolving ``"all-linear"`` (every PEFT method does it there, also inside its
+    transformers-v5 target rewrite), before any adapter layer is made. PEFT is not imported for a frame that is not
+    PEFT's.
+
+    Checked against 0.21.2: ``peft.tuners.tuners_utils._maybe_include_all_linear_layers(peft_config, model)`` calls
+    ``model.get_output_embeddings()`` of a transformers model (to leave the output embedding out) after collecting
+    the Linear layers and before setting ``target_modules``.
+
+    Raises:
+        PeftVersionError: ``frame`` runs PEFT code and the installed PEFT has no such function (its resolution
+            cannot be recognised).
+    """
+    if not str(frame.f_globals.get("__name__", "")).startswith("peft."):
+        return False
+    resolve = require("peft.tuners.tuners_utils:_maybe_include_all_linear_layers")
+    return frame.f_code is resolve.__code__
 
 
 def targets_module(config: Any, name: str) -> bool:
@@ -187,7 +231,8 @@ def convert_config_for_transformers(config: Any, model: nn.Module) -> None:
     model=, conversions=None)``.
     """
     convert = require("peft.utils.transformers_weight_conversion:convert_peft_config_for_transformers")
-    convert(config, model=model, conversions=None)
+    with _resolving_for_modelpatch():  # it resolves "all-linear" for some model types
+        convert(config, model=model, conversions=None)
 
 
 def adapter_parameter_prefix(config: Any) -> str:

@@ -15,6 +15,7 @@ import peft
 import pytest
 import torch
 from peft import IA3Config, LoraConfig
+from peft.tuners.tuners_utils import BaseTunerLayer
 
 import modelpatch
 from modelpatch.errors import CheckpointError, ModelPatchError, PeftIntegrationError
@@ -119,6 +120,47 @@ def test_plain_peft_refuses_projection_slices_naming_modelpatchs_entry_points(ti
         checkpoint.load(FUSED).load_adapter(tmp_path / "adapter")
 
 
+ALL_LINEAR_REFUSED = r"'all-linear' would adapt the fused layers .*\.qkv(_proj)? \(.*modelpatch\.get_peft_model"
+
+
+# bert: its fused attention holds no other Linear (the output projection is another module's); qwen3_moe: PEFT
+# resolves "all-linear" inside its transformers-v5 target rewrite, before injecting.
+@pytest.mark.parametrize(
+    "name, fusion_config",
+    [("llama", FUSED), ("qwen2_moe", FUSED_EXPERTS), ("qwen3_moe", FUSED), ("bert", {"qkv": True})],
+)
+def test_stock_all_linear_on_a_fused_model_is_refused_before_any_adapter_layer(tiny, name, fusion_config):
+    """Stock PEFT's "all-linear" finds the fused layers; their adapter would name the original checkpoint as its base,
+    where stock PEFT drops their weights without a word. Refused (LoRA and IA3 alike) while PEFT resolves the targets,
+    naming the fused layers and modelpatch.get_peft_model, with no adapter layer made."""
+    model = tiny(name).load(fusion_config)
+    for make_adapter in (
+        lambda: peft.get_peft_model(model, _lora("all-linear")),
+        lambda: peft.get_peft_model(model, IA3Config(target_modules="all-linear", feedforward_modules=[])),
+    ):
+        with pytest.raises(PeftIntegrationError, match=ALL_LINEAR_REFUSED):
+            make_adapter()
+        assert not any(isinstance(module, BaseTunerLayer) for module in model.modules())
+    assert model.get_output_embeddings() is type(model).get_output_embeddings(model), "other callers: transformers'"
+    # What the error points to takes the same model and config.
+    assert any(isinstance(m, ProjectionSlice) for m in modelpatch.get_peft_model(model, _lora("all-linear")).modules())
+
+
+# qwen2_moe without linear_experts: LoRA weights of per-expert Linears do not load on transformers' 3-D experts.
+@pytest.mark.parametrize("name", ["llama", "qwen2_moe"])
+def test_all_linear_adapter_of_a_fused_model_loads_on_the_stock_checkpoint(tiny, tmp_path, name):
+    """What the refusal points to: modelpatch.get_peft_model's "all-linear" adapter, saved by stock PEFT, loads with
+    stock PeftModel.from_pretrained on the checkpoint it names as its base and computes what the fused model does."""
+    ckpt = tiny(name)
+    torch.manual_seed(0)
+    fused = modelpatch.get_peft_model(ckpt.load(FUSED), _lora("all-linear", init_lora_weights=False))
+    fused.save_pretrained(tmp_path)
+
+    stock = peft.PeftModel.from_pretrained(ckpt.model_class.from_pretrained(ckpt.path), tmp_path)
+    assert _lora_state(stock).keys() == _lora_state(fused).keys()
+    _assert_close(_logits(stock), _logits(fused))
+
+
 # qwen3_moe: PEFT rewrites "all-linear" for transformers' fused 3-D experts (experts and router as parameters).
 @pytest.mark.parametrize(
     "name, target_modules",
@@ -178,8 +220,12 @@ def test_merge_adapter_then_unmerge_restores_the_fused_rows(tiny):
 
 def test_non_lora_configs(tiny):
     ckpt = tiny("llama")
-    # Explicit targets, and PEFT's default IA3 targets for llama (k_proj, v_proj, down_proj), reach slices.
-    for config in (IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"]), IA3Config()):
+    # Explicit targets, PEFT's default IA3 targets for llama (k_proj, v_proj, down_proj) and "all-linear" reach slices.
+    for config in (
+        IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"]),
+        IA3Config(),
+        IA3Config(target_modules="all-linear", feedforward_modules=[]),
+    ):
         with pytest.raises(PeftIntegrationError, match="IA3Config") as raised:
             modelpatch.get_peft_model(ckpt.load(FUSED), config)
         assert isinstance(raised.value, ModelPatchError) and "qkv_proj" in str(raised.value)

@@ -7,6 +7,8 @@
   of the config (``LoraConfig._register_custom_module``), and ``"all-linear"`` is resolved to the original names.
   The adapter then has the modules and state-dict keys it has on the stock model, so adapters move between both.
 * An adapter saved from the stock model: :func:`load_adapter`.
+* Stock PEFT's own ``"all-linear"`` on a fused model is refused (:mod:`modelpatch.loading.adapters`): it would adapt
+  the fused layers, names the original checkpoint lacks; the resolution here is let through.
 
 ``peft`` is imported on first use; modelpatch itself does not depend on it. Every private PEFT name is reached through
 ``modelpatch/_peft.py`` (the PEFT door).
@@ -232,7 +234,9 @@ def _config_for(config: PeftConfig, model: nn.Module) -> PeftConfig:
     from peft import LoraConfig
 
     if not isinstance(config, LoraConfig):
-        targeted = _targeted_modules(config, model, slices)
+        # "all-linear" adapts every part of the stock model's projections (plain Linears there).
+        all_linear = _is_all_linear(getattr(config, "target_modules", None))
+        targeted = list(slices) if all_linear else _targeted_modules(config, model, slices)
         if targeted:
             fused = sorted({_fused_layer_name(name, slices[name]) for name in targeted})
             raise PeftIntegrationError(

@@ -27,6 +27,7 @@ from transformers import PreTrainedModel
 
 from ..conversion.planner import ConversionGroup, TensorMeta
 from ..state import model_record
+from .adapters import install_adapter_guard
 from .distributed import full_tensor, is_fsdp, refuse_two_shardings, shard_like
 from .offload import gather_offloaded
 from .parallel import gather_state
@@ -291,7 +292,9 @@ class OriginalLayoutLoad:
 
 
 def install_state_dict_boundary(model: PreTrainedModel) -> None:
-    """Make ``model.save_pretrained`` write and ``model.load_state_dict`` accept the original layout (instance
-    attributes: transformers' classes are untouched)."""
+    """Make ``model.save_pretrained`` write and ``model.load_state_dict`` accept the original layout, and refuse stock
+    PEFT's ``"all-linear"``, whose adapter would carry fused names out (:mod:`.adapters`). Instance attributes:
+    transformers' classes are untouched."""
     object.__setattr__(model, "save_pretrained", OriginalFormatSave(model))
     object.__setattr__(model, "load_state_dict", OriginalLayoutLoad(model))
+    install_adapter_guard(model)

@@ -1,0 +1,90 @@
+"""Stock PEFT's ``target_modules="all-linear"`` on a fused model: refused before PEFT adapts anything.
+
+On a fused model PEFT's "all-linear" finds the fused layers (``qkv_proj``, ``gate_up_proj``: ``nn.Linear``
+subclasses) and adapts them. Its adapter then names modules that only the fused model has while it names the original
+checkpoint as its base model, and stock PEFT loading it there adapts the other layers and drops the fused layers'
+weights without a word. (An adapter of the fused layers alone loads nowhere but on a fused model: there stock PEFT
+says so, as it finds none of its target modules.)
+
+Saving that adapter in the original names instead (one LoRA of the same rank per part: the same A, B's rows split) is
+not done: PEFT resolves "all-linear" in the config itself and writes that config as it is, and no call of PEFT's
+between the two reaches modelpatch. What does reach it is the one call PEFT's resolution makes to the model:
+``model.get_output_embeddings()`` (to leave the output embedding out), after finding the Linear layers and before
+making any adapter layer. Every transformers model (the model and its sub-models) of a model that modelpatch builds or
+restructures therefore gets that method as an instance attribute (transformers' classes stay untouched):
+:class:`OutputEmbeddings`, transformers' own method except when its caller is PEFT's resolution (recognised through the
+PEFT door) and the model holds fused projections. Where the resolution is modelpatch's own
+(``modelpatch.get_peft_model`` replaces the fused layers it finds by their original names), it is let through.
+
+PEFT asks for the output embedding of transformers models only: "all-linear" on a module that is none (a wrapper of a
+fused model) is not seen here.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+from types import FrameType
+
+from torch import nn
+from transformers import PreTrainedModel
+
+from .. import _peft as door
+from ..errors import PeftIntegrationError
+from ..fusions.projections.modules import ProjectionSlice
+
+__all__ = ["OutputEmbeddings", "install_adapter_guard"]
+
+
+class OutputEmbeddings:
+    """``model.get_output_embeddings`` of a transformers model modelpatch built or restructured: transformers' method,
+    which refuses PEFT's resolution of ``"all-linear"`` on a model holding fused projections."""
+
+    def __init__(self, model: PreTrainedModel):
+        self.model = model
+
+    def __call__(self) -> nn.Module | None:
+        model = self.model
+        # The caller's frame, to tell PEFT's resolution of "all-linear" from every other caller. Only a fused model
+        # asks the door which PEFT function calls (a PEFT release without that function is refused there by name).
+        caller = sys._getframe(1)
+        if _runs_peft(caller) and not door.modelpatch_resolves():
+            fused = fused_projections(model)
+            if fused and door.resolves_all_linear(caller):
+                raise PeftIntegrationError(_all_linear_refusal(model, fused))
+        return type(model).get_output_embeddings(model)
+
+
+def _runs_peft(frame: FrameType) -> bool:
+    return str(frame.f_globals.get("__name__", "")).startswith("peft.")
+
+
+def install_adapter_guard(model: nn.Module) -> None:
+    """Give each transformers model within ``model`` (itself included) an :class:`OutputEmbeddings`."""
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            object.__setattr__(module, "get_output_embeddings", OutputEmbeddings(module))
+
+
+def fused_projections(model: nn.Module) -> dict[str, list[str]]:
+    """Each fused layer of ``model`` (its path) -> the original names of its parts, in order."""
+    parts: dict[str, dict[int, str]] = defaultdict(dict)
+    for name, module in model.named_modules():
+        if isinstance(module, ProjectionSlice):
+            owner, _, original = name.rpartition(".")
+            fused = f"{owner}.{module.fused_name}" if owner else module.fused_name
+            parts[fused][module.index] = original
+    return {fused: [names[i] for i in sorted(names)] for fused, names in parts.items()}
+
+
+def _all_linear_refusal(model: PreTrainedModel, fused: dict[str, list[str]]) -> str:
+    shown = [f"{name} ({', '.join(parts)})" for name, parts in list(fused.items())[:3]]
+    more = f", ... ({len(fused)} in all)" if len(fused) > 3 else ""
+    base = model.__dict__.get("name_or_path") or "the original checkpoint"
+    return (
+        f"PEFT's target_modules='all-linear' would adapt the fused layers {', '.join(shown)}{more} of this "
+        f"{type(model).__name__}: its adapter would name them, and stock PEFT loading it on its base model ({base}) "
+        "would drop their weights without a word. Use modelpatch.get_peft_model(model, config), which adapts their "
+        "original names as on the stock model (and modelpatch.load_adapter for an adapter saved with "
+        "'all-linear' in its config)."
+    )
