@@ -135,6 +135,24 @@ def test_verify_passes_for_equivalent_fusions(cli, moe_checkpoint):
     assert "PASSED" in out and "logits" in out and "speed ratio" in out
 
 
+def test_verify_of_a_runtime_layout_checkpoint_against_its_stock_model(cli, llama_checkpoint, tmp_path):
+    """The stock reference was loaded with no fusions, which a runtime layout refuses: every verify of one was
+    "cannot be loaded with fusions []", even with --fusion naming the stored fusions."""
+    runtime = tmp_path / "runtime"
+    assert cli("convert", llama_checkpoint, runtime, "--fusion", "qkv", "--runtime-format")[0] == 0
+    for fusions in (["--fusion", "qkv"], []):
+        code, out, err = cli("verify", runtime, *fusions)
+        assert code == 0, out + err
+        assert "PASSED" in out and "runtime layout of fusions ['qkv']" in err
+    # The reference is the stock model, not the candidate again: a patch that changes the output fails.
+    code, out, _ = cli("verify", runtime, "--patch", "LlamaMLP=cli_patches:DoubledMLP")
+    assert code == 1 and "FAILED" in out
+    # Other fusions than the stored ones: refused in one line, before anything is loaded.
+    code, out, err = cli("verify", runtime, "--fusion", "gate_up")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "runtime layout of fusions ['qkv']" in err and "--fusion qkv" in err
+
+
 def test_verify_fails_above_tolerance(cli, llama_checkpoint):
     code, out, err = cli("verify", llama_checkpoint, "--patch", "LlamaMLP=cli_patches:SameMLP")
     assert code == 0, out + err
