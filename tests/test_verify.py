@@ -85,3 +85,22 @@ def test_a_speed_ratio_is_printed_only_when_the_rounds_tell_the_models_apart():
     apart = _report(Timing(0.004, 0.0039, 0.0041, 30), Timing(0.001, 0.0009, 0.0011, 30))
     assert apart.speed_measured and "speed ratio 4.00x" in str(apart)
     assert not _report(Timing(math.nan, math.nan, math.nan, 0), Timing(math.nan, math.nan, math.nan, 0)).speed_measured
+
+
+def test_a_timing_whose_rounds_disagree_is_not_measurable():
+    """verify printed "speed ratio 0.00x" beside PASSED, with a reference timing of ±22660%: one slow round among fast
+    ones made the reference's range end below the candidate's, so the ratio of two meaningless medians was shown."""
+    unsteady = Timing(0.001, 0.001, 0.4542, 30)  # round medians 1 ms ... 454 ms: ±22660% around the 1 ms median
+    steady_slow = Timing(0.5, 0.49, 0.51, 30)
+    text = str(_report(unsteady, steady_slow))
+    assert not _report(unsteady, steady_slow).speed_measured
+    assert "reference not measurable (its rounds vary beyond ±25%)" in text
+    assert "speed ratio not measurable (the rounds vary beyond ±25%)" in text
+    assert "0.00x" not in text and "22660" not in text
+    assert "candidate 500 ms (±2%)" in text
+    # Steady and far apart: a real ratio, however small, is given with its digits.
+    apart = _report(Timing(0.001, 0.00099, 0.00101, 30), steady_slow)
+    assert apart.speed_measured and "speed ratio 0.002x" in str(apart)
+    assert "forward: not timed" in str(
+        _report(Timing(math.nan, math.nan, math.nan, 0), Timing(math.nan, math.nan, math.nan, 0))
+    )

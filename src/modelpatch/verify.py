@@ -29,6 +29,12 @@ class OutputDifference:
     passed: bool
 
 
+MAX_DISPERSION = 0.25
+"""The largest half-range of a model's round medians, relative to its median (±25%), for which its timing is
+reported: beyond it the rounds disagree too much (another process took the CPU, a frequency change) for the median,
+or a ratio of medians, to mean anything."""
+
+
 @dataclass(frozen=True)
 class Timing:
     """Forward time of one model: the median over all timed runs and the spread of the per-round medians."""
@@ -42,6 +48,24 @@ class Timing:
     def spread(self) -> float:
         """(highest - lowest round median) / median: how much the figure moved between rounds."""
         return (self.high - self.low) / self.median if self.median else math.inf
+
+    @property
+    def dispersion(self) -> float:
+        """Half the spread: the ± around the median that the round medians cover."""
+        return self.spread / 2
+
+    @property
+    def measured(self) -> bool:
+        """Whether the model was timed and its rounds agree within :data:`MAX_DISPERSION`."""
+        return self.runs > 0 and self.dispersion <= MAX_DISPERSION
+
+    def describe(self) -> str:
+        """``"41.2 ms (±3%)"``, or why there is no figure to give."""
+        if self.runs == 0:
+            return "not timed"
+        if not self.measured:
+            return f"not measurable (its rounds vary beyond ±{MAX_DISPERSION:.0%})"
+        return f"{self.median * 1e3:.3g} ms (±{self.dispersion:.0%})"
 
 
 @dataclass(frozen=True)
@@ -74,10 +98,21 @@ class VerificationReport:
 
     @property
     def speed_measured(self) -> bool:
-        """Whether the timings tell the two models apart: every round of one was faster than every round of the
-        other. When the rounds' ranges overlap, the ratio of the medians is noise and is not reported."""
+        """Whether the timings tell the two models apart: both are measured (their rounds agree within
+        :data:`MAX_DISPERSION`) and every round of one was faster than every round of the other. Otherwise the ratio
+        of the medians is noise and is not reported."""
         ref, cand = self.reference_timing, self.candidate_timing
-        return ref.runs > 0 and cand.runs > 0 and (ref.high < cand.low or cand.high < ref.low)
+        return ref.measured and cand.measured and (ref.high < cand.low or cand.high < ref.low)
+
+    def _speed(self) -> str:
+        """The speed ratio as the report words it."""
+        ref, cand = self.reference_timing, self.candidate_timing
+        if not (ref.measured and cand.measured):
+            return f"not measurable (the rounds vary beyond ±{MAX_DISPERSION:.0%})"
+        if not self.speed_measured:
+            return "not measurable (the rounds' ranges overlap)"
+        # Two decimals, but never "0.00x" for a candidate more than 200 times slower.
+        return f"{self.speedup:.2f}x" if self.speedup >= 0.1 else f"{self.speedup:.2g}x"
 
     def __str__(self) -> str:
         width = max([len("output"), *(len(o.name) for o in self.outputs)])
@@ -89,12 +124,13 @@ class VerificationReport:
             )
         lines.extend(f"{name:<{width}}  missing from the candidate's outputs  NO" for name in self.missing)
         ref, cand = self.reference_timing, self.candidate_timing
-        ratio = f"{self.speedup:.2f}x" if self.speed_measured else "not measurable (the rounds' ranges overlap)"
-        lines.append(
-            f"forward: reference {ref.median * 1e3:.3g} ms (±{ref.spread * 50:.0f}%), "
-            f"candidate {cand.median * 1e3:.3g} ms "
-            f"(±{cand.spread * 50:.0f}%): speed ratio {ratio} over {ref.runs} + {cand.runs} runs"
-        )
+        if ref.runs == 0 and cand.runs == 0:
+            lines.append("forward: not timed")
+        else:
+            lines.append(
+                f"forward: reference {ref.describe()}, candidate {cand.describe()}: speed ratio {self._speed()} "
+                f"over {ref.runs} + {cand.runs} runs"
+            )
         lines.append(f"{'PASSED' if self.passed else 'FAILED'} (atol={self.atol:g}, rtol={self.rtol:g})")
         return "\n".join(lines)
 

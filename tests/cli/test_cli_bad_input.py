@@ -206,3 +206,13 @@ def test_stderr_of_a_fresh_process_is_the_error_line_alone(source, tmp_path, arg
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith(f"modelpatch {args[0]}: error: "), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.parametrize("command", ["plan", "convert", "verify"])
+def test_a_patch_pattern_that_matches_the_model_class_is_one_line(cli, source, tmp_path, command):
+    """``.*`` replaced LlamaForCausalLM itself by nn.Identity: an AttributeError traceback, exit code 1."""
+    destination = tmp_path / "dst"
+    args = [command, source, *([destination] if command == "convert" else []), "--patch", ".*=torch.nn:Identity"]
+    code, out, err = cli(*args)
+    _one_line(code, err, "'.*' replaces the model class LlamaForCausalLM itself by torch.nn.modules.linear.Identity")
+    assert out == "" and not destination.exists()

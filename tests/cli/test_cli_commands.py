@@ -13,7 +13,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 import modelpatch
-from support.compare import assert_same_files
+from support.compare import assert_same_files, module_types
 
 COMMANDS = ["inspect", "plan", "convert", "verify", "demo"]
 
@@ -111,10 +111,46 @@ def test_runtime_layout_back_to_the_original_and_inspect_says_which(cli, llama_c
     assert code == 2 and "convert it to the original layout first" in err
 
 
+def test_runtime_layout_back_with_fusion_none_is_the_original_checkpoint(cli, llama_checkpoint, tmp_path):
+    """The tensors came back byte for byte, but config.json kept the runtime source's fusion record: a later
+    modelpatch load fused the checkpoint again."""
+    runtime, back = tmp_path / "runtime", tmp_path / "back"
+    assert cli("convert", llama_checkpoint, runtime, "--fusion", "qkv,gate_up", "--runtime-format")[0] == 0
+    code, _, err = cli("convert", runtime, back, "--fusion", "none")
+    assert code == 0, err
+    assert_same_files(back, llama_checkpoint)
+    assert (back / "config.json").read_bytes() == (llama_checkpoint / "config.json").read_bytes()
+    reloaded = modelpatch.from_pretrained(LlamaForCausalLM, back)
+    assert module_types(reloaded) == module_types(LlamaForCausalLM.from_pretrained(llama_checkpoint))
+
+    # --fusion NAMES records those fusions for later loads, as it does for a source in the original layout.
+    code, _, err = cli("convert", runtime, tmp_path / "qkv", "--fusion", "qkv")
+    assert code == 0, err
+    assert json.loads((tmp_path / "qkv" / "config.json").read_text())["modelpatch"]["fusion_config"] == {"qkv": True}
+
+
 def test_verify_passes_for_equivalent_fusions(cli, moe_checkpoint):
     code, out, err = cli("verify", moe_checkpoint, "--fusion", "qkv,gate_up,linear_experts")
     assert code == 0, out + err
     assert "PASSED" in out and "logits" in out and "speed ratio" in out
+
+
+def test_verify_of_a_runtime_layout_checkpoint_against_its_stock_model(cli, llama_checkpoint, tmp_path):
+    """The stock reference was loaded with no fusions, which a runtime layout refuses: every verify of one was
+    "cannot be loaded with fusions []", even with --fusion naming the stored fusions."""
+    runtime = tmp_path / "runtime"
+    assert cli("convert", llama_checkpoint, runtime, "--fusion", "qkv", "--runtime-format")[0] == 0
+    for fusions in (["--fusion", "qkv"], []):
+        code, out, err = cli("verify", runtime, *fusions)
+        assert code == 0, out + err
+        assert "PASSED" in out and "runtime layout of fusions ['qkv']" in err
+    # The reference is the stock model, not the candidate again: a patch that changes the output fails.
+    code, out, _ = cli("verify", runtime, "--patch", "LlamaMLP=cli_patches:DoubledMLP")
+    assert code == 1 and "FAILED" in out
+    # Other fusions than the stored ones: refused in one line, before anything is loaded.
+    code, out, err = cli("verify", runtime, "--fusion", "gate_up")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "runtime layout of fusions ['qkv']" in err and "--fusion qkv" in err
 
 
 def test_verify_fails_above_tolerance(cli, llama_checkpoint):

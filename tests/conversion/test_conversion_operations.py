@@ -535,3 +535,33 @@ def test_without_companions_passes_a_lone_weight_and_refuses_its_scales():
     if stock_op is not None:  # transformers' op on a lone weight: the weight
         (stock,) = _stock(stock_op(), {"w": weight}, ["w", "s", "a", "d"], ["t"]).values()
         assert same(stock, weight)
+
+
+@pytest.mark.parametrize(
+    "build, error, message",
+    [
+        (lambda: MergeRowGroups((), ()), ConversionError, "sizes must not be empty"),
+        (
+            lambda: MergeRowGroups([2, 2], (0, 2, 3, 1)),
+            TypeError,
+            r"sizes must be a tuple of ints, got \[2, 2\] \(list\)",
+        ),
+        (lambda: MergeRowGroups((2, 2), [0, 2, 3, 1]), TypeError, r"order must be a tuple of ints, got \[0, 2, 3, 1\]"),
+        (lambda: MergeRowGroups((2, 2), (0.0, 2, 3, 1)), TypeError, r"order .* \(0\.0 is a float\)"),
+        (
+            lambda: MergeRowGroups((2, 0), (0, 1)),
+            ConversionError,
+            r"every entry of sizes must be at least 1, got \(2, 0\)",
+        ),
+        (lambda: MergeRowGroups((True, 1), (0, 1)), TypeError, r"sizes .* \(True is a bool\)"),
+        (lambda: MergeRowGroups((2, 2), (0, 2, 3, 1), inverse=1), TypeError, "inverse must be a bool, got 1"),
+        (lambda: WithoutCompanions(companions=-1), ConversionError, "companions must be at least 0, got -1"),
+        (lambda: WithoutCompanions(companions=2.0), TypeError, r"companions must be an int, got 2\.0 \(float\)"),
+        (lambda: WithoutCompanions(format=None), TypeError, "format must be a str, got None"),
+    ],
+)
+def test_merge_row_groups_and_without_companions_refuse_bad_arguments_when_built(build, error, message):
+    """They were accepted: empty sizes merged nothing, lists broke hash() of the frozen operation later, a float
+    order failed as an index when a checkpoint was converted, and companions=-1 took no weight at all."""
+    with pytest.raises(error, match=rf"^(MergeRowGroups|WithoutCompanions): {message}"):
+        build()

@@ -15,11 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import modelpatch
 from modelpatch.loading.convert import plan_conversion
+from support.compare import module_types
 
 STREAMED = "Converted"
 THROUGH_A_MODEL = "converting through a loaded model"
@@ -45,9 +47,12 @@ def _convert(
     dtype="auto",
     runtime_format=False,
     max_shard_size="50GB",
+    recorded_fusions=None,
 ) -> list[Path]:
     with plan_conversion(model_class, source, fusion_config=fusion_config, dtype=dtype) as conversion:
-        return conversion.write(destination, runtime_format=runtime_format, max_shard_size=max_shard_size)
+        return conversion.write(
+            destination, runtime_format=runtime_format, max_shard_size=max_shard_size, recorded_fusions=recorded_fusions
+        )
 
 
 def _load_and_save(
@@ -169,6 +174,50 @@ def test_tied_embeddings_stream_and_an_untied_source_goes_through_a_model(stock_
         THROUGH_A_MODEL in r.getMessage() and "model.embed_tokens.weight" in r.getMessage() for r in caplog.records
     )
     _assert_same_files(tmp_path / "out2", tmp_path / "reference2")
+
+
+def _record(directory: Path):
+    return json.loads((directory / "config.json").read_text()).get("modelpatch")
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "through a model"])
+def test_an_original_layout_target_records_the_fusions_asked_for(stock_checkpoint, tmp_path, caplog, streamed):
+    """A runtime-layout source turned back into the original layout kept its fusion record in config.json: a later
+    modelpatch load fused the checkpoint again, though `modelpatch convert RT DST --fusion none` asked for none."""
+    ckpt = stock_checkpoint("llama_tied")
+    runtime = tmp_path / "runtime"
+    _convert(ckpt.path, runtime, ckpt.model_class, fusion_config={"qkv": True, "gate_up": True}, runtime_format=True)
+    source = ckpt.path
+    if not streamed:  # a head stored alone: its tied embedding is filled at load, which only a loaded model gives
+        source = tmp_path / "head_only"
+        shutil.copytree(ckpt.path, source)
+        for directory in (source, runtime):
+            with safe_open(directory / "model.safetensors", "pt") as file:
+                metadata = file.metadata()
+            tensors = load_file(directory / "model.safetensors")
+            tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
+            save_file(tensors, directory / "model.safetensors", metadata=metadata)
+    caplog.set_level(logging.INFO, logger="modelpatch.loading.convert")
+
+    _convert(runtime, tmp_path / "none", ckpt.model_class, recorded_fusions={})
+    assert _streamed(caplog) is streamed
+    _load_and_save(source, tmp_path / "stock_reference", ckpt.model_class, fusion_config={})
+    _assert_same_files(tmp_path / "none", tmp_path / "stock_reference")
+    assert _record(tmp_path / "none") is None
+    reloaded = modelpatch.from_pretrained(ckpt.model_class, tmp_path / "none")
+    assert module_types(reloaded) == module_types(ckpt.model_class.from_pretrained(source))  # not fused again
+
+    _convert(runtime, tmp_path / "qkv", ckpt.model_class, recorded_fusions={"qkv": True})
+    assert _record(tmp_path / "qkv") == {"version": 1, "fusion_config": {"qkv": True}}
+    _convert(runtime, tmp_path / "kept", ckpt.model_class)  # not given: the source's fusions stay recorded
+    assert _record(tmp_path / "kept") == {"version": 1, "fusion_config": {"qkv": True, "gate_up": True}}
+
+    with plan_conversion(ckpt.model_class, runtime) as conversion:
+        with pytest.raises(ValueError, match="original layout only"):
+            conversion.write(tmp_path / "refused", runtime_format=True, recorded_fusions={})
+        with pytest.raises(modelpatch.FusionError, match="Unknown fusion 'qvk'"):
+            conversion.write(tmp_path / "refused", recorded_fusions={"qvk": True})
+    assert not (tmp_path / "refused").exists()
 
 
 def test_a_failed_conversion_leaves_the_previous_destination(tiny, tmp_path, monkeypatch):

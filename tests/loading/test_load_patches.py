@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
@@ -12,6 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
 import modelpatch
 from modelpatch import MergeModulelist, Patcher, WeightConverter, WeightRenaming
 from modelpatch.conversion.registry import get_checkpoint_conversion_mapping
+from modelpatch.errors import PatchError
 from support.compare import assert_bitwise_equal
 from support.files import rewrite_checkpoint
 
@@ -178,3 +180,17 @@ def test_a_key_that_matches_nothing_in_a_load_is_a_warning_naming_it(stock_check
     with caplog.at_level(logging.WARNING, logger="modelpatch"):
         modelpatch.from_config(AutoModelForCausalLM, config, patcher=patcher)
     assert "'LlamaAtention' of the Patcher matched no class" in caplog.text
+
+
+def test_a_patch_that_replaces_the_model_class_by_a_plain_module_is_refused_by_name(stock_checkpoint):
+    """``".*"`` matches the model class too: the load built an ``nn.Identity`` as the model and failed on the first
+    PreTrainedModel attribute it asked for (an AttributeError traceback)."""
+    ckpt = stock_checkpoint("llama")
+    patcher = Patcher({".*": torch.nn.Identity})
+    message = (
+        r"The patch '\.\*' replaces the model class LlamaForCausalLM itself by torch\.nn\.modules\.linear\.Identity"
+    )
+    with pytest.raises(PatchError, match=message):
+        modelpatch.from_pretrained(LlamaForCausalLM, ckpt.path, patcher=patcher)
+    with pytest.raises(PatchError, match=message):
+        modelpatch.from_config(LlamaForCausalLM, AutoConfig.from_pretrained(ckpt.path), patcher=patcher)

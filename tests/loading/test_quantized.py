@@ -367,6 +367,35 @@ def test_torchao_quantization_at_load_quantizes_the_fused_projection(plain_llama
     assert_bitwise_equal(flat_state(reloaded), flat_state(model))
 
 
+def test_torchao_quantize_after_the_load_is_refused_naming_what_saves_it(plain_llama, tmp_path):
+    """The SaveError advised save_original_format=False, which refuses such a model the same way: only a load
+    quantizer serialises quantized tensors. What it advises instead is done here, and gives back the same model."""
+    from torchao.quantization import quantize_
+
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, plain_llama)
+    quantize_(model, Int8WeightOnlyConfig())
+    for original_format in (True, False):
+        with pytest.raises(SaveError, match=r"lm_head \(Linear\): weight is a Int8Tensor") as info:
+            modelpatch.save_pretrained(model, tmp_path / "out", save_original_format=original_format)
+        assert "save_original_format=False" not in str(info.value)
+        assert "quantization_config=TorchAoConfig(...)" in str(info.value)
+        assert "before quantizing" in str(info.value) and "torch.save(model.state_dict(), path)" in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+    # Loaded quantized: saved by its quantizer, loaded back the same.
+    quantized = modelpatch.from_pretrained(AutoModelForCausalLM, plain_llama, quantization_config=int8_config())
+    modelpatch.save_pretrained(quantized, tmp_path / "quantized")
+    assert_bitwise_equal(
+        flat_state(modelpatch.from_pretrained(AutoModelForCausalLM, tmp_path / "quantized")), flat_state(quantized)
+    )
+    # torchao's own format, onto the model loaded as before.
+    torch.save(model.state_dict(), tmp_path / "state.pt")
+    again = modelpatch.from_pretrained(AutoModelForCausalLM, plain_llama)
+    again.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True), assign=True)
+    assert_bitwise_equal(flat_state(again), flat_state(model))
+    assert torch.equal(logits(again), logits(model))
+
+
 # --- refused ------------------------------------------------------------------------------------------------------
 
 

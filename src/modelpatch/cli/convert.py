@@ -19,7 +19,8 @@ DESCRIPTION = (
     "tensor at a time (memory holds one converted group, never the model). By default DST is in the original "
     "layout; --runtime-format "
     "writes the patched/fused layout, which later loads need no conversion for. A SRC in a runtime layout is "
-    "loaded with the fusions it was saved with, so `--fusion none` turns it back into the original layout. Every "
+    "loaded with the fusions it was saved with, so `--fusion none` turns it back into the original layout, with no "
+    "fusions recorded (`--fusion NAMES` records those, which later modelpatch loads apply). Every "
     "tensor of SRC is kept: when the model class has no place for one, nothing is written and the command fails. "
     "SRC's other files (tokenizer, chat template, processor configs, README, LICENSE, ...) are copied along; its "
     "weight files and subdirectories are not (see docs/cli.md)."
@@ -59,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"DST {destination} lies inside SRC ({resolved_source}): pick a directory outside it.")
     model_class = model_class_for(config, args.model_class)
     fusions = parse_fusions(args.fusion)
+    recorded: dict[str, bool] | None = None
     if is_runtime_layout(config):
         # The source's tensors are in its fusions' layout: it can only be loaded with them. Any target layout is
         # reached from there: the original one by the recorded reverses, a runtime one only with the same fusions.
@@ -68,6 +70,9 @@ def run(args: argparse.Namespace) -> int:
                 f"{args.src} is in the runtime layout of fusions {sorted(stored)}; convert it to the original layout "
                 "first (--fusion none), then from there to other fusions."
             )
+        # The original layout records the fusions --fusion names for later loads (none for `--fusion none`); without
+        # --fusion, the source's own.
+        recorded = None if args.runtime_format else fusions
         fusions = None
     carry = plan_carry(source)
     try:
@@ -89,7 +94,10 @@ def run(args: argparse.Namespace) -> int:
                     f"{', '.join(collapse_indices(ignored))}.\n{_keep_every_tensor(args, config)}"
                 )
             files = conversion.write(
-                destination, runtime_format=args.runtime_format, max_shard_size=args.max_shard_size
+                destination,
+                runtime_format=args.runtime_format,
+                max_shard_size=args.max_shard_size,
+                recorded_fusions=recorded,
             )
     except LoadPlanError as exc:
         if "unexpected in the checkpoint" not in exc.problems:

@@ -5,15 +5,21 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from .arguments import UsageError, add_dtype_argument, add_patch_arguments, add_source_arguments
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 HELP = "compare stock and patched outputs on identical deterministic inputs"
 DESCRIPTION = (
     "Load PATH twice, stock and with the given patches/fusions (and the patches registered by "
     "--import modules), run identical deterministic inputs (token ids, and an image for vision-language models) "
     "and print the max abs/rel difference of every output and the speed ratio. Exits 1 when an output is out of "
-    "tolerance."
+    "tolerance. A checkpoint in the runtime layout of fusions is verified with those fusions, against the stock "
+    "model it unfuses to."
 )
 
 
@@ -38,6 +44,54 @@ def _without_registered_patches() -> Iterator[None]:
         register_patch_mapping(registered)
 
 
+def _check_runtime_layout(args: argparse.Namespace, config: PretrainedConfig, fusions: dict[str, bool] | None) -> None:
+    """Refuse, before anything is loaded, ``--fusion`` other than the fusions a runtime-layout checkpoint is in."""
+    from ..errors import FusionError
+    from ..fusions.apply import resolve_fusion_config
+    from ..state import is_runtime_layout
+
+    if fusions is None or not is_runtime_layout(config):
+        return
+    try:
+        resolve_fusion_config(config, fusions)
+    except FusionError:
+        stored = resolve_fusion_config(config, None)
+        names = sorted(name for name, value in stored.items() if value is not False)
+        raise UsageError(
+            f"{args.path} is in the runtime layout of fusions {names}, which is the only way it loads: verify it "
+            f"with --fusion {','.join(names)} (or without --fusion), or convert it to the original layout first "
+            "(modelpatch convert SRC DST --fusion none) and verify other fusions there."
+        ) from None
+
+
+def _stock_reference(args: argparse.Namespace, directory: Path, config: PretrainedConfig, model_class: type) -> Any:
+    """The stock model of checkpoint ``directory``, loaded without patches nor fusions.
+
+    A checkpoint in the runtime layout of fusions holds their fused tensors, which a stock model cannot load: it is
+    loaded as stored, then :func:`~modelpatch.unfuse` puts the stock modules back, filled by the exact reverses of
+    the fusions (bit for bit the state a stock load of its original layout gives).
+    """
+    import sys
+
+    from ..fusions.apply import has_enabled_fusions, resolve_fusion_config
+    from ..loading import from_pretrained, unfuse
+    from ..state import is_runtime_layout
+
+    load = {"dtype": args.dtype, "allow_pickle": args.allow_pickle}
+    with _without_registered_patches():
+        stored = resolve_fusion_config(config, None)
+        if not (is_runtime_layout(config) and has_enabled_fusions(stored)):
+            return from_pretrained(model_class, directory, fusion_config={}, **load)
+        if not args.quiet:
+            fused = sorted(name for name, value in stored.items() if value is not False)
+            print(
+                f"modelpatch verify: note: {args.path} is in the runtime layout of fusions {fused}; the stock "
+                "reference is that checkpoint loaded and unfused (modelpatch.unfuse: their exact reverses).",
+                file=sys.stderr,
+            )
+        return unfuse(from_pretrained(model_class, directory, **load))
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -52,10 +106,16 @@ def run(args: argparse.Namespace) -> int:
     directory, config = open_checkpoint(args, args.path)
     model_class = model_class_for(config, args.model_class)
     patcher, fusions = parse_patches(args.patch), parse_fusions(args.fusion)
-    load = {"dtype": args.dtype, "allow_pickle": args.allow_pickle}
-    with _without_registered_patches():
-        reference = from_pretrained(model_class, directory, fusion_config={}, **load)
-    candidate = from_pretrained(model_class, directory, patcher=patcher, fusion_config=fusions, **load)
+    _check_runtime_layout(args, config, fusions)
+    reference = _stock_reference(args, directory, config, model_class)
+    candidate = from_pretrained(
+        model_class,
+        directory,
+        patcher=patcher,
+        fusion_config=fusions,
+        dtype=args.dtype,
+        allow_pickle=args.allow_pickle,
+    )
     inputs = default_inputs(reference)
     try:
         with torch.inference_mode():

@@ -68,6 +68,46 @@ def _one_tensor(shapes: list[ShapeSlot], dim: int, op: ConversionOperation) -> t
     return shape, _norm_dim(dim, len(shape), op)
 
 
+def _check_int(owner: str, name: str, value: object, minimum: int) -> None:
+    """Refuse, naming ``owner``'s argument ``name`` and its value, anything but an int of at least ``minimum``: a
+    frozen operation keeps what it is given, and a wrong value would fail only when a checkpoint is converted.
+
+    Raises:
+        TypeError: not an int (a bool, a float, ...).
+        ConversionError: below ``minimum`` (a ``ValueError``).
+    """
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{owner}: {name} must be an int, got {value!r} ({type(value).__name__}).")
+    if value < minimum:
+        raise ConversionError(f"{owner}: {name} must be at least {minimum}, got {value!r}.")
+
+
+def _check_ints(owner: str, name: str, value: object, minimum: int) -> None:
+    """:func:`_check_int` for a non-empty tuple of ints (a tuple, not a list: operations are hashed).
+
+    Raises:
+        TypeError: not a tuple, or an entry that is not an int.
+        ConversionError: empty, or an entry below ``minimum``.
+    """
+    if not isinstance(value, tuple):
+        raise TypeError(f"{owner}: {name} must be a tuple of ints, got {value!r} ({type(value).__name__}).")
+    if not value:
+        raise ConversionError(f"{owner}: {name} must not be empty.")
+    for entry in value:
+        if not isinstance(entry, int) or isinstance(entry, bool):
+            raise TypeError(
+                f"{owner}: {name} must be a tuple of ints, got {value!r} ({entry!r} is a {type(entry).__name__})."
+            )
+        if entry < minimum:
+            raise ConversionError(f"{owner}: every entry of {name} must be at least {minimum}, got {value!r}.")
+
+
+def _check_type(owner: str, name: str, value: object, expected: type) -> None:
+    """Refuse, naming ``owner``'s argument ``name`` and its value, a value that is not an ``expected``."""
+    if not isinstance(value, expected):
+        raise TypeError(f"{owner}: {name} must be a {expected.__name__}, got {value!r} ({type(value).__name__}).")
+
+
 class ConversionOperation(ABC):
     """Base class of conversion operations. Subclasses are frozen dataclasses."""
 
@@ -733,8 +773,15 @@ class MergeRowGroups(ConversionOperation):
     inverse: bool = False
 
     def __post_init__(self):
-        if sorted(self.order) != list(range(sum(self.sizes))) or any(size < 1 for size in self.sizes):
-            raise ConversionError(f"{self!r}: order must be a permutation of range(sum(sizes)), sizes positive.")
+        owner = type(self).__name__
+        _check_ints(owner, "sizes", self.sizes, 1)
+        _check_ints(owner, "order", self.order, 0)
+        _check_type(owner, "inverse", self.inverse, bool)
+        if sorted(self.order) != list(range(sum(self.sizes))):
+            raise ConversionError(
+                f"{owner}: order must be a permutation of range(sum(sizes)) = range({sum(self.sizes)}), got "
+                f"{self.order!r}."
+            )
 
     def bind(self, shapes, num_targets):
         tensors = _require_tensor_slots(shapes, self)
@@ -782,6 +829,12 @@ class WithoutCompanions(ConversionOperation):
     companions: int = 0
     format: str = "quantized"
     inverse: bool = False
+
+    def __post_init__(self):
+        owner = type(self).__name__
+        _check_int(owner, "companions", self.companions, 0)
+        _check_type(owner, "format", self.format, str)
+        _check_type(owner, "inverse", self.inverse, bool)
 
     def bind(self, shapes, num_targets):
         if self.inverse:

@@ -33,7 +33,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from .._installs import inside_build, isolate_from_transformers_patches, skip_meta_initialisation
 from .._transformers import fp32_module_patterns, init_contexts, initialized_from_config
-from ..errors import CheckpointError, LoadPlanError, ModelPatchError
+from ..errors import CheckpointError, LoadPlanError, ModelPatchError, PatchError
 from ..patching.mapping import PatchMapping
 from ..patching.scope import PatchScope, patch_scope
 
@@ -85,7 +85,7 @@ def build_empty_model_patched(
         for context in init_contexts(model_class, dtype, prepare is not None):
             stack.enter_context(context)
         with patch_scope(*layers) as scope:
-            model = model_class(config)
+            model = _whole_model(model_class(config), model_class, scope)
         if prepare is not None:
             prepare(model)
         return model, scope
@@ -100,7 +100,27 @@ def build_initialized_model(
     """Instantiate and initialise ``model_class`` from ``config`` like stock ``from_config``, under the patches;
     return it with the :class:`PatchScope` of the build."""
     with _isolated_build(), patch_scope(*layers) as scope:
-        return initialized_from_config(model_class, config, dtype), scope
+        return _whole_model(initialized_from_config(model_class, config, dtype), model_class, scope), scope
+
+
+def _whole_model(model: object, model_class: type, scope: PatchScope) -> PreTrainedModel:
+    """``model``, built for ``model_class`` under ``scope``; refused when a patch replaced the model class itself by
+    something that is not a transformers model (``--patch '.*=torch.nn:Identity'`` matches every class, the model's
+    included). Loading, saving and every later step use the whole model's PreTrainedModel API (config, dtype plan,
+    tied weights): without this check the first of them fails on an attribute the replacement lacks.
+
+    Raises:
+        PatchError: naming the patch key, the model class and the replacement.
+    """
+    if isinstance(model, PreTrainedModel):
+        return model
+    key, replacement = scope.replaced.get(model_class.__name__, ("?", type(model)))
+    raise PatchError(
+        f"The patch {key!r} replaces the model class {model_class.__name__} itself by "
+        f"{replacement.__module__}.{replacement.__qualname__}, which is not a transformers PreTrainedModel. A patch "
+        "replaces modules inside the model: name the classes to replace, or write a pattern that does not match "
+        f"{model_class.__name__} (the model class may be replaced by a PreTrainedModel only, a subclass of it)."
+    )
 
 
 def keep_in_fp32(model: PreTrainedModel, dtype: torch.dtype) -> None:

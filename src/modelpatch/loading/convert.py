@@ -16,11 +16,13 @@ quantizer serialises the model) and parameters the checkpoint does not fill (tra
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -31,7 +33,9 @@ from ..checkpoint.file_range import FileRange
 from ..checkpoint.pages import release_pages
 from ..checkpoint.writer import Streamed, stream_checkpoint
 from ..conversion.planner import ConversionGroup, ConversionPlan, TensorMeta
+from ..fusions.apply import normalize_fusion_config
 from ..patching.patcher import Patcher
+from ..state import record_fusion_config
 from . import materialize
 from .diagnose import collapse_indices
 from .load import load_with_options, open_plan
@@ -85,20 +89,38 @@ class Conversion:
         return list(self.plan.ignored)
 
     def write(
-        self, destination: str | Path, *, runtime_format: bool = False, max_shard_size: int | str = "50GB"
+        self,
+        destination: str | Path,
+        *,
+        runtime_format: bool = False,
+        max_shard_size: int | str = "50GB",
+        recorded_fusions: FusionConfig | None = None,
     ) -> list[Path]:
         """Write the converted checkpoint into ``destination`` (atomically, like a save) and return its files.
 
         ``runtime_format`` writes the layout the model holds (its fusions applied, config.json marked so that later
         loads skip conversion); otherwise the original layout, every conversion reversed exactly.
+
+        ``recorded_fusions``: the fusion config that config.json records for later modelpatch loads to apply, instead
+        of the fusions the source was planned with; for the original layout only (``{}`` records none, as a
+        runtime-layout source turned back into its original layout needs: its own record would fuse it again). A
+        runtime layout records the fusions its tensors are in.
+
+        Raises:
+            FusionError: ``recorded_fusions`` is not a valid fusion config (before anything is written).
+            ValueError: ``recorded_fusions`` is given with ``runtime_format``.
         """
+        record = self._fusions_to_record(recorded_fusions, runtime_format)
         reason = self._not_streamable()
         if reason is not None:
             logger.info("%s: converting through a loaded model: %s", self.plan.directory, reason)
+            reloaded = self._reload()
+            record_fusion_config(reloaded.config, record)
             return save_pretrained(
-                self._reload(), destination, save_original_format=not runtime_format, max_shard_size=max_shard_size
+                reloaded, destination, save_original_format=not runtime_format, max_shard_size=max_shard_size
             )
         model = self.plan.model
+        record_fusion_config(model.config, record)
         state = _Tensors(self.plan, self._checkpoint, runtime_format)
         with tqdm(
             total=state.total_bytes,
@@ -123,6 +145,17 @@ class Conversion:
             "runtime" if runtime_format else "checkpoint",
         )
         return files
+
+    def _fusions_to_record(self, recorded_fusions: FusionConfig | None, runtime_format: bool) -> dict[str, Any]:
+        """The fusion config the written config.json records (see :meth:`write`)."""
+        if recorded_fusions is None:
+            return copy.deepcopy(self.plan.fusions.config)
+        if runtime_format:
+            raise ValueError(
+                "recorded_fusions applies to the original layout only: a runtime layout records the fusions its "
+                "tensors are in."
+            )
+        return normalize_fusion_config(recorded_fusions)
 
     def _not_streamable(self) -> str | None:
         """Why this conversion needs the loaded model (None when streaming it writes the same files)."""

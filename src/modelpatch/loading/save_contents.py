@@ -107,9 +107,14 @@ def _check_saveable(model: PreTrainedModel, state: Mapping[str, Any], quantized:
     raise SaveError("\n".join(lines))
 
 
+# Only a model's load quantizer serialises quantized tensors (quantized_save.py), whatever the layout saved: tensors
+# quantized after the load (torchao's quantize_) are refused by both layouts, so neither is the remedy.
 _REMEDY_SUBCLASS = (
-    "Quantized tensors: save with save_original_format=False (the quantizer serialises them, for a model loaded with "
-    "its quantization_config), or dequantize them before saving."
+    "Quantized tensors (torchao's quantize_ after the load, say) are written only by the quantizer of a model loaded "
+    "quantized. Load the model with quantization_config=TorchAoConfig(...) (or another transformers quantization "
+    "config) and save that; or save the model before quantizing it, and quantize after each load; or keep torchao's "
+    "own format: torch.save(model.state_dict(), path), then model.load_state_dict(torch.load(path), assign=True) on "
+    "the model loaded as before. Or dequantize them before saving."
 )
 _REMEDY_SUBSTITUTED = (
     "A module a tool substituted (a quantizer's or wrapper's class): save with that tool's own format (or torch.save "
