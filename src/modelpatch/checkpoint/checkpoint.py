@@ -12,6 +12,11 @@ import torch
 
 from modelpatch.errors import CheckpointError
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: no directory locks; a version removed while it is being opened is opened again
+    fcntl = None  # type: ignore[assignment]
+
 from .file_range import FileRange
 from .layout import PICKLE_INDEX, PICKLE_SINGLE, SAFE_INDEX, SAFE_SINGLE, read_weight_map
 from .safetensors_file import ClosesOnExit, FileIdentity, SafetensorsFile, TensorInfo
@@ -56,10 +61,13 @@ _OPEN_ATTEMPTS = 3
 
 
 class _Directory:
-    """Reads the files of one checkpoint directory through one open descriptor of it.
+    """Reads the files of one checkpoint directory through one open descriptor of it, holding a shared lock on it.
 
     Every file then comes from the same directory, even if a save replaces the directory at this path while the
-    checkpoint is being opened: a checkpoint never mixes files of two versions.
+    checkpoint is being opened: a checkpoint never mixes files of two versions. The save swaps its new version in
+    and then removes the one it replaced under an exclusive lock (``writer.py``), so the files of a version this
+    holds stay until the lock is released: the checkpoint is opened whole from the version whose index it read,
+    however many saves come meanwhile. Only a version removed before the lock was taken is gone (:meth:`removed`).
     """
 
     def __init__(self, path: Path, allow_external_symlinks: bool = False) -> None:
@@ -68,8 +76,22 @@ class _Directory:
         self.fd: int | None = None
         if os.open in os.supports_dir_fd and os.stat in os.supports_dir_fd:
             self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+            self._hold(self.fd)
         elif not path.is_dir():
             raise NotADirectoryError(path)
+
+    def _hold(self, fd: int) -> None:
+        """Take the shared lock (released when the descriptor is closed)."""
+        if fcntl is None:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        except OSError as exc:  # a file system without flock: a removed version is opened again, a bounded times
+            logger.debug("%s: cannot lock it while it is opened (%s)", self.path, exc)
+
+    def removed(self) -> bool:
+        """Whether the directory opened was removed before it was locked (a save replaced it meanwhile)."""
+        return self.fd is not None and os.fstat(self.fd).st_nlink == 0
 
     def is_file(self, name: str) -> bool:
         try:
@@ -168,9 +190,11 @@ class Checkpoint(ClosesOnExit):
                     "never a hub)"
                 ) from None
             try:
+                if handle.removed():
+                    raise CheckpointError(f"{directory}: a save replaced and removed it while it was being opened")
                 return cls._open(directory, handle, allow_pickle)
             except CheckpointError:
-                # A save swapped a new checkpoint in and deleted the one being opened: open the new one.
+                # A save swapped a new checkpoint in and removed the one being opened: open the new one.
                 if attempt + 1 < _OPEN_ATTEMPTS and handle.replaced():
                     logger.info("%s was replaced while it was being opened; opening it again", directory)
                     continue
@@ -217,6 +241,7 @@ class Checkpoint(ClosesOnExit):
     ) -> Checkpoint:
         index_path = directory / index_name
         weight_map = _read_weight_map(handle, index_name)
+        logger.debug("%s: read; opening its %d shard(s)", index_path, len(set(weight_map.values())))
         shard_paths = {
             name: _confined_shard(directory, handle, index_path, name) for name in sorted(set(weight_map.values()))
         }
