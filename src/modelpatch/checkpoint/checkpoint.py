@@ -18,7 +18,7 @@ except ImportError:  # not POSIX: no directory locks; a version removed while it
     fcntl = None  # type: ignore[assignment]
 
 from .file_range import FileRange
-from .layout import PICKLE_INDEX, PICKLE_SINGLE, SAFE_INDEX, SAFE_SINGLE, read_weight_map
+from .layout import PICKLE_INDEX, PICKLE_SINGLE, SAFE_INDEX, SAFE_SINGLE, read_weight_map, symlink_escape
 from .safetensors_file import ClosesOnExit, FileIdentity, SafetensorsFile, TensorInfo
 
 logger = logging.getLogger(__name__)
@@ -86,7 +86,9 @@ class _Directory:
             return
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
-        except OSError as exc:  # a file system without flock: a removed version is opened again, a bounded times
+        except (
+            OSError
+        ) as exc:  # a file system without flock: a removed version is opened again, a bounded number of times
             logger.debug("%s: cannot lock it while it is opened (%s)", self.path, exc)
 
     def removed(self) -> bool:
@@ -102,23 +104,9 @@ class _Directory:
             return False
 
     def escape(self, name: str) -> Path | None:
-        """Where ``name`` leads if symlinks take it outside the places this checkpoint may read, else None.
-
-        A symlink may lead anywhere inside the directory and, in a huggingface_hub cache snapshot
-        (``models--org--name/snapshots/<commit>/``, whose files are links to ``../../blobs/<hash>``), into that
-        repository's ``blobs/``. Anything else would make the checkpoint's content depend on files its directory does
-        not hold, so it is refused unless ``allow_external_symlinks`` says the caller vouches for such links.
-
-        The repository is the one the path names where it names one, before any link is followed: a snapshot folder
-        that is itself a link into another repository does not make that one's blobs readable.
-        """
-        if self.allow_external_symlinks:
-            return None
-        target = (self.path / name).resolve()
-        root = self.path.resolve()
-        blobs = _repository_blobs(Path(os.path.abspath(self.path))) or _repository_blobs(root)
-        roots = [root] if blobs is None else [root, blobs.resolve()]
-        return None if any(target.is_relative_to(allowed) for allowed in roots) else target
+        """Where ``name`` leads if symlinks take it outside the places this checkpoint may read
+        (:func:`~modelpatch.checkpoint.layout.symlink_escape`), unless ``allow_external_symlinks``; else None."""
+        return None if self.allow_external_symlinks else symlink_escape(self.path, name)
 
     def open(self, name: str) -> int:
         """A read-only descriptor of ``name`` (never blocks on a FIFO)."""
@@ -139,14 +127,6 @@ class _Directory:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-
-
-def _repository_blobs(folder: Path) -> Path | None:
-    """The ``blobs/`` of the huggingface_hub cache repository ``folder`` is a snapshot (or lies in one) of, or None."""
-    for inside in (folder, *folder.parents):
-        if inside.parent.name == "snapshots" and inside.parent.parent.name.startswith("models--"):
-            return inside.parent.parent / "blobs"
-    return None
 
 
 class Checkpoint(ClosesOnExit):

@@ -1,5 +1,5 @@
 """The files of a checkpoint directory, named and read without torch: the layouts' file names, a shard index's
-``weight_map``, and the bound on a safetensors header.
+``weight_map``, the bound on a safetensors header, and where symlinks may lead its files.
 
 Kept apart from :mod:`~modelpatch.checkpoint.checkpoint` (which maps tensors, and so imports torch) for the code that
 must run before torch is imported: the checkpoint prefetch starts at the top of ``from_pretrained``, while torch and
@@ -8,6 +8,7 @@ transformers are still being imported.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from modelpatch.errors import CheckpointError
@@ -38,3 +39,31 @@ def read_weight_map(index_path: Path, fd: int | None = None) -> dict[str, str]:
     ):
         raise CheckpointError(f"{index_path}: 'weight_map' must be a JSON object of tensor key to shard file name")
     return weight_map
+
+
+def symlink_escape(directory: Path, name: str) -> Path | None:
+    """Where file ``name`` of checkpoint ``directory`` leads if symlinks take it outside the places a load of it may
+    read, else None.
+
+    A symlink may lead anywhere inside the directory and, in a huggingface_hub cache snapshot
+    (``models--org--name/snapshots/<commit>/``, whose files are links to ``../../blobs/<hash>``), into that
+    repository's ``blobs/``. Anything else would make the checkpoint's content depend on files its directory does not
+    hold: the load refuses it unless ``allow_external_symlinks`` says the caller vouches for such links, and the
+    prefetch reads nothing of it.
+
+    The repository is the one the path names where it names one, before any link is followed: a snapshot folder that
+    is itself a link into another repository does not make that one's blobs readable.
+    """
+    target = (directory / name).resolve()
+    root = directory.resolve()
+    blobs = _repository_blobs(Path(os.path.abspath(directory))) or _repository_blobs(root)
+    roots = [root] if blobs is None else [root, blobs.resolve()]
+    return None if any(target.is_relative_to(allowed) for allowed in roots) else target
+
+
+def _repository_blobs(folder: Path) -> Path | None:
+    """The ``blobs/`` of the huggingface_hub cache repository ``folder`` is a snapshot (or lies in one) of, or None."""
+    for inside in (folder, *folder.parents):
+        if inside.parent.name == "snapshots" and inside.parent.parent.name.startswith("models--"):
+            return inside.parent.parent / "blobs"
+    return None
