@@ -8,6 +8,7 @@ entirely or not at all (a load reads one snapshot).
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import traceback
 from collections import Counter
@@ -432,3 +433,24 @@ def test_a_save_between_reading_the_index_and_opening_the_shards_never_fails_the
     assert _which(loaded.state_dict(), states) == 0
     assert _which(modelpatch.from_pretrained(checkpoint.model_class, target).state_dict(), states) == 1
     assert siblings(target) == []
+
+
+def test_a_save_into_a_subfolder_never_stalls_loads_of_the_folder(stock, tmp_path):
+    """A save locks its target's parent while it writes (saves to one place take turns): a load of that parent (a
+    trainer's output_dir while it saves checkpoint-500 into it) opens it meanwhile, its own lock is elsewhere."""
+    from modelpatch.checkpoint import Checkpoint
+    from modelpatch.checkpoint.writer import _parent_lock
+
+    out = tmp_path / "out"
+    shutil.copytree(stock("llama_sharded").path, out)
+    opened = threading.Event()
+
+    def load() -> None:
+        with Checkpoint.open(out):
+            opened.set()
+
+    with _parent_lock(out / "checkpoint-500"):
+        loader = threading.Thread(target=load, daemon=True)
+        loader.start()
+        assert opened.wait(60), "the load waited for the save into the subfolder"
+    loader.join(60)

@@ -14,11 +14,19 @@ from modelpatch.errors import CheckpointError
 
 try:
     import fcntl
-except ImportError:  # not POSIX: no directory locks; a version removed while it is being opened is opened again
+except ImportError:  # not POSIX: no locks; a version removed while it is being opened is opened again
     fcntl = None  # type: ignore[assignment]
 
 from .file_range import FileRange
-from .layout import PICKLE_INDEX, PICKLE_SINGLE, SAFE_INDEX, SAFE_SINGLE, read_weight_map, symlink_escape
+from .layout import (
+    PICKLE_INDEX,
+    PICKLE_SINGLE,
+    SAFE_INDEX,
+    SAFE_SINGLE,
+    open_entry_file,
+    read_weight_map,
+    symlink_escape,
+)
 from .safetensors_file import ClosesOnExit, FileIdentity, SafetensorsFile, TensorInfo
 
 logger = logging.getLogger(__name__)
@@ -61,35 +69,38 @@ _OPEN_ATTEMPTS = 3
 
 
 class _Directory:
-    """Reads the files of one checkpoint directory through one open descriptor of it, holding a shared lock on it.
+    """Reads the files of one checkpoint directory through one open descriptor of it.
 
     Every file then comes from the same directory, even if a save replaces the directory at this path while the
-    checkpoint is being opened: a checkpoint never mixes files of two versions. The save swaps its new version in
-    and then removes the one it replaced under an exclusive lock (``writer.py``), so the files of a version this
-    holds stay until the lock is released: the checkpoint is opened whole from the version whose index it read,
-    however many saves come meanwhile. Only a version removed before the lock was taken is gone (:meth:`removed`).
+    checkpoint is being opened: a checkpoint never mixes files of two versions. And that directory keeps its files
+    until they are all open: it holds a shared lock on the checkpoint's entry file (``layout.ENTRY_FILES``) meanwhile,
+    and a save removes the version it swapped out only under an exclusive one (``writer.py``). The checkpoint is
+    opened whole from the version whose index it read, however many saves come meanwhile. Only a version removed
+    before the lock was taken is gone (:meth:`removed`): it is opened again where the path now leads.
     """
 
     def __init__(self, path: Path, allow_external_symlinks: bool = False) -> None:
         self.path = path
         self.allow_external_symlinks = allow_external_symlinks
         self.fd: int | None = None
+        self._held: int | None = None
         if os.open in os.supports_dir_fd and os.stat in os.supports_dir_fd:
             self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-            self._hold(self.fd)
+            self._held = self._hold(self.fd)
         elif not path.is_dir():
             raise NotADirectoryError(path)
 
-    def _hold(self, fd: int) -> None:
-        """Take the shared lock (released when the descriptor is closed)."""
+    def _hold(self, fd: int) -> int | None:
+        """A descriptor of the entry file holding the shared lock (released when it is closed), or None."""
         if fcntl is None:
-            return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
-        except (
-            OSError
-        ) as exc:  # a file system without flock: a removed version is opened again, a bounded number of times
-            logger.debug("%s: cannot lock it while it is opened (%s)", self.path, exc)
+            return None
+        entry = open_entry_file(fd)
+        if entry is not None:
+            try:
+                fcntl.flock(entry, fcntl.LOCK_SH)
+            except OSError as exc:  # a file system without flock: a removed version is opened again, a few times
+                logger.debug("%s: cannot lock it while it is opened (%s)", self.path, exc)
+        return entry
 
     def removed(self) -> bool:
         """Whether the directory opened was removed before it was locked (a save replaced it meanwhile)."""
@@ -124,9 +135,10 @@ class _Directory:
         return (opened.st_dev, opened.st_ino) != (current.st_dev, current.st_ino)
 
     def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        for fd in (self._held, self.fd):
+            if fd is not None:
+                os.close(fd)
+        self._held = self.fd = None
 
 
 class Checkpoint(ClosesOnExit):

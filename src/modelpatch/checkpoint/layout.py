@@ -1,5 +1,6 @@
 """The files of a checkpoint directory, named and read without torch: the layouts' file names, a shard index's
-``weight_map``, the bound on a safetensors header, and where symlinks may lead its files.
+``weight_map``, the bound on a safetensors header, the file a load reads first, and where symlinks may lead its
+files.
 
 Kept apart from :mod:`~modelpatch.checkpoint.checkpoint` (which maps tensors, and so imports torch) for the code that
 must run before torch is imported: the checkpoint prefetch starts at the top of ``from_pretrained``, while torch and
@@ -9,6 +10,7 @@ transformers are still being imported.
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from modelpatch.errors import CheckpointError
@@ -19,6 +21,13 @@ SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
 PICKLE_SINGLE = "pytorch_model.bin"
+
+ENTRY_FILES = (SAFE_INDEX, SAFE_SINGLE, PICKLE_INDEX, PICKLE_SINGLE)
+"""The files a load of a checkpoint directory looks for, in the order it does: the first the directory holds is the
+checkpoint's entry file. A load holds a shared ``flock`` on it while it opens the checkpoint, and a save removes a
+version it replaced only under an exclusive one (``writer.py``): the lock is on this file, not on the directory,
+whose own ``flock`` is a save's lock on its parent (a save into ``out/checkpoint-500`` must not stall loads of
+``out``)."""
 
 MAX_HEADER_BYTES = 100_000_000
 """Upper bound on a safetensors file's JSON header length; the safetensors reference implementation uses the same."""
@@ -66,4 +75,22 @@ def _repository_blobs(folder: Path) -> Path | None:
     for inside in (folder, *folder.parents):
         if inside.parent.name == "snapshots" and inside.parent.parent.name.startswith("models--"):
             return inside.parent.parent / "blobs"
+    return None
+
+
+def open_entry_file(directory_fd: int) -> int | None:
+    """A read-only descriptor of the entry file (:data:`ENTRY_FILES`) of the checkpoint directory open as
+    ``directory_fd`` (the first it holds as a regular file, as the load looks for them), or None where it holds
+    none."""
+    for name in ENTRY_FILES:
+        try:
+            fd = os.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0), dir_fd=directory_fd)  # never block on a FIFO
+        except OSError:
+            continue
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                return fd
+        except OSError:
+            pass
+        os.close(fd)  # as the load does, it looks for the next one
     return None
