@@ -225,6 +225,9 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     },
     "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]}},
     "qwen3_omni_moe": {"talker_config": {"text_config": {"shared_expert_intermediate_size": INTERMEDIATE}}},
+    # Its decoder holds decoder_layers - 1 layers (num_hidden_layers is decoder_layers): at its default depth no key
+    # of a checkpoint has an index as high as the config's last layer, and the load must still find none missing.
+    "oneformer": {"decoder_layers": 10},
     # Its checkpoints store the unembedding padded to vocab_size rows (transformers 5.24 drops the padding on load).
     "inkling2_text": {"unpadded_vocab_size": VOCAB - 24},
     **{name: {"prediction_length": 4} for name in ("autoformer", "informer", "time_series_transformer")},

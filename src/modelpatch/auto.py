@@ -79,7 +79,10 @@ class ModelPatchAutoClass(metaclass=_AutoClassType):
                 f"got {len(model_args)} extra positional argument(s) "
                 "(pass a config as config=... or load it with AutoConfig first)."
             )
-        with prefetching_directory(_prefetched_directory(pretrained_model_name_or_path, kwargs)):
+        with prefetching_directory(
+            _prefetched_directory(pretrained_model_name_or_path, kwargs),
+            allow_external_symlinks=bool(kwargs.get("allow_external_symlinks")),
+        ):
             from .loading import from_pretrained
 
             return from_pretrained(cls.transformers_class, pretrained_model_name_or_path, **kwargs)

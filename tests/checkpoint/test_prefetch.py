@@ -3,7 +3,9 @@ load gives, never fails a load, and its threads end."""
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import sys
 import threading
 import time
@@ -210,8 +212,8 @@ def test_a_failed_auto_class_load_stops_its_prefetch(stock_checkpoint, monkeypat
     started: list[Prefetch] = []
     original = prefetch_module.directory_prefetch
 
-    def recorded(directory):
-        prefetch = original(directory)
+    def recorded(directory, **settings):
+        prefetch = original(directory, **settings)
         started.append(prefetch)
         return prefetch
 
@@ -245,6 +247,38 @@ def test_no_prefetch_for_partial_reads_or_when_turned_off(stock_checkpoint, monk
     monkeypatch.setenv(ENV_VAR, "0")
     with prefetching_directory(ckpt.path) as prefetch:
         assert prefetch is None
+
+
+@pytest.mark.parametrize("linked", ["index", "shard"])
+def test_no_file_a_link_takes_outside_the_checkpoint_is_prefetched(stock_checkpoint, tmp_path, caplog, linked):
+    """The load refuses an index or shard that a symlink takes outside the checkpoint folder (unless
+    allow_external_symlinks): the prefetch, which starts before the load, reads none of it either."""
+    source = stock_checkpoint("llama_sharded").path
+    outside, directory = tmp_path / "outside", tmp_path / "ckpt"
+    shutil.copytree(source, outside)
+    shutil.copytree(source, directory)
+    name = "model.safetensors.index.json" if linked == "index" else sorted(p.name for p in source.glob("model-*"))[-1]
+    (directory / name).unlink()
+    (directory / name).symlink_to(outside / name)
+    with prefetching_directory(directory) as prefetch:
+        assert prefetch is None
+    with pytest.raises(modelpatch.CheckpointError, match="symlink"):
+        Checkpoint.open(directory)
+    with prefetching_directory(directory, allow_external_symlinks=True) as prefetch:
+        assert prefetch is not None
+        prefetch.stop()
+    with Checkpoint.open(directory, allow_external_symlinks=True) as checkpoint:
+        assert prefetch.reads(checkpoint.files)
+    # The Auto classes start it with the load's setting.
+    from modelpatch import AutoModelForCausalLM as PatchedAuto
+
+    with caplog.at_level(logging.DEBUG, logger=prefetch_module.__name__):
+        with pytest.raises(modelpatch.CheckpointError, match="symlink"):
+            PatchedAuto.from_pretrained(directory)
+        assert not any("prefetch started" in r.getMessage() for r in caplog.records)
+        PatchedAuto.from_pretrained(directory, allow_external_symlinks=True)
+        assert any("prefetch started" in r.getMessage() for r in caplog.records)
+    _join_prefetch_threads()
 
 
 def test_the_prefetch_adds_nothing_to_the_process_memory(tmp_path):

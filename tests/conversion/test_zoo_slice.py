@@ -68,6 +68,8 @@ SLICE = {
     "t5": False,
     # a config that refuses num_hidden_layers being set (it derives it from block_sizes)
     "funnel": False,
+    # num_hidden_layers above every index of its checkpoint: its decoder holds one layer fewer
+    "oneformer": False,
 }
 
 

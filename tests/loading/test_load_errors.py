@@ -329,6 +329,27 @@ def test_base_model_from_task_checkpoint(stock_checkpoint, caplog):
     assert any("cls.predictions" in r.getMessage() for r in caplog.records if r.name == PLAN_LOGGER)
 
 
+# ------------------------------------------------------------------------------------------- layer count
+
+
+def test_more_layers_than_a_layer_list_can_hold_is_refused_naming_the_list(tmp_path, no_tensor_data_read):
+    """OneFormer's decoder holds ``num_hidden_layers - 1`` layers, so a checkpoint of 10 has indices up to 8 only
+    (loaded as stock: tests/conversion/test_zoo_slice.py); one more layer in its config is refused, before any data,
+    naming the decoder's list and the layer the checkpoint lacks."""
+    from transformers import OneFormerConfig, OneFormerModel
+
+    from support.zoo import load_zoo
+
+    config = load_zoo().tiny_config(OneFormerConfig)
+    config.decoder_layers = 10
+    OneFormerModel(config).save_pretrained(tmp_path)
+    stored = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**stored, "decoder_layers": 11}))
+    with pytest.raises(LoadPlanError, match=r"num_hidden_layers = 11, .*decoder\.layers\[9\]") as info:
+        modelpatch.from_pretrained(OneFormerModel, tmp_path)
+    assert info.value.problems == {"missing from the checkpoint": ["transformer_module.decoder.layers.9"]}
+
+
 # ------------------------------------------------------------------------------------------- corrupt files
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import filecmp
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -175,6 +176,30 @@ def test_one_process_loads_unsharded(tiny):
     assert not any(type(p.data) is not torch.Tensor for p in model.parameters())
     expected = checkpoint.stock_outputs()["logits"]
     torch.testing.assert_close(checkpoint.outputs(model)["logits"], expected, atol=0, rtol=0)
+
+
+@pytest.mark.skipif(not tensor_parallel_supported(), reason="no parallel styles to check a plan against (5.22)")
+@pytest.mark.parametrize(
+    "keywords",
+    [
+        {"tp_plan": {PLAN_TYPO: "colwise"}},
+        {"tp_plan": {PLAN_TYPO: "colwise"}, "tp_size": 1},
+        {"distributed_config": {"tp_plan": {PLAN_TYPO: "colwise"}}},
+    ],
+)
+def test_one_process_refuses_plan_rules_naming_nothing_as_every_rank_does(tiny, keywords):
+    """A plan that shards nothing in one process is still the plan the script gives torchrun: a rule naming no
+    module is refused by name here too (test_plan_rules_naming_nothing_are_refused_on_every_rank), before any data
+    is read; one naming a module loads unsharded."""
+    checkpoint = tiny("llama")
+    with pytest.raises(TensorParallelError, match=rf"tp_plan rules \['{re.escape(PLAN_TYPO)}'\] name no module"):
+        modelpatch.from_pretrained(AutoModelForCausalLM, checkpoint.path, **keywords)
+    rule = {"model.layers.*.self_attn.q_proj": "colwise"}
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, checkpoint.path, tp_plan=rule)
+    assert not any(type(p.data) is not torch.Tensor for p in model.parameters())
+    torch.testing.assert_close(
+        checkpoint.outputs(model)["logits"], checkpoint.stock_outputs()["logits"], atol=0, rtol=0
+    )
 
 
 # Parallel styles and world-size checks exist only with transformers' distributed API (5.23 on); on 5.22 a sharded load

@@ -7,6 +7,8 @@ entirely or not at all (a load reads one snapshot).
 
 from __future__ import annotations
 
+import logging
+import shutil
 import threading
 import traceback
 from collections import Counter
@@ -374,3 +376,81 @@ def test_a_checkpoint_opened_before_a_save_reads_only_its_own_files(tmp_path):
         assert_bitwise_equal({key: checkpoint.tensor(key) for key in old}, old)
     assert torch.equal(first, old["w0"])
     assert Checkpoint.open(target).tensor("w5").dtype == torch.float64
+
+
+class _SaveOnIndexRead(logging.Handler):
+    """Saves over ``target`` each time a load has read its index and is about to open the shards it names, and lets
+    the load go on once the previous version is gone or the save waits for the load to open it."""
+
+    def __init__(self, target, model) -> None:
+        super().__init__(logging.DEBUG)
+        self.target, self.model = target, model
+        self.saves: list[threading.Thread] = []
+        self.settled = threading.Event()
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        # Not under the handler's lock, which the load holds while the save, which logs too, runs.
+        self.emit(record)
+        return True
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.name == "modelpatch.checkpoint.writer" and "waiting" in record.getMessage():
+            self.settled.set()
+        elif record.name == "modelpatch.checkpoint.checkpoint" and record.getMessage().endswith("shard(s)"):
+            self.settled.clear()
+            save = threading.Thread(target=self._save, daemon=True)
+            self.saves.append(save)
+            save.start()
+            assert self.settled.wait(60), "the save neither finished nor waited for the load"
+
+    def _save(self) -> None:
+        try:
+            modelpatch.save_pretrained(self.model, self.target, max_shard_size="40KB")
+        finally:
+            self.settled.set()
+
+
+def test_a_save_between_reading_the_index_and_opening_the_shards_never_fails_the_load(stock, tmp_path):
+    """The window of a load racing saves over its directory, forced at every try: a save swaps a new version in
+    after the load read the index and before it opens the shards. The load gets the version whose index it read,
+    whole, however many saves come (the save removes that version once the load has opened it)."""
+    checkpoint, models, states = _two_versions(stock, tmp_path)
+    target = tmp_path / "live"
+    modelpatch.save_pretrained(models[0], target, max_shard_size="40KB")
+    hook = _SaveOnIndexRead(target, models[1])
+    package = logging.getLogger("modelpatch.checkpoint")
+    level = package.level
+    package.addHandler(hook)
+    package.setLevel(logging.DEBUG)
+    try:
+        loaded = modelpatch.from_pretrained(checkpoint.model_class, target)
+    finally:
+        package.removeHandler(hook)
+        package.setLevel(level)
+        for save in hook.saves:
+            save.join(60)
+    assert len(hook.saves) == 1
+    assert _which(loaded.state_dict(), states) == 0
+    assert _which(modelpatch.from_pretrained(checkpoint.model_class, target).state_dict(), states) == 1
+    assert siblings(target) == []
+
+
+def test_a_save_into_a_subfolder_never_stalls_loads_of_the_folder(stock, tmp_path):
+    """A save locks its target's parent while it writes (saves to one place take turns): a load of that parent (a
+    trainer's output_dir while it saves checkpoint-500 into it) opens it meanwhile, its own lock is elsewhere."""
+    from modelpatch.checkpoint import Checkpoint
+    from modelpatch.checkpoint.writer import _parent_lock
+
+    out = tmp_path / "out"
+    shutil.copytree(stock("llama_sharded").path, out)
+    opened = threading.Event()
+
+    def load() -> None:
+        with Checkpoint.open(out):
+            opened.set()
+
+    with _parent_lock(out / "checkpoint-500"):
+        loader = threading.Thread(target=load, daemon=True)
+        loader.start()
+        assert opened.wait(60), "the load waited for the save into the subfolder"
+    loader.join(60)

@@ -12,8 +12,21 @@ import torch
 
 from modelpatch.errors import CheckpointError
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: no locks; a version removed while it is being opened is opened again
+    fcntl = None  # type: ignore[assignment]
+
 from .file_range import FileRange
-from .layout import PICKLE_INDEX, PICKLE_SINGLE, SAFE_INDEX, SAFE_SINGLE, read_weight_map
+from .layout import (
+    PICKLE_INDEX,
+    PICKLE_SINGLE,
+    SAFE_INDEX,
+    SAFE_SINGLE,
+    open_entry_file,
+    read_weight_map,
+    symlink_escape,
+)
 from .safetensors_file import ClosesOnExit, FileIdentity, SafetensorsFile, TensorInfo
 
 logger = logging.getLogger(__name__)
@@ -59,17 +72,39 @@ class _Directory:
     """Reads the files of one checkpoint directory through one open descriptor of it.
 
     Every file then comes from the same directory, even if a save replaces the directory at this path while the
-    checkpoint is being opened: a checkpoint never mixes files of two versions.
+    checkpoint is being opened: a checkpoint never mixes files of two versions. And that directory keeps its files
+    until they are all open: it holds a shared lock on the checkpoint's entry file (``layout.ENTRY_FILES``) meanwhile,
+    and a save removes the version it swapped out only under an exclusive one (``writer.py``). The checkpoint is
+    opened whole from the version whose index it read, however many saves come meanwhile. Only a version removed
+    before the lock was taken is gone (:meth:`removed`): it is opened again where the path now leads.
     """
 
     def __init__(self, path: Path, allow_external_symlinks: bool = False) -> None:
         self.path = path
         self.allow_external_symlinks = allow_external_symlinks
         self.fd: int | None = None
+        self._held: int | None = None
         if os.open in os.supports_dir_fd and os.stat in os.supports_dir_fd:
             self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+            self._held = self._hold(self.fd)
         elif not path.is_dir():
             raise NotADirectoryError(path)
+
+    def _hold(self, fd: int) -> int | None:
+        """A descriptor of the entry file holding the shared lock (released when it is closed), or None."""
+        if fcntl is None:
+            return None
+        entry = open_entry_file(fd)
+        if entry is not None:
+            try:
+                fcntl.flock(entry, fcntl.LOCK_SH)
+            except OSError as exc:  # a file system without flock: a removed version is opened again, a few times
+                logger.debug("%s: cannot lock it while it is opened (%s)", self.path, exc)
+        return entry
+
+    def removed(self) -> bool:
+        """Whether the directory opened was removed before it was locked (a save replaced it meanwhile)."""
+        return self.fd is not None and os.fstat(self.fd).st_nlink == 0
 
     def is_file(self, name: str) -> bool:
         try:
@@ -80,23 +115,9 @@ class _Directory:
             return False
 
     def escape(self, name: str) -> Path | None:
-        """Where ``name`` leads if symlinks take it outside the places this checkpoint may read, else None.
-
-        A symlink may lead anywhere inside the directory and, in a huggingface_hub cache snapshot
-        (``models--org--name/snapshots/<commit>/``, whose files are links to ``../../blobs/<hash>``), into that
-        repository's ``blobs/``. Anything else would make the checkpoint's content depend on files its directory does
-        not hold, so it is refused unless ``allow_external_symlinks`` says the caller vouches for such links.
-
-        The repository is the one the path names where it names one, before any link is followed: a snapshot folder
-        that is itself a link into another repository does not make that one's blobs readable.
-        """
-        if self.allow_external_symlinks:
-            return None
-        target = (self.path / name).resolve()
-        root = self.path.resolve()
-        blobs = _repository_blobs(Path(os.path.abspath(self.path))) or _repository_blobs(root)
-        roots = [root] if blobs is None else [root, blobs.resolve()]
-        return None if any(target.is_relative_to(allowed) for allowed in roots) else target
+        """Where ``name`` leads if symlinks take it outside the places this checkpoint may read
+        (:func:`~modelpatch.checkpoint.layout.symlink_escape`), unless ``allow_external_symlinks``; else None."""
+        return None if self.allow_external_symlinks else symlink_escape(self.path, name)
 
     def open(self, name: str) -> int:
         """A read-only descriptor of ``name`` (never blocks on a FIFO)."""
@@ -114,17 +135,10 @@ class _Directory:
         return (opened.st_dev, opened.st_ino) != (current.st_dev, current.st_ino)
 
     def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-
-def _repository_blobs(folder: Path) -> Path | None:
-    """The ``blobs/`` of the huggingface_hub cache repository ``folder`` is a snapshot (or lies in one) of, or None."""
-    for inside in (folder, *folder.parents):
-        if inside.parent.name == "snapshots" and inside.parent.parent.name.startswith("models--"):
-            return inside.parent.parent / "blobs"
-    return None
+        for fd in (self._held, self.fd):
+            if fd is not None:
+                os.close(fd)
+        self._held = self.fd = None
 
 
 class Checkpoint(ClosesOnExit):
@@ -168,9 +182,11 @@ class Checkpoint(ClosesOnExit):
                     "never a hub)"
                 ) from None
             try:
+                if handle.removed():
+                    raise CheckpointError(f"{directory}: a save replaced and removed it while it was being opened")
                 return cls._open(directory, handle, allow_pickle)
             except CheckpointError:
-                # A save swapped a new checkpoint in and deleted the one being opened: open the new one.
+                # A save swapped a new checkpoint in and removed the one being opened: open the new one.
                 if attempt + 1 < _OPEN_ATTEMPTS and handle.replaced():
                     logger.info("%s was replaced while it was being opened; opening it again", directory)
                     continue
@@ -217,6 +233,7 @@ class Checkpoint(ClosesOnExit):
     ) -> Checkpoint:
         index_path = directory / index_name
         weight_map = _read_weight_map(handle, index_name)
+        logger.debug("%s: read; opening its %d shard(s)", index_path, len(set(weight_map.values())))
         shard_paths = {
             name: _confined_shard(directory, handle, index_path, name) for name in sorted(set(weight_map.values()))
         }

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Literal
 
 from .file_range import FileRange
 from .json_file import parse_json
-from .layout import MAX_HEADER_BYTES, SAFE_INDEX, SAFE_SINGLE, read_weight_map
+from .layout import MAX_HEADER_BYTES, SAFE_INDEX, SAFE_SINGLE, read_weight_map, symlink_escape
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
@@ -413,23 +413,37 @@ def _safetensors_ranges(path: Path, fd: int) -> list[tuple[str, FileRange]]:
     return ranges
 
 
-def safetensors_files(directory: Path) -> list[Path]:
+def safetensors_files(directory: Path, allow_external_symlinks: bool = False) -> list[Path]:
     """The safetensors files a load of checkpoint ``directory`` reads: the shards its index names (a name that
-    would leave the directory is skipped: the load refuses it), or ``model.safetensors``; none for a pickle one."""
+    would leave the directory is skipped: the load refuses it), or ``model.safetensors``; none for a pickle one.
+
+    Raises:
+        ValueError: the index or one of those files is a symlink leading outside the places the load may read
+            (:func:`~modelpatch.checkpoint.layout.symlink_escape`; the load refuses it), unless
+            ``allow_external_symlinks``: nothing outside the checkpoint is read, not even its index.
+    """
+
+    def confined(name: str) -> Path:
+        target = None if allow_external_symlinks else symlink_escape(directory, name)
+        if target is not None:
+            raise ValueError(f"{directory / name}: resolves through a symlink to {target}, outside the checkpoint")
+        return directory / name
+
     if (directory / SAFE_INDEX).is_file():
-        names = sorted(set(read_weight_map(directory / SAFE_INDEX).values()))
-        return [directory / name for name in names if not Path(name).is_absolute() and ".." not in Path(name).parts]
-    return [directory / SAFE_SINGLE] if (directory / SAFE_SINGLE).is_file() else []
+        names = sorted(set(read_weight_map(confined(SAFE_INDEX)).values()))
+        return [confined(name) for name in names if not Path(name).is_absolute() and ".." not in Path(name).parts]
+    return [confined(SAFE_SINGLE)] if (directory / SAFE_SINGLE).is_file() else []
 
 
-def directory_prefetch(directory: Path) -> Prefetch | None:
+def directory_prefetch(directory: Path, *, allow_external_symlinks: bool = False) -> Prefetch | None:
     """Start prefetching the tensors of local checkpoint ``directory``, in natural key order across its files, from
-    the files' headers alone (no torch); None when it has no safetensors file or one cannot be read (logged at DEBUG
-    level: the load reports it)."""
+    the files' headers alone (no torch); None when it has no safetensors file or one cannot be read, or is one the
+    load refuses as a symlink leading outside it (``allow_external_symlinks`` as the load's; logged at DEBUG level:
+    the load reports it)."""
     try:
         with ExitStack() as opened:
             ranges: list[tuple[str, FileRange]] = []
-            for path in safetensors_files(directory):
+            for path in safetensors_files(directory, allow_external_symlinks):
                 fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO must not block
                 opened.callback(os.close, fd)
                 if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -458,11 +472,16 @@ def _stopped_on_failure(prefetch: Prefetch | None) -> Iterator[None]:
 
 
 @contextmanager
-def prefetching_directory(directory: Path | None) -> Iterator[Prefetch | None]:
+def prefetching_directory(
+    directory: Path | None, *, allow_external_symlinks: bool = False
+) -> Iterator[Prefetch | None]:
     """Prefetch local checkpoint ``directory`` (None: nothing to prefetch) during the block, and after it unless it
     fails. Meant to start before anything heavy is imported; a load in the block adopts it (:func:`prefetching`).
-    Off only with ``MODELPATCH_PREFETCH=0``."""
-    prefetch = directory_prefetch(directory) if directory is not None and prefetch_mode() != "off" else None
+    Off only with ``MODELPATCH_PREFETCH=0``. ``allow_external_symlinks``: the load's (files that symlinks take
+    outside the checkpoint are read only with it)."""
+    prefetch = None
+    if directory is not None and prefetch_mode() != "off":
+        prefetch = directory_prefetch(directory, allow_external_symlinks=allow_external_symlinks)
     token = _started.set(prefetch)
     try:
         with _stopped_on_failure(prefetch):

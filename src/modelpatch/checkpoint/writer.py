@@ -30,6 +30,7 @@ from safetensors.torch import save, save_file
 
 from modelpatch.checkpoint.checkpoint import SAFE_INDEX, SAFE_SINGLE
 from modelpatch.checkpoint.file_range import FileRange
+from modelpatch.checkpoint.layout import open_entry_file
 from modelpatch.errors import CheckpointError, CheckpointPermissionError
 
 logger = logging.getLogger(__name__)
@@ -457,10 +458,44 @@ def _remove_tree(path: Path) -> None:
     shutil.rmtree(path)
 
 
-def _remove_leftover(directory: Path, path: Path) -> None:
-    """Remove ``path`` without hiding the error being handled; a failure is logged, and the next save retries."""
+@contextmanager
+def _locked_for_removal(directory: Path, path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on the entry file of ``path`` (``layout.ENTRY_FILES``), a version of ``directory``
+    about to be removed, taken once the loads opening it have opened all its files (each holds a shared lock on it
+    meanwhile, ``checkpoint.py``): a load that read the index of a version never finds its shards removed under it."""
+    entry = None
+    if fcntl is not None:
+        try:
+            folder = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except OSError:  # nothing there (removed already), or not a directory: nothing is opening it
+            folder = None
+        if folder is not None:
+            try:
+                entry = open_entry_file(folder)
+            finally:
+                os.close(folder)
     try:
-        _remove_tree(path)
+        if entry is not None:
+            try:
+                fcntl.flock(entry, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                logger.debug("%s: waiting for the loads opening %s before removing it", directory, path)
+                fcntl.flock(entry, fcntl.LOCK_EX)
+            except OSError as exc:  # a file system without flock
+                logger.debug("%s: cannot lock %s before removing it (%s)", directory, path, exc)
+        yield
+    finally:
+        if entry is not None:
+            os.close(entry)
+
+
+def _remove_leftover(directory: Path, path: Path) -> None:
+    """Remove ``path`` without hiding the error being handled; a failure is logged, and the next save retries.
+
+    Removed under :func:`_locked_for_removal`: a load may be opening it (a previous version, swapped out)."""
+    try:
+        with _locked_for_removal(directory, path):
+            _remove_tree(path)
     except OSError as exc:
         logger.warning("%s: could not remove %s (the next save to it removes it): %s", directory, path, exc)
 

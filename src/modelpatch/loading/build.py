@@ -32,7 +32,13 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from .._installs import inside_build, isolate_from_transformers_patches, skip_meta_initialisation
-from .._transformers import fp32_module_patterns, init_contexts, initialized_from_config
+from .._transformers import (
+    fp32_module_patterns,
+    init_contexts,
+    initialized_from_config,
+    keys_to_ignore_on_load,
+    tied_weight_keys,
+)
 from ..errors import CheckpointError, LoadPlanError, ModelPatchError, PatchError
 from ..patching.mapping import PatchMapping
 from ..patching.scope import PatchScope, patch_scope
@@ -172,8 +178,11 @@ def check_layer_count(
     in proportion to the layers (minutes for ``num_hidden_layers: 100000``) only to report their tensors missing.
 
     Every layer of a transformers model is an item of a module list, so its index is a segment of its tensors' keys,
-    whatever renaming the checkpoint needs. When no key has an index as high as the config's last layer, two small
-    builds (one layer, two layers) tell whether each layer holds tensors of its own (ALBERT's shared layers do not).
+    whatever renaming the checkpoint needs. When no key has an index as high as the config's last layer, small
+    builds (one, two and three layers) tell which module lists grow with the layer count and what their last index
+    will be (OneFormer's decoder holds one layer fewer than ``num_hidden_layers``; ALBERT's shared layers hold no
+    tensors of their own). The config is refused only when a list's last item needs tensors (neither tied to
+    others nor ignorable when missing) at an index above every index of the checkpoint: those are provably missing.
 
     Raises:
         LoadPlanError: the checkpoint cannot hold that many layers.
@@ -185,19 +194,77 @@ def check_layer_count(
     highest = max((int(part) for key in keys for part in key.split(".") if part.isdigit()), default=-1)
     if count - 1 <= highest:
         return
-    sizes = []
-    for layers in (1, 2):
+    needed = _last_needed_index(model_class, config, count, dtype)
+    if needed is None or needed[1] <= highest:
+        return
+    name, index = needed
+    absent = f"{name}.{index}" if index == highest + 1 else f"{name}.{highest + 1}..{index}"
+    raise LoadPlanError(
+        f"{config_file}: num_hidden_layers = {count}, but no tensor key of the checkpoint has an index above "
+        f"{highest}, and the model's {name}[{index}] needs tensors of its own: the checkpoint holds at most "
+        f"{highest + 1} items of it. Fix num_hidden_layers in config.json, or pass new_parameters=[...] (regex "
+        "patterns) for the layers to initialise freshly.",
+        {"missing from the checkpoint": [absent]},
+    )
+
+
+_PROBE_LAYERS = (1, 2, 3)
+
+
+def _last_needed_index(
+    model_class: type, config: PretrainedConfig, count: int, dtype: torch.dtype
+) -> tuple[str, int] | None:
+    """The module list that ``count`` layers make the longest, among those that grow with the layer count and whose
+    items need tensors from the checkpoint, and the index of its last item; ``None`` when none can be told.
+
+    Three small builds show each list's length at one, two and three layers; a list growing by the same step both
+    times grows by it with every layer (``count`` layers: its length at three plus ``count - 3`` steps). A config
+    that cannot be built that small tells nothing: the full build reports what is wrong.
+    """
+    lengths: list[dict[str, int]] = []
+    for layers in _PROBE_LAYERS:
         probe = copy.deepcopy(config)
         try:  # some configs refuse the setting itself (Funnel: "set block_sizes")
             probe.get_text_config().num_hidden_layers = layers
-            sizes.append(len(build_empty_model(model_class, probe, dtype, []).state_dict()))
-        except Exception:  # a config that cannot be built this small: the full build reports what is wrong
-            return
-    if sizes[0] == sizes[1]:
-        return
-    raise LoadPlanError(
-        f"{config_file}: num_hidden_layers = {count}, but no tensor key of the checkpoint has an index above "
-        f"{highest}: it holds at most {highest + 1} layers. Fix num_hidden_layers in config.json, or pass "
-        "new_parameters=[...] (regex patterns) for the layers to initialise freshly.",
-        {"missing from the checkpoint": [f"layers {highest + 1}..{count - 1}"]},
-    )
+            model = build_empty_model(model_class, probe, dtype, [])
+        except Exception:
+            return None
+        lengths.append(_list_lengths(model))
+    needing = _lists_needing_tensors(model)  # in the three-layer build
+    best: tuple[str, int] | None = None
+    for name, last in lengths[-1].items():
+        first, middle = lengths[0].get(name), lengths[1].get(name)
+        if first is None or middle is None or not 0 < middle - first == last - middle or name not in needing:
+            continue
+        index = last - 1 + (count - _PROBE_LAYERS[-1]) * (last - middle)
+        if best is None or index > best[1]:
+            best = (name, index)
+    return best
+
+
+def _list_lengths(model: nn.Module) -> dict[str, int]:
+    """The number of items of each module list (``nn.ModuleList``, ``nn.Sequential``) of ``model``, by name."""
+    return {
+        name: len(module)
+        for name, module in model.named_modules()
+        if isinstance(module, (nn.ModuleList, nn.Sequential))
+    }
+
+
+def _lists_needing_tensors(model: PreTrainedModel) -> set[str]:
+    """The module lists of ``model`` each of whose items has a tensor the checkpoint must provide: a parameter or
+    persistent buffer neither tied to another nor among the keys the model class lets be missing."""
+    tied = tied_weight_keys(model)
+    exempt = {*tied, *tied.values()}
+    ignorable = [re.compile(pattern) for pattern in keys_to_ignore_on_load(model, "missing") if pattern]
+    owners: set[str] = set()  # every module holding such a tensor, however deep
+    for key in model.state_dict(keep_vars=True):
+        if key in exempt or any(pattern.search(key) for pattern in ignorable):
+            continue
+        parts = key.split(".")
+        owners.update(".".join(parts[:end]) for end in range(1, len(parts)))
+    return {
+        name
+        for name, length in _list_lengths(model).items()
+        if length and all((f"{name}.{i}" if name else str(i)) in owners for i in range(length))
+    }

@@ -69,7 +69,7 @@ from .hub import HubOptions, resolve_checkpoint
 from .materialize import load_into_model
 from .modes import LoadMode, TensorSource
 from .options import FusionConfig, LoadOptions
-from .parallel import TensorParallelSetup
+from .parallel import TensorParallelSetup, UnshardedPlan
 from .parallel import prepare as prepare_tensor_parallel
 from .plan import LoadPlan, model_expectations, plan_model_load
 from .quantization import load_quantization
@@ -204,6 +204,8 @@ class _Request:
             modes.append(quantization)
         if self.tensor_parallel is not None:
             modes.append(self.tensor_parallel)
+        elif options.unsharded_tp_plan:
+            modes.append(UnshardedPlan(options.unsharded_tp_plan))
         if options.device_map is not None:
             modes.append(
                 Dispatch(

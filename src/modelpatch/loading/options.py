@@ -69,6 +69,9 @@ class LoadOptions:
             TP plan; a dict overrides some of its rules), ``tp_size`` (default: the world size) or
             ``distributed_config`` (a transformers ``DistributedConfig`` or dict, tensor parallelism only): each
             ``torchrun`` rank reads only its shards (docs/loading_and_saving.md). None: no sharding.
+        unsharded_tp_plan: The rules of a ``tp_plan`` dict given to a load that shards nothing (one process, or
+            ``tp_size=1``; set from those keywords, never by itself): the model is loaded whole, as in transformers,
+            and a rule naming no module of it is refused, as every rank of a sharded load refuses it.
         use_safetensors: ``True`` refuses checkpoints without safetensors weights; None reads safetensors, or pickle
             files when the checkpoint has nothing else and ``allow_pickle=True``.
         config: The config to build the model from instead of the checkpoint's ``config.json``: a
@@ -102,6 +105,7 @@ class LoadOptions:
     offload_folder: str | os.PathLike[str] | None = None
     offload_buffers: bool = False
     distributed: DistributedConfig | None = None
+    unsharded_tp_plan: Mapping[str, str] | None = None
     use_safetensors: bool | None = None
     config: PretrainedConfig | str | os.PathLike[str] | None = None
     config_overrides: Mapping[str, Any] = field(default_factory=dict)
@@ -126,7 +130,12 @@ class LoadOptions:
     @classmethod
     def keywords(cls) -> frozenset[str]:
         """The keyword names :meth:`from_keywords` takes besides config overrides (those of ``from_pretrained``)."""
-        fields = {f.name for f in dataclasses.fields(cls)} - {"hub", "distributed", "config_overrides"}
+        fields = {f.name for f in dataclasses.fields(cls)} - {
+            "hub",
+            "distributed",
+            "unsharded_tp_plan",
+            "config_overrides",
+        }
         return frozenset({*fields, *_HUB_KEYWORDS, *_DISTRIBUTED_KEYWORDS, "torch_dtype"})
 
     @classmethod
@@ -149,7 +158,9 @@ class LoadOptions:
             )
         hub = HubOptions(**{name: known.pop(name) for name in _HUB_KEYWORDS if name in known})
         device, device_map = _placement(known.pop("device", None), known.pop("device_map", None))
-        distributed = distributed_config_of(*(known.pop(name, None) for name in _DISTRIBUTED_KEYWORDS))
+        distributed, unsharded_tp_plan = distributed_config_of(
+            *(known.pop(name, None) for name in _DISTRIBUTED_KEYWORDS)
+        )
         if distributed is not None and (device is not None or device_map is not None):
             raise ValueError(
                 "Tensor parallelism places each rank's shards on its own device: pass no device or device_map."
@@ -162,6 +173,7 @@ class LoadOptions:
             device=_torch_device(device),
             device_map=device_map,
             distributed=distributed,
+            unsharded_tp_plan=unsharded_tp_plan,
             config_overrides=overrides,
             **known,
         )

@@ -153,8 +153,11 @@ def _refuse_other_parallelisms(fields: Mapping[str, object]) -> None:
 
 def distributed_config_of(
     tp_plan: str | dict[str, str] | None, tp_size: int | None, distributed_config: DistributedConfig | dict | None
-) -> DistributedConfig | None:
-    """The :class:`DistributedConfig` the keywords ask for (as transformers reads them), or None for no sharding.
+) -> tuple[DistributedConfig | None, dict[str, str] | None]:
+    """The :class:`DistributedConfig` the keywords ask for (as transformers reads them), or None for no sharding;
+    and, for a load that shards nothing (one process, or ``tp_size=1``: as in transformers), the rules of its
+    ``tp_plan`` dict, which the load checks against the model as every rank of a sharded load does
+    (:class:`UnshardedPlan`), else None.
 
     Checked before anything is read: a ``tp_plan`` that is neither ``"auto"`` nor a dict of known parallel styles, a
     ``tp_size`` that is no positive integer or exceeds the processes launched, ``distributed_config`` fields it does
@@ -173,7 +176,11 @@ def distributed_config_of(
         distributed_config = _from_tp_keywords(tp_plan, tp_size)
     elif isinstance(distributed_config, Mapping):
         distributed_config = _from_mapping(distributed_config)
-    return None if distributed_config is None else _checked(distributed_config)
+    if distributed_config is None:
+        return None, None
+    sharded = _checked(distributed_config)
+    rules = getattr(distributed_config, "tp_plan", None)  # checked: "auto", None or a dict of strings
+    return sharded, dict(rules) if sharded is None and isinstance(rules, Mapping) else None
 
 
 def _from_tp_keywords(tp_plan: str | dict[str, str] | None, tp_size: int | None) -> DistributedConfig:
@@ -310,6 +317,21 @@ class TensorParallelSetup(LoadMode):
         parts = _localize_fused(model, tp_plan, mesh.size())
         ensure_model_record(model).tensor_parallel_parts = parts
         return ShardedLoad(model, plan, mesh, parts)
+
+
+@dataclass
+class UnshardedPlan(LoadMode):
+    """The ``tp_plan`` rules of a load that shards nothing (one process: transformers loads such a model whole),
+    checked against the model as every rank of a sharded load checks them (:func:`_check_plan_names`): the rules are
+    the ones the same script gives ``torchrun``, and a rule naming no module is refused here, before any data is
+    read, not found out there."""
+
+    name = "tensor-parallel plan (one process, unsharded)"
+
+    rules: Mapping[str, str]
+
+    def plan(self, model: PreTrainedModel, plan: LoadPlan, checkpoint: Checkpoint) -> None:
+        _check_plan_names(model, self.rules)
 
 
 def _check_plan_names(model: PreTrainedModel, override: Mapping[str, str]) -> None:
