@@ -102,7 +102,7 @@ def test_every_path_keeps_one_record_on_the_model(tiny):
     assert modelpatch_attributes(built) == {MODEL_RECORD_ATTRIBUTE}  # no load, no report
     assert record is not None and record.report is None and record.transforms and record.expected_state
 
-    stock = ckpt.stock()
+    stock = ckpt.model_class.from_pretrained(ckpt.path)  # its own: fuse restructures it (ckpt.stock() is shared)
     assert model_record(stock) is None
     modelpatch.fuse(stock, {"qkv": True})  # a model modelpatch did not build gets its record from fuse
     record = model_record(stock)
@@ -115,7 +115,7 @@ def test_every_path_keeps_one_record_on_the_model(tiny):
 def test_the_record_travels_with_pickle_and_deepcopy(tiny, tmp_path):
     """A copy saves exactly like the original: the record's transforms are what undo a live fuse."""
     ckpt = tiny("llama")
-    model = modelpatch.fuse(ckpt.stock(), {"qkv": True, "gate_up": True})
+    model = modelpatch.fuse(ckpt.model_class.from_pretrained(ckpt.path), {"qkv": True, "gate_up": True})
     loaded = ckpt.load({"qkv": True})
     for index, clone in enumerate([pickle.loads(pickle.dumps(model)), copy.deepcopy(model)]):
         assert model_record(clone) is not model_record(model)
