@@ -10,6 +10,7 @@ from torch import nn
 
 import modelpatch
 from modelpatch.fusions.linear_experts.modules import ExpertMLP, LinearExperts
+from support.compiled import check_compiled_generation
 from support.process import run_fresh
 
 
@@ -298,6 +299,17 @@ def test_compiled_model_matches_eager(tiny):
         expected = model(input_ids=ids).logits
         torch.testing.assert_close(torch.compile(model)(input_ids=ids).logits, expected, atol=1e-5, rtol=0)
         torch.testing.assert_close(expected, ckpt.stock()(input_ids=ids).logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_generation_is_one_graph_with_nothing_replayed_beyond_stock(tiny, dtype):
+    """transformers' compiled decoding (static cache): one graph compiled once for every step, the eager tokens, and
+    nothing replayed after the graph that stock's compiled frame does not replay."""
+    ckpt = tiny("qwen3_moe")
+    model = ckpt.load({"linear_experts": True}, dtype=dtype)
+    stock = type(ckpt.stock()).from_pretrained(ckpt.path, dtype=dtype)
+    check_compiled_generation(model, stock, ckpt.inputs()["input_ids"])
 
 
 def test_live_fuse_adopts_the_stock_3d_tensors_without_a_copy(tiny):

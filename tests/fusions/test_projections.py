@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 from modelpatch.fusions.projections import FusedLinear
+from support.compiled import check_compiled_generation
 
 TEXT_FUSIONS = {"qkv": True, "gate_up": True}
 PRODUCTS = {"aten.mm.default", "aten.addmm.default", "aten.bmm.default"}
@@ -82,3 +83,20 @@ def test_a_hooked_or_replaced_fused_layer_is_called_in_float32(tiny):
         before = mlp.up_proj(x)
         mlp.gate_up_proj = scaled
         torch.testing.assert_close(mlp.up_proj(x), before * 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_generation_is_one_graph_with_nothing_replayed_beyond_stock(tiny, dtype):
+    """transformers' compiled decoding (static cache) of a llama with ``qkv`` + ``gate_up``: one graph compiled once
+    for every step, the fused model's eager tokens, nothing replayed after the graph that stock's frame does not
+    replay (the slices used to leave their pending parts' bookkeeping there), and in the graph one product per fused
+    layer in bfloat16 (float32 on CPU: stock's products)."""
+    ckpt = tiny("llama")
+    model = ckpt.load(TEXT_FUSIONS, dtype=dtype)
+    stock = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=dtype)
+    run = check_compiled_generation(model, stock, ckpt.inputs()["input_ids"])
+    if dtype == torch.bfloat16:
+        assert run.products() == sum(isinstance(module, nn.Linear) for module in model.modules())
+    else:
+        assert run.products() == sum(isinstance(module, nn.Linear) for module in stock.modules())

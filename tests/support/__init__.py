@@ -3,6 +3,7 @@
 * :mod:`support.models`: the tiny-model table, model type -> tiny config builder;
 * :mod:`support.checkpoints`: the checkpoint factory: tiny checkpoints written by stock ``save_pretrained``, once per
   session, with the inputs and the stock reference outputs to compare against;
+* :mod:`support.compiled`: transformers' compiled generation (static cache) and what dynamo made of it;
 * :mod:`support.compare`: bitwise comparisons (state dicts, tensors, checkpoint files) and output comparisons;
 * :mod:`support.files`: reading, rewriting and snapshotting checkpoint directories;
 * :mod:`support.fusions`: what every fusion family must show (fused outputs, exact saves, runtime round trip);
