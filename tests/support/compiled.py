@@ -77,15 +77,7 @@ def generate_compiled(model: PreTrainedModel, ids: torch.Tensor, new_tokens: int
     torch._dynamo.reset()
     handle = convert_frame.register_bytecode_hook(lambda code, new_code: run.codes.append(new_code))
     try:
-        run.tokens = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            cache_implementation="static",
-            compile_config=config,
-        )
+        run.tokens = model.generate(ids, **_greedy_static(ids, new_tokens), compile_config=config)
     finally:
         handle.remove()
         torch._dynamo.reset()
@@ -94,14 +86,17 @@ def generate_compiled(model: PreTrainedModel, ids: torch.Tensor, new_tokens: int
 
 def generate_eager(model: PreTrainedModel, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
     """The same greedy ``generate`` as :func:`generate_compiled`, with compilation turned off."""
-    return model.generate(
-        ids,
+    return model.generate(ids, **_greedy_static(ids, new_tokens), disable_compile=True)
+
+
+def _greedy_static(ids: torch.Tensor, new_tokens: int) -> dict:
+    """``generate``'s arguments for ``new_tokens`` greedy tokens on a static cache."""
+    return dict(
         attention_mask=torch.ones_like(ids),
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
         do_sample=False,
         cache_implementation="static",
-        disable_compile=True,
     )
 
 
