@@ -604,20 +604,30 @@ def _weighted_sum(
     num_experts: int,
 ) -> torch.Tensor:
     """Each token's expert outputs (``out``: rows in sorted order) weighed by its routing weights and summed over its
-    slots, as stock does: the products stock forms, gathered back to (token, slot) order and summed there (one
-    rounding per token in bf16). An unused slot (index ``num_experts``, sorted past every expert's rows, which hold
-    whatever the grouped products left there) contributes zero."""
+    slots, as stock does: the products stock forms, back in (token, slot) order, summed there (one rounding per token
+    in bf16). An unused slot (index ``num_experts``, sorted past every expert's rows, which hold whatever the grouped
+    products left there) contributes zero."""
     num_tokens, top_k = top_k_index.shape
     num_slots, hidden = out.shape
-    limit = _MASKED_ON_CPU_UP_TO if out.device.type == "cpu" else _MASKED_UP_TO
-    if num_slots <= _SORTED_IN_ONE_KERNEL_UP_TO and num_slots * hidden <= limit:
-        # Few rows: the host's operations are what costs. Back to (token, slot) order (the inverse permutation of a
-        # few slots: one sort), weighed there, unused slots masked.
-        weighted = out[torch.argsort(order)] * top_k_weights.reshape(-1, 1)
+    if torch.compiler.is_compiling():
+        weighted = _scattered_back(out, order, sorted_keys, top_k_weights, num_experts)
+    elif num_slots * hidden <= (_MASKED_ON_CPU_UP_TO if out.device.type == "cpu" else _MASKED_UP_TO):
+        # Few rows: the host's operations are what costs. Back to (token, slot) order, weighed there, unused slots
+        # masked.
+        weighted = out[_inverse(order)] * top_k_weights.reshape(-1, 1)
         weighted.masked_fill_(top_k_index.reshape(-1, 1) >= num_experts, 0)
-        return weighted.view(num_tokens, top_k, hidden).sum(dim=1)
-    # Many rows: each pass over them is what costs, so no masking pass. The rows are weighed in sorted order into a
-    # buffer with one more row, zeroed, which every unused slot gathers back instead of its own.
+    else:
+        weighted = _gathered_back(out, order, sorted_keys, top_k_weights, num_experts)
+    return weighted.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+def _gathered_back(
+    out: torch.Tensor, order: torch.Tensor, sorted_keys: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int
+) -> torch.Tensor:
+    """Many rows, eager: each pass over them is what costs, so no masking pass and no scatter (a GPU gathers rows
+    faster than it scatters them). The rows are weighed in sorted order into a buffer with one more row, zeroed, which
+    every unused slot gathers back instead of its own."""
+    num_slots, hidden = out.shape
     weights = top_k_weights.reshape(-1)[order]
     if out.requires_grad:  # a product written into a buffer has no backward: one more pass, when training
         product = out * weights.unsqueeze(1)
@@ -628,8 +638,25 @@ def _weighted_sum(
         torch.mul(out, weights.unsqueeze(1), out=buffer[:num_slots])
         buffer[num_slots].zero_()
     rows = torch.arange(num_slots, device=out.device).masked_fill_(sorted_keys >= num_experts, num_slots)
-    weighted = buffer[torch.empty_like(order).scatter_(0, order, rows)]
-    return weighted.view(num_tokens, top_k, hidden).sum(dim=1)
+    return buffer[torch.empty_like(order).scatter_(0, order, rows)]
+
+
+def _scattered_back(
+    out: torch.Tensor, order: torch.Tensor, sorted_keys: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int
+) -> torch.Tensor:
+    """Compiled: the rows weighed in sorted order, unused ones masked, scattered back to (token, slot) order, which
+    the compiler fuses into fewer passes than a gather (and computes as it always has)."""
+    weighted = out * top_k_weights.reshape(-1)[order].unsqueeze(1)
+    weighted = torch.where((sorted_keys < num_experts).unsqueeze(1), weighted, 0)
+    return torch.empty_like(weighted).index_copy_(0, order, weighted)
+
+
+def _inverse(order: torch.Tensor) -> torch.Tensor:
+    """The inverse of the permutation ``order``: one sort of a few slots, else a scatter (a sort of many would take
+    a GPU several radix passes)."""
+    if order.shape[0] <= _SORTED_IN_ONE_KERNEL_UP_TO:
+        return torch.argsort(order)
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
 
 
 # Up to this many elements (slots x hidden) in the experts' output, masking the rows of unused slots costs less than
