@@ -313,10 +313,11 @@ def test_a_call_of_many_tokens_passes_over_the_rows_no_more_often_than_stock(tin
 
 
 @pytest.mark.parametrize("tokens", [6, 2100], ids=["few rows", "many rows"])
-@pytest.mark.parametrize("mode", ["eager", "gradients", "compiled"])
+@pytest.mark.parametrize("mode", ["eager", "gradients", pytest.param("compiled", marks=pytest.mark.slow)])
 def test_unused_slots_contribute_nothing(tokens, mode):
     """Slots a router marks unused (index ``num_experts``) add nothing to their token, whichever way the rows are
-    summed back: masked (few rows), gathered from a zeroed row (many rows), called expert by expert (gradients)."""
+    summed back: masked (few rows), gathered from a zeroed row (many rows), called expert by expert (gradients),
+    masked and scattered back (compiled)."""
     experts, _ = _tiny_experts()
     generator = torch.Generator().manual_seed(tokens)
     hidden = torch.randn(tokens, experts.hidden_dim, generator=generator)
