@@ -239,6 +239,32 @@ def test_eager_calls_check_every_linear_again_only_after_a_change(monkeypatch):
         assert len(walks) == 2 and experts._grouped_weights() is None
 
 
+@pytest.mark.parametrize("write", ["accelerate", "parameter", "module", "bias"])
+def test_writes_straight_into_the_module_dicts_take_effect_on_the_next_eager_call(write):
+    """Nothing signals a write into ``_parameters`` / ``_modules`` (accelerate's ``set_module_tensor_to_device`` makes
+    one): after calls that skipped the full check, the next call still runs what stands there."""
+    from accelerate.utils import set_module_tensor_to_device
+
+    experts, args = _tiny_experts()
+    with torch.no_grad():
+        grouped = experts(*args)
+        assert torch.equal(experts(*args), grouped)  # the check skipped from here on
+        linear = experts[2].gate_proj
+        if write == "accelerate":
+            set_module_tensor_to_device(linear, "weight", "cpu", value=torch.randn_like(linear.weight))
+        elif write == "parameter":
+            linear._parameters["weight"] = nn.Parameter(torch.randn_like(linear.weight))
+        elif write == "module":
+            replacement = nn.Linear(linear.in_features, linear.out_features, bias=False)
+            experts[2]._modules["gate_proj"] = replacement
+        else:
+            linear._parameters["bias"] = nn.Parameter(torch.randn(linear.out_features))
+        expected = _each_expert(experts, *args)
+        assert not torch.allclose(expected, grouped, atol=1e-3)
+        torch.testing.assert_close(experts(*args), expected, atol=1e-6, rtol=0)
+        assert experts._grouped_weights() is None
+
+
 # --- what a grouped call costs -------------------------------------------------------------------------------------
 
 

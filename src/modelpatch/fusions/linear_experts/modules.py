@@ -13,12 +13,14 @@ state is marked changed by a module or parameter assigned to the experts list, a
 (torch's global registration hooks: how PEFT, quantizers and parametrizations put theirs in place), by any other
 attribute set on an expert (a plain-function activation, an instance ``forward``), and by any deletion from the list
 or an expert. Eager calls walk everything once, then again only once the signal is set, a hook was registered
-anywhere (every registration takes a new handle id) or a weight's data moved: each call compares the weights' data
-pointers (one C-level pass), which a ``.data`` re-assignment or ``torch.utils.swap_tensors`` changes while the
-Parameter stays. With gradients off, compiled code guards on the flag alone; once it is set, compiled code recompiles
-into the full check until an eager call or :meth:`LinearExperts.pack` finds the layout intact again. What nothing
-signals is seen after ``pack()``: writes straight into a module's ``_parameters`` or ``_modules`` and a weight set to
-None (eager and compiled), a weight's ``.data`` re-assigned or swapped (compiled). Hooks registered after compiling
+anywhere (every registration takes a new handle id), or an identity or a weight's data moved: each call checks, in
+C-level passes, that every expert, Linear, weight and absent bias is still the one packed (writes straight into
+``_modules`` / ``_parameters`` signal nothing) and compares the weights' data pointers, which a ``.data``
+re-assignment or ``torch.utils.swap_tensors`` changes while the Parameter stays. With gradients off, compiled code
+guards on the flag alone; once it is set, compiled code recompiles into the full check until an eager call or
+:meth:`LinearExperts.pack` finds the layout intact again. What nothing signals is seen by compiled code after
+``pack()``: writes straight into a module's ``_parameters`` or ``_modules``, a weight's ``.data`` re-assigned or
+swapped. Hooks registered after compiling
 are seen where dynamo guards on hooks at all (as for any module: ``torch._dynamo.config.skip_nnmodule_hook_guards =
 False``); a ``forward`` set on a Linear's instance after compiling is not seen by compiled code (dynamo does not guard
 the hook scan's look for it).
@@ -30,6 +32,7 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache, partial
+from itertools import repeat
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -198,7 +201,14 @@ class _Packed:
     act_fn: Callable  # the experts' activation (one object for all of them)
     gate_fn: ExpertGate | None  # their gate, where the stock class has its own (one object for all of them)
     modules: tuple[nn.Module, ...]  # the experts and their Linears, for the hook scan
-    weights: tuple[torch.Tensor, ...]  # each Linear's weight, in the order of ``linears``
+    weights: list[torch.Tensor]  # each Linear's weight, in the order of ``linears``
+    # The same entries column by column, for the eager calls' C-level passes (_unchanged_since_checked):
+    # each Linear's parent's children dict, its name, the Linear, and the Linear's parameters dict.
+    parents: tuple[dict[str, nn.Module | None], ...]
+    names: tuple[str, ...]
+    linear_modules: list[nn.Linear]
+    parameters: tuple[dict[str, nn.Parameter | None], ...]
+    no_biases: list[None]
     # Their data pointers, which a ``.data`` re-assignment or ``torch.utils.swap_tensors`` changes while the
     # Parameter stays (nothing signals either).
     pointers: list[int]
@@ -342,11 +352,11 @@ class LinearExperts(nn.ModuleList):
 
         From here on the experts signal changes (see the module docstring): a module or parameter assigned to the
         list, an expert or one of their Linears, any attribute set on (or deleted from) an expert, an expert deleted
-        or inserted. Eager calls check every Linear again only after that signal, a hook registration or a weight's
-        data moving (``.data`` re-assignment, ``torch.utils.swap_tensors``); compiled code with gradients off takes
-        the grouped path on the signal alone. So what nothing signals needs this call before it is seen: writes
-        straight into ``_parameters`` / ``_modules`` and a weight set to None, and under ``torch.compile`` a weight's
-        ``.data`` re-assigned or swapped. Packing also clears the signal.
+        or inserted. Eager calls check every Linear again only after that signal, a hook registration, an expert,
+        Linear or weight that is not the one packed, or a weight's data moving (``.data`` re-assignment,
+        ``torch.utils.swap_tensors``); compiled code with gradients off takes the grouped path on the signal alone.
+        So under ``torch.compile`` what nothing signals needs this call before it is seen: writes straight into
+        ``_parameters`` / ``_modules``, a weight's ``.data`` re-assigned or swapped. Packing also clears the signal.
         """
         self._packed = None
         experts = [expert for expert in self if type(expert) is ExpertMLP]
@@ -406,7 +416,12 @@ class LinearExperts(nn.ModuleList):
             act_fn,
             gate_fn,
             modules,
-            weights=tuple(entry[3] for entry in entries),
+            weights=[entry[3] for entry in entries],
+            parents=tuple(entry[0] for entry in entries),
+            names=tuple(entry[1] for entry in entries),
+            linear_modules=[entry[2] for entry in entries],
+            parameters=tuple(entry[2]._parameters for entry in entries),
+            no_biases=[None] * len(entries),
             pointers=[entry[3].data_ptr() for entry in entries],
             expert_ids=expert_ids,
             narrow_expert_ids=expert_ids.to(_narrow_key_dtype(count)),
@@ -459,15 +474,29 @@ class LinearExperts(nn.ModuleList):
             return packed
         return self._checked(packed, compiling, grad)
 
-    @staticmethod
-    def _unchanged_since_checked(packed: _Packed, grad: bool) -> bool:
+    def _unchanged_since_checked(self, packed: _Packed, grad: bool) -> bool:
         """Whether an eager call may skip the full check: it last found the layout intact and no hook on the experts,
-        and since then nothing was signalled, no hook was registered anywhere and no weight's data moved (a
-        ``.data`` re-assignment or ``swap_tensors``, which nothing signals: one C-level pass over the weights' data
-        pointers); with gradients on, no weight wants one. Not the walk over every expert and Linear, which a call
-        of a few tokens would spend most of its time on."""
+        and since then nothing was signalled, no hook was registered anywhere, every expert, Linear, weight and (no)
+        bias is still the one packed (a write straight into ``_modules`` or ``_parameters``, as accelerate's
+        ``set_module_tensor_to_device`` makes, signals nothing), and no weight's data moved (a ``.data``
+        re-assignment or ``swap_tensors``, which nothing signals either); with gradients on, no weight wants one.
+        Each is one C-level pass (``map`` over dict lookups and identities), not the Python walk over every expert
+        and Linear that a call of a few tokens would spend most of its time on."""
+        count = len(packed.weights)
+        # List equality takes identical items as equal without calling their __eq__ (modules compare by identity;
+        # a tensor that is not the packed one compares elementwise, which fails or is false: not unchanged).
+        try:
+            same = (
+                tuple(self._modules.values()) == packed.experts
+                and list(map(dict.get, packed.parents, packed.names)) == packed.linear_modules
+                and list(map(dict.get, packed.parameters, repeat("weight", count))) == packed.weights
+                and list(map(dict.get, packed.parameters, repeat("bias", count))) == packed.no_biases
+            )
+        except RuntimeError:  # a weight of another shape, or one whose elementwise comparison is ambiguous
+            return False
         return (
-            not packed.changed
+            same
+            and not packed.changed
             and packed.hooks_checked_at == RemovableHandle.next_id
             and list(map(torch.Tensor.data_ptr, packed.weights)) == packed.pointers
             and not (grad and any(map(_requires_grad, packed.weights)))
