@@ -7,6 +7,7 @@ import pytest
 import torch
 from fusion_models import EXPERT_NAMES, assert_outputs_close, check_fused_roundtrip, checkpoint_shapes
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import modelpatch
 from modelpatch.fusions.linear_experts.modules import ExpertMLP, LinearExperts
@@ -170,10 +171,16 @@ def _hook_on_an_expert(experts):
     return experts[0].register_forward_pre_hook(lambda module, args: None)
 
 
+def _swap_tensors(experts):
+    weight = experts[1].gate_proj.weight
+    torch.utils.swap_tensors(weight, nn.Parameter(weight.detach().clone()))
+
+
 FALLBACKS = {
     "forward hook on a Linear": _forward_hook,
     "Linear replaced": _swap_a_linear,
     "weight .data re-assigned": _reassign_data,
+    "weight swapped (swap_tensors)": _swap_tensors,
     "hook on an expert": _hook_on_an_expert,
 }
 
@@ -193,6 +200,171 @@ def test_anything_between_experts_and_weights_falls_back_to_calling_each_expert(
         assert experts.pack()
         assert (experts._grouped_weights() is None) == ("hook" in case)
         torch.testing.assert_close(experts(hidden, top_k_index, top_k_weights), expected, atol=1e-6, rtol=0)
+
+
+def test_eager_calls_check_every_linear_again_only_after_a_change(monkeypatch):
+    """Walking every expert and Linear would be most of what a call of a few tokens costs: eager calls walk them once,
+    then again only once something may have changed (a change signalled, a hook registered anywhere, a weight's data
+    moved), and what changed is what the next call runs."""
+    experts, args = _tiny_experts()
+    walks = []
+    full_check = LinearExperts._checked
+    monkeypatch.setattr(LinearExperts, "_checked", lambda self, *rest: walks.append(1) or full_check(self, *rest))
+    with torch.no_grad():
+        grouped = experts(*args)
+        for _ in range(3):
+            assert torch.equal(experts(*args), grouped)
+        assert len(walks) == 1
+
+        nn.Linear(2, 2).register_forward_hook(lambda *_: None)  # a hook anywhere: experts' hooks are scanned again
+        experts(*args)
+        experts(*args)
+        assert len(walks) == 2
+
+        weight = experts[3].down_proj.weight
+        weight.data = torch.randn_like(weight)  # nothing signals this: the data pointers show it
+        expected = _each_expert(experts, *args)
+        assert not torch.allclose(expected, grouped, atol=1e-3)
+        torch.testing.assert_close(experts(*args), expected, atol=1e-6, rtol=0)
+        assert len(walks) == 3 and experts._grouped_weights() is None
+
+        assert experts.pack()
+        walks.clear()
+        torch.testing.assert_close(experts(*args), expected, atol=1e-6, rtol=0)
+        experts(*args)
+        assert len(walks) == 1
+
+        experts[0].up_proj = nn.Linear(experts.hidden_dim, experts.intermediate_dim, bias=False)  # signalled
+        expected = _each_expert(experts, *args)
+        torch.testing.assert_close(experts(*args), expected, atol=1e-6, rtol=0)
+        assert len(walks) == 2 and experts._grouped_weights() is None
+
+
+@pytest.mark.parametrize("write", ["accelerate", "parameter", "module", "bias"])
+def test_writes_straight_into_the_module_dicts_take_effect_on_the_next_eager_call(write):
+    """Nothing signals a write into ``_parameters`` / ``_modules`` (accelerate's ``set_module_tensor_to_device`` makes
+    one): after calls that skipped the full check, the next call still runs what stands there."""
+    from accelerate.utils import set_module_tensor_to_device
+
+    experts, args = _tiny_experts()
+    with torch.no_grad():
+        grouped = experts(*args)
+        assert torch.equal(experts(*args), grouped)  # the check skipped from here on
+        linear = experts[2].gate_proj
+        if write == "accelerate":
+            set_module_tensor_to_device(linear, "weight", "cpu", value=torch.randn_like(linear.weight))
+        elif write == "parameter":
+            linear._parameters["weight"] = nn.Parameter(torch.randn_like(linear.weight))
+        elif write == "module":
+            replacement = nn.Linear(linear.in_features, linear.out_features, bias=False)
+            experts[2]._modules["gate_proj"] = replacement
+        else:
+            linear._parameters["bias"] = nn.Parameter(torch.randn(linear.out_features))
+        expected = _each_expert(experts, *args)
+        assert not torch.allclose(expected, grouped, atol=1e-3)
+        torch.testing.assert_close(experts(*args), expected, atol=1e-6, rtol=0)
+        assert experts._grouped_weights() is None
+
+
+# --- what a grouped call costs -------------------------------------------------------------------------------------
+
+
+class _Operations(TorchDispatchMode):
+    """The operations torch runs, and how many of them write a result of at least ``rows`` elements (not a view, not
+    an allocation): the passes over the experts' rows."""
+
+    ALLOCATIONS = {
+        torch.ops.aten.empty_like,
+        torch.ops.aten.new_empty,
+        torch.ops.aten.empty,
+        torch.ops.aten.empty_strided,
+    }
+
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.rows = rows
+        self.count = 0
+        self.passes: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.count += 1
+        result = out[0] if isinstance(out, tuple) else out
+        written = isinstance(result, torch.Tensor) and not func.is_view and func.overloadpacket not in self.ALLOCATIONS
+        if written and result.numel() >= self.rows:
+            self.passes.append(str(func))
+        return out
+
+
+def _stock_and_ours(tiny):
+    ckpt = tiny("qwen3_moe")
+    stock = ckpt.stock().model.layers[0].mlp.experts
+    assert stock.config._experts_implementation == "grouped_mm"
+    return stock, ckpt.load({"linear_experts": True}).model.layers[0].mlp.experts
+
+
+def _random_routing(experts, tokens: int):
+    generator = torch.Generator().manual_seed(tokens)
+    hidden = torch.randn(tokens, experts.hidden_dim, generator=generator)
+    top_k_index = torch.stack([torch.randperm(len(experts), generator=generator)[:2] for _ in range(tokens)])
+    return hidden, top_k_index, torch.rand(tokens, 2, generator=generator)
+
+
+def _operations(tiny, tokens: int) -> tuple[_Operations, _Operations]:
+    """The operations of our grouped call and of stock's ``grouped_mm`` experts on the same routing, which give the
+    very same result."""
+    stock, ours = _stock_and_ours(tiny)
+    args = _random_routing(ours, tokens)
+    rows = tokens * 2 * ours.hidden_dim
+    with torch.no_grad():
+        ours(*args)  # the first call checks the packed layout in full
+        with _Operations(rows) as mine:
+            out = ours(*args)
+        with _Operations(rows) as theirs:
+            expected = stock(*args)
+    assert torch.equal(out, expected)
+    return mine, theirs
+
+
+def test_a_call_of_a_few_tokens_issues_fewer_operations_than_stock(tiny):
+    """What a decode step costs is the operations the host issues (a GPU waits on them): fewer than stock's."""
+    mine, theirs = _operations(tiny, tokens=1)
+    assert mine.count < theirs.count
+
+
+def test_a_call_of_many_tokens_passes_over_the_rows_no_more_often_than_stock(tiny):
+    """What a prefill costs is each pass over the [slots, hidden] rows: no more than stock's (no masking pass, no
+    scatter of the rows back)."""
+    mine, theirs = _operations(tiny, tokens=2100)
+    assert len(mine.passes) <= len(theirs.passes), (mine.passes, theirs.passes)
+
+
+@pytest.mark.parametrize("tokens", [6, 2100], ids=["few rows", "many rows"])
+@pytest.mark.parametrize("mode", ["eager", "gradients", pytest.param("compiled", marks=pytest.mark.slow)])
+def test_unused_slots_contribute_nothing(tokens, mode):
+    """Slots a router marks unused (index ``num_experts``) add nothing to their token, whichever way the rows are
+    summed back: masked (few rows), gathered from a zeroed row (many rows), called expert by expert (gradients),
+    masked and scattered back (compiled)."""
+    experts, _ = _tiny_experts()
+    generator = torch.Generator().manual_seed(tokens)
+    hidden = torch.randn(tokens, experts.hidden_dim, generator=generator)
+    index = torch.randint(0, len(experts) + 1, (tokens, 2), generator=generator)
+    index[0] = len(experts)  # a token with no expert at all
+    weights = torch.rand(tokens, 2, generator=generator)
+    with torch.no_grad():
+        expected = _each_expert(experts, hidden, index, weights)
+    if mode == "gradients":
+        out = experts(hidden.requires_grad_(), index, weights)
+        out.sum().backward()
+        assert hidden.grad is not None
+        out = out.detach()
+    else:
+        torch._dynamo.reset()
+        run = torch.compile(experts, fullgraph=True) if mode == "compiled" else experts
+        with torch.no_grad():
+            out = run(hidden, index, weights)
+    assert not out[0].any()
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
 
 
 def test_gradients_reach_each_experts_weights_as_stock_computes_them(tiny):

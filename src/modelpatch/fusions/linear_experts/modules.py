@@ -7,18 +7,23 @@ weight swapped or re-assigned, weights that need gradients), ``forward`` runs ev
 matrix products over the tokens sorted by expert, as stock transformers' fused experts do; otherwise it calls each
 routed expert module in turn, so whatever stands in an expert's place is what runs.
 
-Eager calls check every expert, Linear, weight and data pointer on each call. Compiled code would turn that check
-into guards on each of them, evaluated on every call, so it relies on a change signal instead: the packed state is
-marked changed by a module or parameter assigned to the experts list, an expert or one of their Linears (torch's
-global registration hooks: how PEFT, quantizers and parametrizations put theirs in place), by any other attribute set
-on an expert (a plain-function activation, an instance ``forward``), and by any deletion from the list or an expert.
-With gradients off, compiled code guards on that one flag; once it is set, compiled code recompiles into the full
-check until an eager call or :meth:`LinearExperts.pack` finds the layout intact again. What takes no registration
-hook (a weight's ``.data`` re-assigned, ``torch.utils.swap_tensors``, a weight set to None, writes straight into a
-module's ``_parameters`` or ``_modules``) is seen by eager calls only: under ``torch.compile`` call ``pack()`` after
-it. Hooks registered after compiling are seen where dynamo guards on hooks at all (as for any module:
-``torch._dynamo.config.skip_nnmodule_hook_guards = False``); a ``forward`` set on a Linear's instance after compiling
-is not seen by compiled code (dynamo does not guard the hook scan's look for it).
+Checking every expert, Linear, weight and data pointer would be most of what a call of a few tokens costs (eager: a
+walk over 3 x E Linears; compiled: guards on each of them), so calls rely on a change signal instead: the packed
+state is marked changed by a module or parameter assigned to the experts list, an expert or one of their Linears
+(torch's global registration hooks: how PEFT, quantizers and parametrizations put theirs in place), by any other
+attribute set on an expert (a plain-function activation, an instance ``forward``), and by any deletion from the list
+or an expert. Eager calls walk everything once, then again only once the signal is set, a hook was registered
+anywhere (every registration takes a new handle id), or an identity or a weight's data moved: each call checks, in
+C-level passes, that every expert, Linear, weight and absent bias is still the one packed (writes straight into
+``_modules`` / ``_parameters`` signal nothing) and compares the weights' data pointers, which a ``.data``
+re-assignment or ``torch.utils.swap_tensors`` changes while the Parameter stays. With gradients off, compiled code
+guards on the flag alone; once it is set, compiled code recompiles into the full check until an eager call or
+:meth:`LinearExperts.pack` finds the layout intact again. What nothing signals is seen by compiled code after
+``pack()``: writes straight into a module's ``_parameters`` or ``_modules``, a weight's ``.data`` re-assigned or
+swapped. Hooks registered after compiling
+are seen where dynamo guards on hooks at all (as for any module: ``torch._dynamo.config.skip_nnmodule_hook_guards =
+False``); a ``forward`` set on a Linear's instance after compiling is not seen by compiled code (dynamo does not guard
+the hook scan's look for it).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache, partial
+from itertools import repeat
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -190,14 +196,29 @@ class _Packed:
     gate_up: torch.Tensor  # [E, 2I, H]: expert e's gate rows, then its up rows
     down: torch.Tensor  # [E, H, I]
     experts: tuple[nn.Module, ...]
-    # Per Linear: (its parent's children dict, its name, the Linear, its weight, the weight's data pointer, which a
-    # `.data` re-assignment changes while the Parameter stays).
-    linears: tuple[tuple[dict[str, nn.Module | None], str, nn.Linear, torch.Tensor, int], ...]
+    # Per Linear: (its parent's children dict, its name, the Linear, its weight), for the full check.
+    linears: tuple[tuple[dict[str, nn.Module | None], str, nn.Linear, torch.Tensor], ...]
     act_fn: Callable  # the experts' activation (one object for all of them)
     gate_fn: ExpertGate | None  # their gate, where the stock class has its own (one object for all of them)
     modules: tuple[nn.Module, ...]  # the experts and their Linears, for the hook scan
-    # RemovableHandle.next_id when no hook was found on the experts: every hook registration takes a new handle id,
-    # so while it is unchanged the hook scan need not run again.
+    weights: list[torch.Tensor]  # each Linear's weight, in the order of ``linears``
+    # The same entries column by column, for the eager calls' C-level passes (_unchanged_since_checked):
+    # each Linear's parent's children dict, its name, the Linear, and the Linear's parameters dict.
+    parents: tuple[dict[str, nn.Module | None], ...]
+    names: tuple[str, ...]
+    linear_modules: list[nn.Linear]
+    parameters: tuple[dict[str, nn.Parameter | None], ...]
+    no_biases: list[None]
+    # Their data pointers, which a ``.data`` re-assignment or ``torch.utils.swap_tensors`` changes while the
+    # Parameter stays (nothing signals either).
+    pointers: list[int]
+    # ``arange(E)`` on the weights' device as int64 and as the narrow sort keys of many slots (see _sort_keys): the
+    # boundaries whose searchsorted in the sorted expert ids gives the grouped products' offsets.
+    expert_ids: torch.Tensor
+    narrow_expert_ids: torch.Tensor
+    # RemovableHandle.next_id when the last full check found the layout intact and no hook on the experts: every
+    # hook registration takes a new handle id, so while it is unchanged (and nothing was signalled) eager calls need
+    # not check every Linear again (see LinearExperts._grouped_weights).
     hooks_checked_at: int = -1
     # Set by anything assigned to (or deleted from) the experts, an expert or their Linears since the last full check
     # (see the module docstring); compiled code guards on it instead of on every Linear.
@@ -206,6 +227,10 @@ class _Packed:
     def hooked(self) -> bool:
         """Whether a hook (or an instance-level ``forward``) sits on an expert or one of its Linears."""
         return any(hooked(module) for module in self.modules)
+
+    def boundaries(self, keys: torch.Tensor) -> torch.Tensor:
+        """The expert ids in the dtype of the sort ``keys``."""
+        return self.expert_ids if keys.dtype == self.expert_ids.dtype else self.narrow_expert_ids
 
 
 def _activation(expert: nn.Module) -> Any:
@@ -327,10 +352,11 @@ class LinearExperts(nn.ModuleList):
 
         From here on the experts signal changes (see the module docstring): a module or parameter assigned to the
         list, an expert or one of their Linears, any attribute set on (or deleted from) an expert, an expert deleted
-        or inserted. Compiled code with gradients off takes the grouped path on that signal alone, so under
-        ``torch.compile`` what takes no registration hook (``.data`` re-assignment, ``torch.utils.swap_tensors``, a
-        weight set to None, writes straight into ``_parameters`` / ``_modules``) needs this call before it is seen;
-        eager calls check every Linear, weight and data pointer each time. Packing also clears the signal.
+        or inserted. Eager calls check every Linear again only after that signal, a hook registration, an expert,
+        Linear or weight that is not the one packed, or a weight's data moving (``.data`` re-assignment,
+        ``torch.utils.swap_tensors``); compiled code with gradients off takes the grouped path on the signal alone.
+        So under ``torch.compile`` what nothing signals needs this call before it is seen: writes straight into
+        ``_parameters`` / ``_modules``, a weight's ``.data`` re-assigned or swapped. Packing also clears the signal.
         """
         self._packed = None
         experts = [expert for expert in self if type(expert) is ExpertMLP]
@@ -376,18 +402,29 @@ class LinearExperts(nn.ModuleList):
         if not _grouped_runs_on(gate_up, down):
             return False
         modules = (*experts, *(linear for row in linears for linear in row))
+        entries = tuple(
+            (expert._modules, name, linear, linear.weight)
+            for expert, row in zip(experts, linears, strict=True)
+            for name, linear in zip(expert.names, row, strict=True)
+        )
+        expert_ids = torch.arange(count, device=gate_up.device)
         self._packed = _Packed(
             gate_up,
             down,
             tuple(self),
-            tuple(
-                (expert._modules, name, linear, linear.weight, linear.weight.data_ptr())
-                for expert, row in zip(experts, linears, strict=True)
-                for name, linear in zip(expert.names, row, strict=True)
-            ),
+            entries,
             act_fn,
             gate_fn,
             modules,
+            weights=[entry[3] for entry in entries],
+            parents=tuple(entry[0] for entry in entries),
+            names=tuple(entry[1] for entry in entries),
+            linear_modules=[entry[2] for entry in entries],
+            parameters=tuple(entry[2]._parameters for entry in entries),
+            no_biases=[None] * len(entries),
+            pointers=[entry[3].data_ptr() for entry in entries],
+            expert_ids=expert_ids,
+            narrow_expert_ids=expert_ids.to(_narrow_key_dtype(count)),
         )
         _watch((self, *modules), self)
         return True
@@ -433,9 +470,43 @@ class LinearExperts(nn.ModuleList):
             # than on each Linear, its weight and the activation (and on the hooks, where dynamo guards on hooks). A
             # change sets the flag, which recompiles into the full check below.
             return None if packed.hooked() else packed
+        if not compiling and self._unchanged_since_checked(packed, grad):
+            return packed
+        return self._checked(packed, compiling, grad)
+
+    def _unchanged_since_checked(self, packed: _Packed, grad: bool) -> bool:
+        """Whether an eager call may skip the full check: it last found the layout intact and no hook on the experts,
+        and since then nothing was signalled, no hook was registered anywhere, every expert, Linear, weight and (no)
+        bias is still the one packed (a write straight into ``_modules`` or ``_parameters``, as accelerate's
+        ``set_module_tensor_to_device`` makes, signals nothing), and no weight's data moved (a ``.data``
+        re-assignment or ``swap_tensors``, which nothing signals either); with gradients on, no weight wants one.
+        Each is one C-level pass (``map`` over dict lookups and identities), not the Python walk over every expert
+        and Linear that a call of a few tokens would spend most of its time on."""
+        count = len(packed.weights)
+        # List equality takes identical items as equal without calling their __eq__ (modules compare by identity;
+        # a tensor that is not the packed one compares elementwise, which fails or is false: not unchanged).
+        try:
+            same = (
+                tuple(self._modules.values()) == packed.experts
+                and list(map(dict.get, packed.parents, packed.names)) == packed.linear_modules
+                and list(map(dict.get, packed.parameters, repeat("weight", count))) == packed.weights
+                and list(map(dict.get, packed.parameters, repeat("bias", count))) == packed.no_biases
+            )
+        except RuntimeError:  # a weight of another shape, or one whose elementwise comparison is ambiguous
+            return False
+        return (
+            same
+            and not packed.changed
+            and packed.hooks_checked_at == RemovableHandle.next_id
+            and list(map(torch.Tensor.data_ptr, packed.weights)) == packed.pointers
+            and not (grad and any(map(_requires_grad, packed.weights)))
+        )
+
+    def _checked(self, packed: _Packed, compiling: bool, grad: bool) -> _Packed | None:
+        """The full check: every expert, Linear, weight, data pointer, activation and hook."""
         if tuple(self._modules.values()) != packed.experts:
             return None
-        for children, name, linear, weight, pointer in packed.linears:
+        for (children, name, linear, weight), pointer in zip(packed.linears, packed.pointers, strict=True):
             if children.get(name) is not linear:
                 return None
             parameters = linear._parameters
@@ -466,24 +537,26 @@ class LinearExperts(nn.ModuleList):
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         num_tokens, top_k = top_k_index.shape
-        slots = top_k_index.reshape(-1)
-        # Every (token, slot) pair sorted by expert; a stable sort keeps each expert's tokens in order.
-        order = torch.argsort(slots, stable=True)
-        tokens = order // top_k
-        # Unused slots (index num_experts) sort last and fall outside every expert's count.
-        # (A fixed-size count, unlike bincount's, keeps torch.compile's graph whole.)
-        counts = slots.new_zeros(self.num_experts + 1).index_add_(0, slots, torch.ones_like(slots))[: self.num_experts]
-        weights = top_k_weights.reshape(-1)[order]
         packed = self._grouped_weights(hidden_states)
+        # Every (token, slot) pair sorted by expert, as stock sorts them; unused slots (index num_experts) sort last.
+        keys = _sort_keys(top_k_index.reshape(-1), self.num_experts)
+        sorted_keys, order = torch.sort(keys)
+        tokens = order // top_k
+        # Where each expert's rows end: unused slots fall past the last expert's. (A fixed-size result, unlike
+        # bincount's, keeps torch.compile's graph whole.)
+        boundaries = (
+            packed.boundaries(keys)
+            if packed is not None
+            else torch.arange(self.num_experts, device=keys.device, dtype=keys.dtype)
+        )
+        offsets = torch.searchsorted(sorted_keys, boundaries, right=True, out_int32=True)
         if packed is not None:
-            out = self._grouped_forward(packed, hidden_states[tokens], counts)
-            # Rows past the last expert's are unused slots, which the grouped products leave unwritten.
-            out = torch.where((slots[order] < self.num_experts)[:, None], out * weights[:, None], 0)
+            # The grouped products leave the rows of unused slots unwritten: _weighted_sum never reads them.
+            out = self._grouped_forward(packed, hidden_states[tokens], offsets)
         else:
-            out = self._expert_by_expert(hidden_states, tokens, counts) * weights[:, None]
-        # Back to (token, slot) order and summed over the slots, as stock does (one rounding per token in bf16).
-        per_slot = torch.empty_like(out).index_copy_(0, order, out)
-        return per_slot.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+            out = self._expert_by_expert(hidden_states, tokens, offsets)
+        summed = _weighted_sum(out, order, sorted_keys, top_k_index, top_k_weights, self.num_experts)
+        return summed if summed.dtype == hidden_states.dtype else summed.to(hidden_states.dtype)
 
     def forward_dispatched(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Every expert over its own slice of ``hidden_states`` (``[E * T, H]``: the tokens already dispatched to
@@ -498,16 +571,17 @@ class LinearExperts(nn.ModuleList):
             out = torch.stack([expert(x[index]) for index, expert in enumerate(self)])
         return out.view(-1, self.hidden_dim)
 
-    def _grouped_forward(self, packed: _Packed, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        gate_up = _grouped(x.to(packed.gate_up.dtype), packed.gate_up, offsets)
+    def _grouped_forward(self, packed: _Packed, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        if x.dtype != packed.gate_up.dtype:
+            x = x.to(packed.gate_up.dtype)
+        gate_up = _grouped(x, packed.gate_up, offsets)
         if packed.gate_fn is not None:
             return _grouped(packed.gate_fn.packed(gate_up), packed.down, offsets)
         gate, up = gate_up.chunk(2, dim=-1)
         return _grouped(packed.act_fn(gate) * up, packed.down, offsets)
 
     def _expert_by_expert(
-        self, hidden_states: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor
+        self, hidden_states: torch.Tensor, tokens: torch.Tensor, offsets: torch.Tensor
     ) -> torch.Tensor:
         """Each routed expert module called on its tokens (rows in sorted order; unused slots stay zero).
 
@@ -519,9 +593,104 @@ class LinearExperts(nn.ModuleList):
         out = hidden_states.new_zeros(tokens.shape[0], hidden_states.shape[-1])
         grad = torch.is_grad_enabled()
         start = 0
-        for expert, count in zip(self, counts.tolist(), strict=False):
-            if count or (grad and any(p.requires_grad for p in expert.parameters())):
-                rows = slice(start, start + count)
+        for expert, end in zip(self, offsets.tolist(), strict=False):
+            if end > start or (grad and any(p.requires_grad for p in expert.parameters())):
+                rows = slice(start, end)
                 out[rows] = expert(hidden_states[tokens[rows]]).to(out.dtype)
-                start += count
+            start = end
         return out
+
+
+def _requires_grad(tensor: torch.Tensor) -> bool:
+    return tensor.requires_grad
+
+
+# Up to this many slots a GPU sorts in one kernel, whatever the dtype; beyond, by radix, one pass per key byte: there
+# expert ids as the narrowest integers that hold them take 1 or 2 passes where int64 takes 8.
+_SORTED_IN_ONE_KERNEL_UP_TO = 4096
+
+
+def _narrow_key_dtype(num_experts: int) -> torch.dtype:
+    """The narrowest integer dtype holding ``0 .. num_experts`` (the last: an unused slot)."""
+    if num_experts < 2**8:
+        return torch.uint8
+    return torch.int16 if num_experts < 2**15 else torch.int32
+
+
+def _sort_keys(slots: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The expert ids to sort: int64 (what a few slots come as), or narrow for many."""
+    many = slots.shape[0] > _SORTED_IN_ONE_KERNEL_UP_TO
+    dtype = _narrow_key_dtype(num_experts) if many else torch.int64
+    return slots if slots.dtype == dtype else slots.to(dtype)
+
+
+def _weighted_sum(
+    out: torch.Tensor,
+    order: torch.Tensor,
+    sorted_keys: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    num_experts: int,
+) -> torch.Tensor:
+    """Each token's expert outputs (``out``: rows in sorted order) weighed by its routing weights and summed over its
+    slots, as stock does: the products stock forms, back in (token, slot) order, summed there (one rounding per token
+    in bf16). An unused slot (index ``num_experts``, sorted past every expert's rows, which hold whatever the grouped
+    products left there) contributes zero."""
+    num_tokens, top_k = top_k_index.shape
+    num_slots, hidden = out.shape
+    if torch.compiler.is_compiling():
+        weighted = _scattered_back(out, order, sorted_keys, top_k_weights, num_experts)
+    elif num_slots * hidden <= (_MASKED_ON_CPU_UP_TO if out.device.type == "cpu" else _MASKED_UP_TO):
+        # Few rows: the host's operations are what costs. Back to (token, slot) order, weighed there, unused slots
+        # masked.
+        weighted = out[_inverse(order)] * top_k_weights.reshape(-1, 1)
+        weighted.masked_fill_(top_k_index.reshape(-1, 1) >= num_experts, 0)
+    else:
+        weighted = _gathered_back(out, order, sorted_keys, top_k_weights, num_experts)
+    return weighted.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+def _gathered_back(
+    out: torch.Tensor, order: torch.Tensor, sorted_keys: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int
+) -> torch.Tensor:
+    """Many rows, eager: each pass over them is what costs, so no masking pass and no scatter (a GPU gathers rows
+    faster than it scatters them). The rows are weighed in sorted order into a buffer with one more row, zeroed, which
+    every unused slot gathers back instead of its own."""
+    num_slots, hidden = out.shape
+    weights = top_k_weights.reshape(-1)[order]
+    if out.requires_grad:  # a product written into a buffer has no backward: one more pass, when training
+        product = out * weights.unsqueeze(1)
+        buffer = torch.cat((product, product.new_zeros(1, hidden)))
+    else:
+        dtype = out.dtype if weights.dtype == out.dtype else torch.promote_types(out.dtype, weights.dtype)
+        buffer = out.new_empty((num_slots + 1, hidden), dtype=dtype)
+        torch.mul(out, weights.unsqueeze(1), out=buffer[:num_slots])
+        buffer[num_slots].zero_()
+    rows = torch.arange(num_slots, device=out.device).masked_fill_(sorted_keys >= num_experts, num_slots)
+    return buffer[torch.empty_like(order).scatter_(0, order, rows)]
+
+
+def _scattered_back(
+    out: torch.Tensor, order: torch.Tensor, sorted_keys: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int
+) -> torch.Tensor:
+    """Compiled: the rows weighed in sorted order, unused ones masked, scattered back to (token, slot) order, which
+    the compiler fuses into fewer passes than a gather (and computes as it always has)."""
+    weighted = out * top_k_weights.reshape(-1)[order].unsqueeze(1)
+    weighted = torch.where((sorted_keys < num_experts).unsqueeze(1), weighted, 0)
+    return torch.empty_like(weighted).index_copy_(0, order, weighted)
+
+
+def _inverse(order: torch.Tensor) -> torch.Tensor:
+    """The inverse of the permutation ``order``: one sort of a few slots, else a scatter (a sort of many would take
+    a GPU several radix passes)."""
+    if order.shape[0] <= _SORTED_IN_ONE_KERNEL_UP_TO:
+        return torch.argsort(order)
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
+
+
+# Up to this many elements (slots x hidden) in the experts' output, masking the rows of unused slots costs less than
+# the four more operations that avoid it: on a GPU, which waits on the host issuing operations while the rows are few
+# (a pass over 4M elements is a few microseconds); on a CPU, which runs every operation in turn, while they fit its
+# caches.
+_MASKED_UP_TO = 2**22
+_MASKED_ON_CPU_UP_TO = 2**15
