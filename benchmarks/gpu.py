@@ -46,7 +46,7 @@ from experts import build_blocks
 from transformers import CompileConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 import modelpatch
-from fusions import compare, print_table
+from fusions import _sync, compare, print_table
 
 SECTIONS = ("load", "prefill", "generate", "compiled", "experts")
 LLAMA = dict(
@@ -93,11 +93,6 @@ class Run:
     def diff(self, name: str, ours: torch.Tensor, stock: torch.Tensor) -> str:
         self.diffs[name] = (ours.float() - stock.float()).abs().max().item()
         return f"{self.diffs[name]:.1e}"
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _release() -> None:

@@ -176,6 +176,11 @@ def include_all_linear_layers(config: Any, model: nn.Module) -> None:
         resolve(config, model)
 
 
+def runs_peft(frame: FrameType) -> bool:
+    """Whether ``frame`` runs code of a PEFT module (told by its globals' module name: PEFT is not imported)."""
+    return str(frame.f_globals.get("__name__", "")).startswith("peft.")
+
+
 def resolves_all_linear(frame: FrameType) -> bool:
     """Whether ``frame`` is PEFT resolving ``"all-linear"`` (every PEFT method does it there, also inside its
     transformers-v5 target rewrite), before any adapter layer is made. PEFT is not imported for a frame that is not
@@ -189,7 +194,7 @@ def resolves_all_linear(frame: FrameType) -> bool:
         PeftVersionError: ``frame`` runs PEFT code and the installed PEFT has no such function (its resolution
             cannot be recognised).
     """
-    if not str(frame.f_globals.get("__name__", "")).startswith("peft."):
+    if not runs_peft(frame):
         return False
     resolve = require("peft.tuners.tuners_utils:_maybe_include_all_linear_layers")
     return frame.f_code is resolve.__code__

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import sys
 from collections import defaultdict
-from types import FrameType
 
 from torch import nn
 from transformers import PreTrainedModel
@@ -48,15 +47,11 @@ class OutputEmbeddings:
         # The caller's frame, to tell PEFT's resolution of "all-linear" from every other caller. Only a fused model
         # asks the door which PEFT function calls (a PEFT release without that function is refused there by name).
         caller = sys._getframe(1)
-        if _runs_peft(caller) and not door.modelpatch_resolves():
+        if door.runs_peft(caller) and not door.modelpatch_resolves():
             fused = fused_projections(model)
             if fused and door.resolves_all_linear(caller):
                 raise PeftIntegrationError(_all_linear_refusal(model, fused))
         return type(model).get_output_embeddings(model)
-
-
-def _runs_peft(frame: FrameType) -> bool:
-    return str(frame.f_globals.get("__name__", "")).startswith("peft.")
 
 
 def install_adapter_guard(model: nn.Module) -> None:
