@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import shutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -17,13 +17,16 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 import modelpatch
-from modelpatch import CheckpointError, LoadPlanError
+from modelpatch import CheckpointError, LoadPlanError, SaveError
 from modelpatch.checkpoint import Checkpoint
 from modelpatch.conversion.planner import ConversionGroup
 from modelpatch.conversion.transforms import WeightTransform
+from modelpatch.loading.distributed import Rows
 from modelpatch.loading.materialize import set_tensor
 from modelpatch.loading.modes import LoadMode, Metas, TensorSource
 from modelpatch.loading.plan import LoadPlan
+from modelpatch.loading.save import planned_save
+from modelpatch.loading.save_stages import SavePlan
 from support.compare import assert_bitwise_equal, assert_same_files, assert_tensor_bitwise_equal
 
 # The hooks in the order modes.py documents them, as one plain load calls them (no fusion to step aside).
@@ -286,22 +289,72 @@ def test_a_checkpoint_changed_since_it_was_planned_is_refused(tiny, tmp_path):
 
 
 class RoundTripMode(ScalingMode):
-    """Doubles every floating tensor at load and halves it when the model is saved (both exact in binary)."""
+    """Doubles every floating tensor at load and halves each on its way out when the model is saved (both exact in
+    binary); notes each runtime key its save hook was called for."""
 
-    def prepare_save(self, model: PreTrainedModel, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        self._record("prepare_save")
-        return {k: v / self.factor if v.is_floating_point() else v for k, v in state.items()}
+    def __init__(self, log: list[str], *, refuse: str | None = None) -> None:
+        super().__init__(log)
+        self.saved: list[str] = []
+        self.refuse = refuse
+
+    def plan_save(self, plan: SavePlan) -> None:
+        self._record("plan_save")
+        if self.refuse is not None:
+            raise SaveError(self.refuse)
+
+    def save_tensor(self, plan: SavePlan, key: str, tensor: torch.Tensor, rows: Rows | None) -> torch.Tensor:
+        self.saved.append(key)
+        return tensor / self.factor if tensor.is_floating_point() else tensor
 
 
-def test_a_save_runs_the_prepare_save_of_the_modes_the_model_was_loaded_with(tiny, tmp_path):
+def test_a_save_runs_the_save_hooks_of_the_modes_the_model_was_loaded_with(tiny, tmp_path):
     checkpoint = tiny("llama")
     log: list[str] = []
-    model = modelpatch.from_pretrained(AutoModelForCausalLM, checkpoint.path, load_modes=[RoundTripMode(log)])
+    mode = RoundTripMode(log)
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, checkpoint.path, load_modes=[mode])
     modelpatch.save_pretrained(model, tmp_path / "saved")
-    assert log[-1] == "prepare_save"
-    # The halved tensors are the checkpoint's: the save wrote the files it was loaded from.
+    assert log[-1] == "plan_save"
+    # The per-tensor hook saw every tensor the save wrote, once, and its halved tensors are the checkpoint's: the save
+    # wrote the files it was loaded from.
+    assert sorted(mode.saved) == sorted(load_file(next((tmp_path / "saved").glob("*.safetensors"))))
     assert_same_files(tmp_path / "saved", checkpoint.path)
     # A copy of the model shares the modes that loaded it.
+    mode.saved.clear()
     modelpatch.save_pretrained(copy.deepcopy(model), tmp_path / "copied")
-    assert log[-1] == "prepare_save"
+    assert log[-1] == "plan_save" and mode.saved
     assert_same_files(tmp_path / "copied", checkpoint.path)
+
+
+def test_every_door_of_a_save_runs_the_per_tensor_hook(tiny, tmp_path):
+    """The stream, stock ``model.save_pretrained`` and a fused model's reverse conversions read the tensors through
+    the same hook: each tensor leaves the model transformed, before its group is converted back."""
+    checkpoint = tiny("llama")
+    mode = RoundTripMode([])
+    model = modelpatch.from_pretrained(
+        AutoModelForCausalLM, checkpoint.path, fusion_config={"qkv": True}, load_modes=[mode]
+    )
+    streamed = dict(modelpatch.iter_original_state_dict(model))
+    layout = planned_save(model).layout
+    runtime = [*layout.direct.values(), *(key for group in layout.groups for key in group.source_keys())]
+    assert any("qkv_proj" in key for key in runtime)
+    assert sorted(mode.saved) == sorted(runtime)  # each once, fused ones before their reverse split them
+    assert_bitwise_equal(streamed, load_file(next(checkpoint.path.glob("*.safetensors"))))
+    mode.saved.clear()
+    model.save_pretrained(tmp_path / "stock")
+    assert mode.saved
+    assert_bitwise_equal(load_file(next((tmp_path / "stock").glob("*.safetensors"))), streamed)
+
+
+def test_a_mode_refusing_in_the_save_plan_leaves_nothing_written(tiny, tmp_path):
+    checkpoint = tiny("llama")
+    mode = RoundTripMode([])
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, checkpoint.path, load_modes=[mode])
+    mode.refuse = "the scaling mode refuses this save"
+    target = tmp_path / "refused"
+    with pytest.raises(SaveError, match="the scaling mode refuses this save"):
+        modelpatch.save_pretrained(model, target)
+    assert not target.exists() and not list(tmp_path.iterdir())
+    assert mode.saved == []  # refused before any tensor was read
+    with pytest.raises(SaveError, match="the scaling mode refuses this save"):
+        next(modelpatch.iter_original_state_dict(model))
+    assert mode.saved == []

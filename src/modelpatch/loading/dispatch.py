@@ -15,11 +15,13 @@ from transformers import PreTrainedModel
 from .._transformers import no_split_modules, skip_keys_device_placement
 from ..state import ensure_model_record
 from .modes import LoadMode
-from .offload import DiskOffload, gather_offloaded
+from .offload import DiskOffload, meta_tensors, offloaded_weights
 
 if TYPE_CHECKING:
     from ..checkpoint import Checkpoint
+    from .distributed import Rows
     from .plan import LoadPlan
+    from .save_stages import SavePlan
 
 _AUTO = ("auto", "balanced", "balanced_low_0", "sequential")
 
@@ -125,9 +127,19 @@ class Dispatch(LoadMode):
     def finish(self, model: PreTrainedModel) -> PreTrainedModel:
         return self.apply(model)
 
-    def prepare_save(self, model: PreTrainedModel, state: Mapping[str, Any]) -> dict[str, Any]:
-        """The weights offloaded to disk read back from their files (:func:`gather_offloaded`)."""
-        return gather_offloaded(model, state)
+    def plan_save(self, plan: SavePlan) -> None:
+        """The weights offloaded to disk (on the meta device) are read back from their files on the way out; one
+        with no file to read it from is left to the save, which refuses it by name."""
+        weights = offloaded_weights(plan.model)
+        for key in meta_tensors(plan.state):
+            if weights is not None and key in weights:
+                plan.stand_in(key, plan.state[key])
+
+    def save_tensor(self, plan: SavePlan, key: str, tensor: torch.Tensor, rows: Rows | None) -> torch.Tensor:
+        """An offloaded weight read from its file, as a forward reads it (checked against the file's identity;
+        mapped, or cast to the model's dtype)."""
+        weights = offloaded_weights(plan.model) if tensor.is_meta else None
+        return weights[key] if weights is not None and key in weights else tensor
 
     def apply(self, model: PreTrainedModel) -> PreTrainedModel:
         """Place the loaded ``model``'s modules and add accelerate's hooks that move weights and activations."""

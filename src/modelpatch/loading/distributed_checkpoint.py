@@ -30,7 +30,7 @@ from .._transformers import tied_weight_keys
 from ..conversion.planner import format_problems
 from ..errors import LoadPlanError
 from .distributed import local_part, shard_like, shard_of
-from .save_sharded import ShardedState
+from .save import planned_save
 
 
 def get_original_state_dict(model: PreTrainedModel) -> dict[str, torch.Tensor]:
@@ -41,15 +41,15 @@ def get_original_state_dict(model: PreTrainedModel) -> dict[str, torch.Tensor]:
     Tensors read unchanged are the model's own (``DTensor`` shards where sharded); each converted group is converted
     back exactly as :func:`modelpatch.save_pretrained` writes it, and sharded as its first source is.
     """
-    sharded = ShardedState(model, model.state_dict(), original_format=True)
-    result: dict[str, torch.Tensor] = {ckpt: sharded.state[runtime] for ckpt, runtime in sharded.plan.direct.items()}
+    plan = planned_save(model)
+    result: dict[str, torch.Tensor] = {ckpt: plan.state[runtime] for ckpt, runtime in plan.layout.direct.items()}
     with torch.no_grad():
-        for group in sharded.plan.groups:
+        for group in plan.layout.groups:
             sources = group.source_keys()
-            fulls = {key: sharded.full(key) for key in sources}
+            fulls = {key: plan.fetch(key) for key in sources}
             for key, tensor in group.run(fulls.__getitem__).items():
                 # Sharded as the source is, this rank's part copied out of the whole converted tensor.
-                result[key] = shard_like(tensor, sharded.state[sources[0]]).clone()
+                result[key] = shard_like(tensor, plan.state[sources[0]]).clone()
     return result
 
 
@@ -65,8 +65,8 @@ def set_original_state_dict(model: PreTrainedModel, state_dict: Mapping[str, tor
             have, values that are not tensors or not of the layout's full shape (every key at fault is named);
             nothing was written.
     """
-    sharded = ShardedState(model, model.state_dict(), original_format=True)
-    _check_original_state(model, sharded.layout, state_dict)
+    plan = planned_save(model)
+    _check_original_state(model, plan.checkpoint_metas(), state_dict)
     targets = model.state_dict(keep_vars=True)
 
     def full(key: str) -> torch.Tensor:
@@ -74,7 +74,7 @@ def set_original_state_dict(model: PreTrainedModel, state_dict: Mapping[str, tor
         return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
     with torch.no_grad():
-        for ckpt, runtime in sharded.plan.direct.items():
+        for ckpt, runtime in plan.layout.direct.items():
             source, target = state_dict[ckpt], targets[runtime]
             same = (
                 isinstance(source, DTensor)
@@ -83,7 +83,7 @@ def set_original_state_dict(model: PreTrainedModel, state_dict: Mapping[str, tor
                 and source.placements == target.placements
             )
             local_part(target).copy_(local_part(source) if same else shard_of(target, full(ckpt)))
-        for group in sharded.plan.groups:
+        for group in plan.layout.groups:
             forward = group.reverse()
             fulls = {key: full(key) for key in forward.source_keys()}
             for runtime, tensor in forward.run(fulls.__getitem__).items():

@@ -6,9 +6,10 @@ mode* changes where and how the tensors land — quantization, tensor parallelis
 offload, fully sharded data parallelism — and it does so only through the hooks below, called by the loader at the
 same points of every load, for each mode it was given, in order. The loader never asks which modes it holds.
 
-Every hook has a default that changes nothing, so a mode implements only the stages it takes part in. The hooks of
-a save (:meth:`LoadMode.prepare_save`) run when a model the mode loaded is saved, so the mode that changed how
-tensors live on the model is the one that gives them back in plain form.
+Every hook has a default that changes nothing, so a mode implements only the stages it takes part in. A load mode is
+also a :class:`~modelpatch.loading.save_stages.SaveMode`: its save hooks (which writer, the save's plan, each tensor
+on its way out) run when a model the mode loaded is saved, so the mode that changed how tensors live on the model is
+the one that gives them back in plain form (``save_stages.py``, the save's stages).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
+
+from .save_stages import SaveMode
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -49,7 +52,7 @@ class TensorSource:
     joined: Callable[[Sequence[str]], torch.Tensor | None] = lambda keys: None
 
 
-class LoadMode:
+class LoadMode(SaveMode):
     """One way of placing a load's tensors; subclasses override the hooks of the stages they take part in.
 
     The hooks, in the order a load calls them:
@@ -68,9 +71,10 @@ class LoadMode:
     8. :meth:`after_load` — after every tensor was placed and the files were found unchanged, while the checkpoint
        files are still open;
     9. :meth:`finish` — after transformers' finalisation (buffers, new parameters, tied weights) and the load
-       report; returns the model the caller gets (a mode may wrap it);
-    10. :meth:`prepare_save` — when the model is saved: turns the model's state into plain tensors of the runtime
-       layout (gathered, dequantized or read back from disk), before the save's reverse conversions run.
+       report; returns the model the caller gets (a mode may wrap it).
+
+    When the model is saved, the save hooks of :class:`~modelpatch.loading.save_stages.SaveMode` (``save_writer``,
+    ``plan_save``, ``save_tensor``): each tensor on its way out gathered, read back from disk or serialised.
 
     Hooks 1–4 run when the load is planned (:func:`~modelpatch.plan_pretrained`), 5–9 when it is executed
     (:func:`~modelpatch.load_planned`); :func:`~modelpatch.from_pretrained` does both.
@@ -126,23 +130,6 @@ class LoadMode:
         """The model the caller gets, once transformers finished it (e.g. dispatched over several devices)."""
         return model
 
-    def prepare_save(self, model: PreTrainedModel, state: Mapping[str, Any]) -> dict[str, Any]:
-        """``state`` (the model's state dict) as plain tensors of the runtime layout, ready to be converted back.
-
-        The loader records its modes on the model it loads (its record's ``load_modes``); a save of that model, or of
-        a copy of it, calls this with the model being saved: it must read what it needs from ``model``.
-        """
-        return dict(state)
-
     def __deepcopy__(self, memo: dict[int, Any]) -> LoadMode:
-        # A copied model shares the modes that loaded it: prepare_save reads the model it is given, not the mode.
+        # A copied model shares the modes that loaded it: the save hooks read the model they are given, not the mode.
         return self
-
-
-def prepare_save(model: PreTrainedModel, state: Mapping[str, Any], modes: Sequence[LoadMode]) -> dict[str, Any]:
-    """``state`` through the :meth:`LoadMode.prepare_save` of each of ``modes`` (those ``model`` was loaded with), in
-    load order."""
-    prepared = dict(state)
-    for mode in modes:
-        prepared = mode.prepare_save(model, prepared)
-    return prepared

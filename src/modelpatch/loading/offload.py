@@ -121,23 +121,6 @@ def offloaded_weights(model: PreTrainedModel) -> OffloadedWeights | None:
     return None if record is None else record.offloaded
 
 
-def gather_offloaded(model: PreTrainedModel, state: Mapping[str, Any]) -> dict[str, Any]:
-    """``state`` with the tensors that offloading left on the meta device read back from their files.
-
-    Each is read as a forward reads it (checked against its file's identity; mapped, or cast to the model's dtype),
-    so the save reads them from the files. Raises :class:`SaveError` naming the tensors that are on the meta device
-    with nothing to read them from.
-    """
-    on_meta = meta_tensors(state)
-    if not on_meta:
-        return dict(state)
-    weights = offloaded_weights(model)
-    lost = [key for key in on_meta if weights is None or key not in weights]
-    if weights is None or lost:
-        raise unreadable_meta_tensors(model, lost)
-    return {key: weights[key] if key in on_meta else tensor for key, tensor in state.items()}
-
-
 def meta_tensors(state: Mapping[str, Any]) -> list[str]:
     """The keys of ``state`` whose tensors are on the meta device (they hold no values)."""
     return [key for key, tensor in state.items() if isinstance(tensor, torch.Tensor) and tensor.is_meta]

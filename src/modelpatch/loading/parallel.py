@@ -56,12 +56,14 @@ from ..errors import ModelPatchError
 from ..fusions.linear_experts.modules import ExpertMLP, LinearExperts
 from ..fusions.projections import FusedLinear, ProjectionSlice
 from ..state import ensure_model_record, model_record
-from .distributed import is_tensor_parallel
 from .modes import LoadMode, TensorSource
+from .save_stages import SaveWriter, WholeFiles
 
 if TYPE_CHECKING:
     from ..checkpoint import Checkpoint
+    from .distributed import Rows
     from .plan import LoadPlan
+    from .save_stages import SavePlan
 
 logger = logging.getLogger(__name__)
 
@@ -295,9 +297,33 @@ class TensorParallelSetup(LoadMode):
         assert self.sharded is not None
         self.sharded.finish(model)
 
-    def prepare_save(self, model: PreTrainedModel, state: Mapping[str, Any]) -> dict[str, Any]:
-        """The full tensors, gathered on every rank (:func:`gather_state`)."""
-        return gather_state(model, state)
+    def save_writer(self, model: PreTrainedModel) -> SaveWriter:
+        """Rank 0 writes whole files, once every rank has gathered the tensors; the others wait for it. (A model whose
+        parameters are ``DTensor``s is written collectively: the save's own mode for them names its writer last.)"""
+        return WholeFiles(writes=dist.get_rank() == 0, done=functools.partial(_barrier, model))
+
+    def plan_save(self, plan: SavePlan) -> None:
+        """The fused parameters sharded part by part (plain local tensors) stand in with their full shapes; they are
+        gathered on the way out, not written row by row."""
+        parts = _parts(plan.model)
+        for key, tensor in plan.state.items():
+            if key in parts and not isinstance(tensor, DTensor):
+                full = torch.empty((sum(parts[key]), *tensor.shape[1:]), dtype=tensor.dtype, device="meta")
+                plan.stand_in(key, full, spread=f"tensor-parallel parts {list(parts[key])}")
+
+    def save_tensor(self, plan: SavePlan, key: str, tensor: torch.Tensor, rows: Rows | None) -> torch.Tensor:
+        """A fused parameter sharded part by part, gathered whole on every rank (a collective)."""
+        parts = _parts(plan.model)
+        if key not in parts or isinstance(tensor, DTensor):
+            return tensor
+        group = _tp_group(plan.model)
+        size = dist.get_world_size(group)
+        local = tensor.detach().contiguous()
+        shards = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(shards, local, group=group)
+        pieces = [shard.split([p // size for p in parts[key]]) for shard in shards]
+        # Part by part: all ranks' rows of q, then of k, then of v.
+        return torch.cat([piece[index] for index in range(len(parts[key])) for piece in pieces])
 
     @property
     def mesh(self) -> DeviceMesh:
@@ -591,47 +617,15 @@ class ShardedLoad:
                 module._parameters[name] = sharded
 
 
-def gather_state(model: nn.Module, state: Mapping[str, Any]) -> dict[str, Any]:
-    """``state`` with every shard gathered into its full tensor; every rank must call it (collectives).
-
-    A no-op for a model not loaded with tensor parallelism.
-    """
+def _parts(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """The fused parameters of a tensor-parallel ``model`` sharded part by part: key -> global part sizes."""
     record = model_record(model)
-    parts = None if record is None else record.tensor_parallel_parts
-    if parts is None:
-        return dict(state)
-    group = _tp_group(model)
-    size = dist.get_world_size(group)
-    gathered: dict[str, Any] = {}
-    # Tied parameters (one shard under two keys) are gathered once, so that the save still sees them tied.
-    full: dict[tuple, torch.Tensor] = {}
-    for key, tensor in state.items():
-        if isinstance(tensor, DTensor):
-            local = tensor.to_local()
-            identity = (local.data_ptr(), local.dtype, tuple(local.shape), tuple(local.stride()))
-            if identity not in full:
-                full[identity] = tensor.full_tensor()
-            tensor = full[identity]
-        elif key in parts:
-            local = tensor.detach().contiguous()
-            shards = [torch.empty_like(local) for _ in range(size)]
-            dist.all_gather(shards, local, group=group)
-            pieces = [shard.split([p // size for p in parts[key]]) for shard in shards]
-            # Part by part: all ranks' rows of q, then of k, then of v.
-            tensor = torch.cat([piece[index] for index in range(len(parts[key])) for piece in pieces])
-        gathered[key] = tensor
-    return gathered
+    return (None if record is None else record.tensor_parallel_parts) or {}
 
 
-def writes_files(model: nn.Module) -> bool:
-    """Whether this process writes a save of ``model``: rank 0 of a tensor-parallel model, any other model."""
-    return not is_tensor_parallel(model) or dist.get_rank() == 0
-
-
-def barrier(model: nn.Module) -> None:
-    """Wait for every rank (after rank 0 wrote a save); a no-op for a model not loaded with tensor parallelism."""
-    if is_tensor_parallel(model):
-        dist.barrier(group=_tp_group(model))
+def _barrier(model: nn.Module) -> None:
+    """Wait for every rank of tensor-parallel ``model`` (after rank 0 wrote a save)."""
+    dist.barrier(group=_tp_group(model))
 
 
 def _tp_group(model: nn.Module) -> dist.ProcessGroup:

@@ -58,12 +58,13 @@ from ..state import ensure_model_record
 from .diagnose import SUPPORTED_METHODS, collapse_lines
 from .materialize import set_tensor
 from .modes import LoadMode, Metas, TensorSource
-from .quantized_save import QuantizedLoad
+from .quantized_save import QuantizedLoad, plan_quantized_save
 
 if TYPE_CHECKING:
     from .._transformers import HfQuantizer
     from ..checkpoint import Checkpoint
     from .plan import LoadPlan
+    from .save_stages import SavePlan
 
 # Checkpoint dtypes that are plain numbers; anything else a quantized checkpoint stores (float8, packed integers)
 # only means something with its companions.
@@ -337,6 +338,10 @@ class Quantization(LoadMode):
         self.quantizer.postprocess_model(model)
         ensure_model_record(model).quantization = QuantizedLoad(self.method, self.dequantizes)
         return model
+
+    def plan_save(self, plan: SavePlan) -> None:
+        """A save writes the quantizer's serialisation, or is refused by name (``quantized_save.py``)."""
+        plan_quantized_save(plan)
 
 
 def quantizer_api_supported() -> bool:

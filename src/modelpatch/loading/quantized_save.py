@@ -10,13 +10,17 @@ quantizer API, so that saving a plain model does not load it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
 
 from ..errors import SaveError
 from ..state import model_record, stored_fusion_config
-from .report import LoadReport
+from .report import LoadReport, get_load_report
+
+if TYPE_CHECKING:
+    from .save_stages import SavePlan
 
 
 @dataclass(frozen=True)
@@ -31,18 +35,32 @@ class QuantizedLoad:
     dequantized: bool
 
 
-def quantized_checkpoint(
-    model: PreTrainedModel, report: LoadReport | None, *, original_format: bool
-) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
-    """The tensors and safetensors metadata a save of a quantized model writes (what stock writes), or None for a
-    model that holds plain tensors (no quantizer, or dequantized and saved in the runtime layout).
+def plan_quantized_save(plan: SavePlan) -> None:
+    """The quantization mode's part of a save's plan (``Quantization.plan_save``): the model's quantizer serialises
+    it (:meth:`SavePlan.serialise`: what stock writes), unless it holds plain tensors (dequantized at load and saved in
+    the runtime layout).
 
-    Raises SaveError, naming the method, for what modelpatch cannot write so that it loads back the same model.
+    Raises SaveError, naming the method, for what modelpatch cannot write so that it loads back the same model: a
+    collective save (each rank its rows: a quantizer's serialisation is of the whole model), a layout other than the
+    checkpoint's, a quantizer removed since or one with no serialisation of its own.
     """
+    model = plan.model
     model_state = model_record(model)
     record: QuantizedLoad | None = None if model_state is None else model_state.quantization
     if record is None:
-        return None
+        return
+    if plan.writer.writes_rows:
+        raise SaveError(f"{type(model).__name__} is quantized: modelpatch does not save quantized sharded models.")
+    serialised = _quantized_checkpoint(model, record, get_load_report(model), original_format=plan.original_format)
+    if serialised is not None:
+        plan.serialise(*serialised)
+
+
+def _quantized_checkpoint(
+    model: PreTrainedModel, record: QuantizedLoad, report: LoadReport | None, *, original_format: bool
+) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
+    """The tensors and safetensors metadata a save of a model loaded quantized writes (what stock writes), or None
+    when it holds plain tensors (dequantized and saved in the runtime layout)."""
     if record.dequantized:
         if original_format:
             raise SaveError(

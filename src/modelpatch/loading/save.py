@@ -1,18 +1,21 @@
 """``save_pretrained``: write a model back in its checkpoint's layout (default) or in its runtime layout.
 
-Data flow of a save:
+A save runs the stages of ``save_stages.py`` (checks, writer, plan, per-tensor transform, write), with the hooks of
+the modes the model was loaded with (its record's ``load_modes``) and, last, the save's own mode for ``DTensor``
+parameters (``save_sharded.ShardedTensors``):
 
 1. check that the model can still be saved as built: a module substituted since (a quantizer's module, a tensor
    subclass such as torchao's, a PEFT wrapper) whose state modelpatch cannot reverse is named, and nothing is written;
-2. take the model's state dict (the weights of modules offloaded to disk read back from their files), minus tied
-   parameters that still share their storage and that the source checkpoint did not store;
-3. original format: every key read unchanged is written under its checkpoint name; every converted group is run
-   through its exact reverse (operations bound to the source's shapes at load time); keys the load never saw (a
-   model built with ``from_config``, a new task head) are mapped back by running the model type's transforms
-   backwards. Runtime format: the state dict as is, and config.json records that it needs no conversion;
+2. plan which runtime tensors become which checkpoint keys, from their full shapes: tied parameters that still share
+   their storage and that the source checkpoint did not store are dropped; in the original format, every key read
+   unchanged is written under its checkpoint name, every converted group is run through its exact reverse
+   (operations bound to the source's shapes at load time), keys the load never saw (a model built with
+   ``from_config``, a new task head) are mapped back by running the model type's transforms backwards. Runtime
+   format: the state dict as is, and config.json records that it needs no conversion;
+3. each tensor on its way out through the modes (a shard gathered, a weight offloaded to disk read back);
 4. config.json (with modelpatch's versioned record: the fusion config, the layout; see ``state.py``) and
-   generation_config.json are written
-   with the tensors into a temporary sibling directory that replaces the target only when complete.
+   generation_config.json are written with the tensors into a temporary sibling directory that replaces the target
+   only when complete (or, for a sharded model, by every rank into files rank 0 pre-sized).
 
 The models modelpatch builds also get an instance-level ``save_pretrained`` (installed by
 :func:`~modelpatch.loading.state_dict.install_state_dict_boundary`, with ``load_state_dict``)
@@ -21,7 +24,9 @@ so that stock code paths — ``model.save_pretrained``, ``Trainer.save_model`` �
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +34,10 @@ import torch
 from transformers import PreTrainedModel
 
 from .._transformers import has_transformers_adapter
-from ..checkpoint import write_checkpoint
-from .distributed import is_fully_sharded
-from .parallel import barrier, writes_files
-from .save_contents import checkpoint_contents, checkpoint_tensors, config_files, reject_wrapped, untied_pairs
-from .save_sharded import save_sharded
+from ..state import model_record
+from .save_contents import config_files, reject_wrapped, untied_pairs
+from .save_sharded import ShardedTensors
+from .save_stages import SaveMode, SavePlan, plan_model_save, save_writer
 
 logger = logging.getLogger(__name__)
 
@@ -72,31 +76,41 @@ def save_pretrained(
             subclass, PEFT layers) and its state cannot be written so that it loads back the same; nothing is written.
     """
     reject_wrapped(model)  # a PEFT model or injected adapters: said as such, sharded or not
-    if is_fully_sharded(model):  # DTensor parameters (FSDP2, tensor parallelism): every rank writes its own rows
-        return save_sharded(model, path, save_original_format=save_original_format, max_shard_size=max_shard_size)
-    tensors, metadata = checkpoint_contents(model, None, original_format=save_original_format)
-    if not writes_files(model):  # another rank of a tensor-parallel model: rank 0 writes
-        barrier(model)
-        return []
-    try:
-        return _write(model, path, tensors, metadata, save_original_format, max_shard_size)
-    finally:
-        barrier(model)
+    modes = save_modes(model)
+    writer = save_writer(model, modes)
+    plan = functools.partial(plan_model_save, model, modes, original_format=save_original_format, writer=writer)
+    return writer.write(path, plan, max_shard_size)
 
 
-def _write(
-    model: PreTrainedModel,
-    path: str | Path,
-    tensors: dict[str, torch.Tensor],
-    metadata: dict[str, str] | None,
-    save_original_format: bool,
-    max_shard_size: int | str,
-) -> list[Path]:
-    extra_files = config_files(model, original_format=save_original_format)
-    files = write_checkpoint(path, tensors, extra_files=extra_files, metadata=metadata, max_shard_size=max_shard_size)
-    layout = "checkpoint" if save_original_format else "runtime"
-    logger.info("Saved %d tensors to %s (%s layout)", len(tensors), path, layout)
-    return files
+def save_modes(model: PreTrainedModel) -> tuple[SaveMode, ...]:
+    """The modes whose hooks a save of ``model`` calls: those it was loaded with (its record's ``load_modes``), in
+    load order, then the save's own for ``DTensor`` parameters."""
+    record = model_record(model)
+    return (*(() if record is None else record.load_modes), ShardedTensors())
+
+
+def planned_save(
+    model: PreTrainedModel, *, original_format: bool = True, state_dict: Mapping[str, Any] | None = None
+) -> SavePlan:
+    """The plan of a save of ``model`` (stages 1–3 of ``save_stages.py``), for a caller that takes its tensors (a
+    stream, stock ``save_pretrained``, torch's distributed checkpoint) instead of writing them.
+
+    Raises:
+        SaveError: As :func:`save_pretrained`, naming every module or tensor at fault.
+    """
+    reject_wrapped(model)
+    return plan_model_save(model, save_modes(model), original_format=original_format, state_dict=state_dict)
+
+
+def checkpoint_tensors(
+    model: PreTrainedModel, state_dict: Mapping[str, torch.Tensor] | None = None, *, original_format: bool = True
+) -> dict[str, torch.Tensor]:
+    """The tensors a save of ``model`` writes, validated: original layout by default, else the runtime layout.
+
+    ``state_dict`` defaults to ``model.state_dict()`` (Trainer passes its own). Raises :class:`SaveError` naming every
+    module whose state cannot be written correctly.
+    """
+    return planned_save(model, original_format=original_format, state_dict=state_dict).tensors()
 
 
 class OriginalFormatSave:

@@ -1,8 +1,8 @@
-"""What a save writes: the model's state checked and turned into the checkpoint's original layout (or kept in the
-runtime layout), and the config files beside it.
+"""What a save writes: the checks of the model's state, the checkpoint's original layout it is turned into, and the
+config files beside it.
 
-``save.py`` (one process) and ``save_sharded.py`` (every rank of a sharded model) write what this module gives them;
-the state-dict boundary (``state_dict.py``) streams the same layout without writing it.
+The plan stage of every save (``save_stages.py``) runs these; the writers (``save_stages.WholeFiles``,
+``save_sharded.py``) and the state-dict boundary (``state_dict.py``) take what it planned.
 """
 
 from __future__ import annotations
@@ -25,9 +25,6 @@ from ..conversion.transforms import WeightTransform
 from ..errors import ConversionError, SaveError
 from ..state import mark_runtime_layout, model_record, record_file_layout, stored_fusion_config
 from .distributed import local_part, model_class
-from .modes import prepare_save
-from .offload import meta_tensors, unreadable_meta_tensors
-from .quantized_save import quantized_checkpoint
 from .report import LoadReport, get_load_report
 
 logger = logging.getLogger(__name__)
@@ -47,7 +44,7 @@ def _plain(module: nn.Module | None) -> bool:
     return module is not None and type(module).__module__.startswith("torch.nn.modules")
 
 
-def _check_saveable(model: PreTrainedModel, state: Mapping[str, Any], quantized: bool = False) -> None:
+def check_saveable(model: PreTrainedModel, state: Mapping[str, Any], quantized: bool = False) -> None:
     """Refuse, naming every module at fault and the remedy, a state that a save would write wrongly.
 
     The state is compared with the one recorded when modelpatch built the model. Changes made through transformers'
@@ -136,7 +133,7 @@ def untied_pairs(model: PreTrainedModel, state: Mapping[str, torch.Tensor]) -> l
     ]
 
 
-def _state_to_save(
+def state_to_save(
     model: PreTrainedModel, state: Mapping[str, torch.Tensor], report: LoadReport | None
 ) -> dict[str, torch.Tensor]:
     """``state`` minus tied parameters that still share their source's storage and that the source did not store.
@@ -209,17 +206,7 @@ def model_layout(model: PreTrainedModel, state: Mapping[str, torch.Tensor]) -> C
     return checkpoint_layout(get_load_report(model), model_transforms(model), metas)
 
 
-def saved_state(
-    model: PreTrainedModel, state: Mapping[str, Any], *, full: Mapping[str, Any] | None = None
-) -> dict[str, Any]:
-    """``state`` (the model's runtime tensors) checked and reduced to what a save writes: substituted modules refused,
-    tied parameters the checkpoint does not store dropped. ``full``: stand-ins of ``state`` with the full shapes (of a
-    tensor-parallel model's shards) to check, when ``state`` was not gathered."""
-    _check_saveable(model, state if full is None else full)
-    return _state_to_save(model, state, get_load_report(model))
-
-
-def _independent(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def independent(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Tensors safe to serialise: each owns its storage (converted parts may be views of one fused parameter)."""
     owners: dict[int, str] = {}
     result = {}
@@ -252,49 +239,6 @@ def reject_wrapped(model: Any) -> None:
             "Merge them first (merge_and_unload()) to save a full checkpoint, "
             "or save only the adapter with the PEFT model's save_pretrained."
         )
-
-
-def checkpoint_tensors(
-    model: PreTrainedModel, state_dict: Mapping[str, torch.Tensor] | None = None, *, original_format: bool = True
-) -> dict[str, torch.Tensor]:
-    """The tensors a save of ``model`` writes, validated: original layout by default, else the runtime layout.
-
-    ``state_dict`` defaults to ``model.state_dict()`` (Trainer passes its own). Raises :class:`SaveError` naming every
-    module whose state cannot be written correctly.
-    """
-    return checkpoint_contents(model, state_dict, original_format=original_format)[0]
-
-
-def checkpoint_contents(
-    model: PreTrainedModel, state_dict: Mapping[str, torch.Tensor] | None, *, original_format: bool
-) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
-    """:func:`checkpoint_tensors` and the safetensors metadata to write with them (a quantizer's, else None).
-
-    A model loaded with a quantizer is written by that quantizer's own serialisation, as stock writes it (``state_dict``
-    is then not used, as in stock), or refused by name (quantization.py).
-    """
-    reject_wrapped(model)
-    state = _runtime_state(model, state_dict if state_dict is not None else model.state_dict())
-    report = get_load_report(model)
-    quantized = quantized_checkpoint(model, report, original_format=original_format)
-    _check_saveable(model, state, quantized=quantized is not None)
-    if quantized is not None:
-        tensors, metadata = quantized
-        return _independent(_state_to_save(model, tensors, report)), metadata
-    state = _state_to_save(model, state, report)
-    return _independent(model_layout(model, state).run(state.__getitem__) if original_format else state), None
-
-
-def _runtime_state(model: PreTrainedModel, state: Mapping[str, Any]) -> dict[str, Any]:
-    """``state`` as plain tensors, prepared by the load modes the model was loaded with (``prepare_save``): a
-    tensor-parallel model's shards gathered into full tensors, on every rank (collectives); the weights of modules
-    dispatched to disk, on the meta device, read back from their files. A tensor still on the meta device has no
-    values to write: refused by name."""
-    record = model_record(model)
-    prepared = prepare_save(model, state, () if record is None else record.load_modes)
-    if on_meta := meta_tensors(prepared):
-        raise unreadable_meta_tensors(model, on_meta)
-    return prepared
 
 
 def config_files(model: PreTrainedModel, *, original_format: bool) -> dict[str, bytes]:

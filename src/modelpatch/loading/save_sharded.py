@@ -1,10 +1,12 @@
 """Collective save of a sharded model (FSDP2, DTensor, tensor parallel): every rank writes its own rows.
 
-``modelpatch.save_pretrained(model, directory)``, called on every rank of a model whose parameters are ``DTensor``s,
-writes the same files as the save of the same model unsharded, byte for byte, without gathering the model anywhere:
+The save's own mode for ``DTensor`` parameters (:class:`ShardedTensors`, the last of every save's modes) names this
+module's writer (:class:`CollectiveWriter`) for a model that holds them; the stages are every save's
+(``save_stages.py``). ``modelpatch.save_pretrained(model, directory)``, called on every rank of such a model, writes
+the same files as the save of the same model unsharded, byte for byte, without gathering the model anywhere:
 
-1. every rank plans the checkpoint layout from the full shapes alone (the load's recorded groups reversed, as an
-   unsharded save plans it) and runs the same checks as an unsharded save; the ranks then compare what they would
+1. every rank plans the save from the full shapes alone (the modes' stand-ins: the load's recorded groups reversed,
+   as an unsharded save plans it) and runs the same checks as an unsharded save; the ranks then compare what they would
    write (every key, dtype, shape and source, the fusions, the config files, ``all_gather_object``), and refuse
    together, before anything is touched, when a rank's checks failed or the plans differ (ranks holding differently
    fused models would otherwise each write their own rows of another layout into the same files);
@@ -46,20 +48,13 @@ from transformers import PreTrainedModel
 
 from ..checkpoint.writer import TensorPlaces, parse_size, write_at, write_presized_checkpoint
 from ..conversion.operations import Chunk, SplitModulelist, run_operations
-from ..conversion.planner import ConversionGroup, ConversionPlan
+from ..conversion.planner import ConversionGroup
 from ..errors import SaveError
-from ..state import model_record, stored_fusion_config
-from .distributed import Rows, local_part, local_rows, part_offsets
-from .parallel import gather_state
-from .save_contents import config_files, model_layout, saved_state
+from ..state import stored_fusion_config
+from .distributed import Rows, is_fully_sharded, local_rows, part_offsets
+from .save_stages import SaveMode, SavePlan, SaveWriter
 
 logger = logging.getLogger(__name__)
-
-
-def _stand_in(tensor: torch.Tensor, parts: Mapping[str, tuple[int, ...]], key: str) -> torch.Tensor:
-    """A meta tensor of ``tensor``'s full shape and dtype (a tensor-parallel part-sharded one: its parts' sum)."""
-    shape = (sum(parts[key]), *tensor.shape[1:]) if key in parts else tuple(tensor.shape)
-    return torch.empty(shape, dtype=tensor.dtype, device="meta")
 
 
 def _splits_rows(group: ConversionGroup) -> bool:
@@ -142,34 +137,42 @@ class _Pieces:
                 os.close(fd)
 
 
-class ShardedState:
-    """A sharded model's state, the checkpoint layout it is written in, and each rank's part of it."""
+class ShardedTensors(SaveMode):
+    """The save's own mode for ``DTensor`` parameters (FSDP2's ``fully_shard``, tensor parallelism once loaded, a
+    model sharded by hand), whatever loaded the model: the last of every save's modes.
 
-    def __init__(self, model: PreTrainedModel, state: Mapping[str, torch.Tensor], *, original_format: bool):
-        self.model = model
-        record = model_record(model)
-        self.parts: dict[str, tuple[int, ...]] = dict((record and record.tensor_parallel_parts) or {})
-        stand_ins = {key: _stand_in(tensor, self.parts, key) for key, tensor in state.items()}
-        self.state = saved_state(model, state, full=stand_ins)
-        stand_ins = {key: stand_ins[key] for key in self.state}
-        if original_format:
-            self.plan = model_layout(model, stand_ins)
-        else:
-            self.plan = ConversionPlan(direct={key: key for key in self.state})
-        self.layout: dict[str, torch.Tensor] = {ckpt: stand_ins[runtime] for ckpt, runtime in self.plan.direct.items()}
-        for group in self.plan.groups:
-            dtype = stand_ins[group.source_keys()[0]].dtype
-            for key, meta in group.target_metas().items():
-                self.layout[key] = torch.empty(meta.shape, dtype=dtype, device="meta")
+    Such a model is written collectively (:class:`CollectiveWriter`); each ``DTensor`` stands in with its full shape
+    and the rows this rank holds, and goes out as its local rows or, where the writer asks for it whole, gathered.
+    """
+
+    def save_writer(self, model: PreTrainedModel) -> SaveWriter | None:
+        return CollectiveWriter(model) if is_fully_sharded(model) else None
+
+    def plan_save(self, plan: SavePlan) -> None:
+        for key, tensor in plan.state.items():
+            if isinstance(tensor, DTensor):
+                spread = f"{', '.join(map(str, tensor.placements))} over a mesh of {tuple(tensor.device_mesh.shape)}"
+                full = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
+                plan.stand_in(key, full, rows=local_rows(tensor), spread=spread)
+
+    def save_tensor(self, plan: SavePlan, key: str, tensor: torch.Tensor, rows: Rows | None) -> torch.Tensor:
+        if not isinstance(tensor, DTensor):
+            return tensor
+        return tensor.to_local() if rows is not None else tensor.full_tensor()
+
+
+class ShardedState:
+    """A sharded model's save plan, the checkpoint layout it is written in, and each rank's part of it."""
+
+    def __init__(self, save: SavePlan):
+        self.save = save
+        self.state = save.state
+        self.plan = save.layout
+        self.layout: dict[str, torch.Tensor] = save.checkpoint_metas()
 
     def _spread(self, key: str) -> str:
         """How runtime tensor ``key`` is spread over the ranks, in words that are the same on every rank."""
-        tensor = self.state[key]
-        if key in self.parts:
-            return f"tensor-parallel parts {list(self.parts[key])}"
-        if isinstance(tensor, DTensor):
-            return f"{', '.join(map(str, tensor.placements))} over a mesh of {tuple(tensor.device_mesh.shape)}"
-        return "whole on every rank"
+        return self.save.spread(key)
 
     def _shape(self, key: str) -> str:
         meta = self.layout[key]
@@ -197,16 +200,15 @@ class ShardedState:
         return entries
 
     def rows(self, key: str) -> Rows | None:
-        return None if key in self.parts else local_rows(self.state[key])
+        return self.save.rows(key)
 
     def full(self, key: str) -> torch.Tensor:
         """The whole tensor ``key`` on every rank (a collective for a sharded one)."""
-        tensor = self.state[key]
-        if isinstance(tensor, DTensor):
-            return tensor.full_tensor()
-        if key in self.parts:
-            return gather_state(self.model, {key: tensor})[key]
-        return tensor
+        return self.save.fetch(key)
+
+    def local(self, key: str, rows: Rows) -> torch.Tensor:
+        """This rank's ``rows`` of tensor ``key``."""
+        return self.save.fetch(key, rows)
 
     def write(self, pieces: _Pieces) -> None:
         """Write this rank's pieces of every checkpoint tensor (every rank calls it: gathering is collective)."""
@@ -216,7 +218,7 @@ class ShardedState:
                 rows = self.rows(runtime)
                 if rows is not None:
                     if rows.writes:
-                        pieces.put(ckpt, rows.start, local_part(self.state[runtime]))
+                        pieces.put(ckpt, rows.start, self.local(runtime, rows))
                     continue
                 full = self.full(runtime)
                 if index % world == rank:
@@ -227,7 +229,7 @@ class ShardedState:
                 rows = rows_of.pop() if len(rows_of) == 1 else None
                 if rows is not None and _splits_rows(group):
                     if rows.writes:
-                        local = local_part(self.state[sources[0]])
+                        local = self.local(sources[0], rows)
                         sizes = group.operations[0].sizes  # type: ignore[attr-defined]
                         for key, offset, size in zip(group.target_keys(), part_offsets(sizes), sizes, strict=True):
                             window = rows.window(offset, size)
@@ -242,7 +244,7 @@ class ShardedState:
                             partial(
                                 run_operations,
                                 list(group.operations),
-                                [local_part(self.state[key]) for key in sources],
+                                [self.local(key, rows) for key in sources],
                             ),
                         )
                         for keys, entries in zip(group.targets, outputs or (), strict=False):
@@ -258,65 +260,69 @@ class ShardedState:
                 del fulls
 
 
-def save_sharded(
-    model: PreTrainedModel, path: str | Path, *, save_original_format: bool, max_shard_size: int | str
-) -> list[Path]:
-    """Save a sharded ``model`` (``DTensor`` parameters: FSDP2, tensor parallelism) collectively: call it on every rank.
+class CollectiveWriter(SaveWriter):
+    """Every rank writes its own rows of the checkpoint into files pre-sized by rank 0 (the module docstring)."""
 
-    What :func:`modelpatch.save_pretrained` does for such a model (see the module docstring): the files are those an
-    unsharded save of the same model writes, byte for byte; no rank holds more than its shards and one gathered group.
+    writes_rows = True
 
-    Returns:
-        The files written (on every rank).
+    def __init__(self, model: PreTrainedModel):
+        self.model = model
 
-    Raises:
-        SaveError: What an unsharded save refuses (on every rank, before anything is written: a rank whose own checks
-            failed raises its own error), ranks that would write different checkpoints (the same message on every
-            rank, naming the ranks and the first difference), a quantized model, a rank that could not write its
-            part (the previous checkpoint is left in place, on every rank), or a rank that stopped during the save
-            (the message says whether rank 0 may have swapped the new checkpoint in already; either is whole).
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        raise SaveError(
-            f"{type(model).__name__} holds DTensor parameters but no process group is initialised: a sharded model "
-            "is saved by every rank of its process group (torch.distributed.init_process_group)."
-        )
-    directory = Path(path).absolute()
-    entries: list[tuple[str, str]] = []
-    failure: Exception | None = None
-    try:
-        record = model_record(model)
-        if record is not None and record.quantization is not None:
-            raise SaveError(f"{type(model).__name__} is quantized: modelpatch does not save quantized sharded models.")
-        sharded = ShardedState(model, model.state_dict(), original_format=save_original_format)
-        extra_files = config_files(model, original_format=save_original_format)
-        entries = _save_entries(model, sharded, extra_files, directory, save_original_format, max_shard_size)
-    except Exception as exc:  # refused on every rank together: the others must not go on to collectives alone
-        failure = exc
-    _agree(directory, entries, failure)
-    written = _write_collectively(directory, sharded, extra_files, max_shard_size)
-    layout = "checkpoint" if save_original_format else "runtime"
-    logger.info("Saved %d tensors to %s collectively (%s layout)", len(sharded.layout), path, layout)
-    return written
+    def write(self, directory: str | Path, planned: Callable[[], SavePlan], max_shard_size: int | str) -> list[Path]:
+        """Save collectively: call it on every rank.
+
+        The files are those an unsharded save of the same model writes, byte for byte; no rank holds more than its
+        shards and one gathered group.
+
+        Returns:
+            The files written (on every rank).
+
+        Raises:
+            SaveError: What an unsharded save refuses (on every rank, before anything is written: a rank whose own
+                checks failed raises its own error), ranks that would write different checkpoints (the same message
+                on every rank, naming the ranks and the first difference), a quantized model, a rank that could not
+                write its part (the previous checkpoint is left in place, on every rank), or a rank that stopped
+                during the save (the message says whether rank 0 may have swapped the new checkpoint in already;
+                either is whole).
+        """
+        if not (dist.is_available() and dist.is_initialized()):
+            raise SaveError(
+                f"{type(self.model).__name__} holds DTensor parameters but no process group is initialised: a sharded "
+                "model is saved by every rank of its process group (torch.distributed.init_process_group)."
+            )
+        directory = Path(directory).absolute()
+        entries: list[tuple[str, str]] = []
+        failure: Exception | None = None
+        try:
+            plan = planned()
+            sharded = ShardedState(plan)
+            extra_files = plan.config_files()
+            entries = _save_entries(plan, sharded, extra_files, directory, max_shard_size)
+        except Exception as exc:  # refused on every rank together: the others must not go on to collectives alone
+            failure = exc
+        _agree(directory, entries, failure)
+        written = _write_collectively(directory, sharded, extra_files, max_shard_size)
+        layout = "checkpoint" if plan.original_format else "runtime"
+        logger.info("Saved %d tensors to %s collectively (%s layout)", len(sharded.layout), directory, layout)
+        return written
 
 
 def _save_entries(
-    model: PreTrainedModel,
+    plan: SavePlan,
     sharded: ShardedState,
     extra_files: Mapping[str, bytes],
     directory: Path,
-    original_format: bool,
     max_shard_size: int | str,
 ) -> list[tuple[str, str]]:
     """Everything that decides the bytes this rank writes, entry by entry (what the ranks compare before saving)."""
-    fusions = stored_fusion_config(model.config)
+    fusions = stored_fusion_config(plan.model.config)
     files = [
         (name, f"{len(data)} bytes, sha256 {hashlib.sha256(data).hexdigest()[:16]}")
         for name, data in sorted(extra_files.items())
     ]
     return [
         ("fusions", "none" if fusions is None else json.dumps(fusions, sort_keys=True)),
-        ("layout", "original" if original_format else "runtime"),
+        ("layout", "original" if plan.original_format else "runtime"),
         ("directory", str(directory)),
         ("max_shard_size", f"{parse_size(max_shard_size, context=directory)} bytes"),
         *files,

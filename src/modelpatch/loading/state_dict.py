@@ -21,19 +21,14 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
-from torch import nn
-from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from ..conversion.planner import ConversionGroup, TensorMeta
-from ..state import model_record
 from .adapters import install_adapter_guard
 from .distributed import full_tensor, is_fsdp, refuse_two_shardings, shard_like
-from .offload import gather_offloaded
-from .parallel import gather_state
 from .plan import plan_checkpoint_keys
-from .save import OriginalFormatSave
-from .save_contents import model_layout, model_transforms, reject_wrapped, saved_state
+from .save import OriginalFormatSave, planned_save
+from .save_contents import model_layout, model_transforms
 
 __all__ = ["OriginalLayoutLoad", "install_state_dict_boundary", "iter_original_state_dict"]
 
@@ -57,35 +52,12 @@ def iter_original_state_dict(model: PreTrainedModel) -> Iterator[tuple[str, torc
             quantized tensor subclasses, modules substituted since the build.
         ShardingError: ``model`` is both tensor-parallel and FSDP2-sharded (a 2-D mesh).
     """
-    reject_wrapped(model)
     refuse_two_shardings(model, "iter_original_state_dict()")
-    state = model.state_dict()
-    full = _full_stand_ins(model, state)
-    state = saved_state(model, state, full=full)
-    layout = model_layout(model, {key: full[key] for key in state})
-
-    def fetch(key: str) -> torch.Tensor:
-        one = gather_offloaded(model, gather_state(model, {key: state[key]}))
-        return full_tensor(one[key]).detach()
-
-    for checkpoint_key, runtime_key in layout.direct.items():
-        yield checkpoint_key, fetch(runtime_key)
-    for group in layout.groups:
-        yield from group.run(fetch).items()
-
-
-def _full_stand_ins(model: nn.Module, state: Mapping[str, Any]) -> dict[str, Any]:
-    """``state`` with each tensor-parallel shard replaced by a meta tensor of its full shape (what checks and plans
-    read), without gathering anything; other entries as they are."""
-    record = model_record(model)
-    parts = (None if record is None else record.tensor_parallel_parts) or {}
-    full = dict(state)
-    for key, tensor in state.items():
-        if isinstance(tensor, DTensor):
-            full[key] = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
-        elif key in parts:  # sharded part by part: the full tensor holds every part whole
-            full[key] = torch.empty((sum(parts[key]), *tensor.shape[1:]), dtype=tensor.dtype, device="meta")
-    return full
+    plan = planned_save(model)  # the stages of a save, but the tensors are yielded instead of written
+    for checkpoint_key, runtime_key in plan.layout.direct.items():
+        yield checkpoint_key, plan.fetch(runtime_key)
+    for group in plan.layout.groups:
+        yield from group.run(plan.fetch).items()
 
 
 def _keeping_metadata(
