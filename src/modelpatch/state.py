@@ -236,8 +236,8 @@ class ModelRecord:
             sharded part by part (a save gathers them); None otherwise.
         offloaded: The weights of modules a ``device_map`` offloaded to disk (``OffloadedWeights``): what a save
             reads back.
-        load_modes: The load modes (``LoadMode``) the model was loaded with, in order: a save runs their
-            ``prepare_save`` (gathering shards, reading offloaded weights back).
+        load_modes: The load modes (``LoadMode``) the model was loaded with, in order: a save calls their save
+            hooks (``save_stages.SaveMode``: gathering shards, reading offloaded weights back, serialising).
         version: The format version of the record, :data:`RECORD_VERSION` (the config record's: one record, two
             halves).
     """

@@ -580,7 +580,7 @@ def _finish(plan: LoadPlan, device: torch.device) -> PreTrainedModel:
     record_report(model, report)
     _record_build(model, plan.expected, _conversions(model, plan.options.patcher, PreparedFusions()))
     logger.info("%s", report.summary())
-    ensure_model_record(model).load_modes = plan.modes  # what a save of the model asks (LoadMode.prepare_save)
+    ensure_model_record(model).load_modes = plan.modes  # whose save hooks a save of the model calls (save_stages.py)
     for mode in plan.modes:
         model = mode.finish(model)
     return model

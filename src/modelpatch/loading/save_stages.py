@@ -144,9 +144,13 @@ class SavePlan:
         taken = None if self.serialised is not None else self._taken.get(key)
         return self.written()[key] if taken is None else taken.full
 
-    def taken(self, key: str) -> bool:
-        """Whether a mode gives runtime tensor ``key``'s values on the way out (:meth:`stand_in`)."""
-        return key in self._taken
+    def stand_ins(self) -> dict[str, Any]:
+        """The model's state as the plan sees it: each tensor a mode took (:meth:`stand_in`) as its stand-in."""
+        return {key: self._taken[key].full if key in self._taken else tensor for key, tensor in self.state.items()}
+
+    def unread(self) -> list[str]:
+        """The model's tensors on the meta device that no mode reads back on the way out: they hold no values."""
+        return [key for key in meta_tensors(self.state) if key not in self._taken]
 
     def rows(self, key: str) -> Rows | None:
         """The rows of runtime tensor ``key`` this rank writes in a collective save (None: the whole tensor, gathered,
@@ -211,7 +215,8 @@ def plan_model_save(
 ) -> SavePlan:
     """Stage 3 of a save: the modes' :meth:`SaveMode.plan_save`, the save's checks, the checkpoint layout.
 
-    ``state_dict`` defaults to ``model.state_dict()`` (Trainer passes its own). Reads no tensor data.
+    ``state_dict`` defaults to ``model.state_dict()`` (Trainer passes its own). Reads no tensor data (a mode handing
+    over its own serialisation, the quantizer's, makes it here).
 
     Raises:
         SaveError: A mode refused the save, a module was substituted since the build, or a tensor is on the meta
@@ -221,11 +226,10 @@ def plan_model_save(
     plan = SavePlan(model, modes, writer or save_writer(model, modes), original_format, state)
     for mode in modes:
         mode.plan_save(plan)
-    unread = [key for key in meta_tensors(state) if not plan.taken(key)]
+    unread = plan.unread()
     if unread:
         raise unreadable_meta_tensors(model, unread)
-    stand_ins = {key: plan._taken[key].full if plan.taken(key) else tensor for key, tensor in state.items()}
-    check_saveable(model, stand_ins, quantized=plan.serialised is not None)
+    check_saveable(model, plan.stand_ins(), quantized=plan.serialised is not None)
     kept = state_to_save(model, plan.written(), get_load_report(model))
     if original_format and plan.serialised is None:
         plan.layout = model_layout(model, {key: plan.full(key) for key in kept})
