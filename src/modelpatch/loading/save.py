@@ -25,7 +25,6 @@ so that stock code paths â€” ``model.save_pretrained``, ``Trainer.save_model`` â
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -38,8 +37,6 @@ from ..state import model_record
 from .save_contents import config_files, reject_wrapped, untied_pairs
 from .save_sharded import ShardedTensors
 from .save_stages import SaveMode, SavePlan, plan_model_save, save_writer
-
-logger = logging.getLogger(__name__)
 
 
 def save_pretrained(
