@@ -166,13 +166,8 @@ class ShardedState:
 
     def __init__(self, save: SavePlan):
         self.save = save
-        self.state = save.state
         self.plan = save.layout
         self.layout: dict[str, torch.Tensor] = save.checkpoint_metas()
-
-    def _spread(self, key: str) -> str:
-        """How runtime tensor ``key`` is spread over the ranks, in words that are the same on every rank."""
-        return self.save.spread(key)
 
     def _shape(self, key: str) -> str:
         meta = self.layout[key]
@@ -183,7 +178,7 @@ class ShardedState:
         tensor's dtype and shape (its bytes' places follow from them) and where it comes from. Ranks holding the same
         model, built the same way, give the same list."""
         entries = [
-            (ckpt, f"{self._shape(ckpt)}, {runtime} as it is ({self._spread(runtime)})")
+            (ckpt, f"{self._shape(ckpt)}, {runtime} as it is ({self.save.spread(runtime)})")
             for ckpt, runtime in self.plan.direct.items()
         ]
         for group in self.plan.groups:
@@ -194,7 +189,7 @@ class ShardedState:
             if len(sources) > 3:
                 digest = hashlib.sha256(json.dumps(sources).encode()).hexdigest()[:16]
                 named += f" ({len(sources)} keys, digest {digest})"
-            spreads = "; ".join(sorted({self._spread(key) for key in sources}))
+            spreads = "; ".join(sorted({self.save.spread(key) for key in sources}))
             how = f"converted from {named} ({spreads}) by {list(group.operations)}"
             entries.extend((key, f"{self._shape(key)}, {how}") for key in group.target_keys())
         return entries
