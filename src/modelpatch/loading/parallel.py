@@ -321,7 +321,7 @@ class TensorParallelSetup(LoadMode):
         set_tp_plan(model, _translate_plan(rules, fused))
         # The plan is complete now: transformers resolves it (validation, layer numbers) as for a stock model.
         tp_plan = resolved_tp_plan(model, mesh.size())
-        parts = _declare_parts(model, fused)
+        parts = _declare_parts(model, fused, tp_plan)
         try:
             apply_tensor_parallel(model, mesh, tp_plan)
         finally:
@@ -445,10 +445,10 @@ def _translate_plan(
 
 
 def _declare_parts(
-    model: nn.Module, fused: Mapping[str, tuple[ModuleFusionSpec, TensorParallelLayout]]
+    model: nn.Module, fused: Mapping[str, tuple[ModuleFusionSpec, TensorParallelLayout]], tp_plan: Mapping[str, str]
 ) -> dict[str, FusedParts]:
-    """Give each module a layout shards part by part its parts (what :data:`COLWISE_PARTS` shards by); returns them
-    by module name."""
+    """Give each module that the resolved ``tp_plan`` shards part by part the parts its fusion's layout declares (what
+    :data:`COLWISE_PARTS` shards by); returns them by module name."""
     parts: dict[str, FusedParts] = {}
     for name, (_, layout) in fused.items():
         owner = model.get_submodule(name)
@@ -456,9 +456,10 @@ def _declare_parts(
             if shard.parts is None:
                 continue
             for inner, module in owner.named_modules():
-                if generic_module_name(inner) == shard_name:
+                path = f"{name}.{inner}" if inner else name
+                if generic_module_name(inner) == shard_name and tp_plan.get(path) == COLWISE_PARTS:
                     setattr(module, _PARTS_ATTRIBUTE, shard.parts)
-                    parts[f"{name}.{inner}" if inner else name] = shard.parts
+                    parts[path] = shard.parts
     return parts
 
 
