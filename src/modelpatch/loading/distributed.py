@@ -29,7 +29,6 @@ __all__ = [
     "local_part",
     "local_rows",
     "model_class",
-    "part_offsets",
     "shard_of",
     "full_tensor",
     "is_fsdp",
@@ -123,11 +122,6 @@ class Rows:
     stop: int
     writes: bool
 
-    def window(self, offset: int, size: int) -> tuple[int, int] | None:
-        """The rows of a part lying at ``offset:offset + size`` that this rank holds, relative to the part."""
-        start, stop = max(self.start, offset), min(self.stop, offset + size)
-        return (start - offset, stop - offset) if start < stop else None
-
 
 def is_fully_sharded(model: nn.Module) -> bool:
     """Whether ``model`` holds ``DTensor`` parameters (FSDP2's ``fully_shard``, or a model sharded by hand)."""
@@ -182,12 +176,3 @@ def shard_of(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     if rows is not None and isinstance(target, DTensor):
         return full[rows.start : rows.stop]  # a view: what torch's own split of these placements gives, uncopied
     return local_part(shard_like(full, target))
-
-
-def part_offsets(sizes: Sequence[int]) -> list[int]:
-    """Where each of parts of ``sizes`` starts in their concatenation."""
-    offsets, start = [], 0
-    for size in sizes:
-        offsets.append(start)
-        start += size
-    return offsets

@@ -48,8 +48,9 @@ from ..checkpoint.writer import TensorPlaces, parse_size, write_at, write_presiz
 from ..conversion.operations import Chunk, SplitModulelist, run_operations
 from ..conversion.planner import ConversionGroup, ConversionPlan
 from ..errors import SaveError
+from ..fusions.sharding import FusedParts
 from ..state import model_record, stored_fusion_config
-from .distributed import Rows, local_part, local_rows, part_offsets
+from .distributed import Rows, local_part, local_rows
 from .parallel import gather_state
 from .save_contents import config_files, model_layout, saved_state
 
@@ -228,12 +229,9 @@ class ShardedState:
                 if rows is not None and _splits_rows(group):
                     if rows.writes:
                         local = local_part(self.state[sources[0]])
-                        sizes = group.operations[0].sizes  # type: ignore[attr-defined]
-                        for key, offset, size in zip(group.target_keys(), part_offsets(sizes), sizes, strict=True):
-                            window = rows.window(offset, size)
-                            if window is not None:
-                                start = offset + window[0] - rows.start
-                                pieces.put(key, window[0], local[start : start + window[1] - window[0]])
+                        parts = FusedParts(tuple(group.operations[0].sizes))  # type: ignore[attr-defined]
+                        for held in parts.held(rows.start, rows.stop):
+                            pieces.put(group.target_keys()[held.part], held.start, local[held.shard])
                     continue
                 if rows is not None and _unstacks_rows(group):
                     if rows.writes:
