@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 import modelpatch
 from modelpatch.checkpoint import Checkpoint
@@ -27,6 +27,7 @@ from modelpatch.errors import LoadPlanError, SaveError
 from modelpatch.loading.quantization import quantizer_api_supported
 from support.compare import assert_bitwise_equal, bits
 from support.files import read_tensors
+from support.models import sized_config
 
 # The oldest transformers releases of the supported range have another quantizer API: there modelpatch refuses
 # quantized checkpoints by name (tests/loading/test_load_errors.py checks that).
@@ -44,17 +45,10 @@ FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 def _config(model_type: str, **overrides):
     # hidden 256 and intermediate 384: 2 x 3 blocks of 128 per projection, so block scales matter.
-    values = dict(
-        vocab_size=128,
-        hidden_size=256,
-        intermediate_size=384,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
+    fixed = {"max_position_embeddings": 64, "tie_word_embeddings": False}
+    return sized_config(
+        model_type, vocab=128, hidden=256, intermediate=384, layers=2, heads=4, kv_heads=2, **{**fixed, **overrides}
     )
-    return AutoConfig.for_model(model_type, **{**values, **overrides})
 
 
 FP8_MODELS = {

@@ -1,6 +1,6 @@
 """What the tests share, in one place (``tests/`` is on ``sys.path`` through pytest's ``pythonpath`` option).
 
-* :mod:`support.models`: the tiny-model table, model type -> tiny config builder;
+* :mod:`support.models`: the tiny-model table, model type -> tiny config builder, and text configs of given sizes;
 * :mod:`support.checkpoints`: the checkpoint factory: tiny checkpoints written by stock ``save_pretrained``, once per
   session, with the inputs and the stock reference outputs to compare against;
 * :mod:`support.compiled`: transformers' compiled generation (static cache) and what dynamo made of it;
