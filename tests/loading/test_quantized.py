@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -84,21 +85,41 @@ def write_fp8_checkpoint(config, path: Path) -> Path:
         for param in model.parameters():
             param.add_(torch.randn_like(param, dtype=torch.float32).to(param.dtype) * 0.05)
     model.save_pretrained(path)
-    tensors = {}
-    for key, tensor in load_file(str(path / "model.safetensors")).items():
-        if _is_quantized_projection(key):
-            tensors[key], tensors[key.removesuffix("weight") + "weight_scale_inv"] = quantize_fp8_blockwise(tensor)
-        else:
-            tensors[key] = tensor
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    raw = json.loads((path / "config.json").read_text())
-    raw["quantization_config"] = {
+    settings = {
         "quant_method": "fp8",
         "fmt": "e4m3",
         "activation_scheme": "dynamic",
         "weight_block_size": [BLOCK, BLOCK],
     }
-    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    return _quantize_projections(path, _fp8_blockwise, settings)
+
+
+def _fp8_blockwise(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """:func:`quantize_fp8_blockwise`'s weight and scale, by name suffix."""
+    quantized, scale_inv = quantize_fp8_blockwise(weight)
+    return {"weight": quantized, "weight_scale_inv": scale_inv}
+
+
+def _quantize_projections(
+    path: Path, quantize: Callable[[torch.Tensor], dict[str, torch.Tensor]], settings: dict
+) -> Path:
+    """Replace each projection weight of ``path``'s single-file checkpoint by what ``quantize`` makes of it (name
+    suffix -> tensor: the weight and its scale), and declare ``settings`` as its quantization_config."""
+    tensors = {}
+    for key, tensor in load_file(str(path / "model.safetensors")).items():
+        if _is_quantized_projection(key):
+            tensors.update({key.removesuffix("weight") + suffix: part for suffix, part in quantize(tensor).items()})
+        else:
+            tensors[key] = tensor
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return _declare_quantization(path, settings)
+
+
+def _declare_quantization(path: Path, settings: dict) -> Path:
+    """``settings`` as the quantization_config of ``path``'s config.json."""
+    raw = json.loads((path / "config.json").read_text())
+    raw["quantization_config"] = settings
+    (path / "config.json").write_text(json.dumps(raw))
     return path
 
 
@@ -303,10 +324,7 @@ def test_torchao_checkpoint_with_a_fusion_that_would_concatenate_it_is_refused(t
 
 def _with_quantization_config(source: Path, path: Path, settings: dict) -> Path:
     shutil.copytree(source, path)
-    raw = json.loads((path / "config.json").read_text())
-    raw["quantization_config"] = settings
-    (path / "config.json").write_text(json.dumps(raw))
-    return path
+    return _declare_quantization(path, settings)
 
 
 def test_torchao_settings_on_a_full_precision_checkpoint_are_refused_naming_them(
@@ -434,17 +452,7 @@ def compressed_tensors_checkpoint(plain_llama, tmp_path_factory) -> Path:
     pytest.importorskip("compressed_tensors")
     path = tmp_path_factory.mktemp("compressed") / "llama"
     shutil.copytree(plain_llama, path)
-    tensors = {}
-    for key, tensor in load_file(str(path / "model.safetensors")).items():
-        if _is_quantized_projection(key):
-            scale = tensor.float().abs().amax(dim=1, keepdim=True) / FP8_MAX
-            tensors[key] = (tensor.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-            tensors[key.removesuffix("weight") + "weight_scale"] = scale.to(torch.bfloat16)
-        else:
-            tensors[key] = tensor
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    raw = json.loads((path / "config.json").read_text())
-    raw["quantization_config"] = {
+    settings = {
         "quant_method": "compressed-tensors",
         "format": "float-quantized",
         "quantization_status": "compressed",
@@ -463,8 +471,16 @@ def compressed_tensors_checkpoint(plain_llama, tmp_path_factory) -> Path:
             }
         },
     }
-    (path / "config.json").write_text(json.dumps(raw))
-    return path
+    return _quantize_projections(path, _fp8_channelwise, settings)
+
+
+def _fp8_channelwise(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """float8_e4m3fn weight and its ``weight_scale`` (one bfloat16 scale per output channel: amax / 448)."""
+    scale = weight.float().abs().amax(dim=1, keepdim=True) / FP8_MAX
+    return {
+        "weight": (weight.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn),
+        "weight_scale": scale.to(torch.bfloat16),
+    }
 
 
 def test_compressed_tensors_checkpoint_loads_like_stock(compressed_tensors_checkpoint):

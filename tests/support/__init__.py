@@ -8,5 +8,6 @@
 * :mod:`support.files`: reading, rewriting and snapshotting checkpoint directories;
 * :mod:`support.fusions`: what every fusion family must show (fused outputs, exact saves, runtime round trip);
 * :mod:`support.patching`: tiny patching configs and the replacement classes of the class-patching tests;
+* :mod:`support.threads`: running a function on several threads at once;
 * :mod:`support.zoo`: the zoo sweep (``benchmarks/zoo.py``): tiny configs of every model type, its in-process checks.
 """
