@@ -7,7 +7,8 @@
 * :mod:`support.compare`: bitwise comparisons (state dicts, tensors, checkpoint files) and output comparisons;
 * :mod:`support.files`: reading, rewriting and snapshotting checkpoint directories;
 * :mod:`support.fusions`: what every fusion family must show (fused outputs, exact saves, runtime round trip);
-* :mod:`support.patching`: tiny patching configs and the replacement classes of the class-patching tests;
+* :mod:`support.patching`: tiny patching configs, the replacement classes of the class-patching tests, and builds of a
+  model with and without a patch mapping;
 * :mod:`support.threads`: running a function on several threads at once;
 * :mod:`support.zoo`: the zoo sweep (``benchmarks/zoo.py``): tiny configs of every model type, its in-process checks.
 """
