@@ -76,7 +76,21 @@ class SplitModulelist(_ModulelistOperation):
 
 
 @dataclass(frozen=True)
-class FuseExpertGroups(ConversionOperation):
+class _ExpertGroups(ConversionOperation):
+    """What :class:`FuseExpertGroups` and its reverse :class:`SplitExpertGroups` share: experts stacked along
+    ``stack_dim``, the parts concatenated along ``concat_dim``, and the ``group_sizes`` and ``part_sizes`` a bind
+    records."""
+
+    moves_entries: ClassVar[bool] = True
+
+    stack_dim: int = 0
+    concat_dim: int = 1
+    group_sizes: tuple[int, ...] | None = None
+    part_sizes: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class FuseExpertGroups(_ExpertGroups):
     """Split every indexed slot (one list of experts per source) into one group per target, then give each target the
     concatenation along ``concat_dim`` of its group of every source, each stacked along ``stack_dim``.
 
@@ -85,13 +99,6 @@ class FuseExpertGroups(ConversionOperation):
     ``ceil(experts / targets)`` experts (the last fewer), as in transformers. Bound: the group sizes and each source's
     size along ``concat_dim``, which the exact reverse (:class:`SplitExpertGroups`) splits back into.
     """
-
-    moves_entries: ClassVar[bool] = True
-
-    stack_dim: int = 0
-    concat_dim: int = 1
-    group_sizes: tuple[int, ...] | None = None
-    part_sizes: tuple[int, ...] | None = None
 
     def bind(self, shapes, num_targets):
         if not shapes or any(not isinstance(slot, list) or not slot for slot in shapes):
@@ -140,17 +147,10 @@ class FuseExpertGroups(ConversionOperation):
 
 
 @dataclass(frozen=True)
-class SplitExpertGroups(ConversionOperation):
+class SplitExpertGroups(_ExpertGroups):
     """The reverse of :class:`FuseExpertGroups` (transformers' ``ErnieSplitAndDecoupleTextVisionExperts``): every
     tensor is split along ``concat_dim`` into one part per output pattern (``part_sizes``, equal when unbound) and
     unstacked along ``stack_dim``; output ``j`` lists part ``j``'s experts of every tensor in order."""
-
-    moves_entries: ClassVar[bool] = True
-
-    stack_dim: int = 0
-    concat_dim: int = 1
-    group_sizes: tuple[int, ...] | None = None
-    part_sizes: tuple[int, ...] | None = None
 
     def bind(self, shapes, num_targets):
         shapes = require_tensor_slots(shapes, self)
