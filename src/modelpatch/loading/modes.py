@@ -30,8 +30,9 @@ if TYPE_CHECKING:
 Metas: TypeAlias = "Mapping[str, TensorMeta]"
 
 #: The load plan a mode's :meth:`~LoadMode.plan` and :meth:`~LoadMode.after_load` receive: ``plan.py``'s ``LoadPlan``,
-#: which holds the load's modes. A type parameter rather than an import, so that this module names no module that
-#: imports it (``LoadPlan`` holds ``LoadMode[LoadPlan]``; a mode's own hooks annotate ``LoadPlan``).
+#: which holds the load's modes (``LoadMode[LoadPlan]``). A type parameter rather than an import, so that this module
+#: names no module that imports it. A mode subclasses ``LoadMode`` as it is and annotates its hooks' plan as
+#: ``LoadPlan``.
 Plan = TypeVar("Plan")
 
 
