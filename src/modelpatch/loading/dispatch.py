@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 from transformers import PreTrainedModel
 
 from .._transformers import no_split_modules, skip_keys_device_placement
-from ..state import ensure_model_record
 from .modes import LoadMode
 from .offload import DiskOffload, gather_offloaded
+from .record import ensure_model_record, offloaded_weights
 
 if TYPE_CHECKING:
     from ..checkpoint import Checkpoint
@@ -97,7 +97,7 @@ class Dispatch(LoadMode):
 
     def prepare_save(self, model: PreTrainedModel, state: Mapping[str, Any]) -> dict[str, Any]:
         """The weights offloaded to disk read back from their files (:func:`gather_offloaded`)."""
-        return gather_offloaded(model, state)
+        return gather_offloaded(model, state, offloaded_weights(model))
 
     def apply(self, model: PreTrainedModel) -> PreTrainedModel:
         """Place the loaded ``model``'s modules and add accelerate's hooks that move weights and activations."""

@@ -51,9 +51,9 @@ from ..conversion.planner import ConversionGroup
 from ..errors import TensorParallelError
 from ..fusions.linear_experts.modules import ExpertMLP, LinearExperts
 from ..fusions.projections import FusedLinear, ProjectionSlice
-from ..state import ensure_model_record, model_record
 from .distributed import is_tensor_parallel
 from .modes import LoadMode, TensorSource
+from .record import ensure_model_record, model_record
 
 if TYPE_CHECKING:
     from ..checkpoint import Checkpoint

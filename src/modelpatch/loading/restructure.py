@@ -44,16 +44,12 @@ from ..fusions.generated import finish_fused_modules, fused_class_origin, fused_
 from ..fusions.projections import ProjectionSlice
 from ..patching import registry
 from ..patching.patcher import Patcher
-from ..state import (
-    ensure_model_record,
-    model_record,
-    record_fusion_config,
-    stored_fusion_config,
-)
+from ..state import record_fusion_config, stored_fusion_config
 from .build import build_empty_model
 from .distributed import refuse_sharded
 from .materialize import return_freed_memory
 from .plan import model_expectations
+from .record import ensure_model_record, model_record
 from .state_dict import install_state_dict_boundary
 
 logger = logging.getLogger(__name__)

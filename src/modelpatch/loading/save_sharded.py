@@ -48,9 +48,10 @@ from ..checkpoint.writer import TensorPlaces, parse_size, write_at, write_presiz
 from ..conversion.operations import Chunk, SplitModulelist, run_operations
 from ..conversion.planner import ConversionGroup, ConversionPlan
 from ..errors import SaveError
-from ..state import model_record, stored_fusion_config
+from ..state import stored_fusion_config
 from .distributed import Rows, local_part, local_rows, part_offsets
 from .parallel import gather_state
+from .record import model_record
 from .save_contents import config_files, model_layout, saved_state
 
 logger = logging.getLogger(__name__)
