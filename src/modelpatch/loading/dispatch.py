@@ -9,46 +9,16 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import torch
 from transformers import PreTrainedModel
 
 from .._transformers import no_split_modules, skip_keys_device_placement
-from ..state import ensure_model_record
 from .modes import LoadMode
 from .offload import DiskOffload, gather_offloaded
+from .record import ensure_model_record, offloaded_weights
 
 if TYPE_CHECKING:
     from ..checkpoint import Checkpoint
     from .plan import LoadPlan
-
-_AUTO = ("auto", "balanced", "balanced_low_0", "sequential")
-
-
-def single_device(device_map: str | int | torch.device | Mapping[str, Any]) -> torch.device | None:
-    """The one device ``device_map`` puts the whole model on, or None when it asks for a dispatch.
-
-    As in transformers: a device name (``"cpu"``, ``"cuda:0"``; ``"cuda"`` is the ``LOCAL_RANK`` GPU), an index, a
-    ``torch.device`` or ``{"": device}`` mean one device; the model is then loaded straight onto it.
-    """
-    if isinstance(device_map, Mapping):
-        whole = device_map.get("") if len(device_map) == 1 else None
-        return None if whole is None or whole == "disk" else _device(whole)
-    if isinstance(device_map, str) and device_map in _AUTO:
-        return None
-    if device_map == "cuda":
-        device_map = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-    return _device(device_map)
-
-
-def _device(value: Any) -> torch.device:
-    if isinstance(value, bool) or (isinstance(value, int) and value < 0):
-        raise ValueError(f"device_map names no device: {value!r} (for the CPU, pass 'cpu').")
-    try:
-        return torch.device(value)
-    except (RuntimeError, TypeError):
-        raise ValueError(
-            f"device_map must be a dict or one of {_AUTO}, or a device ('cpu', 'cuda:0', 0), got {value!r}."
-        ) from None
 
 
 def resolve_device_map(
@@ -127,7 +97,7 @@ class Dispatch(LoadMode):
 
     def prepare_save(self, model: PreTrainedModel, state: Mapping[str, Any]) -> dict[str, Any]:
         """The weights offloaded to disk read back from their files (:func:`gather_offloaded`)."""
-        return gather_offloaded(model, state)
+        return gather_offloaded(model, state, offloaded_weights(model))
 
     def apply(self, model: PreTrainedModel) -> PreTrainedModel:
         """Place the loaded ``model``'s modules and add accelerate's hooks that move weights and activations."""

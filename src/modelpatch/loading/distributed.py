@@ -20,7 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ..errors import ModelPatchError, PeftIntegrationError, ShardingError
-from ..state import model_record
+from .record import model_record
 
 __all__ = [
     "Rows",

@@ -36,11 +36,12 @@ from ..conversion.operations import Concatenate, MergeModulelist, run_operations
 from ..conversion.planner import ConversionGroup
 from ..errors import ModelPatchError
 from ..fusions.sharding import FusedParts
-from ..state import record_report, stored_fusion_config
+from ..state import stored_fusion_config
 from .distributed import Rows, current_rank, local_part, local_rows, shard_of
 from .load import execute_plan, plan_pretrained
 from .modes import LoadMode, TensorSource
 from .plan import LoadPlan
+from .record import record_report
 from .report import LoadReport
 
 logger = logging.getLogger(__name__)

@@ -33,7 +33,6 @@ from transformers import PreTrainedModel
 from ..checkpoint import Checkpoint, SafetensorsFile, TensorInfo
 from ..checkpoint.writer import require_writable_directory
 from ..errors import CheckpointError, SaveError
-from ..state import model_record
 
 if TYPE_CHECKING:
     from .plan import LoadPlan
@@ -115,14 +114,11 @@ class OffloadedWeights(Mapping[str, torch.Tensor]):
         }
 
 
-def offloaded_weights(model: PreTrainedModel) -> OffloadedWeights | None:
-    """The offloaded weights of a model modelpatch dispatched with modules on ``"disk"``, else None."""
-    record = model_record(model)
-    return None if record is None else record.offloaded
-
-
-def gather_offloaded(model: PreTrainedModel, state: Mapping[str, Any]) -> dict[str, Any]:
-    """``state`` with the tensors that offloading left on the meta device read back from their files.
+def gather_offloaded(
+    model: PreTrainedModel, state: Mapping[str, Any], weights: OffloadedWeights | None
+) -> dict[str, Any]:
+    """``state`` with the tensors that offloading left on the meta device read back from their files (``weights``:
+    ``model``'s, :func:`~modelpatch.loading.record.offloaded_weights`).
 
     Each is read as a forward reads it (checked against its file's identity; mapped, or cast to the model's dtype),
     so the save reads them from the files. Raises :class:`SaveError` naming the tensors that are on the meta device
@@ -131,7 +127,6 @@ def gather_offloaded(model: PreTrainedModel, state: Mapping[str, Any]) -> dict[s
     on_meta = meta_tensors(state)
     if not on_meta:
         return dict(state)
-    weights = offloaded_weights(model)
     lost = [key for key in on_meta if weights is None or key not in weights]
     if weights is None or lost:
         raise unreadable_meta_tensors(model, lost)

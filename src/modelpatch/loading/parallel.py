@@ -19,13 +19,11 @@ shards is its fusion family's (``ModuleFusionSpec.tensor_parallel_layout``, data
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -43,21 +41,19 @@ from .._transformers import (
     local_shard,
     mark_distributed,
     mark_initialized,
-    parallel_style_names,
     prepare_distributed,
     register_parallel_style,
     resolved_tp_plan,
     set_tp_plan,
-    tensor_parallel_supported,
 )
 from ..conversion.operations import Concatenate, MergeModulelist
 from ..conversion.planner import ConversionGroup
 from ..errors import TensorParallelError  # raised here; importable from this module as before
 from ..fusions.sharding import FusedParts, TensorParallelLayout
 from ..fusions.spec import ModuleFusionSpec
-from ..state import ensure_model_record, model_record
 from .distributed import is_tensor_parallel
 from .modes import LoadMode, TensorSource
+from .record import ensure_model_record, model_record
 
 if TYPE_CHECKING:
     from ..checkpoint import Checkpoint
@@ -106,169 +102,6 @@ def _register_colwise_parts() -> None:
             )
 
     register_parallel_style(COLWISE_PARTS, ColwisePartsParallel())
-
-
-# DistributedConfig fields that ask for a parallelism other than tensor parallelism, with the value that asks for
-# none. The sizes (fsdp_size, pp_size, ...) are checked once the config has resolved them.
-_NOT_TENSOR_PARALLEL: Mapping[str, tuple[object, str]] = {
-    "enable_expert_parallel": (False, "expert parallelism"),
-    "ep_plan": (None, "expert parallelism"),
-    "enable_sequence_parallel": (False, "sequence parallelism"),
-    "fsdp_plan": (None, "FSDP"),
-    "fsdp_cpu_offload": (False, "FSDP"),
-    "fsdp_mixed_precision": (False, "FSDP"),
-}
-
-
-def _world_size() -> int:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1") or 1)
-
-
-def _check_tp_plan(plan: object, where: str) -> None:
-    """A dict plan maps module or parameter patterns (strings) to the name of a registered parallel style."""
-    if not isinstance(plan, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in plan.items()):
-        raise TensorParallelError(
-            f"{where} must be 'auto' or a dict of {{module pattern: parallel style}}, got {plan!r} "
-            f"({type(plan).__name__})."
-        )
-    if not tensor_parallel_supported():
-        return  # no style registry to check against: a sharded load is refused below
-    styles = parallel_style_names()
-    unknown = {pattern: style for pattern, style in plan.items() if style not in styles}
-    if unknown:
-        raise TensorParallelError(
-            f"{where} names unknown parallel styles: {unknown}. The styles are: {', '.join(sorted(styles))}."
-        )
-
-
-def _refuse_other_parallelisms(fields: Mapping[str, object]) -> None:
-    asked = {
-        name: fields[name]
-        for name, (none, _) in _NOT_TENSOR_PARALLEL.items()
-        if name in fields and fields[name] is not None and fields[name] != none
-    }
-    if asked:
-        kinds = sorted({_NOT_TENSOR_PARALLEL[name][1] for name in asked})
-        raise TensorParallelError(
-            f"distributed_config asks for {', '.join(kinds)} ({asked}): modelpatch loads with tensor parallelism only "
-            "(tp_plan / tp_size); load such models with transformers."
-        )
-
-
-def distributed_config_of(
-    tp_plan: str | dict[str, str] | None, tp_size: int | None, distributed_config: DistributedConfig | dict | None
-) -> tuple[DistributedConfig | None, dict[str, str] | None]:
-    """The :class:`DistributedConfig` the keywords ask for (as transformers reads them), or None for no sharding;
-    and, for a load that shards nothing (one process, or ``tp_size=1``: as in transformers), the rules of its
-    ``tp_plan`` dict, which the load checks against the model as every rank of a sharded load does
-    (:class:`UnshardedPlan`), else None.
-
-    Checked before anything is read: a ``tp_plan`` that is neither ``"auto"`` nor a dict of known parallel styles, a
-    ``tp_size`` that is no positive integer or exceeds the processes launched, ``distributed_config`` fields it does
-    not have.
-
-    Raises:
-        TensorParallelError: Both ``distributed_config`` and ``tp_plan``/``tp_size``; a bad value as above; or a
-            parallelism other than tensor parallelism (FSDP, pipeline, expert or sequence parallel), which modelpatch
-            does not do.
-    """
-    if distributed_config is not None and (tp_plan is not None or tp_size is not None):
-        raise TensorParallelError("Pass either distributed_config or tp_plan/tp_size, not both.")
-    if tp_size is not None and (isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1):
-        raise TensorParallelError(f"tp_size must be a positive integer, got {tp_size!r}.")
-    if tp_plan is not None or tp_size is not None:
-        distributed_config = _from_tp_keywords(tp_plan, tp_size)
-    elif isinstance(distributed_config, Mapping):
-        distributed_config = _from_mapping(distributed_config)
-    if distributed_config is None:
-        return None, None
-    sharded = _checked(distributed_config)
-    rules = getattr(distributed_config, "tp_plan", None)  # checked: "auto", None or a dict of strings
-    return sharded, dict(rules) if sharded is None and isinstance(rules, Mapping) else None
-
-
-def _from_tp_keywords(tp_plan: str | dict[str, str] | None, tp_size: int | None) -> DistributedConfig:
-    if tp_size is not None and tp_plan is None:
-        raise TensorParallelError(f"tp_size={tp_size} needs tp_plan ('auto' for the model's own plan).")
-    plan: dict[str, str] | Literal["auto"] | None
-    if isinstance(tp_plan, str):
-        if tp_plan != "auto":
-            raise TensorParallelError(f"tp_plan must be 'auto' or a dict of rules, got {tp_plan!r}.")
-        plan = "auto"
-    else:
-        _check_tp_plan(tp_plan, "tp_plan")
-        plan = dict(tp_plan)  # type: ignore[arg-type]  # checked: a mapping of strings
-    return _distributed_config(tp_plan=plan, tp_size=tp_size)
-
-
-def _from_mapping(distributed_config: Mapping[str, Any]) -> DistributedConfig:
-    # transformers before 5.23 made DistributedConfig otherwise: its fields are not listed there.
-    fields = (
-        {f.name for f in dataclasses.fields(DistributedConfig)} if dataclasses.is_dataclass(DistributedConfig) else None
-    )
-    unknown = sorted(str(name) for name in distributed_config if fields is not None and name not in fields)
-    if unknown:
-        raise TensorParallelError(
-            f"distributed_config has no field {', '.join(map(repr, unknown))}; DistributedConfig's fields are "
-            f"{', '.join(sorted(fields or ()))}."
-        )
-    # Read before DistributedConfig resolves them (enable_expert_parallel becomes ep_size there).
-    _refuse_other_parallelisms(distributed_config)
-    return _distributed_config(**dict(distributed_config))
-
-
-def _checked(distributed_config: object) -> DistributedConfig | None:
-    """``distributed_config`` if it asks for tensor parallelism over more than one rank, that this process can do."""
-    if not isinstance(distributed_config, DistributedConfig):
-        raise TensorParallelError(
-            f"distributed_config must be a transformers DistributedConfig or a dict, got {distributed_config!r}."
-        )
-    _refuse_other_parallelisms(vars(distributed_config))
-    if isinstance(distributed_config.tp_plan, str):
-        if distributed_config.tp_plan != "auto":
-            raise TensorParallelError(
-                f"distributed_config.tp_plan must be 'auto' or a dict of rules, got {distributed_config.tp_plan!r}."
-            )
-    elif distributed_config.tp_plan is not None:
-        _check_tp_plan(distributed_config.tp_plan, "distributed_config.tp_plan")
-    # A field this transformers' DistributedConfig lacks (dp_replicate_size before 5.23) asks for nothing.
-    others = {
-        name: getattr(distributed_config, name, 1)
-        for name in ("fsdp_size", "dp_replicate_size", "pp_size", "ep_size")
-        if (getattr(distributed_config, name, 1) or 1) > 1
-    }
-    if others:
-        raise TensorParallelError(
-            f"distributed_config asks for {others}: modelpatch loads with tensor parallelism only (tp_plan / tp_size); "
-            "load FSDP, pipeline or expert-parallel models with transformers."
-        )
-    tp_size = distributed_config.tp_size  # an int once the config is built (None is resolved to the world size)
-    if tp_size is None or tp_size <= 1:
-        return None
-    if not tensor_parallel_supported():
-        import transformers
-
-        raise TensorParallelError(
-            f"Tensor-parallel loading (tp_size={tp_size}) drives the distributed API of transformers 5.23; "
-            f"transformers {transformers.__version__} predates it. Upgrade transformers, or load without tp_plan."
-        )
-    world_size = _world_size()
-    if tp_size > world_size:
-        raise TensorParallelError(
-            f"tp_size={tp_size} needs {tp_size} processes, but this one was launched with world size {world_size}: "
-            f"run the script under torchrun --nproc-per-node {tp_size} (one process per device), or lower tp_size."
-        )
-    return distributed_config
-
-
-def _distributed_config(**fields: Any) -> DistributedConfig:
-    """``DistributedConfig(**fields)``, its own validation errors (sizes below 1, ...) as TensorParallelError."""
-    try:
-        return DistributedConfig(**fields)
-    except (TypeError, ValueError) as exc:
-        raise TensorParallelError(f"Invalid distributed config {fields}: {exc}") from None
 
 
 @dataclass

@@ -54,11 +54,10 @@ from ..conversion.operations import ConversionOperation, Fp8BlockDequantize, Tor
 from ..conversion.planner import ConversionPlan, TensorMeta, format_problems, plan_load
 from ..conversion.transforms import WeightConverter, WeightRenaming, WeightTransform
 from ..errors import LoadPlanError, ModelPatchError
-from ..state import ensure_model_record
 from .diagnose import SUPPORTED_METHODS, collapse_lines
 from .materialize import set_tensor
 from .modes import LoadMode, Metas, TensorSource
-from .quantized_save import QuantizedLoad
+from .record import QuantizedLoad, ensure_model_record
 
 if TYPE_CHECKING:
     from .._transformers import HfQuantizer

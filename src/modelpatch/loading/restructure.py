@@ -45,18 +45,14 @@ from ..fusions.generated import finish_fused_modules, fused_origin
 from ..fusions.projections import ProjectionSlice
 from ..patching import registry
 from ..patching.patcher import Patcher
-from ..state import (
-    ensure_model_record,
-    model_record,
-    record_fusion_config,
-    stored_fusion_config,
-)
+from ..state import record_fusion_config, stored_fusion_config
 from .build import build_empty_model
 from .distributed import refuse_sharded
 from .hooks_transfer import HookMove, move_hooks, plan_hook_moves, tensor_hook_problems
 from .materialize import fill, return_freed_memory
 from .modes import TensorSource
 from .plan import model_expectations
+from .record import ensure_model_record, model_record
 from .state_dict import install_state_dict_boundary
 from .training_state import carried_grads, training_state_error, training_state_problems, trains
 

@@ -23,12 +23,13 @@ from .._transformers_mapping import model_conversions
 from ..conversion.planner import ConversionPlan, TensorMeta, plan_save
 from ..conversion.transforms import WeightTransform
 from ..errors import ConversionError, SaveError
-from ..state import mark_runtime_layout, model_record, record_file_layout, stored_fusion_config
+from ..state import mark_runtime_layout, record_file_layout, stored_fusion_config
 from .distributed import local_part, model_class
 from .modes import prepare_save
 from .offload import meta_tensors, unreadable_meta_tensors
 from .quantized_save import quantized_checkpoint
-from .report import LoadReport, get_load_report
+from .record import get_load_report, model_record
+from .report import LoadReport
 
 logger = logging.getLogger(__name__)
 

@@ -49,9 +49,10 @@ from ..conversion.operations import Chunk, SplitModulelist, run_operations
 from ..conversion.planner import ConversionGroup, ConversionPlan
 from ..errors import SaveError
 from ..fusions.sharding import FusedParts
-from ..state import model_record, stored_fusion_config
+from ..state import stored_fusion_config
 from .distributed import Rows, local_part, local_rows
 from .parallel import gather_state
+from .record import model_record
 from .save_contents import config_files, model_layout, saved_state
 
 logger = logging.getLogger(__name__)

@@ -26,12 +26,12 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from ..conversion.planner import ConversionGroup, TensorMeta
-from ..state import model_record
 from .adapters import install_adapter_guard
 from .distributed import full_tensor, is_fsdp, refuse_two_shardings, shard_like
 from .offload import gather_offloaded
 from .parallel import gather_state
 from .plan import plan_checkpoint_keys
+from .record import model_record, offloaded_weights
 from .save import OriginalFormatSave
 from .save_contents import model_layout, model_transforms, reject_wrapped, saved_state
 
@@ -65,7 +65,7 @@ def iter_original_state_dict(model: PreTrainedModel) -> Iterator[tuple[str, torc
     layout = model_layout(model, {key: full[key] for key in state})
 
     def fetch(key: str) -> torch.Tensor:
-        one = gather_offloaded(model, gather_state(model, {key: state[key]}))
+        one = gather_offloaded(model, gather_state(model, {key: state[key]}), offloaded_weights(model))
         return full_tensor(one[key]).detach()
 
     for checkpoint_key, runtime_key in layout.direct.items():
