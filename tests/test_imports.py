@@ -12,9 +12,9 @@ the layers, bottom-up:
 * ``loading/``;
 * the user API: ``__init__.py``, ``auto.py``, ``verify.py``, ``cli/``, ``integrations/`` (importing each other).
 
-No module imports another that imports it back, directly or through others: imports that run (at module level or
-inside a function, which runs when called) make no circle. Imports under ``if TYPE_CHECKING:`` are left out of that
-check: they name types for annotations and never run.
+No module imports another that imports it back, directly or through others, by any import: at module level, inside
+a function (which runs when called) or under ``if TYPE_CHECKING:``. A type-checking import never runs, but it ties
+the two modules together all the same: neither can be read, moved or type-checked without the other.
 """
 
 from __future__ import annotations
@@ -65,18 +65,9 @@ def package_modules(root: Path = SOURCE) -> dict[str, Path]:
     return {module_name(path, root): path for path in sorted(root.rglob("*.py"))}
 
 
-def _type_checking_imports(tree: ast.AST) -> set[int]:
-    """The ids of the import statements under ``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``) in ``tree``."""
-    guarded: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
-            guarded.update(id(sub) for child in node.body for sub in ast.walk(child))
-    return guarded
-
-
-def imported_modules(path: Path, name: str, known: set[str], *, runtime_only: bool = False) -> set[str]:
-    """The modules of the package that module ``name`` (the file ``path``) imports, anywhere in its body
-    (``runtime_only``: leaving out the imports under ``if TYPE_CHECKING:``).
+def imported_modules(path: Path, name: str, known: set[str]) -> set[str]:
+    """The modules of the package that module ``name`` (the file ``path``) imports, anywhere in its body (under
+    ``if TYPE_CHECKING:`` too).
 
     ``from X import y`` names module ``X.y`` when that is a module of the package (``from . import registry``),
     else ``X`` itself.
@@ -84,10 +75,7 @@ def imported_modules(path: Path, name: str, known: set[str], *, runtime_only: bo
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
     tree = ast.parse(path.read_text(), filename=str(path))
-    skipped = _type_checking_imports(tree) if runtime_only else set()
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -140,12 +128,10 @@ def test_imports_inside_functions_and_relative_ones_are_resolved(tmp_path):
 
 
 def import_circles(root: Path = SOURCE) -> list[list[str]]:
-    """Every circle of runtime imports among the package's modules (as its strongly connected groups, each sorted)."""
+    """Every circle of imports among the package's modules (as its strongly connected groups, each sorted)."""
     modules = package_modules(root)
     graph = {
-        name: sorted(
-            target for target in imported_modules(path, name, set(modules), runtime_only=True) if target != name
-        )
+        name: sorted(target for target in imported_modules(path, name, set(modules)) if target != name)
         for name, path in modules.items()
     }
     # Tarjan's algorithm, iterative: a group of more than one module is a circle.
@@ -191,12 +177,11 @@ def import_circles(root: Path = SOURCE) -> list[list[str]]:
 
 def test_no_import_circle():
     circles = import_circles()
-    assert not circles, "modules importing each other (runtime imports, module level or in functions):\n" + "\n".join(
-        "  " + " <-> ".join(group) for group in circles
-    )
+    listed = "\n".join("  " + " <-> ".join(group) for group in circles)
+    assert not circles, f"modules importing each other (module level, in functions or under TYPE_CHECKING):\n{listed}"
 
 
-def test_circles_are_found_through_functions_but_not_through_type_checking_imports(tmp_path):
+def test_circles_are_found_through_functions_and_type_checking_imports(tmp_path):
     root = tmp_path / PACKAGE
     (root / "loading").mkdir(parents=True)
     files = {
@@ -206,13 +191,22 @@ def test_circles_are_found_through_functions_but_not_through_type_checking_impor
         "loading/a.py": "from .b import f\n",
         "loading/b.py": "def f():\n    from .c import g\n",
         "loading/c.py": "from . import a\n",
-        # d <-> e only through a type-checking import: no circle.
+        # d <-> e and f <-> g through type-checking imports (either spelling): circles too.
         "loading/d.py": "from .e import h\n",
         "loading/e.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .d import x\ndef h(): pass\n",
+        "loading/f.py": "from .g import h\n",
+        "loading/g.py": "import typing\nif typing.TYPE_CHECKING:\n    from . import f\ndef h(): pass\n",
+        # i -> j only: no circle.
+        "loading/i.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .j import k\n",
+        "loading/j.py": "k = 1\n",
     }
     for name, text in files.items():
         (root / name).write_text(text)
-    assert import_circles(root) == [["modelpatch.loading.a", "modelpatch.loading.b", "modelpatch.loading.c"]]
+    assert import_circles(root) == [
+        ["modelpatch.loading.a", "modelpatch.loading.b", "modelpatch.loading.c"],
+        ["modelpatch.loading.d", "modelpatch.loading.e"],
+        ["modelpatch.loading.f", "modelpatch.loading.g"],
+    ]
 
 
 @pytest.mark.parametrize("module", ["modelpatch.conversion", "modelpatch.conversion.operations"])

@@ -16,6 +16,7 @@ from modelpatch.patching.candidates import namespace_registry
 from modelpatch.patching.registry import patch_registry
 from modelpatch.registry import Registry
 from modelpatch.testing import REGISTRIES, scoped_registries
+from support.threads import run_on_threads
 
 
 class Replacement(nn.Module):
@@ -137,11 +138,7 @@ def test_concurrent_registrations_of_one_key_have_one_winner():
         except RegistryError:
             outcomes.append(False)
 
-    threads = [threading.Thread(target=register, args=(i,)) for i in range(32)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_on_threads(register, 32)
     assert outcomes.count(True) == 1
     winner = registry.get("key")
     assert dict(registry.snapshot()) == {"key": winner, f"own{winner}": winner}  # losers added nothing

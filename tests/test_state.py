@@ -15,13 +15,11 @@ from transformers import LlamaConfig
 
 import modelpatch
 from modelpatch import CheckpointError
+from modelpatch.loading.record import MODEL_RECORD_ATTRIBUTE, ModelRecord, model_record
 from modelpatch.state import (
-    MODEL_RECORD_ATTRIBUTE,
     RECORD_KEY,
     RECORD_VERSION,
     ConfigRecord,
-    ModelRecord,
-    model_record,
     read_record,
     record_file_layout,
     write_record,

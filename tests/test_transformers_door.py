@@ -14,7 +14,7 @@ import transformers
 from packaging.requirements import Requirement
 from packaging.version import Version
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import LlamaForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.core_model_loading import WeightRenaming
 from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
@@ -22,6 +22,7 @@ import modelpatch
 from modelpatch import TransformersVersionError
 from modelpatch import _transformers as door
 from support.doors import private_uses, required_paths, uses_outside
+from support.models import sized_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = Path(modelpatch.__file__).parent
@@ -176,15 +177,8 @@ def test_the_supported_range():
     assert not door.supports("5.21.9") and not door.supports("5.25.0") and not door.supports("5.25.0.dev0")
 
 
-def tiny_llama_config() -> LlamaConfig:
-    return LlamaConfig(
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        vocab_size=64,
-        tie_word_embeddings=True,
-    )
+def tiny_llama_config() -> PretrainedConfig:
+    return sized_config("llama", vocab=64, hidden=16, intermediate=32, layers=1, heads=2, tie_word_embeddings=True)
 
 
 def test_door_functions_agree_with_stock():

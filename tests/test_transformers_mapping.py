@@ -24,6 +24,7 @@ from modelpatch import _transformers_mapping as transformers_mapping
 from modelpatch.conversion.registry import legacy_conversions
 from support.compare import assert_bitwise_equal
 from support.files import read_tensors, rewrite_checkpoint
+from support.models import sized_config
 
 # Operations of transformers that modelpatch does not translate yet: the mappings holding them are refused by name.
 NOT_TRANSLATED: set[str] = set()
@@ -73,15 +74,8 @@ def test_a_two_block_checkpoint_loads_as_stock_and_saves_back(tmp_path):
     """transformers 5.24's Dory checkpoints store each decoder layer as two blocks (its LayerPairCollapse)."""
     if not hasattr(transformers, "DoryForCausalLM"):
         pytest.skip(f"transformers {transformers.__version__} has no Dory (5.24 added it)")
-    config = transformers.DoryConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        vocab_size=64,
-    )
+    dory = transformers.DoryConfig.model_type
+    config = sized_config(dory, vocab=64, hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2, head_dim=8)
     torch.manual_seed(0)
     transformers.DoryForCausalLM(config).save_pretrained(tmp_path / "stock")
     source = rewrite_checkpoint(tmp_path / "stock", tmp_path / "two-blocks", _two_blocks)

@@ -36,6 +36,7 @@ from .errors import (
     RegistryError,
     SaveError,
     ShardingError,
+    TensorParallelError,
     TransformersVersionError,
 )
 
@@ -73,7 +74,18 @@ _LAZY: dict[str, str] = {
         ],
         ".conversion",
     ),
-    **dict.fromkeys(["ModuleFusionSpec", "available_fusions", "register_fusion", "unregister_fusion"], ".fusions"),
+    **dict.fromkeys(
+        [
+            "FusedParts",
+            "ModuleFusionSpec",
+            "TensorParallelLayout",
+            "TensorParallelShard",
+            "available_fusions",
+            "register_fusion",
+            "unregister_fusion",
+        ],
+        ".fusions",
+    ),
     **dict.fromkeys(
         [
             "LoadReport",
@@ -128,6 +140,7 @@ __all__ = [
     "RegistryError",
     "SaveError",
     "ShardingError",
+    "TensorParallelError",
     "TransformersVersionError",
     *sorted(_LAZY),
 ]

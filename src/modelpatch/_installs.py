@@ -1,5 +1,7 @@
-"""Every process-wide install modelpatch makes: the few places where it replaces an attribute of torch or of
-transformers for the whole process, rather than per model or per scope.
+"""The process-wide installs of modelpatch's bottom layer: the places where it replaces an attribute of torch or of
+transformers for the whole process, rather than per model or per scope. Three more live with the concept that needs
+them, in higher layers (the output recorders' specs, a tensor-parallel style, the ``linear_experts`` custom
+operator); docs/ARCHITECTURE.md names each and why.
 
 Each install is idempotent (a second call, from any thread, changes nothing), made on first need (never at import),
 and leaves every caller outside modelpatch's own scopes and builds exactly what the original gives:

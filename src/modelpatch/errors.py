@@ -92,6 +92,11 @@ class ShardingError(ModelPatchError, ValueError):
     sharded; the message names the sharding and what to do instead."""
 
 
+class TensorParallelError(ModelPatchError, ValueError):
+    """A tensor-parallel load that cannot be done as asked: a keyword, or a TP plan rule a fused module cannot
+    follow (the message names the module or keyword)."""
+
+
 class PeftVersionError(PeftIntegrationError):
     """The installed PEFT lacks a private name the PEFT integration relies on (``modelpatch/_peft.py``). The message
     names the release, the missing name, the feature and the releases checked."""

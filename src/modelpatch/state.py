@@ -1,7 +1,8 @@
-"""What modelpatch persists: its versioned record, in ``config.json`` and on the models it builds.
+"""What modelpatch persists in ``config.json``: its versioned record (whose in-memory half, on the models it builds,
+is :mod:`modelpatch.loading.record`).
 
-Kept in one module so that every path that writes them (``from_pretrained``, ``from_config``, ``fuse`` / ``unfuse`` /
-``patch_model``, the savers) and every path that reads them (loads, ``save_pretrained``, the command line) agree, and
+Kept in one module so that every path that writes it (``from_pretrained``, ``from_config``, ``fuse`` / ``unfuse`` /
+``patch_model``, the savers) and every path that reads it (loads, ``save_pretrained``, the command line) agree, and
 so that a change of format is made, and migrated, in one place.
 
 The config.json record is one key, ``"modelpatch"``, holding an object with a format ``version`` (like PEFT's
@@ -23,10 +24,9 @@ checkpoint and saving it again (or ``modelpatch convert``) migrates it. A record
 knows, or one that is malformed, is a :class:`~modelpatch.errors.CheckpointError` naming the key: reading it as
 something else would load the wrong tensors.
 
-The in-memory half is one :class:`ModelRecord` per model, under one attribute (:data:`MODEL_RECORD_ATTRIBUTE`),
-carrying the same :data:`RECORD_VERSION`: what a save needs to write the model back exactly (the transforms it runs
-backwards, the state as built, how a quantized, tensor-parallel or offloaded load left it) and the load report.
-It is a plain dataclass in the model's ``__dict__``, so models deepcopy and pickle with it.
+The in-memory half is one ``ModelRecord`` per model (``loading/record.py``), carrying the same
+:data:`RECORD_VERSION`: what a save needs to write the model back exactly and the load report. It lives in the loading
+layer because its fields are that layer's types, which this module, below every layer, cannot name.
 
 transformers 5.23 acts on a plain ``fusion_config`` key itself (applying its own patch-embedding fusion, rejecting
 names it does not know), so modelpatch reads that key for compatibility but never writes it, and removes it from the
@@ -39,7 +39,6 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-from torch import nn
 from transformers import PretrainedConfig
 
 from .errors import CheckpointError
@@ -52,11 +51,6 @@ RECORD_VERSION = 1
 V0_FUSION_CONFIG_KEY = "modelpatch_fusion_config"
 V0_RUNTIME_LAYOUT_KEY = "modelpatch_runtime_layout"
 TRANSFORMERS_FUSION_CONFIG_KEY = "fusion_config"
-
-MODEL_RECORD_ATTRIBUTE = "_modelpatch_record"
-"""The one attribute holding a model's :class:`ModelRecord`."""
-REPORT_ALIAS_ATTRIBUTE = "modelpatch_report"
-"""The public attribute naming the same :class:`LoadReport` as ``record.report`` (documented, kept as an alias)."""
 
 
 @dataclass(frozen=True)
@@ -216,77 +210,3 @@ def unmark_runtime_layout(config_json: dict[str, Any]) -> dict[str, Any] | None:
                 f"config.json's {_DTYPE_KEY!r} holds a malformed modelpatch mark: {dtype!r}."
             ) from exc
     return unmarked
-
-
-@dataclass
-class ModelRecord:
-    """What modelpatch records on a model it builds, loads or restructures; what its saves and restructurings read.
-
-    The fields are typed loosely because this module sits below the layers whose types they hold.
-
-    Attributes:
-        report: The :class:`~modelpatch.loading.report.LoadReport` of a loaded model (None for a ``from_config``
-            one); public as ``model.modelpatch_report`` and :func:`~modelpatch.get_load_report`.
-        transforms: The transforms a save runs backwards, as a tuple; None for a loaded model never restructured,
-            whose save runs its report's.
-        base_transforms: The same without fusions: what :func:`~modelpatch.unfuse` goes back to.
-        expected_state: Runtime key -> ``TensorMeta`` (shape, dtype) as built: what a save checks the model against.
-        quantization: How a quantized load left the model (``QuantizedLoad``): what a save must respect.
-        tensor_parallel_parts: For a tensor-parallel load, parameter -> global part sizes of the fused projections
-            sharded part by part (a save gathers them); None otherwise.
-        offloaded: The weights of modules a ``device_map`` offloaded to disk (``OffloadedWeights``): what a save
-            reads back.
-        load_modes: The load modes (``LoadMode``) the model was loaded with, in order: a save calls their save
-            hooks (``save_stages.SaveMode``: gathering shards, reading offloaded weights back, serialising).
-        version: The format version of the record, :data:`RECORD_VERSION` (the config record's: one record, two
-            halves).
-    """
-
-    report: Any = None
-    transforms: tuple[Any, ...] | None = None
-    base_transforms: tuple[Any, ...] | None = None
-    expected_state: dict[str, Any] | None = None
-    quantization: Any = None
-    tensor_parallel_parts: dict[str, tuple[int, ...]] | None = None
-    offloaded: Any = None
-    load_modes: tuple[Any, ...] = ()
-    version: int = RECORD_VERSION
-
-
-def model_record(model: nn.Module) -> ModelRecord | None:
-    """The record modelpatch keeps on ``model``, or None for a model it never built nor restructured.
-
-    Read with ``getattr`` so that a wrapper forwarding attributes to its model (a PEFT model) answers with its model's.
-
-    Raises:
-        TypeError: The attribute holds something else, or a record of another format version (a model pickled by
-            another modelpatch): guessing its meaning could save wrong tensors.
-    """
-    record = getattr(model, MODEL_RECORD_ATTRIBUTE, None)
-    return None if record is None else _checked(model, record)
-
-
-def ensure_model_record(model: nn.Module) -> ModelRecord:
-    """``model``'s record, created empty on the model itself (never on a wrapper's model) when it has none."""
-    record = model.__dict__.get(MODEL_RECORD_ATTRIBUTE)
-    if record is None:
-        record = ModelRecord()
-        # Straight into __dict__: nn.Module.__setattr__ would search its parameters, buffers and modules first.
-        object.__setattr__(model, MODEL_RECORD_ATTRIBUTE, record)
-    return _checked(model, record)
-
-
-def _checked(model: nn.Module, record: Any) -> ModelRecord:
-    if not isinstance(record, ModelRecord) or record.version != RECORD_VERSION:
-        raise TypeError(
-            f"{type(model).__name__}.{MODEL_RECORD_ATTRIBUTE} holds a {type(record).__name__} of version "
-            f"{getattr(record, 'version', None)!r}, not a modelpatch record of format version {RECORD_VERSION} "
-            "(a model pickled by another modelpatch version?). Load the model again."
-        )
-    return record
-
-
-def record_report(model: nn.Module, report: Any) -> None:
-    """Record the load report of ``model``, also under its public alias ``model.modelpatch_report``."""
-    ensure_model_record(model).report = report
-    object.__setattr__(model, REPORT_ALIAS_ATTRIBUTE, report)

@@ -4,8 +4,6 @@ tests/test_transformers_mapping.py.)"""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 import modelpatch
@@ -19,6 +17,7 @@ from modelpatch import (
     register_checkpoint_conversion_mapping,
 )
 from modelpatch.conversion.registry import registered_model_types
+from support.threads import run_on_threads
 
 QKV = WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"], [Concatenate(dim=0)])
 
@@ -155,10 +154,6 @@ def test_concurrent_registrations_all_land():
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=register, args=(i,)) for i in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_on_threads(register, 16)
     assert not errors
     assert all(get_checkpoint_conversion_mapping(f"custom_{i}") == [QKV] for i in range(16))

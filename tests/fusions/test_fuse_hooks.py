@@ -142,6 +142,41 @@ def test_hooks_that_would_lose_their_meaning_are_refused_by_name(tiny):
     modelpatch.unfuse(model)
 
 
+# Hooks fuse and unfuse would move (the modules replaced, one a fusion leaves alone) and what refuses the plan late:
+# after every module was planned and those hooks were found movable.
+MOVABLE = ["model.layers.0.mlp", "model.layers.1.self_attn", "model.layers.0.self_attn.o_proj"]
+LATE_REFUSALS = {
+    "tensor hook": ("fuse", "model.layers.1.self_attn.q_proj.weight (a tensor hook)"),
+    "frozen part": ("fuse", "qkv_proj.weight would be one parameter made of q_proj.weight (frozen"),
+    "hook that cannot move": ("unfuse", "model.layers.1.self_attn.qkv_proj (forward hook)"),
+}
+
+
+@pytest.mark.parametrize("refusal", sorted(LATE_REFUSALS))
+def test_planning_moves_nothing_a_refused_plan_leaves_every_hook_where_it_was(tiny, refusal):
+    """fuse / unfuse plan every module first, deciding which hooks move where; only executing the plan moves them.
+    A plan refused after hooks were found movable leaves every module, hook dict, hook and parameter the very object
+    it was, where it was."""
+    ckpt = tiny("llama")
+    model = ckpt.model_class.from_pretrained(ckpt.path)
+    direction, match = LATE_REFUSALS[refusal]
+    if direction == "unfuse":
+        modelpatch.fuse(model, FUSIONS["llama"])
+    steer(model, MOVABLE)
+    o_proj = model.model.layers[0].self_attn.o_proj
+    o_proj.register_state_dict_post_hook(lambda *args: None)
+    o_proj.register_load_state_dict_pre_hook(lambda module, *args: None)  # bound to o_proj
+    attention = model.model.layers[1].self_attn
+    if refusal == "tensor hook":
+        attention.q_proj.weight.register_hook(lambda grad: grad)
+    elif refusal == "frozen part":
+        attention.q_proj.requires_grad_(False)
+    else:
+        attention.qkv_proj.register_forward_hook(lambda *args: None)
+    call = modelpatch.unfuse if direction == "unfuse" else lambda m: modelpatch.fuse(m, FUSIONS["llama"])
+    _refused(model, call, match)
+
+
 def test_a_state_dict_hook_where_the_state_is_kept_is_carried_over(tiny):
     ckpt = tiny("llama")
     model = ckpt.model_class.from_pretrained(ckpt.path)

@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM
 import modelpatch
 from modelpatch import LoadPlanError
 from modelpatch.fusions.linear_experts.modules import LinearExperts
+from support.models import sized_config
 
 FUSION = {"linear_experts": True}
 LAYERS, EXPERTS = 2, 4
@@ -205,41 +206,17 @@ def test_misfit_3d_checkpoints_are_refused_at_plan_time(tiny, tmp_path, case):
         assert needle in message, f"{needle!r} not in:\n{message}"
 
 
+# Routed and shared experts from the first layer on (DeepSeek's keywords, which GLM-4-MoE and dots1 share); DeepSeek
+# adds its multi-head latent attention and one expert group.
+_ROUTED = dict(n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=0, moe_intermediate_size=16)
+_LATENT_ATTENTION = dict(qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, kv_lora_rank=16, q_lora_rank=16)
+_DEEPSEEK = dict(_ROUTED, **_LATENT_ATTENTION, n_group=1, topk_group=1)
 # Other MoE families transformers 5.23 maps, as tiny configs; their experts are the same 3-D module shape.
 MORE_MOE = {
-    "deepseek_v3": dict(
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=8,
-        kv_lora_rank=16,
-        q_lora_rank=16,
-        head_dim=8,
-        n_routed_experts=4,
-        n_shared_experts=1,
-        first_k_dense_replace=0,
-        n_group=1,
-        topk_group=1,
-        moe_intermediate_size=16,
-    ),
-    "deepseek_v2": dict(
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=8,
-        kv_lora_rank=16,
-        q_lora_rank=16,
-        n_routed_experts=4,
-        n_shared_experts=1,
-        first_k_dense_replace=0,
-        n_group=1,
-        topk_group=1,
-        moe_intermediate_size=16,
-    ),
-    "glm4_moe": dict(
-        n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=0, moe_intermediate_size=16, head_dim=8
-    ),
-    "dots1": dict(
-        n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=0, moe_intermediate_size=16, head_dim=8
-    ),
+    "deepseek_v3": dict(_DEEPSEEK, head_dim=8),
+    "deepseek_v2": _DEEPSEEK,
+    "glm4_moe": dict(_ROUTED, head_dim=8),
+    "dots1": dict(_ROUTED, head_dim=8),
     "hunyuan_v1_moe": dict(num_experts=4, moe_intermediate_size=16, head_dim=8),
     "phimoe": dict(num_local_experts=4),
     "minimax": dict(num_local_experts=4, head_dim=8),
@@ -250,20 +227,13 @@ MORE_MOE = {
 
 @pytest.mark.parametrize("model_type", sorted(MORE_MOE))
 def test_more_moe_families_load_3d_experts_and_save_them_back(model_type, tmp_path):
-    from transformers import CONFIG_MAPPING
-
-    config = CONFIG_MAPPING[model_type](
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
+    moe = {
+        "num_experts_per_tok": 2,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": False,
         **MORE_MOE[model_type],
-    )
+    }
+    config = sized_config(model_type, vocab=64, hidden=32, intermediate=64, layers=2, heads=4, kv_heads=4, **moe)
     torch.manual_seed(0)
     stock_model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():

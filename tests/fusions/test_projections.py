@@ -1,8 +1,11 @@
 """How a fused projection computes: on CPU in float32 each part from its rows of the fused weight (the product stock
-computes: one wide product is slower there), elsewhere one product for all parts; and whatever stands at or hooks the
-fused name is always what runs."""
+computes: one wide product is slower there), and so do gate/up parts of many rows off the CPU (their activation reads
+them faster whole); elsewhere one product for all parts; and whatever stands at or hooks the fused name is always what
+runs."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 from modelpatch.fusions.projections import FusedLinear
+from modelpatch.fusions.projections.spec import GateUpFusionSpec
 from support.compiled import check_compiled_generation
 
 TEXT_FUSIONS = {"qkv": True, "gate_up": True}
@@ -83,6 +87,25 @@ def test_a_hooked_or_replaced_fused_layer_is_called_in_float32(tiny):
         before = mlp.up_proj(x)
         mlp.gate_up_proj = scaled
         torch.testing.assert_close(mlp.up_proj(x), before * 2)
+
+
+def test_off_the_cpu_gate_up_parts_of_many_rows_are_computed_apart(tiny):
+    """Off the CPU (the meta device stands for an accelerator: the same rule, shapes only), gate and up each multiply
+    by their own rows from ``apart_from_rows`` rows of input on, in any batch shape; with fewer rows, and for q/k/v at
+    any size, the one fused product is computed once for all parts."""
+    layer = tiny("llama").load(TEXT_FUSIONS, dtype=torch.bfloat16).model.layers[0]
+    attention, mlp = copy.deepcopy(layer.self_attn).to("meta"), copy.deepcopy(layer.mlp).to("meta")
+    hidden, intermediate = mlp.gate_proj.in_features, mlp.gate_proj.out_features
+    rows = GateUpFusionSpec.apart_from_rows
+    assert rows is not None
+    for shape, apart in (((1, rows), True), ((4, rows // 4), True), ((1, rows - 1), False), ((2, 1), False)):
+        x = torch.empty(*shape, hidden, device="meta", dtype=torch.bfloat16)
+        with torch.no_grad(), CountProducts() as products:
+            gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+            attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
+        assert gate.shape == up.shape == (*shape, intermediate)
+        gate_up = [intermediate, intermediate] if apart else [2 * intermediate]
+        assert products.widths == gate_up + [attention.qkv_proj.out_features], shape
 
 
 @pytest.mark.slow

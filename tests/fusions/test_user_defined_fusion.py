@@ -14,7 +14,10 @@ with these hooks, one signature each:
 * ``make_fused_class(original_cls)``: the replacement class, constructed with the original's ``__init__`` arguments
   (``LlamaMLP(config)`` -> ``SwiGLU(config)``). Define it at module level so fused models pickle;
 * ``make_transforms(config, modules)``: weight transforms from the checkpoint layout to the fused one. They are
-  reversed on save, so ``save_pretrained`` writes the original checkpoint layout (bitwise) by default.
+  reversed on save, so ``save_pretrained`` writes the original checkpoint layout (bitwise) by default;
+* ``tensor_parallel_layout(module, rules, ranks)`` (optional): how the fused module splits under ``tp_plan``, given
+  the model's plan rules for the modules it replaced. Without it, the fused module stays whole on every rank
+  (tests/loading/test_tensor_parallel.py loads this fusion on two ranks, with and without it).
 
 Then ``register_fusion("swiglu", SwiGLUFusionSpec())`` and load with ``fusion_config={"swiglu": True}``.
 """
@@ -33,8 +36,11 @@ from transformers.activations import ACT2FN
 import modelpatch
 from modelpatch import (
     Concatenate,
+    FusedParts,
     FusionError,
     ModuleFusionSpec,
+    TensorParallelLayout,
+    TensorParallelShard,
     WeightConverter,
     WeightRenaming,
     register_fusion,
@@ -88,6 +94,20 @@ class SwiGLUFusionSpec(ModuleFusionSpec):
             ),
             WeightRenaming(r"\.mlp\.down_proj\.weight$", ".mlp.w3.weight"),
         ]
+
+    def tensor_parallel_layout(self, module, rules, ranks):
+        # Where the model's plan shards the stock MLP (gate and up colwise, down rowwise), shard SwiGLU alike: each
+        # rank holds its block of gate's rows and of up's rows in w12 (so that its chunk(2) splits them), and w3 sums
+        # the ranks' partial outputs. A plan that shards no part of the MLP leaves it whole.
+        if not rules.keys() & {"gate_proj", "up_proj", "down_proj"}:
+            return None
+        return TensorParallelLayout(
+            replaces=frozenset({"gate_proj", "up_proj", "down_proj"}),
+            shards={
+                "w12": TensorParallelShard("colwise", parts=FusedParts((module.intermediate_size,) * 2)),
+                "w3": TensorParallelShard("rowwise"),
+            },
+        )
 
 
 @pytest.fixture
@@ -191,3 +211,17 @@ def test_overwriting_a_fusion_takes_effect(tiny):
     assert hasattr(attention, "kv_proj") and not hasattr(attention, "qkv_proj")
     assert attention.kv_proj.part_sizes == (16, 16)
     assert_outputs_close(ckpt.outputs(ckpt.load({"qkv": True})), ckpt.stock_outputs())
+
+
+# --- Under tensor parallelism (tests/loading/test_tensor_parallel.py) --------------------------------------------
+
+
+class WholeSwiGLUFusionSpec(SwiGLUFusionSpec):
+    """The example without its ``tensor_parallel_layout``: ModuleFusionSpec's default, which leaves the fused MLP
+    whole on every rank of a ``tp_plan`` load."""
+
+    tensor_parallel_layout = ModuleFusionSpec.tensor_parallel_layout
+
+
+# The names the tensor-parallel tests register these fusions under (in their ranks and in the test process).
+TENSOR_PARALLEL_FUSIONS = {"swiglu": SwiGLUFusionSpec, "swiglu_whole": WholeSwiGLUFusionSpec}

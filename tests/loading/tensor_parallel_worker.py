@@ -17,6 +17,9 @@ import transformers
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
+sys.path.insert(1, str(Path(__file__).parents[1] / "fusions"))  # the worked example of a user-defined fusion
+
+from test_user_defined_fusion import TENSOR_PARALLEL_FUSIONS
 
 import modelpatch
 from modelpatch.loading import parallel
@@ -64,6 +67,8 @@ def main() -> None:
 
     # Counts the bytes each rank's load hands over to be copied or kept (what it reads of the files).
     parallel.ShardedLoad.fetch = counting_fetch
+    for fusion, spec in TENSOR_PARALLEL_FUSIONS.items():
+        modelpatch.register_fusion(fusion, spec())
     for case in job["cases"]:
         name, path = case["name"], Path(case["path"])
         model_class = getattr(transformers, case["class"])

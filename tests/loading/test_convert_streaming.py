@@ -17,11 +17,12 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 import modelpatch
 from modelpatch.loading.convert import plan_conversion
 from support.compare import module_types
+from support.models import sized_config
 
 STREAMED = "Converted"
 THROUGH_A_MODEL = "converting through a loaded model"
@@ -274,14 +275,7 @@ def test_memory_holds_a_group_not_the_checkpoint(tmp_path):
     bytes one after the other and the way back writes row ranges of the fused tensors, all copied file to file
     (~1 MB of growth is seen). A conversion computing one layer's fused gate/up in memory would grow by 13 MB
     (2 x 2048 x 768 fp32) and its source pages; one holding the model by all 170 MB."""
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=6,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-    )
+    config = sized_config("llama", vocab=256, hidden=768, intermediate=2048, layers=6, heads=8, kv_heads=8)
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(tmp_path / "src")
     size = sum(p.stat().st_size for p in (tmp_path / "src").glob("*.safetensors"))

@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import modelpatch
+from support.checkpoints import layers_on_disk
 
 
 def _logits(model, checkpoint):
@@ -24,18 +25,11 @@ def test_auto_device_map_fits_on_cpu_and_matches_stock(stock_checkpoint):
 
 def test_disk_offload_with_fusions_matches_stock(stock_checkpoint, tmp_path):
     checkpoint = stock_checkpoint("llama")
-    device_map = {
-        "model.embed_tokens": "cpu",
-        "model.layers": "disk",
-        "model.norm": "cpu",
-        "model.rotary_emb": "cpu",
-        "lm_head": "cpu",
-    }
     model = modelpatch.from_pretrained(
         AutoModelForCausalLM,
         checkpoint.path,
         fusion_config={"qkv": True},
-        device_map=device_map,
+        device_map=layers_on_disk(),
         offload_folder=tmp_path,
     )
     assert model.model.layers[0].self_attn.qkv_proj.weight.device.type == "meta"  # offloaded, streamed from disk

@@ -25,6 +25,7 @@ from modelpatch import CheckpointError
 from modelpatch.loading import keywords
 from modelpatch.loading import options as options_module
 from modelpatch.loading.options import LoadOptions
+from support.checkpoints import layers_on_disk
 from support.compare import assert_bitwise_equal
 
 # Private keywords of stock from_pretrained (telemetry, backward compatibility): not part of its public interface.
@@ -250,19 +251,12 @@ def test_download_options_mean_nothing_for_local_directories(stock_checkpoint):
 
 def test_offload_buffers_reaches_accelerate(stock_checkpoint, tmp_path):
     checkpoint = stock_checkpoint("llama")
-    device_map = {
-        "model.embed_tokens": "cpu",
-        "model.layers": "disk",
-        "model.norm": "cpu",
-        "model.rotary_emb": "cpu",
-        "lm_head": "cpu",
-    }
     stock = AutoModelForCausalLM.from_pretrained(checkpoint.path)
     for offload_buffers in (False, True):
         model = modelpatch.from_pretrained(
             AutoModelForCausalLM,
             checkpoint.path,
-            device_map=device_map,
+            device_map=layers_on_disk(),
             offload_folder=tmp_path / str(offload_buffers),
             offload_buffers=offload_buffers,
         )

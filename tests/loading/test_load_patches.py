@@ -16,6 +16,7 @@ from modelpatch.conversion.registry import get_checkpoint_conversion_mapping
 from modelpatch.errors import PatchError
 from support.compare import assert_bitwise_equal
 from support.files import rewrite_checkpoint
+from support.models import sized_config
 
 
 class CountingMLP(LlamaMLP):
@@ -59,15 +60,7 @@ def test_patcher_wins_over_the_registry_and_is_scoped(stock_checkpoint):
 
 
 def test_patcher_applies_to_from_config():
-    config = AutoConfig.for_model(
-        "llama",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
+    config = sized_config("llama", vocab=64, hidden=32, intermediate=48, layers=1, heads=2, kv_heads=1)
     model = modelpatch.from_config(AutoModelForCausalLM, config, patcher=Patcher({"LlamaMLP": CountingMLP}))
     assert type(model.model.layers[0].mlp) is CountingMLP
     assert type(modelpatch.from_config(AutoModelForCausalLM, config).model.layers[0].mlp) is LlamaMLP
@@ -168,15 +161,7 @@ def test_a_key_that_matches_nothing_in_a_load_is_a_warning_naming_it(stock_check
     assert type(model.model.layers[0].mlp) is OtherMLP
 
     caplog.clear()
-    config = AutoConfig.for_model(
-        "llama",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
+    config = sized_config("llama", vocab=64, hidden=32, intermediate=48, layers=1, heads=2, kv_heads=1)
     with caplog.at_level(logging.WARNING, logger="modelpatch"):
         modelpatch.from_config(AutoModelForCausalLM, config, patcher=patcher)
     assert "'LlamaAtention' of the Patcher matched no class" in caplog.text

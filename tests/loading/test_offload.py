@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 import modelpatch
 from modelpatch.checkpoint import Checkpoint
 from modelpatch.errors import CheckpointError
-from modelpatch.loading.offload import offloaded_weights
+from modelpatch.loading.record import offloaded_weights
 
 FUSED = {"qkv": True, "gate_up": True}
 PARTIAL = {

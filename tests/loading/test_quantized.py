@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 import modelpatch
 from modelpatch.checkpoint import Checkpoint
@@ -27,6 +28,7 @@ from modelpatch.errors import LoadPlanError, SaveError
 from modelpatch.loading.quantization import quantizer_api_supported
 from support.compare import assert_bitwise_equal, bits
 from support.files import read_tensors
+from support.models import sized_config
 
 # The oldest transformers releases of the supported range have another quantizer API: there modelpatch refuses
 # quantized checkpoints by name (tests/loading/test_load_errors.py checks that).
@@ -44,17 +46,10 @@ FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 def _config(model_type: str, **overrides):
     # hidden 256 and intermediate 384: 2 x 3 blocks of 128 per projection, so block scales matter.
-    values = dict(
-        vocab_size=128,
-        hidden_size=256,
-        intermediate_size=384,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
+    fixed = {"max_position_embeddings": 64, "tie_word_embeddings": False}
+    return sized_config(
+        model_type, vocab=128, hidden=256, intermediate=384, layers=2, heads=4, kv_heads=2, **{**fixed, **overrides}
     )
-    return AutoConfig.for_model(model_type, **{**values, **overrides})
 
 
 FP8_MODELS = {
@@ -90,21 +85,41 @@ def write_fp8_checkpoint(config, path: Path) -> Path:
         for param in model.parameters():
             param.add_(torch.randn_like(param, dtype=torch.float32).to(param.dtype) * 0.05)
     model.save_pretrained(path)
-    tensors = {}
-    for key, tensor in load_file(str(path / "model.safetensors")).items():
-        if _is_quantized_projection(key):
-            tensors[key], tensors[key.removesuffix("weight") + "weight_scale_inv"] = quantize_fp8_blockwise(tensor)
-        else:
-            tensors[key] = tensor
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    raw = json.loads((path / "config.json").read_text())
-    raw["quantization_config"] = {
+    settings = {
         "quant_method": "fp8",
         "fmt": "e4m3",
         "activation_scheme": "dynamic",
         "weight_block_size": [BLOCK, BLOCK],
     }
-    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    return _quantize_projections(path, _fp8_blockwise, settings)
+
+
+def _fp8_blockwise(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """:func:`quantize_fp8_blockwise`'s weight and scale, by name suffix."""
+    quantized, scale_inv = quantize_fp8_blockwise(weight)
+    return {"weight": quantized, "weight_scale_inv": scale_inv}
+
+
+def _quantize_projections(
+    path: Path, quantize: Callable[[torch.Tensor], dict[str, torch.Tensor]], settings: dict
+) -> Path:
+    """Replace each projection weight of ``path``'s single-file checkpoint by what ``quantize`` makes of it (name
+    suffix -> tensor: the weight and its scale), and declare ``settings`` as its quantization_config."""
+    tensors = {}
+    for key, tensor in load_file(str(path / "model.safetensors")).items():
+        if _is_quantized_projection(key):
+            tensors.update({key.removesuffix("weight") + suffix: part for suffix, part in quantize(tensor).items()})
+        else:
+            tensors[key] = tensor
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return _declare_quantization(path, settings)
+
+
+def _declare_quantization(path: Path, settings: dict) -> Path:
+    """``settings`` as the quantization_config of ``path``'s config.json."""
+    raw = json.loads((path / "config.json").read_text())
+    raw["quantization_config"] = settings
+    (path / "config.json").write_text(json.dumps(raw))
     return path
 
 
@@ -309,10 +324,7 @@ def test_torchao_checkpoint_with_a_fusion_that_would_concatenate_it_is_refused(t
 
 def _with_quantization_config(source: Path, path: Path, settings: dict) -> Path:
     shutil.copytree(source, path)
-    raw = json.loads((path / "config.json").read_text())
-    raw["quantization_config"] = settings
-    (path / "config.json").write_text(json.dumps(raw))
-    return path
+    return _declare_quantization(path, settings)
 
 
 def test_torchao_settings_on_a_full_precision_checkpoint_are_refused_naming_them(
@@ -440,17 +452,7 @@ def compressed_tensors_checkpoint(plain_llama, tmp_path_factory) -> Path:
     pytest.importorskip("compressed_tensors")
     path = tmp_path_factory.mktemp("compressed") / "llama"
     shutil.copytree(plain_llama, path)
-    tensors = {}
-    for key, tensor in load_file(str(path / "model.safetensors")).items():
-        if _is_quantized_projection(key):
-            scale = tensor.float().abs().amax(dim=1, keepdim=True) / FP8_MAX
-            tensors[key] = (tensor.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-            tensors[key.removesuffix("weight") + "weight_scale"] = scale.to(torch.bfloat16)
-        else:
-            tensors[key] = tensor
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    raw = json.loads((path / "config.json").read_text())
-    raw["quantization_config"] = {
+    settings = {
         "quant_method": "compressed-tensors",
         "format": "float-quantized",
         "quantization_status": "compressed",
@@ -469,8 +471,16 @@ def compressed_tensors_checkpoint(plain_llama, tmp_path_factory) -> Path:
             }
         },
     }
-    (path / "config.json").write_text(json.dumps(raw))
-    return path
+    return _quantize_projections(path, _fp8_channelwise, settings)
+
+
+def _fp8_channelwise(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """float8_e4m3fn weight and its ``weight_scale`` (one bfloat16 scale per output channel: amax / 448)."""
+    scale = weight.float().abs().amax(dim=1, keepdim=True) / FP8_MAX
+    return {
+        "weight": (weight.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn),
+        "weight_scale": scale.to(torch.bfloat16),
+    }
 
 
 def test_compressed_tensors_checkpoint_loads_like_stock(compressed_tensors_checkpoint):

@@ -1,7 +1,8 @@
 """Tensor-parallel loading: two CPU processes under ``torchrun`` with the gloo backend.
 
 Every case runs in one launch (tensor_parallel_worker.py): llama plain and with fused q/k/v and gate/up, qwen2_moe
-with per-expert Linear experts and plain. Each rank's logits must equal the single-process stock model's, the TP
+with per-expert Linear experts and plain, llama with a user-defined fusion (tests/fusions/test_user_defined_fusion.py)
+declaring its sharding and declaring none. Each rank's logits must equal the single-process stock model's, the TP
 model's saves must be byte-identical to the single-process saves, each rank must read only its shards, and an
 unfused model must be sharded exactly as transformers' own TP load shards it (same DTensor placements, same hooks).
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from test_user_defined_fusion import TENSOR_PARALLEL_FUSIONS
 from transformers import (
     AutoModelForCausalLM,
     DistributedConfig,
@@ -25,6 +27,7 @@ from transformers import (
 )
 
 import modelpatch
+from modelpatch import register_fusion
 from modelpatch._transformers import tensor_parallel_supported
 from modelpatch.loading.parallel import TensorParallelError
 from support.checkpoints import CheckpointSpec, TinyCheckpoint, perturb
@@ -44,11 +47,22 @@ CASES = {
     "llama_tied": ("llama_tied", None, True),  # embeddings and head share one sharded weight
     "qwen2_moe_linear_experts": ("qwen2_moe", {"linear_experts": True}, False),
     "qwen2_moe": ("qwen2_moe", None, True),
+    "llama_user_fusion": ("llama", {"swiglu": True}, False),  # declares its sharding
+    "llama_user_fusion_whole": ("llama", {"swiglu_whole": True}, False),  # declares none: its MLPs stay whole
 }
+# Cases whose every parameter is sharded over the ranks.
+SHARDED_CASES = sorted(set(CASES) - {"llama_user_fusion_whole"})
 
 
 # A tp_plan rule naming no module (q_proj misspelt): transformers warns and shards without it.
 PLAN_TYPO = "model.layers.*.self_attn.qq_proj"
+
+
+@pytest.fixture(autouse=True)
+def user_fusions():
+    """The user-defined fusions of the cases, registered here too (as in the ranks) for the single-process loads."""
+    for name, spec in TENSOR_PARALLEL_FUSIONS.items():
+        register_fusion(name, spec())
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +145,7 @@ def test_every_rank_streams_the_saved_checkpoint(tp_run, case_id):
         assert_bitwise_equal(record["streamed"], saved)
 
 
-@pytest.mark.parametrize("case_id", sorted(CASES))
+@pytest.mark.parametrize("case_id", SHARDED_CASES)
 def test_each_rank_reads_only_its_shards(tp_run, checkpoints, case_id):
     checkpoint_bytes = (checkpoints[CASES[case_id][0]].path / "model.safetensors").stat().st_size
     for record in _records(tp_run, case_id):
@@ -161,6 +175,21 @@ def test_experts_shard_like_stock_experts(tp_run):
     assert params[f"{expert}.gate_proj.weight"][1:] == ("(Shard(dim=0),)", (8, 32))
     assert params[f"{expert}.up_proj.weight"][1:] == ("(Shard(dim=0),)", (8, 32))
     assert params[f"{expert}.down_proj.weight"][1:] == ("(Shard(dim=1),)", (32, 8))
+
+
+def test_a_user_fusion_shards_as_it_declares(tp_run):
+    params = _records(tp_run, "llama_user_fusion")[0]["layout"]["params"]
+    # w12: half of gate's 64 rows and half of up's on each rank; w3 split along its input, as stock's down_proj.
+    assert params["model.layers.0.mlp.w12.weight"] == ("Tensor", None, (64, 32))
+    assert params["model.layers.0.mlp.w3.weight"][1:] == ("(Shard(dim=1),)", (32, 32))
+
+
+def test_a_user_fusion_declaring_no_sharding_stays_whole_on_every_rank(tp_run):
+    for record in _records(tp_run, "llama_user_fusion_whole"):
+        params = record["layout"]["params"]
+        assert params["model.layers.0.mlp.w12.weight"] == ("Tensor", None, (128, 32))
+        assert params["model.layers.0.mlp.w3.weight"] == ("Tensor", None, (32, 64))
+        assert params["model.layers.0.self_attn.o_proj.weight"][1:] == ("(Shard(dim=1),)", (32, 16))
 
 
 def test_plan_rules_naming_nothing_are_refused_on_every_rank(tp_run):

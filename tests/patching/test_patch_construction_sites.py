@@ -24,9 +24,8 @@ from transformers import (
 )
 from transformers.models.bloom.modeling_bloom import BloomGelu
 
-import modelpatch
 from support.models import VOCAB, tiny_config
-from support.patching import build, input_ids, module_classes
+from support.patching import build, input_ids, module_classes, patched_build
 
 
 class TanhGelu(nn.Module):
@@ -50,10 +49,7 @@ def _qwen2_vl_config() -> PretrainedConfig:
 
 def test_a_class_modeling_code_constructs_without_arguments_is_replaced():
     config = _bloom_config()
-    reference = build(BloomForCausalLM, config)
-    modelpatch.register_patch_mapping({"BloomGelu": TanhGelu})
-    with modelpatch.apply_patches():
-        patched = build(BloomForCausalLM, config, seed=1)
+    with patched_build(BloomForCausalLM, config, {"BloomGelu": TanhGelu}) as (reference, patched):
         # Copies made inside the scope call __new__ without arguments too, from copy's own code: untouched.
         copied = copy.deepcopy(reference)
         unpickled = pickle.loads(pickle.dumps(reference))
@@ -72,10 +68,10 @@ def test_a_class_modeling_code_constructs_without_arguments_is_replaced():
 
 def test_a_torch_class_a_modeling_module_imports_by_name_is_replaced_there_only():
     config = _qwen2_vl_config()
-    reference = build(Qwen2VLForConditionalGeneration, config)
-    modelpatch.register_patch_mapping({"^LayerNorm$": MarkedLayerNorm})
-    with modelpatch.apply_patches():
-        patched = build(Qwen2VLForConditionalGeneration, config, seed=1)
+    with patched_build(Qwen2VLForConditionalGeneration, config, {"^LayerNorm$": MarkedLayerNorm}) as (
+        reference,
+        patched,
+    ):
         # BERT's modeling module calls nn.LayerNorm(...) (no name imported): untouched, like a direct construction.
         bert = BertModel(tiny_config("bert", num_hidden_layers=1))
         direct = nn.LayerNorm(8)

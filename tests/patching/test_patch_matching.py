@@ -42,6 +42,7 @@ from support.patching import (
     llama_config,
     module_classes,
     qwen2_moe_config,
+    reference_and_patched,
 )
 
 # --- exact names and patterns ------------------------------------------------------------------------------------
@@ -146,10 +147,9 @@ def test_qwen2_moe_exact_and_pattern():
 
 def test_qwen2_moe_subclass_replacement_keeps_outputs():
     config = qwen2_moe_config()
-    reference = build(Qwen2MoeForCausalLM, config)
-    modelpatch.register_patch_mapping({"Qwen2MoeAttention": MarkedQwen2MoeAttention})
-    with modelpatch.apply_patches():
-        patched = build(Qwen2MoeForCausalLM, config, seed=1)
+    reference, patched = reference_and_patched(
+        Qwen2MoeForCausalLM, config, {"Qwen2MoeAttention": MarkedQwen2MoeAttention}
+    )
     patched.load_state_dict(reference.state_dict())
     assert Qwen2MoeAttention not in module_classes(patched)
     ids = input_ids()
@@ -271,10 +271,7 @@ def test_replacement_is_not_replaced_again_by_a_matching_pattern():
 
 def test_bert_narrow_self_attention_pattern_keeps_the_model_working():
     config = bert_config()
-    reference = build(BertModel, config)
-    modelpatch.register_patch_mapping({".*SelfAttention$": MarkedBertSelfAttention})
-    with modelpatch.apply_patches():
-        patched = build(BertModel, config, seed=1)
+    reference, patched = reference_and_patched(BertModel, config, {".*SelfAttention$": MarkedBertSelfAttention})
 
     for layer in patched.encoder.layer:
         assert type(layer.attention) is BertAttention  # the container is untouched ...
@@ -296,10 +293,7 @@ def test_bert_narrow_self_attention_pattern_keeps_the_model_working():
 def test_bert_broad_attention_pattern_swaps_the_container():
     """The documented pitfall: ``.*Attention`` also matches ``BertAttention``, the container of self/output."""
     config = bert_config()
-    reference = build(BertModel, config)
-    modelpatch.register_patch_mapping({".*Attention": MarkedBertSelfAttention})
-    with modelpatch.apply_patches():
-        broken = build(BertModel, config, seed=1)
+    reference, broken = reference_and_patched(BertModel, config, {".*Attention": MarkedBertSelfAttention})
 
     for layer in broken.encoder.layer:
         # BertAttention's construction was replaced: the container *is* a self-attention now ...

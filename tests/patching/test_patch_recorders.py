@@ -26,6 +26,7 @@ from support.patching import (
     input_ids,
     llama_config,
     qwen2_moe_config,
+    reference_and_patched,
 )
 
 LAYERS = 3
@@ -72,10 +73,8 @@ def test_output_attentions_on_patched_and_unpatched_models(case):
     model_cls, config_fn, name, replacement, remap_state = CASES[case]
     config = config_fn(num_hidden_layers=LAYERS)
 
-    before = build(model_cls, config)  # built (and never run) before the patch exists
-    modelpatch.register_patch_mapping({name: replacement})
-    with modelpatch.apply_patches():
-        patched = build(model_cls, config, seed=1)
+    # before: built (and never run) before the patch exists
+    before, patched = reference_and_patched(model_cls, config, {name: replacement})
     after = build(model_cls, config, seed=2)
 
     assert {type(layer.self_attn) for layer in patched.model.layers} == {replacement}
@@ -142,10 +141,9 @@ def test_subclass_and_wrapper_replacements_leave_recorders_unchanged():
 
 def test_router_logits_recorded_from_a_non_subclass_router():
     config = qwen2_moe_config(num_hidden_layers=LAYERS)
-    before = build(Qwen2MoeForCausalLM, config)
-    modelpatch.register_patch_mapping({"Qwen2MoeTopKRouter": ReimplementedQwen2MoeRouter})
-    with modelpatch.apply_patches():
-        patched = build(Qwen2MoeForCausalLM, config, seed=1)
+    before, patched = reference_and_patched(
+        Qwen2MoeForCausalLM, config, {"Qwen2MoeTopKRouter": ReimplementedQwen2MoeRouter}
+    )
     after = build(Qwen2MoeForCausalLM, config, seed=2)
     assert {type(layer.mlp.gate) for layer in patched.model.layers} == {ReimplementedQwen2MoeRouter}
     assert {type(layer.mlp.gate) for layer in after.model.layers} == {Qwen2MoeTopKRouter}

@@ -6,6 +6,8 @@ import asyncio
 import copy
 import pickle
 import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import pytest
 import torch
@@ -142,26 +144,20 @@ def test_other_thread_builds_originals_while_a_scope_builds_concurrently(name):
     errors: list[str] = []
     seen: dict[str, set[type]] = {"patched": set(), "plain": set()}
 
-    def patched_thread():
+    def builds(kind: str, scope: Callable[[], AbstractContextManager[object]]) -> None:
         try:
-            with modelpatch.apply_patches():
+            with scope():
                 for _ in range(iterations):
                     barrier.wait(timeout=30)
-                    seen["patched"] |= module_classes(model_cls(config))
+                    seen[kind] |= module_classes(model_cls(config))
         except BaseException as exc:  # noqa: BLE001
             errors.append(repr(exc))
             barrier.abort()
 
-    def plain_thread():
-        try:
-            for _ in range(iterations):
-                barrier.wait(timeout=30)
-                seen["plain"] |= module_classes(model_cls(config))
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(repr(exc))
-            barrier.abort()
-
-    threads = [threading.Thread(target=patched_thread), threading.Thread(target=plain_thread)]
+    threads = [
+        threading.Thread(target=builds, args=("patched", modelpatch.apply_patches)),
+        threading.Thread(target=builds, args=("plain", nullcontext)),
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:

@@ -20,13 +20,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 import modelpatch
 from modelpatch.checkpoint import writer
 from support.checkpoints import perturb
 from support.compare import assert_bitwise_equal, bitwise_equal
 from support.files import read_tensors, siblings, snapshot
+from support.models import sized_config
 
 pytestmark = [
     pytest.mark.reliability,
@@ -42,14 +43,8 @@ WORKER = Path(__file__).with_name("save_worker.py")
 @pytest.fixture(scope="module")
 def previous(tmp_path_factory) -> Path:
     """A ~54 MB fp32 Llama written by stock ``save_pretrained`` in ~6 MB shards: the checkpoint a save replaces."""
-    config = LlamaConfig(
-        vocab_size=4096,
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        tie_word_embeddings=False,
+    config = sized_config(
+        "llama", vocab=4096, hidden=512, intermediate=1024, layers=4, heads=8, kv_heads=4, tie_word_embeddings=False
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)

@@ -136,21 +136,25 @@ def test_a_registered_converter_for_the_fused_weights_is_refused_naming_both(sto
 # --- a fusion and a Patcher entry on the same class ----------------------------------------------------------------
 
 
-def test_a_fusion_of_a_class_the_patcher_replaces_is_refused_saying_so(stock):
+@pytest.mark.parametrize(
+    ("fusion", "mapping", "message"),
+    [
+        (
+            "gate_up",
+            {"LlamaMLP": SubclassMLP},
+            r"Fusion 'gate_up' would replace SubclassMLP, which the Patcher builds in "
+            r"place of what its key 'LlamaMLP' matches",
+        ),
+        (
+            "qkv",
+            {"Attention": WrappedAttention},
+            r"Fusion 'qkv' and the Patcher both replace LlamaAttention \(the Patcher's "
+            r"key 'Attention' -> WrappedAttention\)",
+        ),
+    ],
+    ids=["gate_up", "qkv"],
+)
+def test_a_fusion_of_a_class_the_patcher_replaces_is_refused_saying_so(stock, fusion, mapping, message):
     path = stock("llama").path
-    with pytest.raises(
-        FusionError,
-        match=r"Fusion 'gate_up' would replace SubclassMLP, which the Patcher builds in "
-        r"place of what its key 'LlamaMLP' matches",
-    ):
-        modelpatch.from_pretrained(
-            AutoModelForCausalLM, path, fusion_config={"gate_up": True}, patcher=Patcher({"LlamaMLP": SubclassMLP})
-        )
-    with pytest.raises(
-        FusionError,
-        match=r"Fusion 'qkv' and the Patcher both replace LlamaAttention \(the Patcher's "
-        r"key 'Attention' -> WrappedAttention\)",
-    ):
-        modelpatch.from_pretrained(
-            AutoModelForCausalLM, path, fusion_config={"qkv": True}, patcher=Patcher({"Attention": WrappedAttention})
-        )
+    with pytest.raises(FusionError, match=message):
+        modelpatch.from_pretrained(AutoModelForCausalLM, path, fusion_config={fusion: True}, patcher=Patcher(mapping))

@@ -12,11 +12,12 @@ import gc
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from transformers import LlamaConfig, LlamaModel
+from transformers import LlamaModel
 from transformers.models.llama.modeling_llama import LlamaAttention
 
 import modelpatch
 from modelpatch import Patcher
+from support.models import sized_config
 
 pytestmark = pytest.mark.reliability
 
@@ -30,14 +31,8 @@ class OtherTaggedAttention(LlamaAttention):
 
 
 def _attention() -> type:
-    config = LlamaConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=16,
+    config = sized_config(
+        "llama", vocab=32, hidden=16, intermediate=32, layers=1, heads=2, kv_heads=1, max_position_embeddings=16
     )
     return type(LlamaModel(config).layers[0].self_attn)
 

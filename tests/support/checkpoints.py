@@ -194,6 +194,18 @@ STOCK_CHECKPOINTS: dict[str, CheckpointSpec] = {
 }
 
 
+def layers_on_disk() -> dict[str, str]:
+    """A device map of the stock Llama checkpoints: the decoder layers offloaded to disk, the rest on the CPU (a new
+    dict at each call, since a load may keep or change the one it gets)."""
+    return {
+        "model.embed_tokens": "cpu",
+        "model.layers": "disk",
+        "model.norm": "cpu",
+        "model.rotary_emb": "cpu",
+        "lm_head": "cpu",
+    }
+
+
 @dataclass
 class TinyCheckpoint:
     """A stock-saved checkpoint directory, how it was made, and the reference (stock) model loaded from it."""

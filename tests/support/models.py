@@ -2,7 +2,7 @@
 
 Grouped-query attention everywhere (4 query heads, 2 key/value heads: fused q/k/v parts are 32/16/16 rows at the
 default width), two layers, untied heads. ``WIDE`` widens a text config (the loader and reliability checkpoints use it,
-so that their shards and expert slices have room).
+so that their shards and expert slices have room). ``sized_config`` builds a text config of sizes a test chooses itself.
 """
 
 from __future__ import annotations
@@ -42,37 +42,19 @@ _TEXT_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 _MROPE = {"type": "mrope", "mrope_section": [1, 1, 2]}
+# The vision tower of the three vision-language types: one block of width 32, 2 heads, RGB patches over 2 frames,
+# merged 2x2. Qwen2.5-VL and Qwen3-VL add an MLP of width 64 and a merger out to the text width.
+_VISION: dict[str, Any] = dict(
+    depth=1, hidden_size=32, num_heads=2, in_channels=3, spatial_merge_size=2, temporal_patch_size=2
+)
+_VISION_WITH_MLP: dict[str, Any] = dict(_VISION, intermediate_size=64, out_hidden_size=32)
 # Vision-language types: (text config keywords, vision config keywords). Qwen3-VL: 16x16 patches and a Conv3d *with*
 # bias (the other two have none).
 _VISION_LANGUAGE_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    "qwen2_vl": (
-        dict(TEXT, rope_scaling=_MROPE),
-        dict(
-            depth=1,
-            embed_dim=32,
-            hidden_size=32,
-            num_heads=2,
-            in_channels=3,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-        ),
-    ),
+    "qwen2_vl": (dict(TEXT, rope_scaling=_MROPE), dict(_VISION, embed_dim=32, patch_size=14)),
     "qwen2_5_vl": (
         dict(TEXT, rope_scaling=_MROPE),
-        dict(
-            depth=1,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            in_channels=3,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            out_hidden_size=32,
-            fullatt_block_indexes=[0],
-            window_size=56,
-        ),
+        dict(_VISION_WITH_MLP, patch_size=14, fullatt_block_indexes=[0], window_size=56),
     ),
     "qwen3_vl": (
         dict(
@@ -80,19 +62,7 @@ _VISION_LANGUAGE_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
             head_dim=8,
             rope_scaling={"rope_type": "default", "mrope_section": [1, 1, 2], "mrope_interleaved": True},
         ),
-        dict(
-            depth=1,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            in_channels=3,
-            patch_size=16,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            out_hidden_size=32,
-            num_position_embeddings=64,
-            deepstack_visual_indexes=[0],
-        ),
+        dict(_VISION_WITH_MLP, patch_size=16, num_position_embeddings=64, deepstack_visual_indexes=[0]),
     ),
 }
 
@@ -123,6 +93,33 @@ TINY_CONFIGS: dict[str, Callable[..., PretrainedConfig]] = {
 def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
     """A tiny config of ``model_type`` (a key of :data:`TINY_CONFIGS`), ``overrides`` applied."""
     return TINY_CONFIGS[model_type](**overrides)
+
+
+def sized_config(
+    model_type: str,
+    *,
+    vocab: int,
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int | None = None,
+    **overrides: Any,
+) -> PretrainedConfig:
+    """A text config of ``model_type`` of exactly these sizes, ``overrides`` applied last (they may replace a size).
+
+    For the tests whose checks depend on sizes of their own (file sizes, memory bounds, quantization blocks); the
+    others take :func:`tiny_config`. ``kv_heads`` left out keeps the type's default (as many as ``heads``)."""
+    sizes: dict[str, Any] = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+    )
+    if kv_heads is not None:
+        sizes["num_key_value_heads"] = kv_heads
+    return AutoConfig.for_model(model_type, **{**sizes, **overrides})
 
 
 def wide(**overrides: Any) -> dict[str, Any]:

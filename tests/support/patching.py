@@ -7,6 +7,8 @@ No mocks: every replacement is a real ``nn.Module`` that runs inside a real tran
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -16,6 +18,7 @@ from transformers.models.bert.modeling_bert import BertSelfAttention
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeAttention, Qwen2MoeExperts, Qwen2MoeTopKRouter
 
+import modelpatch
 from support.models import VOCAB, tiny_config
 
 SEQ_LEN = 5
@@ -46,6 +49,26 @@ def build(model_class: type[nn.Module], config: PretrainedConfig, seed: int = 0)
     """``model_class(config)`` in eval mode, its random initialisation seeded by ``seed``."""
     torch.manual_seed(seed)
     return model_class(config).eval()
+
+
+@contextmanager
+def patched_build(
+    model_class: type[nn.Module], config: PretrainedConfig, mapping: dict[str, type]
+) -> Iterator[tuple[nn.Module, nn.Module]]:
+    """The reference ``build(model_class, config)``, then ``mapping`` registered and, inside ``apply_patches``, the
+    patched build (seed 1); the body of the ``with`` runs inside that scope too."""
+    reference = build(model_class, config)
+    modelpatch.register_patch_mapping(mapping)
+    with modelpatch.apply_patches():
+        yield reference, build(model_class, config, seed=1)
+
+
+def reference_and_patched(
+    model_class: type[nn.Module], config: PretrainedConfig, mapping: dict[str, type]
+) -> tuple[nn.Module, nn.Module]:
+    """:func:`patched_build` with nothing else done inside the scope."""
+    with patched_build(model_class, config, mapping) as models:
+        return models
 
 
 def input_ids(vocab_size: int = VOCAB, seq_len: int = SEQ_LEN) -> torch.Tensor:

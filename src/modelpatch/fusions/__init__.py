@@ -9,6 +9,7 @@ from .linear_experts import LinearExpertsFusionSpec, LinearExpertsOptions
 from .patch_embeddings import PatchEmbeddingsFusionSpec
 from .projections import GateUpFusionSpec, QKVFusionSpec
 from .registry import available_fusions, get_fusion, register_fusion, unregister_fusion
+from .sharding import FusedParts, TensorParallelLayout, TensorParallelShard
 from .spec import FusionOptions, ModuleFusionSpec
 
 register_fusion("patch_embeddings", PatchEmbeddingsFusionSpec())
@@ -17,6 +18,7 @@ register_fusion("gate_up", GateUpFusionSpec())
 register_fusion("linear_experts", LinearExpertsFusionSpec())
 
 __all__ = [
+    "FusedParts",
     "FusionOptions",
     "GateUpFusionSpec",
     "LinearExpertsFusionSpec",
@@ -24,6 +26,8 @@ __all__ = [
     "ModuleFusionSpec",
     "PatchEmbeddingsFusionSpec",
     "QKVFusionSpec",
+    "TensorParallelLayout",
+    "TensorParallelShard",
     "available_fusions",
     "get_fusion",
     "register_fusion",

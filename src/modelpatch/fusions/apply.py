@@ -41,6 +41,11 @@ class PreparedFusions:
     transforms: list[WeightTransform] = field(default_factory=list)
     filters: tuple[re.Pattern[str], ...] = ()
     fused: dict[str, list[str]] = field(default_factory=dict)
+    specs: dict[str, ModuleFusionSpec] = field(default_factory=dict)
+
+    def fused_modules(self) -> dict[str, ModuleFusionSpec]:
+        """Each fused module's dotted name -> the spec (with its options) that fused it."""
+        return {path: self.specs[name] for name, paths in self.fused.items() for path in paths}
 
     def adjust_conversions(self, conversions: Sequence[WeightTransform]) -> list[WeightTransform]:
         """Fusion transforms first, then ``conversions`` minus those the fused layout replaces."""
@@ -442,6 +447,7 @@ def prepare_fusions(
         if not modules[name]:
             continue
         prepared.fused[name] = sorted(modules[name])
+        prepared.specs[name] = spec
         transforms = spec_transforms(spec, config, modules[name], getattr(model, "base_model_prefix", ""))
         fusion_transforms.extend((name, t) for t in transforms)
         prepared.transforms.extend(transforms)

@@ -16,6 +16,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ..conversion.transforms import WeightTransform
+from .sharding import TensorParallelLayout
 
 
 class ModulesToFuse(dict[str, nn.Module]):
@@ -79,6 +80,8 @@ _HOOKS = {
     "make_fused_class": ("original_cls",),
     "make_transforms": ("config", "modules"),
     "finish_module": ("module",),
+    "tensor_parallel_layout": ("module", "rules", "ranks"),
+    "finish_tensor_parallel": ("module", "layout", "ranks"),
 }
 
 
@@ -177,6 +180,29 @@ class ModuleFusionSpec(ABC):
     def finish_module(self, module: nn.Module) -> None:  # noqa: B027 - an optional hook, a no-op by default
         """Called on each fused module once it holds its final tensors (after a load or a live fuse); default:
         nothing. For modules that lay their loaded tensors out for speed."""
+
+    def tensor_parallel_layout(
+        self, module: nn.Module, rules: Mapping[str, str], ranks: int
+    ) -> TensorParallelLayout | None:
+        """How the fused ``module`` (an instance this spec made) splits over ``ranks`` tensor-parallel ranks.
+
+        ``rules`` are the model's TP plan rules at or under ``module``, named relative to it (``""`` for the module
+        itself; layer numbers as ``*``), with transformers' style names (``"colwise"``, ``"rowwise"``, ...): the plan
+        of the stock modules it replaced, which the layout translates. Raise
+        :class:`~modelpatch.errors.TensorParallelError` for rules the fused module cannot follow.
+
+        Default: None, the plan is left as it is: its rules for modules the fusion removed name nothing any more,
+        so the fused module's own tensors stay whole on every rank (replicated), and it computes what it computes
+        unsharded.
+        """
+        return None
+
+    def finish_tensor_parallel(  # noqa: B027 - an optional hook, a no-op by default
+        self, module: nn.Module, layout: TensorParallelLayout, ranks: int
+    ) -> None:
+        """Called on each fused module once tensor parallelism sharded it by ``layout`` (this spec's
+        :meth:`tensor_parallel_layout`); default: nothing. For modules whose forward reads sizes that sharding
+        changed (a projection slice's part sizes)."""
 
     def validate_options(self, options: Mapping[str, Any]) -> FusionOptions | None:
         """The typed options of ``fusion_config={name: options}``; ``TypeError`` / ``ValueError`` for unknown or

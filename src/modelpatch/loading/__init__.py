@@ -1,7 +1,8 @@
 """Loading and saving: ``from_pretrained``, ``from_config``, ``save_pretrained``."""
 
 from .load import PlannedLoad, from_config, from_pretrained, load_planned, plan_pretrained
-from .report import LoadReport, get_load_report
+from .record import get_load_report
+from .report import LoadReport
 from .restructure import fuse, patch_model, unfuse
 from .save import save_pretrained
 from .state_dict import iter_original_state_dict

@@ -9,48 +9,19 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import torch
 from transformers import PreTrainedModel
 
 from .._transformers import no_split_modules, skip_keys_device_placement
-from ..state import ensure_model_record
 from .modes import LoadMode
-from .offload import DiskOffload, meta_tensors, offloaded_weights
+from .offload import DiskOffload, meta_tensors
+from .record import ensure_model_record, offloaded_weights
 
 if TYPE_CHECKING:
+    import torch
+
     from ..checkpoint import Checkpoint
-    from .distributed import Rows
     from .plan import LoadPlan
-    from .save_stages import SavePlan
-
-_AUTO = ("auto", "balanced", "balanced_low_0", "sequential")
-
-
-def single_device(device_map: str | int | torch.device | Mapping[str, Any]) -> torch.device | None:
-    """The one device ``device_map`` puts the whole model on, or None when it asks for a dispatch.
-
-    As in transformers: a device name (``"cpu"``, ``"cuda:0"``; ``"cuda"`` is the ``LOCAL_RANK`` GPU), an index, a
-    ``torch.device`` or ``{"": device}`` mean one device; the model is then loaded straight onto it.
-    """
-    if isinstance(device_map, Mapping):
-        whole = device_map.get("") if len(device_map) == 1 else None
-        return None if whole is None or whole == "disk" else _device(whole)
-    if isinstance(device_map, str) and device_map in _AUTO:
-        return None
-    if device_map == "cuda":
-        device_map = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-    return _device(device_map)
-
-
-def _device(value: Any) -> torch.device:
-    if isinstance(value, bool) or (isinstance(value, int) and value < 0):
-        raise ValueError(f"device_map names no device: {value!r} (for the CPU, pass 'cpu').")
-    try:
-        return torch.device(value)
-    except (RuntimeError, TypeError):
-        raise ValueError(
-            f"device_map must be a dict or one of {_AUTO}, or a device ('cpu', 'cuda:0', 0), got {value!r}."
-        ) from None
+    from .save_plan import Rows, SavePlan
 
 
 def resolve_device_map(

@@ -11,7 +11,6 @@ of its mesh must make the same calls in the same order.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -20,7 +19,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ..errors import ModelPatchError, PeftIntegrationError, ShardingError
-from ..state import model_record
+from .record import model_record
+from .save_plan import Rows
 
 __all__ = [
     "Rows",
@@ -29,7 +29,6 @@ __all__ = [
     "local_part",
     "local_rows",
     "model_class",
-    "part_offsets",
     "shard_of",
     "full_tensor",
     "is_fsdp",
@@ -114,21 +113,6 @@ def refuse_adapters(model: nn.Module, what: str) -> None:
     )
 
 
-@dataclass(frozen=True)
-class Rows:
-    """The rows ``start:stop`` (of dim 0) of a tensor that this rank holds; ``writes``: whether this rank is the one
-    that writes them in a save (of a replicated tensor, only the first rank of each replicating mesh dimension)."""
-
-    start: int
-    stop: int
-    writes: bool
-
-    def window(self, offset: int, size: int) -> tuple[int, int] | None:
-        """The rows of a part lying at ``offset:offset + size`` that this rank holds, relative to the part."""
-        start, stop = max(self.start, offset), min(self.stop, offset + size)
-        return (start - offset, stop - offset) if start < stop else None
-
-
 def is_fully_sharded(model: nn.Module) -> bool:
     """Whether ``model`` holds ``DTensor`` parameters (FSDP2's ``fully_shard``, or a model sharded by hand)."""
     return any(isinstance(parameter, DTensor) for parameter in model.parameters())
@@ -182,12 +166,3 @@ def shard_of(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     if rows is not None and isinstance(target, DTensor):
         return full[rows.start : rows.stop]  # a view: what torch's own split of these placements gives, uncopied
     return local_part(shard_like(full, target))
-
-
-def part_offsets(sizes: Sequence[int]) -> list[int]:
-    """Where each of parts of ``sizes`` starts in their concatenation."""
-    offsets, start = [], 0
-    for size in sizes:
-        offsets.append(start)
-        start += size
-    return offsets

@@ -35,11 +35,13 @@ from ..checkpoint import Checkpoint
 from ..conversion.operations import Concatenate, MergeModulelist, run_operations
 from ..conversion.planner import ConversionGroup
 from ..errors import ModelPatchError
-from ..state import record_report, stored_fusion_config
-from .distributed import Rows, current_rank, local_part, local_rows, part_offsets, shard_of
+from ..fusions.sharding import FusedParts
+from ..state import stored_fusion_config
+from .distributed import Rows, current_rank, local_part, local_rows, shard_of
 from .load import execute_plan, plan_pretrained
 from .modes import LoadMode, TensorSource
 from .plan import LoadPlan
+from .record import record_report
 from .report import LoadReport
 
 logger = logging.getLogger(__name__)
@@ -143,12 +145,8 @@ class FullyShardedLoad(LoadMode):
                 return {targets[0]: torch.empty_like(local_part(self.targets[targets[0]]))}
             concatenated = group.concatenated_rows()
             if concatenated is not None:
-                sizes = [shape[0] for shape in _source_shapes(group)]
-                pieces = []
-                for key, offset, size in zip(concatenated, part_offsets(sizes), sizes, strict=True):
-                    window = rows.window(offset, size)
-                    if window is not None:
-                        pieces.append(fetch(key)[window[0] : window[1]])
+                parts = FusedParts(tuple(shape[0] for shape in _source_shapes(group)))
+                pieces = [fetch(concatenated[held.part])[held.rows] for held in parts.held(rows.start, rows.stop)]
                 return {targets[0]: _concatenated(pieces, group)}
             if _stacked_rows(group):
                 slots = [[fetch(key) for key in keys[rows.start : rows.stop]] for keys in group.sources]  # type: ignore[index]

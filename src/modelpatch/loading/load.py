@@ -48,11 +48,7 @@ from ..patching import registry
 from ..patching.mapping import PatchMapping
 from ..patching.patcher import Patcher
 from ..patching.scope import PatchScope
-from ..state import (
-    ensure_model_record,
-    is_runtime_layout,
-    record_report,
-)
+from ..state import is_runtime_layout
 from .build import (
     build_empty_model,
     build_empty_model_patched,
@@ -73,7 +69,8 @@ from .parallel import TensorParallelSetup, UnshardedPlan
 from .parallel import prepare as prepare_tensor_parallel
 from .plan import LoadPlan, model_expectations, plan_model_load
 from .quantization import load_quantization
-from .report import LoadReport, get_load_report
+from .record import ensure_model_record, get_load_report, record_report
+from .report import LoadReport
 from .state_dict import install_state_dict_boundary
 
 logger = logging.getLogger(__name__)

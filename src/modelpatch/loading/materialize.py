@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 
 import torch
 from torch import nn
@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from .._transformers import mark_initialized
 from ..checkpoint.pages import in_file_mapping, release_pages
-from ..conversion.planner import ConversionGroup
+from ..conversion.planner import ConversionGroup, ConversionPlan
 from .modes import LoadMode, TensorSource
 from .plan import LoadPlan
 
@@ -143,27 +143,55 @@ def load_into_model(
         disable=total_bytes < PROGRESS_BAR_MIN_BYTES,
         leave=False,
     ) as progress:
-        for runtime_key, checkpoint_key in plan.conversion.direct.items():
-            if runtime_key not in expected:
-                continue
-            tensor = source.fetch(checkpoint_key)
-            if place(runtime_key, tensor) and source.file_mapped(checkpoint_key):
-                release_pages(tensor)
-            progress.update(tensor.numel() * tensor.element_size())
-        for group in plan.conversion.groups:
-            sources: list[torch.Tensor] = []
+        fill(plan.conversion, source, place, run_group=run_group, wanted=expected, progress=progress.update)
 
-            def fetch_source(key: str) -> torch.Tensor:
-                tensor = source.fetch(key)
-                if source.file_mapped(key):
-                    sources.append(tensor)  # noqa: B023 - called only within this iteration, by group.run
-                return tensor
 
-            outputs = run_group(group, fetch_source)
-            for runtime_key, tensor in outputs.items():
-                if runtime_key in expected and place(runtime_key, tensor.contiguous()) and in_file_mapping(tensor):
-                    release_pages(tensor)  # a view of the file (joined), copied: as a direct tensor
-                progress.update(tensor.numel() * tensor.element_size())
-            del outputs
-            for tensor in sources:
-                release_pages(tensor)
+def _run_whole(group: ConversionGroup, fetch: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    return group.run(fetch)
+
+
+def fill(
+    conversion: ConversionPlan,
+    source: TensorSource,
+    place: Callable[[str, torch.Tensor], bool],
+    *,
+    run_group: Callable[[ConversionGroup, Callable[[str], torch.Tensor]], dict[str, torch.Tensor]] = _run_whole,
+    wanted: Container[str] | None = None,
+    progress: Callable[[int], object] = lambda size: None,
+) -> None:
+    """The fill stage: put every output of ``conversion`` that is ``wanted`` (default: all) on a model, through
+    ``place(key, tensor)``.
+
+    A direct tensor is ``source.fetch(source_key)``; a converted group is ``run_group(group, fetch)`` (default: run
+    whole) on the tensors it reads from ``source``, one group at a time, its outputs made contiguous. ``place`` says
+    whether it copied what it was given: then the file pages that tensor was read from are released (where
+    ``source.file_mapped`` says it is a view of a private file mapping), as are a group's sources once it ran.
+    ``progress`` is told the bytes of each tensor placed. A load fills its meta model from a checkpoint
+    (:func:`load_into_model`); a restructuring fills each new module from the live model's tensors
+    (:mod:`modelpatch.loading.restructure`).
+    """
+    for runtime_key, source_key in conversion.direct.items():
+        if wanted is not None and runtime_key not in wanted:
+            continue
+        tensor = source.fetch(source_key)
+        if place(runtime_key, tensor) and source.file_mapped(source_key):
+            release_pages(tensor)
+        progress(tensor.numel() * tensor.element_size())
+    for group in conversion.groups:
+        sources: list[torch.Tensor] = []
+
+        def fetch_source(key: str) -> torch.Tensor:
+            tensor = source.fetch(key)
+            if source.file_mapped(key):
+                sources.append(tensor)  # noqa: B023 - called only within this iteration, by run_group
+            return tensor
+
+        outputs = run_group(group, fetch_source)
+        for runtime_key, tensor in outputs.items():
+            wanted_here = wanted is None or runtime_key in wanted
+            if wanted_here and place(runtime_key, tensor.contiguous()) and in_file_mapping(tensor):
+                release_pages(tensor)  # a view of the file (joined), copied: as a direct tensor
+            progress(tensor.numel() * tensor.element_size())
+        del outputs
+        for tensor in sources:
+            release_pages(tensor)

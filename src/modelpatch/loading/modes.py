@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, Generic, TypeAlias, TypeVar
 
 import torch
 
-from .save_stages import SaveMode
+from .save_plan import SaveMode
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -28,10 +28,15 @@ if TYPE_CHECKING:
     from ..checkpoint import Checkpoint
     from ..conversion.planner import ConversionGroup, TensorMeta
     from ..conversion.transforms import WeightTransform
-    from .plan import LoadPlan
 
 #: A checkpoint as its headers describe it: key -> shape and dtype.
 Metas: TypeAlias = "Mapping[str, TensorMeta]"
+
+#: The load plan a mode's :meth:`~LoadMode.plan` and :meth:`~LoadMode.after_load` receive: ``plan.py``'s ``LoadPlan``,
+#: which holds the load's modes (``LoadMode[LoadPlan]``). A type parameter rather than an import, so that this module
+#: names no module that imports it. A mode subclasses ``LoadMode`` as it is and annotates its hooks' plan as
+#: ``LoadPlan``.
+Plan = TypeVar("Plan")
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,7 @@ class TensorSource:
     joined: Callable[[Sequence[str]], torch.Tensor | None] = lambda keys: None
 
 
-class LoadMode(SaveMode):
+class LoadMode(SaveMode, Generic[Plan]):
     """One way of placing a load's tensors; subclasses override the hooks of the stages they take part in.
 
     The hooks, in the order a load calls them:
@@ -101,7 +106,7 @@ class LoadMode(SaveMode):
         quantized parameter grouped into it); ``transforms``: those the plan will run on them. Reads no data."""
         return checkpoint
 
-    def plan(self, model: PreTrainedModel, plan: LoadPlan, checkpoint: Checkpoint) -> None:
+    def plan(self, model: PreTrainedModel, plan: Plan, checkpoint: Checkpoint) -> None:
         """Check and prepare this mode's part of the load; raise here, before any tensor data is read."""
 
     def wrap_source(self, source: TensorSource) -> TensorSource:
@@ -123,13 +128,13 @@ class LoadMode(SaveMode):
         to the previous mode (or, for the first, to the loader's cast, move and set)."""
         return False
 
-    def after_load(self, model: PreTrainedModel, plan: LoadPlan, checkpoint: Checkpoint) -> None:
+    def after_load(self, model: PreTrainedModel, plan: Plan, checkpoint: Checkpoint) -> None:
         """Work on the filled model while the checkpoint files are still open (e.g. wrap local shards in DTensors)."""
 
     def finish(self, model: PreTrainedModel) -> PreTrainedModel:
         """The model the caller gets, once transformers finished it (e.g. dispatched over several devices)."""
         return model
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> LoadMode:
+    def __deepcopy__(self, memo: dict[int, Any]) -> LoadMode[Plan]:
         # A copied model shares the modes that loaded it: the save hooks read the model they are given, not the mode.
         return self

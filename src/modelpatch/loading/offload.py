@@ -33,7 +33,6 @@ from transformers import PreTrainedModel
 from ..checkpoint import Checkpoint, SafetensorsFile, TensorInfo
 from ..checkpoint.writer import require_writable_directory
 from ..errors import CheckpointError, SaveError
-from ..state import model_record
 
 if TYPE_CHECKING:
     from .plan import LoadPlan
@@ -113,12 +112,6 @@ class OffloadedWeights(Mapping[str, torch.Tensor]):
             }
             for name, entry in self._entries.items()
         }
-
-
-def offloaded_weights(model: PreTrainedModel) -> OffloadedWeights | None:
-    """The offloaded weights of a model modelpatch dispatched with modules on ``"disk"``, else None."""
-    record = model_record(model)
-    return None if record is None else record.offloaded
 
 
 def meta_tensors(state: Mapping[str, Any]) -> list[str]:

@@ -17,11 +17,10 @@ from transformers import DistributedConfig, GenerationConfig, PretrainedConfig
 
 from ..checkpoint import Checkpoint
 from ..patching.patcher import Patcher
-from .dispatch import single_device
 from .hub import HubOptions
 from .keywords import config_overrides
 from .modes import LoadMode
-from .parallel import distributed_config_of
+from .placement import distributed_config_of, single_device
 
 logger = logging.getLogger(__name__)
 

@@ -3,29 +3,27 @@
 The model is sharded as transformers 5.23 shards it: the model's own TP plan (``base_model_tp_plan`` and the class
 plans), transformers' parallel styles from its ``ParallelInterface`` (the same forward hooks), parameters as
 ``DTensor``s whose local shard lives on each rank, the mesh made by transformers' ``prepare_distribute_model``.
-What modelpatch adds is what its restructured modules need:
+This module is the mode alone (keywords, mesh, the style it registers, applying plans); how each fused module
+shards is its fusion family's (``ModuleFusionSpec.tensor_parallel_layout``, data of ``fusions/sharding.py``):
 
-* the plan is translated to fused names. A fused ``qkv_proj`` / ``gate_up_proj`` whose parts the plan shards
-  colwise is sharded *part by part*: rank ``r`` holds ``[q_r; k_r; v_r]``, so that each rank's slices take whole
-  heads of q, k and v. No ``DTensor`` placement describes that layout when the parts differ in size (grouped-query
-  attention), so these two parameters hold their local rows as plain tensors, and the projection slices read the
-  local part sizes. Per-expert ``nn.Linear`` experts (``linear_experts``) are sharded as the model's plan shards its
-  fused experts: gate and up colwise, down rowwise, every rank's partial sum all-reduced by the experts module;
+* the plan's rules for the modules a fusion replaced are translated by the fusion's layout. A module sharded colwise
+  *part by part* (a fused ``qkv_proj``: rank ``r`` holds ``[q_r; k_r; v_r]``) gets the style registered here; no
+  ``DTensor`` placement describes that layout when the parts differ in size (grouped-query attention), so its
+  parameters hold their local rows as plain tensors, recorded with their part sizes. A fusion that declares no
+  layout leaves the plan as it is: its fused tensors stay whole on every rank;
 * each rank reads only its slices: a checkpoint tensor is a view of the memory-mapped file, sliced before anything
-  is copied, and the parts of a fused projection (the experts of a stacked MoE parameter) are sliced before they
-  are concatenated (stacked);
+  is copied, and the parts of a fused tensor (the experts of a stacked MoE parameter) are sliced before they are
+  concatenated (stacked);
 * a save gathers the full tensors on every rank (collectives), and rank 0 alone writes them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -43,36 +41,33 @@ from .._transformers import (
     local_shard,
     mark_distributed,
     mark_initialized,
-    parallel_style_names,
     prepare_distributed,
     register_parallel_style,
     resolved_tp_plan,
     set_tp_plan,
-    tensor_parallel_supported,
 )
 from ..conversion.operations import Concatenate, MergeModulelist
 from ..conversion.planner import ConversionGroup
-from ..errors import ModelPatchError
-from ..fusions.linear_experts.modules import ExpertMLP, LinearExperts
-from ..fusions.projections import FusedLinear, ProjectionSlice
-from ..state import ensure_model_record, model_record
+from ..errors import TensorParallelError  # raised here; importable from this module as before
+from ..fusions.sharding import FusedParts, TensorParallelLayout
+from ..fusions.spec import ModuleFusionSpec
 from .modes import LoadMode, TensorSource
-from .save_stages import SaveWriter, WholeFiles
+from .record import ensure_model_record, model_record
+from .save_plan import SaveWriter
+from .save_stages import WholeFiles
 
 if TYPE_CHECKING:
     from ..checkpoint import Checkpoint
-    from .distributed import Rows
     from .plan import LoadPlan
-    from .save_stages import SavePlan
+    from .save_plan import Rows, SavePlan
 
 logger = logging.getLogger(__name__)
 
-# The style modelpatch registers for fused projections sharded part by part.
+# The style modelpatch registers for fused tensors sharded part by part.
 COLWISE_PARTS = "modelpatch_colwise_parts"
 
-
-class TensorParallelError(ModelPatchError, ValueError):
-    """A tensor-parallel load that cannot be done as asked (the message names the module or keyword)."""
+# The attribute holding a module's FusedParts while the COLWISE_PARTS style shards it (set and removed by the mode).
+_PARTS_ATTRIBUTE = "_modelpatch_tensor_parallel_parts"
 
 
 @functools.cache
@@ -84,187 +79,31 @@ def _register_colwise_parts() -> None:
     """
 
     class ColwisePartsParallel(_transformers.PackedColwiseParallel):
-        """Colwise sharding of a :class:`FusedLinear`, part by part: rank ``r`` holds ``[part_0_r; part_1_r; ...]``.
+        """Colwise sharding of a module fused from parts, part by part: rank ``r`` holds ``[part_0_r; part_1_r; ...]``
+        (:meth:`FusedParts.by_part`, the parts a fusion's layout declared).
 
-        The input is replicated and the output is this rank's rows of every part, in part order: what the projection
-        slices split with the local part sizes. The parameters hold those rows as plain tensors (see the module
-        docstring); the forward hooks are transformers' packed-colwise ones.
+        The input is replicated and the output is this rank's rows of every part, in part order: what the fused
+        module's forward splits with the local part sizes. The parameters hold those rows as plain tensors (see the
+        module docstring); the forward hooks are transformers' packed-colwise ones.
         """
 
-        def shard_param(self, module: FusedLinear, param: str, mesh: DeviceMesh) -> None:
+        def shard_param(self, module: nn.Module, param: str, mesh: DeviceMesh) -> None:
             meta = module._parameters.get(param)
             if meta is None:
                 return
-            rows = sum(size // mesh.size() for size in module.part_sizes)
+            parts = getattr(module, _PARTS_ATTRIBUTE, None)
+            if not isinstance(parts, FusedParts):
+                raise TensorParallelError(
+                    f"A tp_plan rule shards a {type(module).__name__} with {COLWISE_PARTS!r}, but no fusion declared "
+                    "the parts of its rows: the fusion's tensor_parallel_layout names that style's modules."
+                )
+            rows = sum(parts.local_sizes(mesh.size()))
             module._parameters[param] = nn.Parameter(
                 torch.empty((rows, *meta.shape[1:]), dtype=meta.dtype, device="meta"),
                 requires_grad=meta.requires_grad,
             )
 
     register_parallel_style(COLWISE_PARTS, ColwisePartsParallel())
-
-
-# DistributedConfig fields that ask for a parallelism other than tensor parallelism, with the value that asks for
-# none. The sizes (fsdp_size, pp_size, ...) are checked once the config has resolved them.
-_NOT_TENSOR_PARALLEL: Mapping[str, tuple[object, str]] = {
-    "enable_expert_parallel": (False, "expert parallelism"),
-    "ep_plan": (None, "expert parallelism"),
-    "enable_sequence_parallel": (False, "sequence parallelism"),
-    "fsdp_plan": (None, "FSDP"),
-    "fsdp_cpu_offload": (False, "FSDP"),
-    "fsdp_mixed_precision": (False, "FSDP"),
-}
-
-
-def _world_size() -> int:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1") or 1)
-
-
-def _check_tp_plan(plan: object, where: str) -> None:
-    """A dict plan maps module or parameter patterns (strings) to the name of a registered parallel style."""
-    if not isinstance(plan, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in plan.items()):
-        raise TensorParallelError(
-            f"{where} must be 'auto' or a dict of {{module pattern: parallel style}}, got {plan!r} "
-            f"({type(plan).__name__})."
-        )
-    if not tensor_parallel_supported():
-        return  # no style registry to check against: a sharded load is refused below
-    styles = parallel_style_names()
-    unknown = {pattern: style for pattern, style in plan.items() if style not in styles}
-    if unknown:
-        raise TensorParallelError(
-            f"{where} names unknown parallel styles: {unknown}. The styles are: {', '.join(sorted(styles))}."
-        )
-
-
-def _refuse_other_parallelisms(fields: Mapping[str, object]) -> None:
-    asked = {
-        name: fields[name]
-        for name, (none, _) in _NOT_TENSOR_PARALLEL.items()
-        if name in fields and fields[name] is not None and fields[name] != none
-    }
-    if asked:
-        kinds = sorted({_NOT_TENSOR_PARALLEL[name][1] for name in asked})
-        raise TensorParallelError(
-            f"distributed_config asks for {', '.join(kinds)} ({asked}): modelpatch loads with tensor parallelism only "
-            "(tp_plan / tp_size); load such models with transformers."
-        )
-
-
-def distributed_config_of(
-    tp_plan: str | dict[str, str] | None, tp_size: int | None, distributed_config: DistributedConfig | dict | None
-) -> tuple[DistributedConfig | None, dict[str, str] | None]:
-    """The :class:`DistributedConfig` the keywords ask for (as transformers reads them), or None for no sharding;
-    and, for a load that shards nothing (one process, or ``tp_size=1``: as in transformers), the rules of its
-    ``tp_plan`` dict, which the load checks against the model as every rank of a sharded load does
-    (:class:`UnshardedPlan`), else None.
-
-    Checked before anything is read: a ``tp_plan`` that is neither ``"auto"`` nor a dict of known parallel styles, a
-    ``tp_size`` that is no positive integer or exceeds the processes launched, ``distributed_config`` fields it does
-    not have.
-
-    Raises:
-        TensorParallelError: Both ``distributed_config`` and ``tp_plan``/``tp_size``; a bad value as above; or a
-            parallelism other than tensor parallelism (FSDP, pipeline, expert or sequence parallel), which modelpatch
-            does not do.
-    """
-    if distributed_config is not None and (tp_plan is not None or tp_size is not None):
-        raise TensorParallelError("Pass either distributed_config or tp_plan/tp_size, not both.")
-    if tp_size is not None and (isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1):
-        raise TensorParallelError(f"tp_size must be a positive integer, got {tp_size!r}.")
-    if tp_plan is not None or tp_size is not None:
-        distributed_config = _from_tp_keywords(tp_plan, tp_size)
-    elif isinstance(distributed_config, Mapping):
-        distributed_config = _from_mapping(distributed_config)
-    if distributed_config is None:
-        return None, None
-    sharded = _checked(distributed_config)
-    rules = getattr(distributed_config, "tp_plan", None)  # checked: "auto", None or a dict of strings
-    return sharded, dict(rules) if sharded is None and isinstance(rules, Mapping) else None
-
-
-def _from_tp_keywords(tp_plan: str | dict[str, str] | None, tp_size: int | None) -> DistributedConfig:
-    if tp_size is not None and tp_plan is None:
-        raise TensorParallelError(f"tp_size={tp_size} needs tp_plan ('auto' for the model's own plan).")
-    plan: dict[str, str] | Literal["auto"] | None
-    if isinstance(tp_plan, str):
-        if tp_plan != "auto":
-            raise TensorParallelError(f"tp_plan must be 'auto' or a dict of rules, got {tp_plan!r}.")
-        plan = "auto"
-    else:
-        _check_tp_plan(tp_plan, "tp_plan")
-        plan = dict(tp_plan)  # type: ignore[arg-type]  # checked: a mapping of strings
-    return _distributed_config(tp_plan=plan, tp_size=tp_size)
-
-
-def _from_mapping(distributed_config: Mapping[str, Any]) -> DistributedConfig:
-    # transformers before 5.23 made DistributedConfig otherwise: its fields are not listed there.
-    fields = (
-        {f.name for f in dataclasses.fields(DistributedConfig)} if dataclasses.is_dataclass(DistributedConfig) else None
-    )
-    unknown = sorted(str(name) for name in distributed_config if fields is not None and name not in fields)
-    if unknown:
-        raise TensorParallelError(
-            f"distributed_config has no field {', '.join(map(repr, unknown))}; DistributedConfig's fields are "
-            f"{', '.join(sorted(fields or ()))}."
-        )
-    # Read before DistributedConfig resolves them (enable_expert_parallel becomes ep_size there).
-    _refuse_other_parallelisms(distributed_config)
-    return _distributed_config(**dict(distributed_config))
-
-
-def _checked(distributed_config: object) -> DistributedConfig | None:
-    """``distributed_config`` if it asks for tensor parallelism over more than one rank, that this process can do."""
-    if not isinstance(distributed_config, DistributedConfig):
-        raise TensorParallelError(
-            f"distributed_config must be a transformers DistributedConfig or a dict, got {distributed_config!r}."
-        )
-    _refuse_other_parallelisms(vars(distributed_config))
-    if isinstance(distributed_config.tp_plan, str):
-        if distributed_config.tp_plan != "auto":
-            raise TensorParallelError(
-                f"distributed_config.tp_plan must be 'auto' or a dict of rules, got {distributed_config.tp_plan!r}."
-            )
-    elif distributed_config.tp_plan is not None:
-        _check_tp_plan(distributed_config.tp_plan, "distributed_config.tp_plan")
-    # A field this transformers' DistributedConfig lacks (dp_replicate_size before 5.23) asks for nothing.
-    others = {
-        name: getattr(distributed_config, name, 1)
-        for name in ("fsdp_size", "dp_replicate_size", "pp_size", "ep_size")
-        if (getattr(distributed_config, name, 1) or 1) > 1
-    }
-    if others:
-        raise TensorParallelError(
-            f"distributed_config asks for {others}: modelpatch loads with tensor parallelism only (tp_plan / tp_size); "
-            "load FSDP, pipeline or expert-parallel models with transformers."
-        )
-    tp_size = distributed_config.tp_size  # an int once the config is built (None is resolved to the world size)
-    if tp_size is None or tp_size <= 1:
-        return None
-    if not tensor_parallel_supported():
-        import transformers
-
-        raise TensorParallelError(
-            f"Tensor-parallel loading (tp_size={tp_size}) drives the distributed API of transformers 5.23; "
-            f"transformers {transformers.__version__} predates it. Upgrade transformers, or load without tp_plan."
-        )
-    world_size = _world_size()
-    if tp_size > world_size:
-        raise TensorParallelError(
-            f"tp_size={tp_size} needs {tp_size} processes, but this one was launched with world size {world_size}: "
-            f"run the script under torchrun --nproc-per-node {tp_size} (one process per device), or lower tp_size."
-        )
-    return distributed_config
-
-
-def _distributed_config(**fields: Any) -> DistributedConfig:
-    """``DistributedConfig(**fields)``, its own validation errors (sizes below 1, ...) as TensorParallelError."""
-    try:
-        return DistributedConfig(**fields)
-    except (TypeError, ValueError) as exc:
-        raise TensorParallelError(f"Invalid distributed config {fields}: {exc}") from None
 
 
 @dataclass
@@ -321,9 +160,12 @@ class TensorParallelSetup(LoadMode):
         local = tensor.detach().contiguous()
         shards = [torch.empty_like(local) for _ in range(size)]
         dist.all_gather(shards, local, group=group)
-        pieces = [shard.split([p // size for p in parts[key]]) for shard in shards]
-        # Part by part: all ranks' rows of q, then of k, then of v.
-        return torch.cat([piece[index] for index in range(len(parts[key])) for piece in pieces])
+        fused = FusedParts(parts[key])
+        gathered = local.new_empty((sum(fused.sizes), *local.shape[1:]))
+        for rank, shard in enumerate(shards):
+            for held in fused.by_part(rank, size):
+                gathered[held.fused] = shard[held.shard]
+        return gathered
 
     @property
     def mesh(self) -> DeviceMesh:
@@ -336,13 +178,27 @@ class TensorParallelSetup(LoadMode):
         mark_distributed(model, self.config, self.mesh_manager)
         override = self.config.tp_plan if isinstance(self.config.tp_plan, dict) else {}
         _check_plan_names(model, override)
-        set_tp_plan(model, _translate_plan(model, {**model.tp_plan, **override}, mesh.size()))
+        rules = {**model.tp_plan, **override}
+        fused = _fused_layouts(model, plan.fusions.fused_modules(), rules, mesh.size())
+        set_tp_plan(model, _translate_plan(rules, fused))
         # The plan is complete now: transformers resolves it (validation, layer numbers) as for a stock model.
         tp_plan = resolved_tp_plan(model, mesh.size())
-        apply_tensor_parallel(model, mesh, tp_plan)
-        parts = _localize_fused(model, tp_plan, mesh.size())
-        ensure_model_record(model).tensor_parallel_parts = parts
-        return ShardedLoad(model, plan, mesh, parts)
+        parts = _declare_parts(model, fused, tp_plan)
+        try:
+            apply_tensor_parallel(model, mesh, tp_plan)
+        finally:
+            for name in parts:
+                model.get_submodule(name).__dict__.pop(_PARTS_ATTRIBUTE, None)
+        for name, (spec, layout) in fused.items():
+            spec.finish_tensor_parallel(model.get_submodule(name), layout, mesh.size())
+        # Each parameter of a module sharded part by part -> its global part sizes (what loads and saves slice by).
+        recorded = {
+            f"{name}.{param}": held.sizes
+            for name, held in parts.items()
+            for param, _ in model.get_submodule(name).named_parameters(recurse=False)
+        }
+        ensure_model_record(model).tensor_parallel_parts = recorded
+        return ShardedLoad(model, plan, mesh, recorded)
 
 
 @dataclass
@@ -385,100 +241,87 @@ def prepare(distributed_config: DistributedConfig | None) -> TensorParallelSetup
     return TensorParallelSetup(distributed_config, mesh_manager, device)
 
 
-def _translate_plan(model: nn.Module, plan: dict[str, str], tp_size: int) -> dict[str, str]:
-    """``plan`` (generic names, stock modules) for the modules of ``model`` as modelpatch restructured them."""
-    plan = dict(plan)
+def rules_under(rules: Mapping[str, str], generic: str) -> dict[str, str]:
+    """The ``rules`` of a TP plan at or under the module ``generic`` (its name with layer numbers as ``*``), named
+    relative to it (``""`` for the module itself): what a fusion's ``tensor_parallel_layout`` is given."""
+    return {
+        rule[len(generic) + 1 :] if rule != generic else "": style
+        for rule, style in rules.items()
+        if rule == generic or rule.startswith(f"{generic}.")
+    }
+
+
+def _fused_layouts(
+    model: nn.Module, specs: Mapping[str, ModuleFusionSpec], rules: Mapping[str, str], ranks: int
+) -> dict[str, tuple[ModuleFusionSpec, TensorParallelLayout]]:
+    """Each fused module's layout under tensor parallelism (``{name: (spec, layout)}``), from its spec given the plan's
+    ``rules`` at or under it; modules whose spec declares none are left out (their plan stays as it is)."""
+    layouts: dict[str, tuple[ModuleFusionSpec, TensorParallelLayout]] = {}
+    for name, spec in specs.items():
+        module = model.get_submodule(name)
+        generic = generic_module_name(name)
+        try:
+            layout = spec.tensor_parallel_layout(module, rules_under(rules, generic), ranks)
+        except TensorParallelError as exc:
+            raise TensorParallelError(f"{generic} ({type(module).__name__}): {exc}") from None
+        if layout is None:
+            continue
+        uneven = {
+            shard_name: shard.parts.sizes
+            for shard_name, shard in layout.shards.items()
+            if shard.parts is not None and not shard.parts.divides(ranks)
+        }
+        if uneven:
+            raise TensorParallelError(
+                f"{generic} cannot be sharded part by part over {ranks} ranks: the part sizes of {uneven} do not all "
+                "divide by the TP size."
+            )
+        layouts[name] = (spec, layout)
+    return layouts
+
+
+def _translate_plan(
+    rules: Mapping[str, str], fused: Mapping[str, tuple[ModuleFusionSpec, TensorParallelLayout]]
+) -> dict[str, str]:
+    """``rules`` (generic names, stock modules) with each fused module's translated by its layout (one per generic
+    name: its first module's, as the plan names every layer alike)."""
+    plan = dict(rules)
     seen: set[str] = set()
-    for name, module in model.named_modules():
+    for name, (_, layout) in fused.items():
         generic = generic_module_name(name)
         if generic in seen:
             continue
         seen.add(generic)
-        if isinstance(module, FusedLinear):
-            _translate_fused(model, plan, name, generic, module, tp_size)
-        elif isinstance(module, LinearExperts):
-            _translate_experts(plan, generic, module)
+        for rule in layout.replaces:
+            plan.pop(f"{generic}.{rule}" if rule else generic, None)
+        for shard_name, shard in layout.shards.items():
+            target = f"{generic}.{shard_name}" if shard_name else generic
+            if shard.parts is not None:
+                plan[target] = COLWISE_PARTS
+            elif shard.local:  # its weight sharded, no hooks: the module above combines the ranks' results
+                plan[f"{target}.weight"] = shard.split
+                plan[target] = "local_params"
+            else:
+                plan[target] = shard.split
     return plan
 
 
-def _slices_of(owner: nn.Module, fused_name: str) -> list[tuple[str, ProjectionSlice]]:
-    found = [
-        (child_name, child)
-        for child_name, child in owner.named_children()
-        if isinstance(child, ProjectionSlice) and child.fused_name == fused_name
-    ]
-    return sorted(found, key=lambda item: item[1].index)
-
-
-def _translate_fused(
-    model: nn.Module, plan: dict[str, str], name: str, generic: str, fused: FusedLinear, tp_size: int
-) -> None:
-    owner_name, _, fused_name = name.rpartition(".")
-    owner_generic = generic.rpartition(".")[0]
-    slices = _slices_of(model.get_submodule(owner_name), fused_name)
-    part_names = [f"{owner_generic}.{child}" if owner_generic else child for child, _ in slices]
-    styles = [plan.pop(part, None) for part in part_names]
-    if all(style is None for style in styles) or generic in plan:
-        return
-    if any(style != "colwise" for style in styles):
-        raise TensorParallelError(
-            f"The TP plan shards the parts of {generic} ({dict(zip(part_names, styles, strict=True))}); modelpatch "
-            "shards a fused projection only when every part is 'colwise'. Load without this fusion, or pass a tp_plan "
-            f"that sets {generic!r} itself."
-        )
-    uneven = [size for size in fused.part_sizes if size % tp_size]
-    if uneven:
-        raise TensorParallelError(
-            f"{generic} cannot be sharded part by part over {tp_size} ranks: its part sizes {fused.part_sizes} do "
-            "not all divide by the TP size."
-        )
-    plan[generic] = COLWISE_PARTS
-
-
-def _translate_experts(plan: dict[str, str], generic: str, experts: LinearExperts) -> None:
-    """Stock shards fused experts as gate_up packed-colwise, down rowwise, outputs all-reduced by the experts module:
-    per-expert Linears get the same shards (gate and up colwise, down rowwise) and run on their local tensors."""
-    styles = (plan.get(generic), plan.get(f"{generic}.gate_up_proj"), plan.get(f"{generic}.down_proj"))
-    if styles == (None, None, None):
-        return
-    if styles != ("moe_tp_experts", "packed_colwise", "rowwise"):
-        raise TensorParallelError(
-            f"The TP plan shards the experts {generic} as {styles} (experts, gate_up_proj, down_proj); modelpatch's "
-            "linear_experts follow the ('moe_tp_experts', 'packed_colwise', 'rowwise') plan only. Load without the "
-            "linear_experts fusion."
-        )
-    plan.pop(f"{generic}.gate_up_proj")
-    plan.pop(f"{generic}.down_proj")
-    expert = experts[0]
-    if not isinstance(expert, ExpertMLP):
-        raise TensorParallelError(f"The experts {generic} hold {type(expert).__name__}s, not modelpatch ExpertMLPs.")
-    gate, up, down = expert.names
-    for child, style in ((gate, "colwise"), (up, "colwise"), (down, "rowwise")):
-        plan[f"{generic}.*.{child}.weight"] = style
-        plan[f"{generic}.*.{child}"] = "local_params"
-
-
-def _localize_fused(model: nn.Module, tp_plan: Mapping[str, str], tp_size: int) -> dict[str, tuple[int, ...]]:
-    """Point the projection slices of every part-sharded fused layer at their local part sizes.
-
-    Returns ``{parameter name: global part sizes}`` for those layers' parameters (what loads and saves slice by).
-    """
-    parts: dict[str, tuple[int, ...]] = {}
-    modules = dict(model.named_modules())
-    for name, style in tp_plan.items():
-        # The resolved plan names each parameter (sharded) and its module (hooked): the modules are what counts here.
-        if style != COLWISE_PARTS or name not in modules:
-            continue
-        fused = modules[name]
-        if not isinstance(fused, FusedLinear):
-            raise TensorParallelError(f"{name} is sharded part by part but is a {type(fused).__name__}.")
-        owner_name, _, fused_name = name.rpartition(".")
-        local = tuple(size // tp_size for size in fused.part_sizes)
-        for _, part in _slices_of(model.get_submodule(owner_name), fused_name):
-            part.part_sizes = local
-            part.out_features = local[part.index]
-        for param_name, _ in fused.named_parameters(recurse=False):
-            parts[f"{name}.{param_name}"] = tuple(fused.part_sizes)
+def _declare_parts(
+    model: nn.Module, fused: Mapping[str, tuple[ModuleFusionSpec, TensorParallelLayout]], tp_plan: Mapping[str, str]
+) -> dict[str, FusedParts]:
+    """Give each module that the resolved ``tp_plan`` shards part by part the parts its fusion's layout declares (what
+    :data:`COLWISE_PARTS` shards by); returns them by module name."""
+    parts: dict[str, FusedParts] = {}
+    for name, (_, layout) in fused.items():
+        owner = model.get_submodule(name)
+        for shard_name, shard in layout.shards.items():
+            if shard.parts is None:
+                continue
+            for inner, module in owner.named_modules():
+                path = f"{name}.{inner}" if inner else name
+                if generic_module_name(inner) == shard_name and tp_plan.get(path) == COLWISE_PARTS:
+                    setattr(module, _PARTS_ATTRIBUTE, shard.parts)
+                    parts[path] = shard.parts
     return parts
 
 
@@ -507,16 +350,6 @@ def _stacks_experts(group: ConversionGroup, placeholders: Mapping[str, DTensor])
         if isinstance(placement, _StridedShard) and placement.split_factor != len(group.sources):
             return False
     return True
-
-
-def _part_rows(sizes: tuple[int, ...], rank: int, tp_size: int) -> list[slice]:
-    """This rank's rows of each part of a dim-0 concatenation of parts ``sizes``."""
-    rows, start = [], 0
-    for size in sizes:
-        local = size // tp_size
-        rows.append(slice(start + rank * local, start + (rank + 1) * local))
-        start += size
-    return rows
 
 
 class ShardedLoad:
@@ -576,7 +409,7 @@ class ShardedLoad:
         if key in self.placeholders:
             return self._shard(key, tensor)
         if key in self.parts:
-            return torch.cat([tensor[rows] for rows in _part_rows(self.parts[key], self.rank, self.size)])
+            return torch.cat([tensor[held.fused] for held in FusedParts(self.parts[key]).by_part(self.rank, self.size)])
         return tensor
 
     def finish(self, model: nn.Module) -> None:

@@ -77,7 +77,7 @@ class LoadPlan:
     dropped: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
-    modes: tuple[LoadMode, ...] = ()
+    modes: tuple[LoadMode[LoadPlan], ...] = ()
     options: LoadOptions = field(default_factory=LoadOptions)
     generation_config: GenerationConfig | None = None
     loaded: bool = False
@@ -143,7 +143,7 @@ def plan_model_load(
     fusions: PreparedFusions,
     runtime_layout: bool,
     replaced: dict[str, tuple[str, str]],
-    modes: Sequence[LoadMode] = (),
+    modes: Sequence[LoadMode[LoadPlan]] = (),
     parameters: Mapping[str, TensorMeta] | None = None,
     replacements: Callable[[], Sequence[Replacement]] | None = None,
 ) -> LoadPlan:

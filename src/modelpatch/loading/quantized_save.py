@@ -3,36 +3,24 @@
 A model loaded with transformers' quantizer (``quantization.py``, the load half) is written as stock writes it: the
 quantizer's own serialisation (``get_state_dict_and_metadata``: its flattened tensors and their safetensors
 metadata), or refused by name where modelpatch cannot write it so that it loads back the same model. This module
-reads what the load recorded (:class:`QuantizedLoad`) and the quantizer on the model; it imports none of transformers'
-quantizer API, so that saving a plain model does not load it.
+reads what the load recorded (:class:`~modelpatch.loading.record.QuantizedLoad`) and the quantizer on the model; it
+imports none of transformers' quantizer API, so that saving a plain model does not load it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
 
 from ..errors import SaveError
-from ..state import model_record, stored_fusion_config
-from .report import LoadReport, get_load_report
+from ..state import stored_fusion_config
+from .record import QuantizedLoad, get_load_report, model_record
+from .report import LoadReport
 
 if TYPE_CHECKING:
-    from .save_stages import SavePlan
-
-
-@dataclass(frozen=True)
-class QuantizedLoad:
-    """What a save needs to know of a model loaded with a quantizer (kept on the model).
-
-    ``dequantized``: the weights were dequantized at load (fp8 without a GPU): the model holds plain tensors and its
-    config no longer has a ``quantization_config``, as in stock.
-    """
-
-    method: str
-    dequantized: bool
+    from .save_plan import SavePlan
 
 
 def plan_quantized_save(plan: SavePlan) -> None:

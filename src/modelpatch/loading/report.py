@@ -7,11 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torch import nn
-
 from ..conversion.planner import ConversionGroup
 from ..conversion.transforms import WeightTransform
-from ..state import model_record
 
 if TYPE_CHECKING:  # plan.py's users import this module
     from .plan import LoadPlan
@@ -100,9 +97,3 @@ class LoadReport:
                 f"dropped: {len(self.dropped)}, ignored: {len(self.ignored)}, unexpected: {len(self.unexpected)}",
             ]
         )
-
-
-def get_load_report(model: nn.Module) -> LoadReport | None:
-    """The :class:`LoadReport` of a model loaded by modelpatch, or None."""
-    record = model_record(model)
-    return None if record is None else record.report

@@ -1,4 +1,4 @@
-"""``fuse`` and ``unfuse``: restructure a model that is already in memory, with the transforms a load would use.
+"""``fuse``, ``unfuse`` and ``patch_model``: restructure a model in memory, with the transforms a load would use.
 
 A model loaded by stock transformers, left by a Trainer, or loaded by modelpatch can be fused (and unfused) in
 place, without touching disk. The target modules are built exactly as a load builds them — on the meta device, from
@@ -8,12 +8,13 @@ is at most one converted group. Tensors no transform touches (``o_proj``, norms)
 ``nn.Parameter`` objects, so optimizers and tied references keep working. What a save needs is recorded, so
 :func:`modelpatch.save_pretrained` and ``model.save_pretrained`` still write the original checkpoint layout.
 
-Hooks registered on the modules replaced (an activation-steering forward hook on ``mlp``, transformers' own output
-recorders) move to the modules that stand in their place where they keep their meaning: the replaced module itself
-(its replacement is called where it was, with the same arguments, and computes the same function), and each module
-inside it whose counterpart is called the same way (the same class, or a stand-in such as the projection slice that
-stands where ``q_proj`` was). Their handles keep working. A hook that would lose its meaning (one on ``qkv_proj`` when
-unfusing, a tensor hook on a weight that is converted into a new tensor) is refused by name before anything changes.
+A restructuring runs in two steps, as a load does. Planning decides everything and changes nothing: every module's
+tensors are planned through the transforms (metadata only), their training state checked
+(:mod:`~modelpatch.loading.training_state`), and the hooks on the modules replaced sorted into those that move to
+the modules standing in their place and those that would lose their meaning
+(:mod:`~modelpatch.loading.hooks_transfer`); any refusal names what is at fault and leaves the model as it was.
+Executing moves the hooks and fills each new module through the load's fill stage
+(:func:`~modelpatch.loading.materialize.fill`), with the live module's tensors as the source instead of a checkpoint.
 
 A model is restructured by one call at a time (a second ``fuse`` from another thread waits, then finds the model
 fused); a forward running meanwhile in another thread computes with the old modules or the new ones, each the same
@@ -27,12 +28,12 @@ import functools
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
-from torch.nn.modules.module import _WrappedHook
 from transformers import PreTrainedModel
 
 from .._transformers_mapping import model_conversions
@@ -40,21 +41,20 @@ from ..conversion.planner import ConversionGroup, ConversionPlan, TensorMeta, pl
 from ..conversion.transforms import WeightConverter, WeightTransform
 from ..errors import FusionError
 from ..fusions.apply import normalize_fusion_config, prepare_fusions, resolve_fusion_config, spec_transforms
-from ..fusions.generated import finish_fused_modules, fused_class_origin, fused_origin
+from ..fusions.generated import finish_fused_modules, fused_origin
 from ..fusions.projections import ProjectionSlice
 from ..patching import registry
 from ..patching.patcher import Patcher
-from ..state import (
-    ensure_model_record,
-    model_record,
-    record_fusion_config,
-    stored_fusion_config,
-)
+from ..state import record_fusion_config, stored_fusion_config
 from .build import build_empty_model
 from .distributed import refuse_sharded
-from .materialize import return_freed_memory
+from .hooks_transfer import HookMove, move_hooks, plan_hook_moves, tensor_hook_problems
+from .materialize import fill, return_freed_memory
+from .modes import TensorSource
 from .plan import model_expectations
+from .record import ensure_model_record, model_record
 from .state_dict import install_state_dict_boundary
+from .training_state import carried_grads, training_state_error, training_state_problems, trains
 
 logger = logging.getLogger(__name__)
 
@@ -134,228 +134,36 @@ def _module_state(model: nn.Module, name: str) -> dict[str, torch.Tensor]:
 
 Step = Callable[[Mapping[str, TensorMeta]], ConversionPlan]
 
-# torch's per-module hook dicts, with what the error messages call them: those run around a call, and those run
-# around state-dict saves and loads. The ``_with_kwargs`` / ``_always_called`` dicts are flags of forward hooks.
-_CALL_HOOKS = {
-    "_forward_pre_hooks": "forward pre-hook",
-    "_forward_pre_hooks_with_kwargs": "",
-    "_forward_hooks": "forward hook",
-    "_forward_hooks_with_kwargs": "",
-    "_forward_hooks_always_called": "",
-    "_backward_pre_hooks": "backward pre-hook",
-    "_backward_hooks": "backward hook",
-}
-_STATE_HOOKS = {
-    "_state_dict_pre_hooks": "state-dict pre-hook",
-    "_state_dict_hooks": "state-dict hook",
-    "_load_state_dict_pre_hooks": "load-state-dict pre-hook",
-    "_load_state_dict_post_hooks": "load-state-dict post-hook",
-}
+
+@dataclass(frozen=True)
+class _Restructuring:
+    """What a restructuring will do, decided with nothing changed: each module ``name`` of the live model is replaced
+    by ``target``'s meta module of that name, filled from the live one's tensors through ``steps`` (planners run one
+    after another), and the hooks that keep their meaning move as ``hook_moves`` say."""
+
+    target: nn.Module
+    modules: tuple[tuple[str, tuple[ConversionPlan, ...]], ...]
+    hook_moves: tuple[HookMove, ...]
+
+    def last_groups(self) -> list[ConversionGroup]:
+        """The converted groups of each module's last step (their operations bound to the real shapes)."""
+        return [group for _, steps in self.modules for group in steps[-1].groups]
 
 
-def _hook_kinds(module: nn.Module, table: Mapping[str, str]) -> list[str]:
-    return [label for attribute, label in table.items() if label and getattr(module, attribute)]
-
-
-def _same_constructor(a: type, b: type) -> bool:
-    """Whether instances of ``a`` and ``b`` are built by the same code: the same class, or a fused class and the
-    class it replaced (whose ``__init__`` it runs)."""
-    return a is b or any(
-        origin is not None and origin[0] is other
-        for origin, other in ((fused_class_origin(a), b), (fused_class_origin(b), a))
-    )
-
-
-def _called_alike(live: nn.Module, new: nn.Module) -> bool:
-    """Whether ``new`` is called where ``live`` was, with the same arguments, returning what it returned."""
-    a, b = type(live), type(new)
-    return _same_constructor(a, b) or a in getattr(b, "stands_in_for", ()) or b in getattr(a, "stands_in_for", ())
-
-
-def _state_layout(module: nn.Module) -> dict[str, tuple[int, ...]]:
-    return {key: tuple(tensor.shape) for key, tensor in module.state_dict(keep_vars=True).items()}
-
-
-def _hook_moves(
-    live: nn.Module, new: nn.Module, name: str, verb: str
-) -> tuple[list[tuple[nn.Module, nn.Module]], list[str]]:
-    """The hooked modules inside ``live`` (module ``name``) and those of ``new`` their hooks move to; and, for each
-    hook that would lose its meaning in ``new``, the module and why.
-
-    The replaced module itself is called where it was, with the same arguments, and computes the same function: its
-    call hooks always keep their meaning. A module inside it keeps them when ``new`` has a module at the same path
-    that is called alike; state-dict hooks need the same state (keys and shapes) there.
-    """
-    targets = dict(new.named_modules(remove_duplicate=False))
-    moves: list[tuple[nn.Module, nn.Module]] = []
-    problems: list[str] = []
-    for path, module in live.named_modules():
-        call, state = _hook_kinds(module, _CALL_HOOKS), _hook_kinds(module, _STATE_HOOKS)
-        forward = "forward" in module.__dict__
-        if not (call or state or forward):
-            continue
-        target = targets.get(path)
-        if forward:
-            why = "its forward is set on the instance (it would keep calling the replaced module)"
-        elif target is None:
-            why = f"the {verb}d model has no module there"
-        elif call and path and not _called_alike(module, target):
-            why = f"a {type(target).__name__} stands there, not called as the {type(module).__name__} was"
-        elif state and _state_layout(module) != _state_layout(target):
-            why = f"the {type(target).__name__} that stands there holds other tensors"
-        else:
-            moves.append((module, target))
-            continue
-        kinds = ", ".join([*call, *state] or ["a forward set on the instance"])
-        problems.append(f"{name}.{path} ({kinds}): {why}" if path else f"{name} ({kinds}): {why}")
-    return moves, problems
-
-
-def _move_hooks(live: nn.Module, new: nn.Module) -> None:
-    """Give ``new`` the hook dicts of ``live`` (the very objects, so that the hooks' handles remove them from
-    ``new``). Hooks ``new`` registered itself when built are kept unless ``live`` was built by the same code (then
-    ``live`` holds their twins)."""
-    same = _same_constructor(type(live), type(new))
-    for attribute in (*_CALL_HOOKS, *_STATE_HOOKS):
-        hooks, own = getattr(live, attribute), getattr(new, attribute)
-        if not hooks:
-            continue
-        if not same:
-            for key, hook in own.items():
-                hooks.setdefault(key, hook)
-        new.__dict__[attribute] = hooks
-    for hook in new._load_state_dict_pre_hooks.values():
-        # register_load_state_dict_pre_hook binds its hook to the module by weak reference.
-        if isinstance(hook, _WrappedHook) and hook.with_module and hook.module() is live:
-            hook.module = weakref.ref(new)
-    if live._backward_hooks or live._backward_pre_hooks:
-        new._is_full_backward_hook = live._is_full_backward_hook
-
-
-def _tensor_hook_problems(tensors: Mapping[str, torch.Tensor], kept: set[str], verb: str) -> list[str]:
-    """Tensors with hooks of their own (``register_hook``, ``register_post_accumulate_grad_hook``) that the
-    restructuring converts into new tensors, which would not have them."""
-    return [
-        f"{key} (a tensor hook): {verb} converts it into a new tensor"
-        for key, tensor in tensors.items()
-        if key not in kept and (tensor._backward_hooks or getattr(tensor, "_post_accumulate_grad_hooks", None))
-    ]
-
-
-def _grad(tensor: torch.Tensor) -> torch.Tensor | None:
-    """The gradient a parameter has accumulated (None for a buffer)."""
-    return tensor.grad if isinstance(tensor, nn.Parameter) else None
-
-
-def _run_on_grads(plan: ConversionPlan, grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``plan`` run on the gradients of its inputs, converted exactly as the weights are: the outputs whose sources
-    all have one (the others have none: _training_state_problems refused the rest)."""
-    out = {key: grads[source] for key, source in plan.direct.items() if source in grads}
-    for group in plan.groups:
-        if (sources := group.source_keys()) and all(key in grads for key in sources):
-            out.update(group.run(grads.__getitem__))
-    return out
-
-
-def _lineage(
-    plans: Sequence[ConversionPlan], keys: Iterable[str]
-) -> tuple[dict[str, frozenset[str]], list[tuple[ConversionGroup, frozenset[str]]]]:
-    """Each output of ``plans`` (run one after another on tensors ``keys``) -> the keys of ``keys`` it is built from;
-    and each converted group of every plan with the keys of ``keys`` its sources are built from."""
-    origins = {key: frozenset((key,)) for key in keys}
-    groups: list[tuple[ConversionGroup, frozenset[str]]] = []
-    for plan in plans:
-        groups += [(group, frozenset().union(*(origins[key] for key in group.source_keys()))) for group in plan.groups]
-        origins = {
-            out: frozenset().union(*(origins[key] for key in sources)) for out, sources in plan.sources_of().items()
-        }
-    return origins, groups
-
-
-def _listed(keys: Iterable[str], local: int, limit: int = 4) -> str:
-    names = [key[local:] for key in sorted(keys)]
-    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-def _training_state_problems(
-    name: str, state: Mapping[str, torch.Tensor], plans: Sequence[ConversionPlan]
-) -> list[str]:
-    """What of the parts' training state a tensor built from several of them cannot keep, in module ``name``.
-
-    A Parameter has one ``requires_grad``: parts frozen and parts trainable cannot become one (a gradient mask would
-    still let weight decay and momentum move the frozen entries). A ``.grad`` is carried into the new layout as the
-    weights are, which needs every part to have one (an optimizer skips a parameter without one, and steps one with
-    zeros) and operations that only move entries.
-    """
-    origins, groups = _lineage(plans, state)
-    local = len(name) + 1
-    problems: list[str] = []
-    for output, sources in sorted(origins.items()):
-        if len(sources) < 2:
-            continue
-        parameters = [key for key in sources if isinstance(state[key], nn.Parameter)]
-        frozen = [key for key in parameters if not state[key].requires_grad]
-        if frozen and len(frozen) < len(parameters):
-            trainable = set(parameters) - set(frozen)
-            problems.append(
-                f"{name}: {output[local:]} would be one parameter made of {_listed(frozen, local)} (frozen: "
-                f"requires_grad=False) and {_listed(trainable, local)} (trainable)"
-            )
-        graded = [key for key in sources if _grad(state[key]) is not None]
-        if graded and len(graded) < len(sources):
-            problems.append(
-                f"{name}: {output[local:]} would be made of {_listed(graded, local)} (with an accumulated .grad) and "
-                f"{_listed(sources - set(graded), local)} (without one)"
-            )
-    for group, sources in groups:
-        moving = [type(op).__name__ for op in group.operations if not op.moves_entries]
-        if moving and any(_grad(state[key]) is not None for key in sources):
-            problems.append(
-                f"{name}: the .grad of {_listed(sources, local)} cannot be carried through {', '.join(moving)} "
-                f"(it does not only move entries) to {_listed(group.target_keys(), local)}"
-            )
-    return problems
-
-
-def _training_state_error(model: nn.Module, problems: Sequence[str], verb: str) -> FusionError:
-    function = "patch_model" if verb == "patch" else verb
-    return FusionError(
-        f"Cannot {verb} {type(model).__name__} without changing how it trains: {'; '.join(problems)}. A parameter "
-        "has one requires_grad (a gradient mask would still let weight decay and momentum move the frozen entries), "
-        "and a .grad is carried over only where every part has one and the conversion only moves entries. Freeze or "
-        f"unfreeze the parts alike (requires_grad_) and clear their gradients (optimizer.zero_grad()) before "
-        f"{function}(), or leave the model as it is. The model was left unchanged."
-    )
-
-
-def _swap(
+def _plan(
     model: PreTrainedModel, target: nn.Module, names: Sequence[str], steps: Sequence[Step], verb: str
-) -> list[ConversionGroup]:
-    """Replace each module ``names`` of ``model`` by the meta module of the same name in ``target``, filled from it.
-    Returns the converted groups of the last step (their operations bound to the real shapes).
+) -> _Restructuring:
+    """Plan replacing each module ``names`` of ``model`` by the meta module of the same name in ``target``: its
+    tensors through ``steps``, each a planner (``plan_load`` / ``plan_save`` bound to transforms) run on the previous
+    step's output (metadata only), and which of its hooks move where. Changes nothing, hooks included (it reads
+    the modules' state dicts, which runs their state-dict hooks as any ``state_dict()`` call does).
 
-    A module's tensors go through ``steps``, each a planner (``plan_load`` / ``plan_save`` bound to transforms) run
-    on the previous step's output. Every module is planned (metadata only) before any is replaced, so a mismatch
-    leaves the model untouched; then modules are converted one at a time and the old one is released before the next,
-    so the memory a restructuring adds is one converted module.
+    Raises:
+        FusionError: a module's tensors do not convert to its ``target`` counterpart, parts of one new tensor differ
+            in training state, or a hook would lose its meaning.
     """
-    plans = _plan_swap(model, target, names, steps, verb)
-    last_groups = [group for _, module_plans in plans for group in module_plans[-1].groups]
-    with torch.no_grad():
-        for name, module_plans in plans:
-            _fill(model, target, name, module_plans)
-            return_freed_memory()  # the old module's converted tensors go now, not at the end
-    return last_groups
-
-
-def _plan_swap(
-    model: PreTrainedModel, target: nn.Module, names: Sequence[str], steps: Sequence[Step], verb: str
-) -> list[tuple[str, list[ConversionPlan]]]:
-    """Plan every module ``names`` through ``steps`` (metadata only) and move the hooks that stay meaningful; a
-    module whose tensors do not convert to its ``target`` counterpart, or a hook that would lose its meaning, is a
-    FusionError before anything changes."""
-    plans = []
-    hook_moves: list[tuple[nn.Module, nn.Module]] = []
+    modules = []
+    hook_moves: list[HookMove] = []
     hook_problems: list[str] = []
     training_problems: list[str] = []
     for name in names:
@@ -371,9 +179,9 @@ def _plan_swap(
             metas = plan.outputs
             passed = {out: passed[source] for out, source in plan.direct.items() if source in passed}
         new = target.get_submodule(name)
-        moves, hooked = _hook_moves(model.get_submodule(name), new, name, verb)
+        moves, hooked = plan_hook_moves(model.get_submodule(name), new, name, verb)
         hook_moves += moves
-        hook_problems += hooked + _tensor_hook_problems(state, set(passed.values()), verb)
+        hook_problems += hooked + tensor_hook_problems(state, set(passed.values()), verb)
         expected = {
             f"{name}.{key}": TensorMeta(tuple(t.shape), t.dtype) for key, t in new.state_dict(keep_vars=True).items()
         }
@@ -388,38 +196,54 @@ def _plan_swap(
                 f"those of {type(new).__name__} ({', '.join(wrong[:6])}{', ...' if len(wrong) > 6 else ''}"
                 f"{'; ' + '; '.join(problems) if problems else ''}). The model was left unchanged."
             )
-        training_problems += _training_state_problems(name, state, module_plans)
-        plans.append((name, module_plans))
+        training_problems += training_state_problems(name, state, module_plans)
+        modules.append((name, tuple(module_plans)))
     if training_problems:
-        raise _training_state_error(model, training_problems, verb)
+        raise training_state_error(model, training_problems, verb)
     if hook_problems:
         raise FusionError(
             f"Cannot {verb} {type(model).__name__}: hooks are registered where the {verb}d model would not keep "
             f"their meaning: {'; '.join(hook_problems)}. Remove them (handle.remove()), {verb}, and register them "
             f"again on the modules that stand there then. The model was left unchanged."
         )
-    for live, new in hook_moves:
-        _move_hooks(live, new)
-    return plans
+    return _Restructuring(target, tuple(modules), tuple(hook_moves))
 
 
-def _fill(model: PreTrainedModel, target: nn.Module, name: str, module_plans: Sequence[ConversionPlan]) -> None:
-    """Convert the live module ``name``'s tensors through ``module_plans`` into ``target``'s meta module of that name,
-    put it in the live one's place and dismantle the live one."""
-    live, new = model.get_submodule(name), target.get_submodule(name)
+def _execute(model: PreTrainedModel, planned: _Restructuring) -> None:
+    """Carry out ``planned``: move the hooks, then replace the modules one at a time through the load's fill stage,
+    the old one released before the next, so the memory a restructuring adds is one converted module."""
+    for move in planned.hook_moves:
+        move_hooks(move)
+    with torch.no_grad():
+        for name, steps in planned.modules:
+            _fill(model, planned.target.get_submodule(name), name, steps)
+            return_freed_memory()  # the old module's converted tensors go now, not at the end
+
+
+def _fill(model: PreTrainedModel, new: nn.Module, name: str, steps: Sequence[ConversionPlan]) -> None:
+    """Fill ``new`` (a meta module) from the live module ``name``'s tensors through ``steps``, put it in the live
+    one's place and dismantle the live one.
+
+    The last step runs through the load's fill stage (:func:`~modelpatch.loading.materialize.fill`) with the live
+    tensors (after the earlier steps) as its source; a tensor no step converts is placed as the very Parameter it was.
+    """
+    live = model.get_submodule(name)
     state = _module_state(model, name)
+    *earlier, last = steps
     tensors: Mapping[str, torch.Tensor] = state
-    grads = {key: grad for key, tensor in state.items() if (grad := _grad(tensor)) is not None}
-    for plan in module_plans:
-        tensors, grads = plan.run(tensors.__getitem__), _run_on_grads(plan, grads)
-    origins, _ = _lineage(module_plans, state)
+    for plan in earlier:
+        tensors = plan.run(tensors.__getitem__)
+    requires_grad, grads = trains(state, steps), carried_grads(state, steps)
     local = len(name) + 1
-    for key, tensor in tensors.items():
-        # Its parts agree (_training_state_problems): the first Parameter among them says whether it trains.
-        parts = [state[origin] for origin in origins[key] if isinstance(state[origin], nn.Parameter)]
-        requires_grad = bool(parts) and parts[0].requires_grad
-        contiguous = tensor if isinstance(tensor, nn.Parameter) else tensor.contiguous()
-        _assign(new, key[local:], contiguous, requires_grad, grads.get(key))
+
+    def place(key: str, tensor: torch.Tensor) -> bool:
+        kept = tensor if isinstance(tensor, nn.Parameter) else tensor.contiguous()
+        _assign(new, key[local:], kept, requires_grad[key], grads.get(key))
+        return False  # nothing copied: no file pages to release
+
+    # Never "file mapped": a live tensor may be a view of a checkpoint's private mapping whose pages it changed since
+    # (a training step); releasing them would drop its data.
+    fill(last, TensorSource(tensors.__getitem__, lambda key: False), place)
     # Buffers outside the state dict (non-persistent ones) come from the live module, by name.
     live_buffers = dict(live.named_buffers())
     for buffer_name, buffer in list(new.named_buffers()):
@@ -540,7 +364,8 @@ def fuse(
             )
     _refuse_held(model, names, optimizer, "fuse")
     base = _base_transforms(model)
-    _swap(model, target, names, [functools.partial(plan_load, transforms=prepared.transforms)], "fuse")
+    planned = _plan(model, target, names, [functools.partial(plan_load, transforms=prepared.transforms)], "fuse")
+    _execute(model, planned)
     finish_fused_modules(model)
     record = ensure_model_record(model)
     if record.base_transforms is None:
@@ -577,9 +402,8 @@ def unfuse(model: PreTrainedModel, *, optimizer: torch.optim.Optimizer | None = 
     transforms: list[WeightTransform] = []
     for spec, modules in by_spec.values():
         transforms.extend(spec_transforms(spec, model.config, modules))
-    _swap(
-        model, target, sorted(fused), [functools.partial(plan_save, transforms=transforms, alternatives=True)], "unfuse"
-    )
+    steps = [functools.partial(plan_save, transforms=transforms, alternatives=True)]
+    _execute(model, _plan(model, target, sorted(fused), steps, "unfuse"))
     _record(model, {}, _base_transforms(model))
     logger.info("Unfused %d modules of %s", len(fused), type(model).__name__)
     return model
@@ -617,7 +441,9 @@ def patch_model(model: PreTrainedModel, patcher: Patcher) -> PreTrainedModel:
     base = _base_transforms(model)
     patched = patcher.adjust_conversions(base)
     steps = [functools.partial(plan_save, transforms=base), functools.partial(plan_load, transforms=patched)]
-    patched = _bound(patched, _swap(model, target, names, steps, "patch"))
+    planned = _plan(model, target, names, steps, "patch")
+    _execute(model, planned)
+    patched = _bound(patched, planned.last_groups())
     ensure_model_record(model).base_transforms = tuple(patched)
     _record(model, stored_fusion_config(model.config) or {}, patched)
     logger.info("Patched %d modules of %s", len(names), type(model).__name__)

@@ -33,10 +33,11 @@ import torch
 from transformers import PreTrainedModel
 
 from .._transformers import has_transformers_adapter
-from ..state import model_record
+from .record import model_record
 from .save_contents import config_files, reject_wrapped, untied_pairs
+from .save_plan import SaveMode, SavePlan
 from .save_sharded import ShardedTensors
-from .save_stages import SaveMode, SavePlan, plan_model_save, save_writer
+from .save_stages import plan_model_save, save_writer
 
 
 def save_pretrained(

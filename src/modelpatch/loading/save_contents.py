@@ -23,9 +23,10 @@ from .._transformers_mapping import model_conversions
 from ..conversion.planner import ConversionPlan, TensorMeta, plan_save
 from ..conversion.transforms import WeightTransform
 from ..errors import ConversionError, SaveError
-from ..state import mark_runtime_layout, model_record, record_file_layout, stored_fusion_config
+from ..state import mark_runtime_layout, record_file_layout, stored_fusion_config
 from .distributed import local_part, model_class
-from .report import LoadReport, get_load_report
+from .record import get_load_report, model_record
+from .report import LoadReport
 
 logger = logging.getLogger(__name__)
 
@@ -204,20 +205,6 @@ def model_layout(model: PreTrainedModel, state: Mapping[str, torch.Tensor]) -> C
     :func:`model_transforms`."""
     metas = {k: TensorMeta(tuple(v.shape), v.dtype) for k, v in state.items()}
     return checkpoint_layout(get_load_report(model), model_transforms(model), metas)
-
-
-def independent(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Tensors safe to serialise: each owns its storage (converted parts may be views of one fused parameter)."""
-    owners: dict[int, str] = {}
-    result = {}
-    for key, tensor in tensors.items():
-        tensor = tensor.detach()
-        storage = tensor.untyped_storage().data_ptr()
-        if storage in owners or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-            tensor = tensor.clone()
-        owners.setdefault(storage, key)
-        result[key] = tensor.contiguous()
-    return result
 
 
 def reject_wrapped(model: Any) -> None:

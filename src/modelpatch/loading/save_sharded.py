@@ -50,9 +50,11 @@ from ..checkpoint.writer import TensorPlaces, parse_size, write_at, write_presiz
 from ..conversion.operations import Chunk, SplitModulelist, run_operations
 from ..conversion.planner import ConversionGroup
 from ..errors import SaveError
+from ..fusions.sharding import FusedParts
 from ..state import stored_fusion_config
-from .distributed import Rows, is_fully_sharded, local_rows, part_offsets
-from .save_stages import SaveMode, SavePlan, SaveWriter
+from .distributed import Rows, is_fully_sharded, local_rows
+from .save_contents import config_files
+from .save_plan import SaveMode, SavePlan, SaveWriter
 
 logger = logging.getLogger(__name__)
 
@@ -225,12 +227,9 @@ class ShardedState:
                 if rows is not None and _splits_rows(group):
                     if rows.writes:
                         local = self.local(sources[0], rows)
-                        sizes = group.operations[0].sizes  # type: ignore[attr-defined]
-                        for key, offset, size in zip(group.target_keys(), part_offsets(sizes), sizes, strict=True):
-                            window = rows.window(offset, size)
-                            if window is not None:
-                                start = offset + window[0] - rows.start
-                                pieces.put(key, window[0], local[start : start + window[1] - window[0]])
+                        parts = FusedParts(tuple(group.operations[0].sizes))  # type: ignore[attr-defined]
+                        for held in parts.held(rows.start, rows.stop):
+                            pieces.put(group.target_keys()[held.part], held.start, local[held.shard])
                     continue
                 if rows is not None and _unstacks_rows(group):
                     if rows.writes:
@@ -291,7 +290,7 @@ class CollectiveWriter(SaveWriter):
         try:
             plan = planned()
             sharded = ShardedState(plan)
-            extra_files = plan.config_files()
+            extra_files = config_files(plan.model, original_format=plan.original_format)
             entries = _save_entries(plan, sharded, extra_files, directory, max_shard_size)
         except Exception as exc:  # refused on every rank together: the others must not go on to collectives alone
             failure = exc

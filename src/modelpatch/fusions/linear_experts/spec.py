@@ -27,11 +27,15 @@ from transformers import PretrainedConfig
 from ...conversion.operations import Chunk, ConversionOperation, Interleave, SplitModulelist, Transpose
 from ...conversion.registry import get_checkpoint_conversion_mapping
 from ...conversion.transforms import WeightConverter, WeightRenaming, WeightTransform
-from ...errors import FusionError
+from ...errors import FusionError, TensorParallelError
 from ..generated import make_class
+from ..sharding import TensorParallelLayout, TensorParallelShard
 from ..source_digest import function_digest
 from ..spec import FusionOptions, ModuleFusionSpec
-from .modules import ExpertGate, LinearExperts
+from .modules import ExpertGate, ExpertMLP, LinearExperts
+
+# How the model's TP plan shards the stock fused experts: (the experts module, gate_up_proj, down_proj).
+STOCK_EXPERTS_PLAN = ("moe_tp_experts", "packed_colwise", "rowwise")
 
 DEFAULT_CHILD_NAMES = ("gate_proj", "up_proj", "down_proj")
 
@@ -366,6 +370,33 @@ class LinearExpertsFusionSpec(ModuleFusionSpec):
         # Called on fused modules only, whose class derives from LinearExperts (see make_fused_class), once they hold
         # the tensors just loaded or converted, which nothing else references yet.
         cast(LinearExperts, module).pack(release_sources=True)
+
+    def tensor_parallel_layout(
+        self, module: nn.Module, rules: Mapping[str, str], ranks: int
+    ) -> TensorParallelLayout | None:
+        """Stock shards fused experts as gate_up packed-colwise, down rowwise, outputs summed over the ranks by the
+        experts module (its ``moe_tp_experts`` rule, kept): per-expert Linears get the same shards (gate and up
+        colwise, down rowwise) and run on their local tensors."""
+        styles = (rules.get(""), rules.get("gate_up_proj"), rules.get("down_proj"))
+        if styles == (None, None, None):
+            return None
+        if styles != STOCK_EXPERTS_PLAN:
+            raise TensorParallelError(
+                f"the TP plan shards these experts as {styles} (experts, gate_up_proj, down_proj); modelpatch's "
+                f"linear_experts follow the {STOCK_EXPERTS_PLAN} plan only. Load without the linear_experts fusion."
+            )
+        expert = cast(LinearExperts, module)[0]
+        if not isinstance(expert, ExpertMLP):
+            raise TensorParallelError(f"these experts hold {type(expert).__name__}s, not modelpatch ExpertMLPs.")
+        gate, up, down = expert.names
+        return TensorParallelLayout(
+            frozenset({"gate_up_proj", "down_proj"}),
+            {
+                f"*.{gate}": TensorParallelShard("colwise", local=True),
+                f"*.{up}": TensorParallelShard("colwise", local=True),
+                f"*.{down}": TensorParallelShard("rowwise", local=True),
+            },
+        )
 
     def make_fused_class(self, original_cls: type[nn.Module]) -> type[nn.Module]:
         spec = self
