@@ -1,4 +1,5 @@
-"""The stages of a save and the hooks a mode takes part in them with, as a load's (``modes.py``) mirrored.
+"""The stages of a save, as a load's (``load.py``, ``modes.py``) mirrored; the hooks a mode takes part in them with,
+and the plan they fill, are ``save_plan.py``'s.
 
 A save is the same stages whatever it is asked for — a whole checkpoint (``save.py``), a collective one written by
 every rank of a sharded model (``save_sharded.py``), a stream of tensors (``state_dict.py``), the tensors handed to
