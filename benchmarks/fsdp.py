@@ -104,7 +104,7 @@ def _baseline_save(model, directory: Path) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from modelpatch.checkpoint import write_checkpoint
-    from modelpatch.loading.save_contents import config_files, model_layout
+    from modelpatch.saving.contents import config_files, model_layout
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:

@@ -200,7 +200,7 @@ def build_checkpoints(out: Path, quick: bool) -> dict[str, Path]:
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from modelpatch.loading.convert import plan_conversion
+    from modelpatch.saving.convert import plan_conversion
 
     transformers.logging.set_verbosity_error()
     paths = {}

@@ -9,7 +9,8 @@ the layers, bottom-up:
 * ``checkpoint/`` (file I/O), then ``conversion/`` (tensors; it may read checkpoints, never the reverse), then
   ``_transformers_mapping.py`` (transformers' conversion objects, translated);
 * ``patching/``, then ``fusions/`` (a fusion is a class patch with transforms);
-* ``loading/``;
+* the pipelines: ``loading/``, ``saving/``, ``modes/``, ``boundary/``, ``restructuring/`` (importing each other, without
+  circles);
 * the user API: ``__init__.py``, ``auto.py``, ``verify.py``, ``cli/``, ``integrations/`` (importing each other).
 
 No module imports another that imports it back, directly or through others, by any import: at module level, inside
@@ -45,7 +46,13 @@ LAYERS: dict[str, float] = {
     "_transformers_mapping": 2.5,
     "patching": 3,
     "fusions": 4,
+    # The pipelines, one concept a folder: the load, the save, the modes both run, the state-dict boundary, the
+    # restructuring of a live model.
     "loading": 5,
+    "saving": 5,
+    "modes": 5,
+    "boundary": 5,
+    "restructuring": 5,
     "": 6,  # modelpatch/__init__.py
     "auto": 6,
     "verify": 6,

@@ -6,7 +6,9 @@ The public API, layered bottom-up:
   per-model-type registry;
 * class patching (``modelpatch.patching``): the patch registry, ``apply_patches`` and ``Patcher``;
 * fusions (``modelpatch.fusions``): ``fusion_config`` families and ``ModuleFusionSpec``;
-* loading and saving (``modelpatch.loading``): ``from_pretrained``, ``from_config``, ``save_pretrained``;
+* the pipelines (``modelpatch.loading``, ``.saving``, ``.modes``, ``.boundary``, ``.restructuring``):
+  ``from_pretrained``, ``from_config``, ``save_pretrained``, the load modes, the original layout at every state-dict
+  boundary, ``fuse`` / ``unfuse``;
 * verification (``modelpatch.verify``): stock-vs-patched equivalence reports.
 
 Every name below is importable from ``modelpatch`` itself; the sub-packages that define them (and so torch and
@@ -92,19 +94,17 @@ _LAZY: dict[str, str] = {
             "PlannedLoad",
             "from_config",
             "from_pretrained",
-            "fuse",
             "get_load_report",
-            "iter_original_state_dict",
             "load_planned",
-            "patch_model",
             "plan_pretrained",
-            "save_pretrained",
-            "unfuse",
         ],
         ".loading",
-    ),
-    **dict.fromkeys(["load_sharded"], ".loading.fsdp"),
-    **dict.fromkeys(["get_original_state_dict", "set_original_state_dict"], ".loading.distributed_checkpoint"),
+    ),  # fmt: skip
+    **dict.fromkeys(["save_pretrained"], ".saving"),
+    **dict.fromkeys(["fuse", "patch_model", "unfuse"], ".restructuring"),
+    **dict.fromkeys(["iter_original_state_dict"], ".boundary"),
+    **dict.fromkeys(["get_original_state_dict", "set_original_state_dict"], ".boundary.distributed_checkpoint"),
+    **dict.fromkeys(["load_sharded"], ".modes.fsdp"),
     **dict.fromkeys(["get_peft_model", "load_adapter"], ".integrations.peft"),  # peft itself only when called
     **dict.fromkeys(["VerificationReport", "verify"], ".verify"),
     **dict.fromkeys(

@@ -84,7 +84,7 @@ def test_fuse_refusals_leave_the_model_unchanged(tiny, caplog):
     before = module_types(model)
     with pytest.raises(FusionError, match="Unknown fusion 'bogus'"):
         modelpatch.fuse(model, {"bogus": True})
-    with caplog.at_level(logging.WARNING, logger="modelpatch.loading.restructure"):
+    with caplog.at_level(logging.WARNING, logger="modelpatch.restructuring.restructure"):
         modelpatch.fuse(model, {"linear_experts": True})  # a dense model has no experts
     assert "nothing to fuse" in caplog.text
     assert module_types(model) == before

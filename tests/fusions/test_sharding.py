@@ -12,7 +12,7 @@ import modelpatch
 from modelpatch.errors import TensorParallelError
 from modelpatch.fusions import get_fusion
 from modelpatch.fusions.sharding import FusedParts, HeldRows, TensorParallelLayout, TensorParallelShard
-from modelpatch.loading.parallel import rules_under
+from modelpatch.modes.parallel import rules_under
 from support.models import tiny_config
 
 

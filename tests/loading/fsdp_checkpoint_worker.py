@@ -35,7 +35,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import modelpatch
-import modelpatch.loading.save_sharded
+import modelpatch.saving.sharded
 from modelpatch.errors import ModelPatchError
 
 transformers.logging.set_verbosity_error()
@@ -89,14 +89,14 @@ def refused_save(model, target: Path) -> str:
 
 def interrupt_first_write() -> None:
     """Make this rank's next collective save receive SIGINT (what Ctrl-C sends) when it writes its first rows."""
-    write_at = modelpatch.loading.save_sharded.write_at
+    write_at = modelpatch.saving.sharded.write_at
 
     def interrupted(fd, offset, tensor):
-        modelpatch.loading.save_sharded.write_at = write_at
+        modelpatch.saving.sharded.write_at = write_at
         signal.raise_signal(signal.SIGINT)  # Python's own handler raises KeyboardInterrupt here
         write_at(fd, offset, tensor)
 
-    modelpatch.loading.save_sharded.write_at = interrupted
+    modelpatch.saving.sharded.write_at = interrupted
 
 
 def refused_saves(model, job: dict, out: Path, mesh) -> None:

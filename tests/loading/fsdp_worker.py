@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 
 import modelpatch
 from modelpatch.errors import FusionError, ModelPatchError
-from modelpatch.loading.save_contents import model_layout
+from modelpatch.saving.contents import model_layout
 
 transformers.logging.set_verbosity_error()
 

@@ -22,7 +22,7 @@ sys.path.insert(1, str(Path(__file__).parents[1] / "fusions"))  # the worked exa
 from test_user_defined_fusion import TENSOR_PARALLEL_FUSIONS
 
 import modelpatch
-from modelpatch.loading import parallel
+from modelpatch.modes import parallel
 from support.checkpoints import CheckpointSpec, TinyCheckpoint
 
 transformers.logging.set_verbosity_error()

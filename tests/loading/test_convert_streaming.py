@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
 import modelpatch
-from modelpatch.loading.convert import plan_conversion
+from modelpatch.saving.convert import plan_conversion
 from support.compare import module_types
 from support.models import sized_config
 
@@ -75,7 +75,7 @@ def _load_and_save(
 
 
 def _streamed(caplog) -> bool:
-    messages = [record.getMessage() for record in caplog.records if record.name == "modelpatch.loading.convert"]
+    messages = [record.getMessage() for record in caplog.records if record.name == "modelpatch.saving.convert"]
     return any(m.startswith(STREAMED) for m in messages) and not any(THROUGH_A_MODEL in m for m in messages)
 
 
@@ -95,7 +95,7 @@ CASES = {
 def test_to_the_runtime_layout_and_back_is_what_load_and_save_write(tiny, tmp_path, caplog, case, max_shard_size):
     name, fusions = CASES[case]
     ckpt = tiny(name)
-    caplog.set_level(logging.INFO, logger="modelpatch.loading.convert")
+    caplog.set_level(logging.INFO, logger="modelpatch.saving.convert")
 
     runtime, runtime_reference = tmp_path / "runtime", tmp_path / "runtime_reference"
     files = _convert(
@@ -141,7 +141,7 @@ def test_to_the_runtime_layout_and_back_is_what_load_and_save_write(tiny, tmp_pa
 def test_a_dtype_change_and_an_original_layout_target(tiny, tmp_path, caplog, dtype):
     """Loading in another dtype casts before the conversion runs backwards: what the save of that model writes."""
     ckpt = tiny("qwen2_moe")
-    caplog.set_level(logging.INFO, logger="modelpatch.loading.convert")
+    caplog.set_level(logging.INFO, logger="modelpatch.saving.convert")
     fusions = {"qkv": True, "gate_up": True, "linear_experts": True}
     _convert(ckpt.path, tmp_path / "out", ckpt.model_class, fusion_config=fusions, dtype=dtype, max_shard_size="30KB")
     _load_and_save(
@@ -155,7 +155,7 @@ def test_tied_embeddings_stream_and_an_untied_source_goes_through_a_model(stock_
     """A tied head the checkpoint does not store is left out as a save leaves it out; a checkpoint storing only the
     head fills the embedding by tying (transformers' swap at load), which only the loaded model can give."""
     ckpt = stock_checkpoint("llama_tied")
-    caplog.set_level(logging.INFO, logger="modelpatch.loading.convert")
+    caplog.set_level(logging.INFO, logger="modelpatch.saving.convert")
     _convert(ckpt.path, tmp_path / "out", ckpt.model_class, fusion_config={"qkv": True}, runtime_format=True)
     _load_and_save(
         ckpt.path, tmp_path / "reference", ckpt.model_class, fusion_config={"qkv": True}, runtime_format=True
@@ -198,7 +198,7 @@ def test_an_original_layout_target_records_the_fusions_asked_for(stock_checkpoin
             tensors = load_file(directory / "model.safetensors")
             tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
             save_file(tensors, directory / "model.safetensors", metadata=metadata)
-    caplog.set_level(logging.INFO, logger="modelpatch.loading.convert")
+    caplog.set_level(logging.INFO, logger="modelpatch.saving.convert")
 
     _convert(runtime, tmp_path / "none", ckpt.model_class, recorded_fusions={})
     assert _streamed(caplog) is streamed
@@ -241,7 +241,7 @@ def test_a_failed_conversion_leaves_the_previous_destination(tiny, tmp_path, mon
 PEAK_SCRIPT = """
 import json, sys
 from transformers import LlamaForCausalLM
-from modelpatch.loading.convert import plan_conversion
+from modelpatch.saving.convert import plan_conversion
 
 def status(name):
     with open("/proc/self/status") as f:

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import modelpatch
-from modelpatch.loading.fsdp import ShardedLoadError
+from modelpatch.modes.fsdp import ShardedLoadError
 from support.compare import assert_bitwise_equal
 from support.distributed import run_ranks
 from support.files import read_tensors

@@ -454,7 +454,7 @@ def test_safetensors_preferred_over_pickle(stock_checkpoint, tmp_path):
 def test_quantized_checkpoints_on_a_transformers_without_the_quantizer_api_are_refused_by_name(
     stock_checkpoint, tmp_path
 ):
-    from modelpatch.loading.quantization import quantizer_api_supported
+    from modelpatch.modes.quantization import quantizer_api_supported
 
     if quantizer_api_supported():
         pytest.skip("this transformers has the quantizer API modelpatch drives (tests/loading/test_quantized.py)")

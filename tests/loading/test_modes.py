@@ -22,10 +22,10 @@ from modelpatch.checkpoint import Checkpoint
 from modelpatch.conversion.planner import ConversionGroup
 from modelpatch.conversion.transforms import WeightTransform
 from modelpatch.loading.materialize import set_tensor
-from modelpatch.loading.modes import LoadMode, Metas, TensorSource
 from modelpatch.loading.plan import LoadPlan
-from modelpatch.loading.save import planned_save
-from modelpatch.loading.save_plan import Rows, SavePlan
+from modelpatch.modes.base import LoadMode, Metas, TensorSource
+from modelpatch.saving.plan import Rows, SavePlan
+from modelpatch.saving.save import planned_save
 from support.compare import assert_bitwise_equal, assert_same_files, assert_tensor_bitwise_equal
 
 # The hooks in the order modes.py documents them, as one plain load calls them (no fusion to step aside).

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 import modelpatch
 from modelpatch.checkpoint import Checkpoint
 from modelpatch.errors import LoadPlanError, SaveError
-from modelpatch.loading.quantization import quantizer_api_supported
+from modelpatch.modes.quantization import quantizer_api_supported
 from support.compare import assert_bitwise_equal, bits
 from support.files import read_tensors
 from support.models import sized_config

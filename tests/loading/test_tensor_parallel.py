@@ -29,7 +29,7 @@ from transformers import (
 import modelpatch
 from modelpatch import register_fusion
 from modelpatch._transformers import tensor_parallel_supported
-from modelpatch.loading.parallel import TensorParallelError
+from modelpatch.modes.parallel import TensorParallelError
 from support.checkpoints import CheckpointSpec, TinyCheckpoint, perturb
 from support.compare import assert_bitwise_equal
 from support.distributed import run_ranks

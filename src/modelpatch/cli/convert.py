@@ -39,8 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import LoadPlanError
-    from ..loading.convert import plan_conversion
     from ..loading.diagnose import collapse_indices
+    from ..saving.convert import plan_conversion
     from ..state import is_runtime_layout, stored_fusion_config
     from .carry import plan_carry
     from .common import model_class_for, open_checkpoint, parse_fusions, parse_patches

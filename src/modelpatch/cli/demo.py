@@ -60,7 +60,8 @@ def _same_files(a: Path, b: Path) -> bool:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ..loading import from_pretrained, get_load_report, save_pretrained
+    from ..loading import from_pretrained, get_load_report
+    from ..saving import save_pretrained
     from ..verify import verify
 
     with tempfile.TemporaryDirectory(prefix="modelpatch-demo-") as scratch:

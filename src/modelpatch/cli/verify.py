@@ -74,7 +74,8 @@ def _stock_reference(args: argparse.Namespace, directory: Path, config: Pretrain
     import sys
 
     from ..fusions.apply import has_enabled_fusions, resolve_fusion_config
-    from ..loading import from_pretrained, unfuse
+    from ..loading import from_pretrained
+    from ..restructuring import unfuse
     from ..state import is_runtime_layout
 
     load = {"dtype": args.dtype, "allow_pickle": args.allow_pickle}

@@ -7,7 +7,7 @@
   of the config (``LoraConfig._register_custom_module``), and ``"all-linear"`` is resolved to the original names.
   The adapter then has the modules and state-dict keys it has on the stock model, so adapters move between both.
 * An adapter saved from the stock model: :func:`load_adapter`.
-* Stock PEFT's own ``"all-linear"`` on a fused model is refused (:mod:`modelpatch.loading.adapters`): it would adapt
+* Stock PEFT's own ``"all-linear"`` on a fused model is refused (:mod:`modelpatch.boundary.adapters`): it would adapt
   the fused layers, names the original checkpoint lacks; the resolution here is let through.
 
 ``peft`` is imported on first use; modelpatch itself does not depend on it. Every private PEFT name is reached through
@@ -35,7 +35,7 @@ from ..checkpoint.json_file import MAX_CONFIG_BYTES, read_json
 from ..errors import PeftIntegrationError
 from ..fusions.linear_experts.modules import LinearExperts
 from ..fusions.projections import ProjectionSlice
-from ..loading.distributed import refuse_adapters
+from ..modes.distributed import refuse_adapters
 
 if TYPE_CHECKING:
     from peft import LoraConfig, PeftConfig, PeftMixedModel, PeftModel

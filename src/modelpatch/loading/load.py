@@ -36,6 +36,7 @@ from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 
 from .._transformers import initialize_missing, set_attention_implementation, set_experts_implementation
 from .._transformers_mapping import model_conversions
+from ..boundary.state_dict import install_state_dict_boundary
 from ..checkpoint import Checkpoint
 from ..checkpoint.json_file import MAX_CONFIG_BYTES, read_json
 from ..checkpoint.prefetch import prefetching
@@ -44,6 +45,11 @@ from ..conversion.transforms import WeightTransform
 from ..errors import CheckpointError, FusionError, LoadPlanError, ModelPatchError
 from ..fusions.apply import PreparedFusions, has_enabled_fusions, prepare_fusions, resolve_fusion_config
 from ..fusions.generated import finish_fused_modules
+from ..modes.base import LoadMode, TensorSource
+from ..modes.dispatch import Dispatch
+from ..modes.parallel import TensorParallelSetup, UnshardedPlan
+from ..modes.parallel import prepare as prepare_tensor_parallel
+from ..modes.quantization import load_quantization
 from ..patching import registry
 from ..patching.mapping import PatchMapping
 from ..patching.patcher import Patcher
@@ -60,18 +66,12 @@ from .build import (
 )
 from .config import load_config, resolve_dtype, resolve_model_class
 from .diagnose import Replacement
-from .dispatch import Dispatch
 from .hub import HubOptions, resolve_checkpoint
 from .materialize import load_into_model
-from .modes import LoadMode, TensorSource
 from .options import FusionConfig, LoadOptions
-from .parallel import TensorParallelSetup, UnshardedPlan
-from .parallel import prepare as prepare_tensor_parallel
 from .plan import LoadPlan, model_expectations, plan_model_load
-from .quantization import load_quantization
 from .record import ensure_model_record, get_load_report, record_report
 from .report import LoadReport
-from .state_dict import install_state_dict_boundary
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from .._transformers import mark_initialized
 from ..checkpoint.pages import in_file_mapping, release_pages
 from ..conversion.planner import ConversionGroup, ConversionPlan
-from .modes import LoadMode, TensorSource
+from ..modes.base import LoadMode, TensorSource
 from .plan import LoadPlan
 
 # Below this many bytes a load is quick enough that a progress bar is noise.
@@ -168,7 +168,7 @@ def fill(
     ``source.file_mapped`` says it is a view of a private file mapping), as are a group's sources once it ran.
     ``progress`` is told the bytes of each tensor placed. A load fills its meta model from a checkpoint
     (:func:`load_into_model`); a restructuring fills each new module from the live model's tensors
-    (:mod:`modelpatch.loading.restructure`).
+    (:mod:`modelpatch.restructuring.restructure`).
     """
     for runtime_key, source_key in conversion.direct.items():
         if wanted is not None and runtime_key not in wanted:

@@ -16,10 +16,10 @@ import torch
 from transformers import DistributedConfig, GenerationConfig, PretrainedConfig
 
 from ..checkpoint import Checkpoint
+from ..modes.base import LoadMode
 from ..patching.patcher import Patcher
 from .hub import HubOptions
 from .keywords import config_overrides
-from .modes import LoadMode
 from .placement import distributed_config_of, single_device
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class LoadOptions:
         generation_config: Used instead of the checkpoint's ``generation_config.json``.
         trust_remote_code: modelpatch loads the model types built into transformers only: ``True`` is refused for
             a checkpoint that ships its own modeling code (``auto_map``).
-        load_modes: Load modes of the caller's (:class:`~modelpatch.loading.modes.LoadMode` instances, one load
+        load_modes: Load modes of the caller's (:class:`~modelpatch.modes.base.LoadMode` instances, one load
             each), whose hooks run after those of the modes the other options ask for, in this order. Their planning
             hooks may run twice when the load's fusions step aside and the load is planned again without them.
     """

@@ -18,9 +18,9 @@ from ..conversion.planner import ConversionPlan, TensorMeta, format_problems, pl
 from ..conversion.registry import legacy_conversions
 from ..conversion.transforms import WeightTransform
 from ..errors import LoadPlanError
+from ..modes.base import LoadMode
 from .diagnose import Replacement, collapse_lines, explain
 from .diagnose import quantization as quantization_problem
-from .modes import LoadMode
 from .options import LoadOptions, UnexpectedKeys
 
 if TYPE_CHECKING:  # imports modules that use this one

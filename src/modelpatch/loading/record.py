@@ -21,8 +21,8 @@ from ..state import RECORD_VERSION
 if TYPE_CHECKING:
     from ..conversion.planner import TensorMeta
     from ..conversion.transforms import WeightTransform
-    from .modes import LoadMode
-    from .offload import OffloadedWeights
+    from ..modes.base import LoadMode
+    from ..modes.offload import OffloadedWeights
     from .plan import LoadPlan
     from .report import LoadReport
 

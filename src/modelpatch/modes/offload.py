@@ -35,7 +35,7 @@ from ..checkpoint.writer import require_writable_directory
 from ..errors import CheckpointError, SaveError
 
 if TYPE_CHECKING:
-    from .plan import LoadPlan
+    from ..loading.plan import LoadPlan
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ device, then ``model.to_empty(device=...)``); :func:`load_sharded` then fills ev
   rank's shard of it, so a rank's peak memory is its shards plus the largest converted group;
 * the checkpoint's file pages a rank read are released once copied, so they do not stay resident.
 
-:class:`FullyShardedLoad` is this as a :class:`~modelpatch.loading.modes.LoadMode` (its ``plan``, ``wrap_source``,
+:class:`FullyShardedLoad` is this as a :class:`~modelpatch.modes.base.LoadMode` (its ``plan``, ``wrap_source``,
 ``device``, ``run_group``, ``place`` and ``after_load`` hooks): :func:`load_sharded` plans the load with it and runs
 the loader's execute stage into the sharded model, so the tensors go through the one materialize loop of every
 load; the collective save (``save_sharded.py``) reads the same row layout back.
@@ -36,13 +36,13 @@ from ..conversion.operations import Concatenate, MergeModulelist, run_operations
 from ..conversion.planner import ConversionGroup
 from ..errors import ModelPatchError
 from ..fusions.sharding import FusedParts
+from ..loading.load import execute_plan, plan_pretrained
+from ..loading.plan import LoadPlan
+from ..loading.record import record_report
+from ..loading.report import LoadReport
 from ..state import stored_fusion_config
+from .base import LoadMode, TensorSource
 from .distributed import Rows, current_rank, local_part, local_rows, shard_of
-from .load import execute_plan, plan_pretrained
-from .modes import LoadMode, TensorSource
-from .plan import LoadPlan
-from .record import record_report
-from .report import LoadReport
 
 logger = logging.getLogger(__name__)
 

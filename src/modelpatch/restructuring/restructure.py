@@ -10,9 +10,9 @@ is at most one converted group. Tensors no transform touches (``o_proj``, norms)
 
 A restructuring runs in two steps, as a load does. Planning decides everything and changes nothing: every module's
 tensors are planned through the transforms (metadata only), their training state checked
-(:mod:`~modelpatch.loading.training_state`), and the hooks on the modules replaced sorted into those that move to
+(:mod:`~modelpatch.restructuring.training_state`), and the hooks on the modules replaced sorted into those that move to
 the modules standing in their place and those that would lose their meaning
-(:mod:`~modelpatch.loading.hooks_transfer`); any refusal names what is at fault and leaves the model as it was.
+(:mod:`~modelpatch.restructuring.hooks_transfer`); any refusal names what is at fault and leaves the model as it was.
 Executing moves the hooks and fills each new module through the load's fill stage
 (:func:`~modelpatch.loading.materialize.fill`), with the live module's tensors as the source instead of a checkpoint.
 
@@ -37,23 +37,23 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .._transformers_mapping import model_conversions
+from ..boundary.state_dict import install_state_dict_boundary
 from ..conversion.planner import ConversionGroup, ConversionPlan, TensorMeta, plan_load, plan_save
 from ..conversion.transforms import WeightConverter, WeightTransform
 from ..errors import FusionError
 from ..fusions.apply import normalize_fusion_config, prepare_fusions, resolve_fusion_config, spec_transforms
 from ..fusions.generated import finish_fused_modules, fused_origin
 from ..fusions.projections import ProjectionSlice
+from ..loading.build import build_empty_model
+from ..loading.materialize import fill, return_freed_memory
+from ..loading.plan import model_expectations
+from ..loading.record import ensure_model_record, model_record
+from ..modes.base import TensorSource
+from ..modes.distributed import refuse_sharded
 from ..patching import registry
 from ..patching.patcher import Patcher
 from ..state import record_fusion_config, stored_fusion_config
-from .build import build_empty_model
-from .distributed import refuse_sharded
 from .hooks_transfer import HookMove, move_hooks, plan_hook_moves, tensor_hook_problems
-from .materialize import fill, return_freed_memory
-from .modes import TensorSource
-from .plan import model_expectations
-from .record import ensure_model_record, model_record
-from .state_dict import install_state_dict_boundary
 from .training_state import carried_grads, training_state_error, training_state_problems, trains
 
 logger = logging.getLogger(__name__)

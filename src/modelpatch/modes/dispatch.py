@@ -12,16 +12,16 @@ from typing import TYPE_CHECKING, Any
 from transformers import PreTrainedModel
 
 from .._transformers import no_split_modules, skip_keys_device_placement
-from .modes import LoadMode
+from ..loading.record import ensure_model_record, offloaded_weights
+from .base import LoadMode
 from .offload import DiskOffload, meta_tensors
-from .record import ensure_model_record, offloaded_weights
 
 if TYPE_CHECKING:
     import torch
 
     from ..checkpoint import Checkpoint
-    from .plan import LoadPlan
-    from .save_plan import Rows, SavePlan
+    from ..loading.plan import LoadPlan
+    from ..saving.plan import Rows, SavePlan
 
 
 def resolve_device_map(

@@ -23,10 +23,10 @@ from .._transformers_mapping import model_conversions
 from ..conversion.planner import ConversionPlan, TensorMeta, plan_save
 from ..conversion.transforms import WeightTransform
 from ..errors import ConversionError, SaveError
+from ..loading.record import get_load_report, model_record
+from ..loading.report import LoadReport
+from ..modes.distributed import local_part, model_class
 from ..state import mark_runtime_layout, record_file_layout, stored_fusion_config
-from .distributed import local_part, model_class
-from .record import get_load_report, model_record
-from .report import LoadReport
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The training state of tensors a restructuring converts: ``requires_grad`` and an accumulated ``.grad``.
 
-``fuse`` / ``unfuse`` / ``patch_model`` (:mod:`modelpatch.loading.restructure`) build new tensors from several old
+``fuse`` / ``unfuse`` / ``patch_model`` (:mod:`modelpatch.restructuring.restructure`) build new tensors from several old
 ones (``qkv_proj`` from ``q_proj``, ``k_proj`` and ``v_proj``) or several from one. Where the parts agree, the new
 tensors take their state: the same ``requires_grad``, and each ``.grad`` converted exactly as the weights are. Where
 they do not, or a ``.grad`` would pass through an operation that does not only move entries, planning refuses by name

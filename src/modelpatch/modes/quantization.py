@@ -54,17 +54,17 @@ from ..conversion.operations import ConversionOperation, Fp8BlockDequantize, Tor
 from ..conversion.planner import ConversionPlan, TensorMeta, format_problems, plan_load
 from ..conversion.transforms import WeightConverter, WeightRenaming, WeightTransform
 from ..errors import LoadPlanError, ModelPatchError
-from .diagnose import SUPPORTED_METHODS, collapse_lines
-from .materialize import set_tensor
-from .modes import LoadMode, Metas, TensorSource
+from ..loading.diagnose import SUPPORTED_METHODS, collapse_lines
+from ..loading.materialize import set_tensor
+from ..loading.record import QuantizedLoad, ensure_model_record
+from .base import LoadMode, Metas, TensorSource
 from .quantized_save import plan_quantized_save
-from .record import QuantizedLoad, ensure_model_record
 
 if TYPE_CHECKING:
     from .._transformers import HfQuantizer
     from ..checkpoint import Checkpoint
-    from .plan import LoadPlan
-    from .save_plan import SavePlan
+    from ..loading.plan import LoadPlan
+    from ..saving.plan import SavePlan
 
 # Checkpoint dtypes that are plain numbers; anything else a quantized checkpoint stores (float8, packed integers)
 # only means something with its companions.

@@ -15,12 +15,12 @@ import torch
 from transformers import PreTrainedModel
 
 from ..errors import SaveError
+from ..loading.record import QuantizedLoad, get_load_report, model_record
+from ..loading.report import LoadReport
 from ..state import stored_fusion_config
-from .record import QuantizedLoad, get_load_report, model_record
-from .report import LoadReport
 
 if TYPE_CHECKING:
-    from .save_plan import SavePlan
+    from ..saving.plan import SavePlan
 
 
 def plan_quantized_save(plan: SavePlan) -> None:

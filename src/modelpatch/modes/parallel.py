@@ -51,15 +51,15 @@ from ..conversion.planner import ConversionGroup
 from ..errors import TensorParallelError  # raised here; importable from this module as before
 from ..fusions.sharding import FusedParts, TensorParallelLayout
 from ..fusions.spec import ModuleFusionSpec
-from .modes import LoadMode, TensorSource
-from .record import ensure_model_record, model_record
-from .save_plan import SaveWriter
-from .save_stages import WholeFiles
+from ..loading.record import ensure_model_record, model_record
+from ..saving.plan import SaveWriter
+from ..saving.stages import WholeFiles
+from .base import LoadMode, TensorSource
 
 if TYPE_CHECKING:
     from ..checkpoint import Checkpoint
-    from .plan import LoadPlan
-    from .save_plan import Rows, SavePlan
+    from ..loading.plan import LoadPlan
+    from ..saving.plan import Rows, SavePlan
 
 logger = logging.getLogger(__name__)
 

@@ -35,11 +35,11 @@ from transformers import PreTrainedModel
 
 from ..checkpoint import write_checkpoint
 from ..conversion.planner import ConversionPlan
-from .distributed import current_rank
-from .offload import meta_tensors, unreadable_meta_tensors
-from .record import get_load_report
-from .save_contents import check_saveable, config_files, model_layout, state_to_save
-from .save_plan import SaveMode, SavePlan, SaveWriter
+from ..loading.record import get_load_report
+from ..modes.distributed import current_rank
+from ..modes.offload import meta_tensors, unreadable_meta_tensors
+from .contents import check_saveable, config_files, model_layout, state_to_save
+from .plan import SaveMode, SavePlan, SaveWriter
 
 logger = logging.getLogger(__name__)
 

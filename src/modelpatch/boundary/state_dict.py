@@ -3,13 +3,13 @@
 Inside, a fused model holds its runtime layout (``qkv_proj``, packed experts); outside, callers speak the layout of
 the checkpoint it came from (what stock models hold and ``save_pretrained`` writes). Three doors cross that boundary:
 
-* saving: ``model.save_pretrained`` (:class:`~modelpatch.loading.save.OriginalFormatSave`);
+* saving: ``model.save_pretrained`` (:class:`~modelpatch.saving.save.OriginalFormatSave`);
 * loading: ``model.load_state_dict`` (:class:`OriginalLayoutLoad`) accepts either layout, or a mix, as Trainer's
   ``resume_from_checkpoint`` and ``load_best_model_at_end`` pass it;
 * streaming: :func:`iter_original_state_dict` yields the checkpoint's ``(name, tensor)`` pairs one conversion group at
   a time, for a consumer such as an inference engine's ``load_weights(iterable)``.
 
-Every door plans with the same conversion plan (:func:`~modelpatch.loading.save.model_layout`): direct keys and
+Every door plans with the same conversion plan (:func:`~modelpatch.saving.save.model_layout`): direct keys and
 conversion groups bound to the model's shapes, run forwards or backwards; nothing is converted here by hand.
 """
 
@@ -24,11 +24,11 @@ import torch
 from transformers import PreTrainedModel
 
 from ..conversion.planner import ConversionGroup, TensorMeta
+from ..loading.plan import plan_checkpoint_keys
+from ..modes.distributed import full_tensor, is_fsdp, refuse_two_shardings, shard_like
+from ..saving.contents import model_layout, model_transforms
+from ..saving.save import OriginalFormatSave, planned_save
 from .adapters import install_adapter_guard
-from .distributed import full_tensor, is_fsdp, refuse_two_shardings, shard_like
-from .plan import plan_checkpoint_keys
-from .save import OriginalFormatSave, planned_save
-from .save_contents import model_layout, model_transforms
 
 __all__ = ["OriginalLayoutLoad", "install_state_dict_boundary", "iter_original_state_dict"]
 

@@ -2,14 +2,14 @@
 
 A conversion needs neither the model's tensors nor its forward. The load plan (from safetensors headers: exactly what
 a load would do) says where each of the model's tensors comes from, and the save plan
-(:func:`~modelpatch.loading.save.checkpoint_layout`) where each written tensor comes from. The writer asks for the
+(:func:`~modelpatch.saving.save.checkpoint_layout`) where each written tensor comes from. The writer asks for the
 tensors of each output file in file order; each is computed from memory-mapped source tensors when its turn comes,
 written, and the pages of its sources released. Memory holds one converted group (one layer's q/k/v, say) and
 those of its outputs not written yet, never a shard or the model. A tensor whose bytes are source bytes unchanged
 (read as is, a row range of one, or several concatenated along dim 0: a fused ``qkv_proj``) is not computed at all:
 the writer copies those byte ranges file to file, as ``cp`` does.
 
-The files are those a load followed by :func:`~modelpatch.loading.save.save_pretrained` writes, byte for byte.
+The files are those a load followed by :func:`~modelpatch.saving.save.save_pretrained` writes, byte for byte.
 What only a loaded model can give is converted that way, with the reason logged: a quantized checkpoint (its
 quantizer serialises the model) and parameters the checkpoint does not fill (transformers initialises them at load).
 """
@@ -34,17 +34,17 @@ from ..checkpoint.pages import release_pages
 from ..checkpoint.writer import Streamed, stream_checkpoint
 from ..conversion.planner import ConversionGroup, ConversionPlan, TensorMeta
 from ..fusions.apply import normalize_fusion_config
+from ..loading import materialize
+from ..loading.diagnose import collapse_indices
+from ..loading.load import load_with_options, open_plan
+from ..loading.materialize import _placed
+from ..loading.options import FusionConfig, LoadOptions
+from ..loading.plan import LoadPlan
+from ..loading.report import LoadReport
 from ..patching.patcher import Patcher
 from ..state import record_fusion_config
-from . import materialize
-from .diagnose import collapse_indices
-from .load import load_with_options, open_plan
-from .materialize import _placed
-from .options import FusionConfig, LoadOptions
-from .plan import LoadPlan
-from .report import LoadReport
+from .contents import checkpoint_layout, config_files
 from .save import save_pretrained
-from .save_contents import checkpoint_layout, config_files
 
 logger = logging.getLogger(__name__)
 

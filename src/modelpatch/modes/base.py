@@ -7,7 +7,7 @@ offload, fully sharded data parallelism — and it does so only through the hook
 same points of every load, for each mode it was given, in order. The loader never asks which modes it holds.
 
 Every hook has a default that changes nothing, so a mode implements only the stages it takes part in. A load mode is
-also a :class:`~modelpatch.loading.save_stages.SaveMode`: its save hooks (which writer, the save's plan, each tensor
+also a :class:`~modelpatch.saving.stages.SaveMode`: its save hooks (which writer, the save's plan, each tensor
 on its way out) run when a model the mode loaded is saved, so the mode that changed how tensors live on the model is
 the one that gives them back in plain form (``save_stages.py``, the save's stages).
 """
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeAlias, TypeVar
 
 import torch
 
-from .save_plan import SaveMode
+from ..saving.plan import SaveMode
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -78,7 +78,7 @@ class LoadMode(SaveMode, Generic[Plan]):
     9. :meth:`finish` — after transformers' finalisation (buffers, new parameters, tied weights) and the load
        report; returns the model the caller gets (a mode may wrap it).
 
-    When the model is saved, the save hooks of :class:`~modelpatch.loading.save_stages.SaveMode` (``save_writer``,
+    When the model is saved, the save hooks of :class:`~modelpatch.saving.stages.SaveMode` (``save_writer``,
     ``plan_save``, ``save_tensor``): each tensor on its way out gathered, read back from disk or serialised.
 
     Hooks 1–4 run when the load is planned (:func:`~modelpatch.plan_pretrained`), 5–9 when it is executed

@@ -29,8 +29,8 @@ from transformers import PreTrainedModel
 from .._transformers import tied_weight_keys
 from ..conversion.planner import format_problems
 from ..errors import LoadPlanError
-from .distributed import local_part, shard_like, shard_of
-from .save import planned_save
+from ..modes.distributed import local_part, shard_like, shard_of
+from ..saving.save import planned_save
 
 
 def get_original_state_dict(model: PreTrainedModel) -> dict[str, torch.Tensor]:

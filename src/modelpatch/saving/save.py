@@ -18,7 +18,7 @@ parameters (``save_sharded.ShardedTensors``):
    only when complete (or, for a sharded model, by every rank into files rank 0 pre-sized).
 
 The models modelpatch builds also get an instance-level ``save_pretrained`` (installed by
-:func:`~modelpatch.loading.state_dict.install_state_dict_boundary`, with ``load_state_dict``)
+:func:`~modelpatch.boundary.state_dict.install_state_dict_boundary`, with ``load_state_dict``)
 so that stock code paths — ``model.save_pretrained``, ``Trainer.save_model`` — write the original layout too.
 """
 
@@ -33,11 +33,11 @@ import torch
 from transformers import PreTrainedModel
 
 from .._transformers import has_transformers_adapter
-from .record import model_record
-from .save_contents import config_files, reject_wrapped, untied_pairs
-from .save_plan import SaveMode, SavePlan
-from .save_sharded import ShardedTensors
-from .save_stages import plan_model_save, save_writer
+from ..loading.record import model_record
+from .contents import config_files, reject_wrapped, untied_pairs
+from .plan import SaveMode, SavePlan
+from .sharded import ShardedTensors
+from .stages import plan_model_save, save_writer
 
 
 def save_pretrained(

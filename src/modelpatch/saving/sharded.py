@@ -51,10 +51,10 @@ from ..conversion.operations import Chunk, SplitModulelist, run_operations
 from ..conversion.planner import ConversionGroup
 from ..errors import SaveError
 from ..fusions.sharding import FusedParts
+from ..modes.distributed import Rows, is_fully_sharded, local_rows
 from ..state import stored_fusion_config
-from .distributed import Rows, is_fully_sharded, local_rows
-from .save_contents import config_files
-from .save_plan import SaveMode, SavePlan, SaveWriter
+from .contents import config_files
+from .plan import SaveMode, SavePlan, SaveWriter
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ..errors import ModelPatchError, PeftIntegrationError, ShardingError
-from .record import model_record
-from .save_plan import Rows
+from ..loading.record import model_record
+from ..saving.plan import Rows
 
 __all__ = [
     "Rows",

@@ -1,6 +1,6 @@
 """Hooks of modules a restructuring replaces: which move to the modules that stand in their place, and moving them.
 
-Restructuring a live model (:mod:`modelpatch.loading.restructure`) replaces modules that may carry hooks: an
+Restructuring a live model (:mod:`modelpatch.restructuring.restructure`) replaces modules that may carry hooks: an
 activation-steering forward hook on ``mlp``, transformers' own output recorders, a state-dict hook. A hook keeps its
 meaning on the module that stands where its module stood when that module is called alike (the same arguments, the
 same function): the replaced module itself always is (its replacement is called where it was), a module inside it is
