@@ -239,3 +239,30 @@ def test_a_lookup_imports_the_border_that_provides_the_builtin_mappings():
 def _child_env() -> dict[str, str]:
     """This process's environment, with the source tree this test module reads first on the path."""
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(SOURCE.parent), os.environ.get("PYTHONPATH", "")])}
+
+
+# Each module imported first, in a process where no module of modelpatch is imported yet (torch and transformers are:
+# they are what takes the time, and modelpatch never re-initialises them).
+_IMPORT_EACH_FIRST = """
+import importlib, sys, traceback
+import torch, transformers
+for name in sys.argv[1:]:
+    for loaded in [m for m in sys.modules if m == "modelpatch" or m.startswith("modelpatch.")]:
+        del sys.modules[loaded]
+    try:
+        importlib.import_module(name)
+    except Exception:
+        print(f"{name}: {traceback.format_exc(limit=-1).strip().splitlines()[-1]}")
+"""
+
+
+def test_every_module_imports_first_in_a_fresh_process():
+    """What pickle (or a user) does in a new process: import the one module a class lives in. The package
+    ``__init__`` modules that this runs first must import nothing that comes back to the module half-initialised,
+    a circle that runs only through packages and so escapes the module-level check above."""
+    modules = sorted(name for name in package_modules() if not name.endswith(".__main__"))  # __main__ runs the CLI
+    result = subprocess.run(
+        [sys.executable, "-c", _IMPORT_EACH_FIRST, *modules], capture_output=True, text=True, env=_child_env()
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "", "modules that fail when imported first:\n" + result.stdout

@@ -89,20 +89,13 @@ _LAZY: dict[str, str] = {
         ".fusions",
     ),
     **dict.fromkeys(
-        [
-            "LoadReport",
-            "PlannedLoad",
-            "from_config",
-            "from_pretrained",
-            "get_load_report",
-            "load_planned",
-            "plan_pretrained",
-        ],
-        ".loading",
-    ),  # fmt: skip
-    **dict.fromkeys(["save_pretrained"], ".saving"),
-    **dict.fromkeys(["fuse", "patch_model", "unfuse"], ".restructuring"),
-    **dict.fromkeys(["iter_original_state_dict"], ".boundary"),
+        ["PlannedLoad", "from_config", "from_pretrained", "load_planned", "plan_pretrained"], ".loading.load"
+    ),
+    **dict.fromkeys(["LoadReport"], ".loading.report"),
+    **dict.fromkeys(["get_load_report"], ".loading.record"),
+    **dict.fromkeys(["save_pretrained"], ".saving.save"),
+    **dict.fromkeys(["fuse", "patch_model", "unfuse"], ".restructuring.restructure"),
+    **dict.fromkeys(["iter_original_state_dict"], ".boundary.state_dict"),
     **dict.fromkeys(["get_original_state_dict", "set_original_state_dict"], ".boundary.distributed_checkpoint"),
     **dict.fromkeys(["load_sharded"], ".modes.fsdp"),
     **dict.fromkeys(["get_peft_model", "load_adapter"], ".integrations.peft"),  # peft itself only when called

@@ -83,14 +83,14 @@ class ModelPatchAutoClass(metaclass=_AutoClassType):
             _prefetched_directory(pretrained_model_name_or_path, kwargs),
             allow_external_symlinks=bool(kwargs.get("allow_external_symlinks")),
         ):
-            from .loading import from_pretrained
+            from .loading.load import from_pretrained
 
             return from_pretrained(cls.transformers_class, pretrained_model_name_or_path, **kwargs)
 
     @classmethod
     def from_config(cls, config: PretrainedConfig, **kwargs: Any) -> PreTrainedModel:
         """:func:`modelpatch.from_config` with ``transformers.<this class>``; takes its keyword arguments."""
-        from .loading import from_config
+        from .loading.load import from_config
 
         return from_config(cls.transformers_class, config, **kwargs)
 

@@ -1,6 +1,6 @@
 """How each built-in fusion family declares its sharding (``ModuleFusionSpec.tensor_parallel_layout``), given the
 model's own TP plan, and the row arithmetic of fused tensors (``fusions/sharding.py``) that tensor parallelism, the
-FSDP2 sharded load and the collective save share. The two-rank loads that apply them: tests/loading/."""
+FSDP2 sharded load and the collective save share. The two-rank loads that apply them: tests/modes/."""
 
 from __future__ import annotations
 

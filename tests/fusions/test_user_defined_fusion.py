@@ -17,7 +17,7 @@ with these hooks, one signature each:
   reversed on save, so ``save_pretrained`` writes the original checkpoint layout (bitwise) by default;
 * ``tensor_parallel_layout(module, rules, ranks)`` (optional): how the fused module splits under ``tp_plan``, given
   the model's plan rules for the modules it replaced. Without it, the fused module stays whole on every rank
-  (tests/loading/test_tensor_parallel.py loads this fusion on two ranks, with and without it).
+  (tests/modes/test_tensor_parallel.py loads this fusion on two ranks, with and without it).
 
 Then ``register_fusion("swiglu", SwiGLUFusionSpec())`` and load with ``fusion_config={"swiglu": True}``.
 """
@@ -213,7 +213,7 @@ def test_overwriting_a_fusion_takes_effect(tiny):
     assert_outputs_close(ckpt.outputs(ckpt.load({"qkv": True})), ckpt.stock_outputs())
 
 
-# --- Under tensor parallelism (tests/loading/test_tensor_parallel.py) --------------------------------------------
+# --- Under tensor parallelism (tests/modes/test_tensor_parallel.py) --------------------------------------------
 
 
 class WholeSwiGLUFusionSpec(SwiGLUFusionSpec):

@@ -457,7 +457,7 @@ def test_quantized_checkpoints_on_a_transformers_without_the_quantizer_api_are_r
     from modelpatch.modes.quantization import quantizer_api_supported
 
     if quantizer_api_supported():
-        pytest.skip("this transformers has the quantizer API modelpatch drives (tests/loading/test_quantized.py)")
+        pytest.skip("this transformers has the quantizer API modelpatch drives (tests/modes/test_quantized.py)")
     path = shutil.copytree(stock_checkpoint("llama").path, tmp_path / "fp8")
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"] = {

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from stock_checkpoints import assert_tensors_identical
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 
 import modelpatch
 import modelpatch.loading.load as load_module
 from modelpatch.loading.build import build_empty_model
+from support.stock_checkpoints import assert_tensors_identical
 
 SRC = Path(modelpatch.__file__).parent
 

@@ -60,8 +60,9 @@ def _same_files(a: Path, b: Path) -> bool:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ..loading import from_pretrained, get_load_report
-    from ..saving import save_pretrained
+    from ..loading.load import from_pretrained
+    from ..loading.record import get_load_report
+    from ..saving.save import save_pretrained
     from ..verify import verify
 
     with tempfile.TemporaryDirectory(prefix="modelpatch-demo-") as scratch:

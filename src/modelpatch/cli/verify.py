@@ -74,8 +74,8 @@ def _stock_reference(args: argparse.Namespace, directory: Path, config: Pretrain
     import sys
 
     from ..fusions.apply import has_enabled_fusions, resolve_fusion_config
-    from ..loading import from_pretrained
-    from ..restructuring import unfuse
+    from ..loading.load import from_pretrained
+    from ..restructuring.restructure import unfuse
     from ..state import is_runtime_layout
 
     load = {"dtype": args.dtype, "allow_pickle": args.allow_pickle}
@@ -96,7 +96,7 @@ def _stock_reference(args: argparse.Namespace, directory: Path, config: Pretrain
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ..loading import from_pretrained
+    from ..loading.load import from_pretrained
     from ..verify import check_tolerances, default_inputs, verify
     from .common import model_class_for, open_checkpoint, parse_fusions, parse_patches
 

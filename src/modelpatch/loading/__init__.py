@@ -1,15 +1,3 @@
-"""Loading: ``from_pretrained``, ``from_config``, and a load in two steps (``plan_pretrained`` → ``load_planned``)."""
-
-from .load import PlannedLoad, from_config, from_pretrained, load_planned, plan_pretrained
-from .record import get_load_report
-from .report import LoadReport
-
-__all__ = [
-    "LoadReport",
-    "PlannedLoad",
-    "plan_pretrained",
-    "load_planned",
-    "from_config",
-    "from_pretrained",
-    "get_load_report",
-]
+"""The load: ``from_pretrained`` / ``from_config`` (``load.py``), in two steps (``plan_pretrained`` → ``load_planned``),
+and what it records on the model (``record.py``). Public names are imported from ``modelpatch`` itself: the package
+imports none of its modules, so that importing one of them (or of the other pipelines) never runs another first."""

@@ -1,6 +1,3 @@
 """Load modes: how a load, and the save of what it loaded, differs (quantization, tensor parallelism, dispatch and
-offload, FSDP2), expressed only through the hooks of ``LoadMode`` (``base.py``) that the pipelines call."""
-
-from .base import LoadMode, TensorSource
-
-__all__ = ["LoadMode", "TensorSource"]
+offload, FSDP2), expressed only through the hooks of ``LoadMode`` (``base.py``) that the pipelines call. The package
+imports none of its modules (see ``modelpatch.loading``)."""

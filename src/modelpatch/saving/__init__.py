@@ -1,5 +1,3 @@
-"""Saving: ``save_pretrained``, as stages whose hooks the modes implement (the load's mirror); offline conversion."""
-
-from .save import save_pretrained
-
-__all__ = ["save_pretrained"]
+"""The save: ``save_pretrained`` (``save.py``) as stages whose hooks the modes implement, the load's mirror
+(``plan.py``, ``stages.py``); the collective writer of sharded models (``sharded.py``); offline conversion
+(``convert.py``). The package imports none of its modules (see ``modelpatch.loading``)."""

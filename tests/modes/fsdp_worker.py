@@ -1,4 +1,4 @@
-"""One rank of the FSDP2 training test (tests/loading/test_fsdp_training.py), run under ``torchrun`` with gloo.
+"""One rank of the FSDP2 training test (tests/modes/test_fsdp_training.py), run under ``torchrun`` with gloo.
 
 For each case of the job file: load the checkpoint (with modelpatch and the case's fusions, or with stock
 transformers), shard it with ``fully_shard`` per decoder layer and on the root over a 1-D mesh of every rank, stream

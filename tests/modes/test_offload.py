@@ -12,13 +12,13 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import save_file
-from stock_checkpoints import assert_tensors_identical, config_json, read_tensors
 from transformers import AutoModelForCausalLM
 
 import modelpatch
 from modelpatch.checkpoint import Checkpoint
 from modelpatch.errors import CheckpointError
 from modelpatch.loading.record import offloaded_weights
+from support.stock_checkpoints import assert_tensors_identical, config_json, read_tensors
 
 FUSED = {"qkv": True, "gate_up": True}
 PARTIAL = {

@@ -1,4 +1,4 @@
-"""One rank of the tensor-parallel test (tests/loading/test_tensor_parallel.py), run under ``torchrun`` with gloo.
+"""One rank of the tensor-parallel test (tests/modes/test_tensor_parallel.py), run under ``torchrun`` with gloo.
 
 For each case of the job file: load with modelpatch and ``tp_plan="auto"``, record this rank's logits and how each
 parameter is sharded (and, for unfused cases, the same of stock transformers' own TP load), and save the model

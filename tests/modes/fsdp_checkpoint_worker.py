@@ -1,4 +1,4 @@
-"""One rank of the FSDP2 checkpoint test (tests/loading/test_fsdp_checkpoint.py), run under ``torchrun`` with gloo.
+"""One rank of the FSDP2 checkpoint test (tests/modes/test_fsdp_checkpoint.py), run under ``torchrun`` with gloo.
 
 For each case of the job file, a model is built on the meta device (modelpatch's ``from_config`` with the case's
 fusions), sharded with ``fully_shard`` per decoder layer and on the root, materialised with ``to_empty``, and then:
