@@ -11,6 +11,7 @@ from safetensors import safe_open
 import modelpatch
 from modelpatch.cli.arguments import BUILTIN_FUSIONS
 from modelpatch.fusions import get_fusion
+from modelpatch.loading import load as load_module
 from modelpatch.loading import materialize
 
 USER_FUSIONS = """
@@ -114,8 +115,8 @@ def test_verify_loads_in_the_given_dtype(cli, llama_checkpoint, monkeypatch, dty
         loaded.append(kwargs["dtype"])
         return original(*args, **kwargs)
 
-    original = modelpatch.loading.from_pretrained
-    monkeypatch.setattr(modelpatch.loading, "from_pretrained", from_pretrained)
+    original = load_module.from_pretrained
+    monkeypatch.setattr(load_module, "from_pretrained", from_pretrained)
     given = ["--dtype", dtype] if dtype else []
     code, out, err = cli("verify", llama_checkpoint, *given, "--atol", "1", "--rtol", "1")
     assert code == 0, out + err
