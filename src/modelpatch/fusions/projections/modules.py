@@ -113,10 +113,11 @@ class ProjectionSlice(nn.Module):
         # The owner's child modules live in its _modules dict: read it directly (what getattr would find, without
         # nn.Module.__getattr__'s Python fallback on every projection call).
         fused = owner_state["_modules"][self.fused_name]
-        if self.computes_own_rows(x) and _plain(fused):
+        if self.computes_own_rows(x) and (parameters := _plain_parameters(fused)) is not None:
             # The part's rows of a row-major weight are a contiguous matrix: the product stock computes.
-            rows, bias = self.rows(), fused.bias
-            return F.linear(x, fused.weight[rows], None if bias is None else bias[rows])
+            weight, bias = parameters
+            rows = self.rows()
+            return F.linear(x, weight[rows], None if bias is None else bias[rows])
         # The first slice called with x computes the fused output and leaves it on the owner for its siblings; the
         # one that takes the last part deletes the attribute, so nothing keeps the input alive after the forward.
         # Added and deleted within one call, the attribute is invisible to compiled code: dynamo traces the fused
@@ -141,7 +142,7 @@ class ProjectionSlice(nn.Module):
     def computes_own_rows(self, x: torch.Tensor) -> bool:
         """Whether, given ``x``, this slice multiplies by its own rows of a plain fused layer rather than taking its
         part of the fused product (the module's docstring says where and why)."""
-        if x.device.type == "cpu":
+        if x.is_cpu:
             return x.dtype == torch.float32
         return (
             self.apart_from_rows is not None
@@ -168,17 +169,22 @@ class ProjectionSlice(nn.Module):
         )
 
 
-def _plain(fused: nn.Module) -> bool:
-    """Whether calling ``fused`` only multiplies by its weight: a :class:`FusedLinear` as built, unhooked, holding
-    plain parameters (not a tensor subclass: a quantized or distributed weight)."""
-    return (
-        type(fused) is FusedLinear
-        and FusedLinear.forward is nn.Linear.forward
-        and type(fused.weight) is nn.Parameter
-        and (fused.bias is None or type(fused.bias) is nn.Parameter)
-        and not hooked(fused)
-        and not global_hooks()
-    )
+def _plain_parameters(fused: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``fused``'s weight and bias when calling it only multiplies by its weight: a :class:`FusedLinear` as built,
+    unhooked, holding plain parameters (not a tensor subclass: a quantized or distributed weight); else None. Read
+    from its parameter dict (``nn.Module.__getattr__`` is a Python call per attribute, on every projection)."""
+    if (
+        type(fused) is not FusedLinear
+        or FusedLinear.forward is not nn.Linear.forward
+        or hooked(fused)
+        or global_hooks()
+    ):
+        return None
+    parameters = fused.__dict__["_parameters"]
+    weight, bias = parameters.get("weight"), parameters.get("bias")
+    if type(weight) is not nn.Parameter or (bias is not None and type(bias) is not nn.Parameter):
+        return None
+    return weight, bias
 
 
 def fuse_linears(
