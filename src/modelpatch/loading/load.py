@@ -15,7 +15,7 @@ Data flow of a load:
 
 Steps 1–4 are :func:`plan_pretrained` (a :class:`LoadPlan`), 5–6 :func:`load_planned`; :func:`from_pretrained` runs
 both on one open checkpoint. What a load does besides filling a model on one device (quantization, tensor
-parallelism, dispatch over devices and disk) is a load mode (``modes.py``): the loader calls every mode's hooks, in
+parallelism, dispatch over devices and disk) is a load mode (``modes/base.py``): the loader calls every mode's hooks, in
 order, at the same points of every load.
 """
 
@@ -577,7 +577,7 @@ def _finish(plan: LoadPlan, device: torch.device) -> PreTrainedModel:
     record_report(model, report)
     _record_build(model, plan.expected, _conversions(model, plan.options.patcher, PreparedFusions()))
     logger.info("%s", report.summary())
-    ensure_model_record(model).load_modes = plan.modes  # whose save hooks a save of the model calls (save_stages.py)
+    ensure_model_record(model).load_modes = plan.modes  # whose save hooks a save of the model calls (saving/stages.py)
     for mode in plan.modes:
         model = mode.finish(model)
     return model

@@ -61,7 +61,7 @@ class ModelRecord:
         offloaded: The weights of modules a ``device_map`` offloaded to disk (``OffloadedWeights``): what a save
             reads back.
         load_modes: The load modes (``LoadMode``) the model was loaded with, in order: a save calls their save
-            hooks (``save_stages.SaveMode``: gathering shards, reading offloaded weights back, serialising).
+            hooks (``saving/plan.py``'s ``SaveMode``: gathering shards, reading offloaded weights back, serialising).
         version: The format version of the record, :data:`RECORD_VERSION` (the config record's: one record, two
             halves).
     """

@@ -9,7 +9,7 @@ same points of every load, for each mode it was given, in order. The loader neve
 Every hook has a default that changes nothing, so a mode implements only the stages it takes part in. A load mode is
 also a :class:`~modelpatch.saving.stages.SaveMode`: its save hooks (which writer, the save's plan, each tensor
 on its way out) run when a model the mode loaded is saved, so the mode that changed how tensors live on the model is
-the one that gives them back in plain form (``save_stages.py``, the save's stages).
+the one that gives them back in plain form (``saving/stages.py``, the save's stages).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ into this rank's shard of a parameter, which rows of a tensor this rank holds (w
 save and DCP in the original layout read and write).
 
 Both kinds hold ``DTensor`` parameters between forwards (a fused projection of a tensor-parallel model holds its local
-rows as a plain tensor: ``loading/parallel.py``). Reading one whole (:func:`full_tensor`) is a collective: every rank
+rows as a plain tensor: ``modes/parallel.py``). Reading one whole (:func:`full_tensor`) is a collective: every rank
 of its mesh must make the same calls in the same order.
 """
 

@@ -15,7 +15,7 @@ device, then ``model.to_empty(device=...)``); :func:`load_sharded` then fills ev
 :class:`FullyShardedLoad` is this as a :class:`~modelpatch.modes.base.LoadMode` (its ``plan``, ``wrap_source``,
 ``device``, ``run_group``, ``place`` and ``after_load`` hooks): :func:`load_sharded` plans the load with it and runs
 the loader's execute stage into the sharded model, so the tensors go through the one materialize loop of every
-load; the collective save (``save_sharded.py``) reads the same row layout back.
+load; the collective save (``saving/sharded.py``) reads the same row layout back.
 """
 
 from __future__ import annotations

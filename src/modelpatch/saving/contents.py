@@ -1,8 +1,8 @@
 """What a save writes: the checks of the model's state, the checkpoint's original layout it is turned into, and the
 config files beside it.
 
-The plan stage of every save (``save_stages.py``) runs these; the writers (``save_stages.WholeFiles``,
-``save_sharded.py``) and the state-dict boundary (``state_dict.py``) take what it planned.
+The plan stage of every save (``stages.py``) runs these; the writers (``stages.WholeFiles``,
+``sharded.py``) and the state-dict boundary (``boundary/state_dict.py``) take what it planned.
 """
 
 from __future__ import annotations

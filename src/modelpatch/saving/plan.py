@@ -1,8 +1,8 @@
-"""What a save plans and the hooks a mode takes part in a save with: the save's side of ``modes.py``.
+"""What a save plans and the hooks a mode takes part in a save with: the save's side of ``modes/base.py``.
 
 :class:`SaveMode` holds the save hooks every load mode has (``LoadMode`` subclasses it); :class:`SavePlan` is what
 they see and fill; :class:`SaveWriter` is how a save's files are written. The stages that call them are in
-``save_stages.py``. This module imports none of the package's loading modules, so that ``modes.py`` can build on it.
+``stages.py``. This module imports none of the package's loading modules, so that ``modes/base.py`` can build on it.
 """
 
 from __future__ import annotations

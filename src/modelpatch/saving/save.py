@@ -1,8 +1,8 @@
 """``save_pretrained``: write a model back in its checkpoint's layout (default) or in its runtime layout.
 
-A save runs the stages of ``save_stages.py`` (checks, writer, plan, per-tensor transform, write), with the hooks of
+A save runs the stages of ``stages.py`` (checks, writer, plan, per-tensor transform, write), with the hooks of
 the modes the model was loaded with (its record's ``load_modes``) and, last, the save's own mode for ``DTensor``
-parameters (``save_sharded.ShardedTensors``):
+parameters (``sharded.ShardedTensors``):
 
 1. check that the model can still be saved as built: a module substituted since (a quantizer's module, a tensor
    subclass such as torchao's, a PEFT wrapper) whose state modelpatch cannot reverse is named, and nothing is written;
@@ -62,7 +62,7 @@ def save_pretrained(
         The files written.
 
     Called on every rank of a model with ``DTensor`` parameters (FSDP2's ``fully_shard``, tensor parallelism), it is a
-    collective save (``save_sharded.py``): each rank writes its own rows of the original layout; the files are those
+    collective save (``sharded.py``): each rank writes its own rows of the original layout; the files are those
     of the same model saved unsharded.
 
     A model loaded with a quantizer (torchao) is written as stock writes it: the quantizer's flattened tensors and
@@ -90,7 +90,7 @@ def save_modes(model: PreTrainedModel) -> tuple[SaveMode, ...]:
 def planned_save(
     model: PreTrainedModel, *, original_format: bool = True, state_dict: Mapping[str, Any] | None = None
 ) -> SavePlan:
-    """The plan of a save of ``model`` (stages 1–3 of ``save_stages.py``), for a caller that takes its tensors (a
+    """The plan of a save of ``model`` (stages 1–3 of ``stages.py``), for a caller that takes its tensors (a
     stream, stock ``save_pretrained``, torch's distributed checkpoint) instead of writing them.
 
     Raises:

@@ -2,7 +2,7 @@
 
 The save's own mode for ``DTensor`` parameters (:class:`ShardedTensors`, the last of every save's modes) names this
 module's writer (:class:`CollectiveWriter`) for a model that holds them; the stages are every save's
-(``save_stages.py``). ``modelpatch.save_pretrained(model, directory)``, called on every rank of such a model, writes
+(``stages.py``). ``modelpatch.save_pretrained(model, directory)``, called on every rank of such a model, writes
 the same files as the save of the same model unsharded, byte for byte, without gathering the model anywhere:
 
 1. every rank plans the save from the full shapes alone (the modes' stand-ins: the load's recorded groups reversed,

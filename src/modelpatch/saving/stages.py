@@ -1,11 +1,11 @@
-"""The stages of a save, as a load's (``load.py``, ``modes.py``) mirrored; the hooks a mode takes part in them with,
-and the plan they fill, are ``save_plan.py``'s.
+"""The stages of a save, as a load's (``loading/load.py``, ``modes/base.py``) mirrored; the hooks a mode takes part
+in them with, and the plan they fill, are ``plan.py``'s.
 
 A save is the same stages whatever it is asked for — a whole checkpoint (``save.py``), a collective one written by
-every rank of a sharded model (``save_sharded.py``), a stream of tensors (``state_dict.py``), the tensors handed to
+every rank of a sharded model (``sharded.py``), a stream of tensors (``boundary/state_dict.py``), the tensors handed to
 stock ``save_pretrained`` or to torch's distributed checkpoint:
 
-1. checks: a PEFT model or adapter layers refused (``save_contents.reject_wrapped``);
+1. checks: a PEFT model or adapter layers refused (``contents.reject_wrapped``);
 2. writer: the modes' :meth:`SaveMode.save_writer` — how the files are written (the last mode naming one wins;
    none: :class:`WholeFiles`), chosen before anything can be refused, so that every rank of a collective save
    refuses together;
