@@ -3,7 +3,8 @@
 and the row arithmetic of a tensor fused from parts along dim 0 (:class:`FusedParts`) that tensor parallelism, the
 FSDP2 sharded load and the collective save share.
 
-This is data only: the load modes (``loading/``) apply it. Fusions import nothing of ``loading/``.
+This is data only: the modes (``modes/``) and the collective save (``saving/``) apply it; fusions import none of
+the pipelines.
 """
 
 from __future__ import annotations
