@@ -146,16 +146,14 @@ def load_into_model(
         fill(plan.conversion, source, place, run_group=run_group, wanted=expected, progress=progress.update)
 
 
-def _run_whole(group: ConversionGroup, fetch: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
-    return group.run(fetch)
-
-
 def fill(
     conversion: ConversionPlan,
     source: TensorSource,
     place: Callable[[str, torch.Tensor], bool],
     *,
-    run_group: Callable[[ConversionGroup, Callable[[str], torch.Tensor]], dict[str, torch.Tensor]] = _run_whole,
+    run_group: Callable[
+        [ConversionGroup, Callable[[str], torch.Tensor]], dict[str, torch.Tensor]
+    ] = ConversionGroup.run,
     wanted: Container[str] | None = None,
     progress: Callable[[int], object] = lambda size: None,
 ) -> None:
