@@ -111,37 +111,32 @@ def checkpoint_tensors(
     return planned_save(model, original_format=original_format, state_dict=state_dict).tensors()
 
 
-class OriginalFormatSave:
+def original_format_save(model: PreTrainedModel, save_directory: str | Path, *args: Any, **kwargs: Any) -> Any:
     """``model.save_pretrained`` of a model modelpatch built: stock transformers' method, fed the original layout.
 
     Stock ``save_pretrained`` (and so ``Trainer.save_model`` and ``push_to_hub``) would write the fused/runtime
-    tensors under a config stock transformers cannot load them with. This instance attribute shadows the method for
-    one model only (transformers' classes are untouched): it converts the state dict back with modelpatch's exact
-    reverses, then lets stock transformers write it (its sharding, hub upload, tokenizer-free config handling).
-    Adapter-only saves of transformers' own PEFT integration are passed through unchanged.
+    tensors under a config stock transformers cannot load them with. Bound to one model as an instance attribute
+    (transformers' classes are untouched; a real bound method, so that a tool wrapping it can call its ``__func__``
+    rebound to the model), it converts the state dict back with modelpatch's exact reverses, then lets stock
+    transformers write it (its sharding, hub upload, tokenizer-free config handling). Adapter-only saves of
+    transformers' own PEFT integration are passed through unchanged.
     """
-
-    def __init__(self, model: PreTrainedModel):
-        self.model = model
-
-    def __call__(self, save_directory: str | Path, *args: Any, **kwargs: Any) -> Any:
-        model = self.model
-        stock_save = type(model).save_pretrained
-        if has_transformers_adapter(model):
-            return stock_save(model, save_directory, *args, **kwargs)
-        if not kwargs.get("save_original_format", True):
-            result = stock_save(model, save_directory, *args, **kwargs)
-            if kwargs.get("is_main_process", True):  # stock's config.json, marked as modelpatch's runtime saves are
-                config_json = config_files(model, original_format=False)["config.json"]
-                (Path(save_directory) / "config.json").write_bytes(config_json)
-            return result
-        kwargs["state_dict"] = checkpoint_tensors(model, kwargs.get("state_dict"))
-        kwargs["save_original_format"] = False  # already in the original layout: stock must not convert again
-        tie = getattr(model.config, "tie_word_embeddings", None)
-        if untied_pairs(model, model.state_dict()) and tie:
-            model.config.tie_word_embeddings = False
-        try:
-            return stock_save(model, save_directory, *args, **kwargs)
-        finally:
-            if tie is not None:
-                model.config.tie_word_embeddings = tie
+    stock_save = type(model).save_pretrained
+    if has_transformers_adapter(model):
+        return stock_save(model, save_directory, *args, **kwargs)
+    if not kwargs.get("save_original_format", True):
+        result = stock_save(model, save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):  # stock's config.json, marked as modelpatch's runtime saves are
+            config_json = config_files(model, original_format=False)["config.json"]
+            (Path(save_directory) / "config.json").write_bytes(config_json)
+        return result
+    kwargs["state_dict"] = checkpoint_tensors(model, kwargs.get("state_dict"))
+    kwargs["save_original_format"] = False  # already in the original layout: stock must not convert again
+    tie = getattr(model.config, "tie_word_embeddings", None)
+    if untied_pairs(model, model.state_dict()) and tie:
+        model.config.tie_word_embeddings = False
+    try:
+        return stock_save(model, save_directory, *args, **kwargs)
+    finally:
+        if tie is not None:
+            model.config.tie_word_embeddings = tie

@@ -25,7 +25,18 @@ from .chain import bind_operations, concatenates_rows, reverse_operations, run_o
 from .conv import Conv3dToLinear, LinearToConv3d
 from .experts import FuseExpertGroups, MergeModulelist, SplitExpertGroups, SplitModulelist
 from .quantized import Fp8BlockDequantize, TorchAoTensor, WithoutCompanions
-from .shapes import Chunk, Concatenate, Interleave, MergeRowGroups, PermuteForRope, Split, Transpose, Unpad
+from .shapes import (
+    Chunk,
+    Concatenate,
+    Interleave,
+    MergeRowGroups,
+    PermuteForRope,
+    Replicate,
+    Split,
+    Transpose,
+    Unpad,
+    Unreplicate,
+)
 
 __all__ = [
     "Chunk",
@@ -41,6 +52,7 @@ __all__ = [
     "MergeModulelist",
     "MergeRowGroups",
     "PermuteForRope",
+    "Replicate",
     "Shape",
     "ShapeSlot",
     "Slot",
@@ -50,6 +62,7 @@ __all__ = [
     "TorchAoTensor",
     "Transpose",
     "Unpad",
+    "Unreplicate",
     "WithoutCompanions",
     "bind_operations",
     "common_dtype",
