@@ -125,9 +125,10 @@ def test_fp8_dynamic_on_linear_experts_saves_per_expert_names_as_stock(tiny, tmp
     """Data-free FP8_DYNAMIC on Qwen3-MoE: stock linearizes its 3-D experts for llm-compressor; modelpatch's
     linear_experts already holds one Linear per expert. The checkpoints are the same, per-expert names included."""
     checkpoint = tiny("qwen3_moe").path
-    recipe = lambda: [
-        QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=["lm_head", "re:.*mlp.gate$"])
-    ]  # noqa: E731
+
+    def recipe():
+        return [QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=["lm_head", "re:.*mlp.gate$"])]
+
     stock, ours, _ = _stock_and_ours(checkpoint, tmp_path, {"linear_experts": True}, recipe, recipe, data=False)
     _assert_same_checkpoint(ours, stock)
     assert "model.layers.0.mlp.experts.3.down_proj.weight_scale" in read_tensors(ours)
@@ -175,3 +176,16 @@ def test_a_layout_that_cannot_be_split_is_refused_by_name_before_anything_is_wri
     with pytest.raises(modelpatch.SaveError, match=r"model\.layers\.0\.self_attn\.qkv_proj\.weight_shape"):
         model.save_pretrained(tmp_path / "ours")
     assert not (tmp_path / "ours").exists() or not any((tmp_path / "ours").glob("*.safetensors"))
+
+
+def test_a_runtime_layout_save_of_a_compressed_fused_model_is_refused_by_name(tiny, tmp_path):
+    """llm-compressor writes config.json again after the save (the source's, plus its quantization_config): a
+    runtime-layout folder would lose modelpatch's record and load nowhere. Refused, through both doors."""
+    model = tiny("llama").load(FUSED)
+    _quantize(model, [QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=["lm_head"])], data=False)
+    with pytest.raises(modelpatch.SaveError, match=r"runtime layout: model\.layers\.0\.self_attn\.qkv_proj"):
+        model.save_pretrained(tmp_path / "door", save_original_format=False)
+    assert not any((tmp_path / "door").glob("*.safetensors"))
+    with pytest.raises(modelpatch.SaveError, match=r"runtime layout: model\.layers\.0\.self_attn\.qkv_proj"):
+        modelpatch.save_pretrained(model, tmp_path / "direct", save_original_format=False)
+    assert not (tmp_path / "direct").exists()

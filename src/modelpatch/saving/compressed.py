@@ -58,6 +58,28 @@ def compressed_modules(model: nn.Module) -> dict[str, nn.Linear]:
     }
 
 
+def refuse_runtime_layout(model: nn.Module, fused: bool) -> None:
+    """Refuse, naming the layers, a runtime-layout save of a ``fused`` model holding compressed-tensors' state.
+
+    Its fused tensors (``qkv_proj.weight_scale``) load only where modelpatch's record in ``config.json`` says how, and
+    the tools that write such a model rewrite that file after the save (llm-compressor puts the source checkpoint's
+    config back, then adds its ``quantization_config``): the folder would hold fused keys under a plain config, which
+    neither stock transformers nor modelpatch loads. (modelpatch does not load a compressed-tensors checkpoint into a
+    fused model either.) The original layout is what they read.
+    """
+    modules = compressed_modules(model)
+    if fused and modules:
+        # The restructured layers first (a fused projection is a Linear subclass): they are what the record is for.
+        names = sorted(modules, key=lambda name: type(modules[name]) is nn.Linear)
+        raise SaveError(
+            f"Cannot save {type(model).__name__} in its runtime layout: {', '.join(names[:3])}"
+            f"{f' and {len(names) - 3} more' if len(names) > 3 else ''} hold compressed-tensors' quantized state, "
+            "and a tool rewriting config.json after the save (llm-compressor does) drops the record that says how "
+            "its fused tensors load. Nothing was written. Save in the original layout (save_original_format=True, "
+            "the default), which stock transformers and vLLM load."
+        )
+
+
 def compressed_layout(
     modules: Mapping[str, nn.Linear],
     runtime: Mapping[str, TensorMeta],
@@ -77,9 +99,9 @@ def compressed_layout(
     own: dict[str, list[str]] = {name: [] for name in modules}
     plain: dict[str, TensorMeta] = {}
     for key, meta in runtime.items():
-        module = key.rpartition(".")[0]
-        if module in own:
-            own[module].append(key)
+        owner = key.rpartition(".")[0]
+        if owner in own:
+            own[owner].append(key)
         else:
             plain[key] = meta
     for name, module in modules.items():
@@ -150,6 +172,6 @@ def _group(
         targets=tuple(targets),
         operations=(bound,),
         source_shapes=(meta.shape,),
-        target_shapes=tuple(shapes),  # type: ignore[arg-type]
+        target_shapes=tuple(shapes),
         dtype=meta.dtype,
     )

@@ -34,6 +34,8 @@ from transformers import PreTrainedModel
 
 from .._transformers import has_transformers_adapter
 from ..loading.record import model_record
+from ..state import stored_fusion_config
+from .compressed import refuse_runtime_layout
 from .contents import config_files, reject_wrapped, untied_pairs
 from .plan import SaveMode, SavePlan
 from .sharded import ShardedTensors
@@ -125,6 +127,7 @@ def original_format_save(model: PreTrainedModel, save_directory: str | Path, *ar
     if has_transformers_adapter(model):
         return stock_save(model, save_directory, *args, **kwargs)
     if not kwargs.get("save_original_format", True):
+        refuse_runtime_layout(model, fused=stored_fusion_config(model.config) is not None)
         result = stock_save(model, save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):  # stock's config.json, marked as modelpatch's runtime saves are
             config_json = config_files(model, original_format=False)["config.json"]
