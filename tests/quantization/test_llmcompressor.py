@@ -26,6 +26,7 @@ from support.models import VOCAB, sized_config
 
 try:  # a release outside the range it was checked on may fail at import with more than an ImportError
     from llmcompressor import oneshot
+    from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
     from llmcompressor.transformers.compression.compressed_tensors_utils import modify_save_pretrained
@@ -166,16 +167,41 @@ def test_llmcompressors_save_wrapper_on_a_modelpatch_model(tiny, tmp_path):
     torch.testing.assert_close(_logits(reloaded), _logits(model), rtol=0, atol=1e-6)
 
 
-def test_a_layout_that_cannot_be_split_is_refused_by_name_before_anything_is_written(tmp_path):
-    """4-bit packed weights carry their shape (``weight_shape``) for the whole fused layer: not split exactly."""
+def _wide_checkpoint(directory: Path) -> Path:
+    """A Llama whose projections read 128 features: one group (and one block) of 128 columns per row."""
     config = sized_config("llama", vocab=VOCAB, hidden=128, intermediate=128, layers=1, heads=4, kv_heads=2)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "source")
-    model = modelpatch.from_pretrained(AutoModelForCausalLM, tmp_path / "source", fusion_config=FUSED)
-    _quantize(model, [QuantizationModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"])], data=False)
-    with pytest.raises(modelpatch.SaveError, match=r"model\.layers\.0\.self_attn\.qkv_proj\.weight_shape"):
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize("modifier", [QuantizationModifier, GPTQModifier], ids=["round-to-nearest", "gptq"])
+def test_w4a16_packed_weights_of_fused_layers_save_what_stock_saves(tmp_path, modifier):
+    """W4A16 (4-bit weights packed in int32, one scale per group of 128 columns of each row), rounded to nearest
+    (data-free) or by GPTQ (calibrated: q, k and v read one input, so the fused layer's Hessian is each part's, and
+    GPTQ's updates stay within each row). Each part gets its rows of the packed weight and of the scales, and its own
+    weight_shape."""
+    checkpoint = _wide_checkpoint(tmp_path / "source")
+
+    def recipe():
+        return [modifier(targets="Linear", scheme="W4A16", ignore=["lm_head"])]
+
+    data = modifier is GPTQModifier
+    stock, ours, model = _stock_and_ours(checkpoint, tmp_path, FUSED, recipe, recipe, data=data)
+    _assert_same_checkpoint(ours, stock)
+    assert read_tensors(ours)["model.layers.0.self_attn.k_proj.weight_shape"].tolist() == [64, 128]
+    reloaded = AutoModelForCausalLM.from_pretrained(ours)
+    torch.testing.assert_close(_logits(reloaded), _logits(model), rtol=0, atol=1e-5)
+
+
+def test_a_layout_that_cannot_be_split_is_refused_by_name_before_anything_is_written(tmp_path):
+    """FP8 block scales: one per 128 x 128 block of the fused weight, and k_proj and v_proj (64 rows each) share one
+    block: not split exactly."""
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, _wide_checkpoint(tmp_path / "source"), fusion_config=FUSED)
+    _quantize(model, [QuantizationModifier(targets="Linear", scheme="FP8_BLOCK", ignore=["lm_head"])], data=False)
+    with pytest.raises(modelpatch.SaveError, match=r"model\.layers\.0\.self_attn\.qkv_proj\.weight_scale \[2, 1\]"):
         model.save_pretrained(tmp_path / "ours")
-    assert not (tmp_path / "ours").exists() or not any((tmp_path / "ours").glob("*.safetensors"))
+    assert not any((tmp_path / "ours").glob("*.safetensors"))
 
 
 def test_a_runtime_layout_save_of_a_compressed_fused_model_is_refused_by_name(tiny, tmp_path):

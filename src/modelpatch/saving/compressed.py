@@ -11,9 +11,9 @@ module's checkpoint name (``q_proj.weight_scale``). A save of such a model write
   ``v_proj``): each tensor per output row (the quantized weight, per-channel and per-group scales and zero points,
   the bias) split with the same rows, and each tensor that is one for the whole layer (a per-tensor scale) or per
   input column (an activation scale of the shared input, a group index) written to each part: every part was
-  quantized with it, so the parts compute what the fused layer computes. Anything else (block scales across a part
-  boundary, a packed layer's ``weight_shape``) cannot be split exactly and is refused by name, before anything is
-  written.
+  quantized with it, so the parts compute what the fused layer computes; a packed layer's ``weight_shape`` becomes
+  each part's. Anything else (block scales across a part boundary) cannot be split exactly and is refused by name,
+  before anything is written.
 
 The module reads compressed-tensors' attribute names only; it imports neither compressed-tensors nor llm-compressor.
 """
@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-from ..conversion.operations import Chunk, ConversionOperation, Replicate
+from ..conversion.operations import Chunk, ConversionOperation, Replicate, SplitShapeRows
 from ..conversion.planner import ConversionGroup, ConversionPlan, TensorMeta
 from ..errors import SaveError
 
@@ -153,6 +153,8 @@ def _part_operation(tensor_name: str, meta: TensorMeta, sizes: tuple[int, ...]) 
     numel = math.prod(meta.shape)
     if tensor_name in _PER_INPUT:
         return Replicate()
+    if tensor_name == "weight_shape" and tuple(meta.shape) == (2,):
+        return SplitShapeRows(sizes=sizes)
     if tensor_name in _PER_ROW:
         if len(meta.shape) >= 1 and meta.shape[0] == sum(sizes):
             return Chunk(dim=0, sizes=sizes)

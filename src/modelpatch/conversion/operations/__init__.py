@@ -24,7 +24,7 @@ from .base import ConversionOperation, DtypeSlot, KeySlot, Shape, ShapeSlot, Slo
 from .chain import bind_operations, concatenates_rows, reverse_operations, run_operations
 from .conv import Conv3dToLinear, LinearToConv3d
 from .experts import FuseExpertGroups, MergeModulelist, SplitExpertGroups, SplitModulelist
-from .quantized import Fp8BlockDequantize, TorchAoTensor, WithoutCompanions
+from .quantized import ConcatenateShapeRows, Fp8BlockDequantize, SplitShapeRows, TorchAoTensor, WithoutCompanions
 from .shapes import (
     Chunk,
     Concatenate,
@@ -40,6 +40,7 @@ from .shapes import (
 
 __all__ = [
     "Chunk",
+    "ConcatenateShapeRows",
     "Concatenate",
     "Conv3dToLinear",
     "ConversionOperation",
@@ -57,6 +58,7 @@ __all__ = [
     "ShapeSlot",
     "Slot",
     "Split",
+    "SplitShapeRows",
     "SplitExpertGroups",
     "SplitModulelist",
     "TorchAoTensor",
