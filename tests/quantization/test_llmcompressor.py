@@ -206,12 +206,22 @@ def test_a_layout_that_cannot_be_split_is_refused_by_name_before_anything_is_wri
 
 def test_a_runtime_layout_save_of_a_compressed_fused_model_is_refused_by_name(tiny, tmp_path):
     """llm-compressor writes config.json again after the save (the source's, plus its quantization_config): a
-    runtime-layout folder would lose modelpatch's record and load nowhere. Refused, through both doors."""
+    runtime-layout folder would lose modelpatch's record and load nowhere. Refused by name."""
     model = tiny("llama").load(FUSED)
     _quantize(model, [QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=["lm_head"])], data=False)
     with pytest.raises(modelpatch.SaveError, match=r"runtime layout: model\.layers\.0\.self_attn\.qkv_proj"):
         model.save_pretrained(tmp_path / "door", save_original_format=False)
     assert not any((tmp_path / "door").glob("*.safetensors"))
-    with pytest.raises(modelpatch.SaveError, match=r"runtime layout: model\.layers\.0\.self_attn\.qkv_proj"):
-        modelpatch.save_pretrained(model, tmp_path / "direct", save_original_format=False)
-    assert not (tmp_path / "direct").exists()
+
+
+def test_modelpatchs_own_save_of_a_compressed_model_is_refused_by_name(tiny, tmp_path):
+    """modelpatch.save_pretrained writes the model's config, without the quantization_config only the tool writes:
+    stock would load the tensors as a plain model's. Refused, naming the layers and llm-compressor's save."""
+    model = tiny("llama").load(FUSED)
+    _quantize(model, [QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=["lm_head"])], data=False)
+    for original_format in (True, False):
+        with pytest.raises(
+            modelpatch.SaveError, match=r"model\.layers\.0\.self_attn\.qkv_proj.*model\.save_pretrained"
+        ):
+            modelpatch.save_pretrained(model, tmp_path, save_original_format=original_format)
+    assert not any(tmp_path.iterdir())

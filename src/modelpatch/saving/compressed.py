@@ -58,6 +58,33 @@ def compressed_modules(model: nn.Module) -> dict[str, nn.Linear]:
     }
 
 
+def refuse_without_quantization_config(model: nn.Module) -> None:
+    """Refuse, naming the layers, a save by modelpatch's own writer of a model holding compressed-tensors' state.
+
+    That writer writes the model's config, which has no ``quantization_config`` for a quantization made after the
+    load: stock transformers would load the tensors as a plain model's (the scales unused). llm-compressor's
+    compressed save (``model.save_pretrained``, which ``oneshot`` wraps) writes the config that goes with them.
+    """
+    modules = compressed_modules(model)
+    if modules:
+        names = _named_first(modules)
+        raise SaveError(
+            f"Cannot save {type(model).__name__} with modelpatch.save_pretrained: {_listed(names)} hold "
+            "compressed-tensors' quantized state, whose quantization_config only the quantization tool writes. Nothing "
+            "was written. Save with model.save_pretrained(directory) (llm-compressor's compressed save, after "
+            "oneshot), which writes the original layout with it."
+        )
+
+
+def _named_first(modules: Mapping[str, nn.Linear]) -> list[str]:
+    """The paths of ``modules``, the restructured layers first (a fused projection is a Linear subclass)."""
+    return sorted(modules, key=lambda name: type(modules[name]) is nn.Linear)
+
+
+def _listed(names: list[str]) -> str:
+    return f"{', '.join(names[:3])}{f' and {len(names) - 3} more' if len(names) > 3 else ''}"
+
+
 def refuse_runtime_layout(model: nn.Module, fused: bool) -> None:
     """Refuse, naming the layers, a runtime-layout save of a ``fused`` model holding compressed-tensors' state.
 
@@ -69,11 +96,9 @@ def refuse_runtime_layout(model: nn.Module, fused: bool) -> None:
     """
     modules = compressed_modules(model)
     if fused and modules:
-        # The restructured layers first (a fused projection is a Linear subclass): they are what the record is for.
-        names = sorted(modules, key=lambda name: type(modules[name]) is nn.Linear)
         raise SaveError(
-            f"Cannot save {type(model).__name__} in its runtime layout: {', '.join(names[:3])}"
-            f"{f' and {len(names) - 3} more' if len(names) > 3 else ''} hold compressed-tensors' quantized state, "
+            f"Cannot save {type(model).__name__} in its runtime layout: {_listed(_named_first(modules))} hold "
+            "compressed-tensors' quantized state, "
             "and a tool rewriting config.json after the save (llm-compressor does) drops the record that says how "
             "its fused tensors load. Nothing was written. Save in the original layout (save_original_format=True, "
             "the default), which stock transformers and vLLM load."

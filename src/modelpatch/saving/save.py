@@ -35,7 +35,7 @@ from transformers import PreTrainedModel
 from .._transformers import has_transformers_adapter
 from ..loading.record import model_record
 from ..state import stored_fusion_config
-from .compressed import refuse_runtime_layout
+from .compressed import refuse_runtime_layout, refuse_without_quantization_config
 from .contents import config_files, reject_wrapped, untied_pairs
 from .plan import SaveMode, SavePlan
 from .sharded import ShardedTensors
@@ -76,6 +76,7 @@ def save_pretrained(
             subclass, PEFT layers) and its state cannot be written so that it loads back the same; nothing is written.
     """
     reject_wrapped(model)  # a PEFT model or injected adapters: said as such, sharded or not
+    refuse_without_quantization_config(model)
     modes = save_modes(model)
     writer = save_writer(model, modes)
     plan = functools.partial(plan_model_save, model, modes, original_format=save_original_format, writer=writer)
