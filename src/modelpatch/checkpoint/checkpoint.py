@@ -7,6 +7,7 @@ import os
 import stat
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -67,6 +68,8 @@ _Source = SafetensorsFile | PickleFile
 
 _OPEN_ATTEMPTS = 3
 
+_Read = TypeVar("_Read")
+
 
 class _Directory:
     """Reads the files of one checkpoint directory through one open descriptor of it.
@@ -101,6 +104,20 @@ class _Directory:
             except OSError as exc:  # a file system without flock: a removed version is opened again, a few times
                 logger.debug("%s: cannot lock it while it is opened (%s)", self.path, exc)
         return entry
+
+    @classmethod
+    def at(cls, path: Path, allow_external_symlinks: bool) -> _Directory:
+        """Open ``path``, refused as not a local directory where it is none."""
+        try:
+            return cls(path, allow_external_symlinks)
+        except OSError:
+            raise CheckpointError(
+                f"{path}: not a local directory (checkpoints are only read from local directories, never a hub)"
+            ) from None
+
+    def stale(self) -> bool:
+        """Whether a save replaced the version opened: removed before it was locked, or ``path`` names another."""
+        return self.removed() or self.replaced()
 
     def removed(self) -> bool:
         """Whether the directory opened was removed before it was locked (a save replaced it meanwhile)."""
@@ -172,28 +189,58 @@ class Checkpoint(ClosesOnExit):
         Symlinked files are followed inside ``directory`` and, for a huggingface_hub cache snapshot, into its
         repository's ``blobs/``; ``allow_external_symlinks=True`` follows them anywhere.
         """
+        checkpoint, _ = cls.open_with(
+            directory, lambda: None, allow_pickle=allow_pickle, allow_external_symlinks=allow_external_symlinks
+        )
+        return checkpoint
+
+    @classmethod
+    def open_with(
+        cls,
+        directory: str | Path,
+        read: Callable[[], _Read],
+        *,
+        allow_pickle: bool = False,
+        allow_external_symlinks: bool = False,
+    ) -> tuple[Checkpoint, _Read]:
+        """Open the checkpoint in local ``directory`` as :meth:`open` does, with what ``read()`` reads of the same
+        saved version: ``read`` reads the other files of ``directory`` by path (its ``config.json``), and returns
+        what it made of them.
+
+        ``read`` runs while the version it reads is held open; if a save swapped another version in meanwhile, it
+        runs again on that one, the first still held (so the save that replaced it, which removes it only once
+        released, and every later save to the directory, which waits for that one, cannot replace the second
+        version meanwhile). The checkpoint is then opened from the version ``read`` read, whole.
+
+        Raises:
+            CheckpointError: as :meth:`open`; or saves not taking turns replaced the directory at every try.
+        """
         directory = Path(directory)
-        for attempt in range(_OPEN_ATTEMPTS):
-            try:
-                handle = _Directory(directory, allow_external_symlinks)
-            except OSError:
-                raise CheckpointError(
-                    f"{directory}: not a local directory (checkpoints are only read from local directories, "
-                    "never a hub)"
-                ) from None
-            try:
-                if handle.removed():
-                    raise CheckpointError(f"{directory}: a save replaced and removed it while it was being opened")
-                return cls._open(directory, handle, allow_pickle)
-            except CheckpointError:
-                # A save swapped a new checkpoint in and removed the one being opened: open the new one.
-                if attempt + 1 < _OPEN_ATTEMPTS and handle.replaced():
-                    logger.info("%s was replaced while it was being opened; opening it again", directory)
-                    continue
-                raise
-            finally:
-                handle.close()
-        raise AssertionError("unreachable")
+        handle, previous = _Directory.at(directory, allow_external_symlinks), None
+        try:
+            for attempt in range(_OPEN_ATTEMPTS):
+                try:
+                    result = read()
+                    if not handle.stale():
+                        return cls._open(directory, handle, allow_pickle), result
+                except CheckpointError:
+                    # A save swapped a new checkpoint in and removed the one being opened: open the new one.
+                    if attempt + 1 == _OPEN_ATTEMPTS or not handle.stale():
+                        raise
+                finally:
+                    if previous is not None:
+                        previous.close()
+                        previous = None
+                logger.info("%s was replaced while it was being opened; opening it again", directory)
+                previous, handle = handle, _Directory.at(directory, allow_external_symlinks)
+            raise CheckpointError(
+                f"{directory}: saves replaced it {_OPEN_ATTEMPTS} times while it was being opened (saves that do "
+                "not take turns, or a file system without flock): load it again once the saves are done"
+            )
+        finally:
+            for held in (previous, handle):
+                if held is not None:
+                    held.close()
 
     @classmethod
     def _open(cls, directory: Path, handle: _Directory, allow_pickle: bool) -> Checkpoint:
