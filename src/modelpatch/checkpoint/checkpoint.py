@@ -246,7 +246,22 @@ class Checkpoint(ClosesOnExit):
     def _open(cls, directory: Path, handle: _Directory, allow_pickle: bool) -> Checkpoint:
         if handle.is_file(SAFE_INDEX):
             _check_symlinks(directory, handle, SAFE_INDEX)
-            return cls._open_index(directory, handle, SAFE_INDEX, _load_safetensors)
+            try:
+                checkpoint = cls._open_index(directory, handle, SAFE_INDEX, _load_safetensors)
+            except CheckpointError as exc:
+                if handle.is_file(SAFE_SINGLE):
+                    raise CheckpointError(
+                        f"{exc}. {directory} also holds {SAFE_SINGLE}: {_TWO_VERSIONS}, the index most likely the "
+                        "stale one here"
+                    ) from exc
+                raise
+            if handle.is_file(SAFE_SINGLE) and directory / SAFE_SINGLE not in checkpoint._sources:
+                try:
+                    checkpoint._check_one_version(handle)
+                except BaseException:
+                    checkpoint.close()
+                    raise
+            return checkpoint
         if handle.is_file(SAFE_SINGLE):
             _check_symlinks(directory, handle, SAFE_SINGLE)
             source: _Source = _load_safetensors(handle, SAFE_SINGLE)
@@ -312,6 +327,32 @@ class Checkpoint(ClosesOnExit):
                 ", ".join(unmapped[:10]) + (", ..." if len(unmapped) > 10 else ""),
             )
         return cls(directory, infos, sources, is_sharded=True)
+
+    def _check_one_version(self, handle: _Directory) -> None:
+        """Refuse a ``model.safetensors`` beside the index this checkpoint was opened from (and not one of its
+        shards) when it holds other tensors: two versions, of which stock transformers would load the single file."""
+        _check_symlinks(self.directory, handle, SAFE_SINGLE)
+        logger.info("%s holds %s and %s: comparing them", self.directory, SAFE_INDEX, SAFE_SINGLE)
+        with _load_safetensors(handle, SAFE_SINGLE) as single:
+            if {key: (i.dtype, i.shape) for key, i in single.tensors.items()} != {
+                key: (i.dtype, i.shape) for key, i in self._infos.items()
+            }:
+                differs = "their tensors' names, dtypes or shapes differ"
+            else:
+                differs = next(
+                    (
+                        f"tensor {key!r} differs"
+                        for key in self.keys()
+                        if not _same_bytes(self.tensor(key), single.tensor(key))
+                    ),
+                    "",
+                )
+        if differs:
+            raise CheckpointError(
+                f"{self.directory} holds two checkpoints of different versions: {SAFE_INDEX} (and its "
+                f"{len(self._sources)} shard(s)) and {SAFE_SINGLE} ({differs}): {_TWO_VERSIONS}"
+            )
+        logger.debug("%s: %s holds the tensors of %s", self.directory, SAFE_SINGLE, SAFE_INDEX)
 
     def keys(self) -> list[str]:
         """All tensor keys, sorted."""
@@ -408,6 +449,18 @@ class Checkpoint(ClosesOnExit):
 
     def __repr__(self) -> str:
         return f"Checkpoint({str(self.directory)!r}, {len(self._infos)} tensors, sharded={self.is_sharded})"
+
+
+_TWO_VERSIONS = (
+    "one was left beside the other by an earlier save of the other layout (stock save_pretrained leaves it); stock "
+    f"transformers would load {SAFE_SINGLE}, modelpatch {SAFE_INDEX}. Remove the stale one (a modelpatch save over "
+    "the directory leaves one version)"
+)
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one dtype and shape hold the same bytes (NaNs included)."""
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 def _load_safetensors(handle: _Directory, name: str) -> SafetensorsFile:

@@ -33,6 +33,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .._transformers import has_transformers_adapter
+from ..checkpoint.writer import entry_files, remove_replaced_versions
 from ..loading.record import model_record
 from .contents import config_files, reject_wrapped, untied_pairs
 from .plan import SaveMode, SavePlan
@@ -126,11 +127,10 @@ class OriginalFormatSave:
 
     def __call__(self, save_directory: str | Path, *args: Any, **kwargs: Any) -> Any:
         model = self.model
-        stock_save = type(model).save_pretrained
         if has_transformers_adapter(model):
-            return stock_save(model, save_directory, *args, **kwargs)
+            return type(model).save_pretrained(model, save_directory, *args, **kwargs)
         if not kwargs.get("save_original_format", True):
-            result = stock_save(model, save_directory, *args, **kwargs)
+            result = self._stock_save(save_directory, args, kwargs)
             if kwargs.get("is_main_process", True):  # stock's config.json, marked as modelpatch's runtime saves are
                 config_json = config_files(model, original_format=False)["config.json"]
                 (Path(save_directory) / "config.json").write_bytes(config_json)
@@ -141,7 +141,21 @@ class OriginalFormatSave:
         if untied_pairs(model, model.state_dict()) and tie:
             model.config.tie_word_embeddings = False
         try:
-            return stock_save(model, save_directory, *args, **kwargs)
+            return self._stock_save(save_directory, args, kwargs)
         finally:
             if tie is not None:
                 model.config.tie_word_embeddings = tie
+
+    def _stock_save(self, save_directory: str | Path, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Stock ``save_pretrained``, then the previous version it left beside its own removed.
+
+        Stock writes in place, and leaves a previous checkpoint of the other layout (a ``model.safetensors`` beside
+        its new index, an index beside its new ``model.safetensors``): the directory is left holding one version, as
+        a modelpatch save leaves it (``writer.remove_replaced_versions``).
+        """
+        writes = kwargs.get("is_main_process", True)
+        before = entry_files(save_directory) if writes else {}
+        result = type(self.model).save_pretrained(self.model, save_directory, *args, **kwargs)
+        if writes:
+            remove_replaced_versions(save_directory, before)
+        return result
