@@ -662,7 +662,10 @@ def remove_replaced_versions(directory: str | Path, before: FileVersions) -> lis
     doomed = set(left)
     for name in left:
         if name in (SAFE_INDEX, PICKLE_INDEX):
-            doomed.update(shard for shard in read_weight_map(directory / name).values() if _SHARD_RE.match(shard))
+            try:
+                doomed.update(shard for shard in read_weight_map(directory / name).values() if _SHARD_RE.match(shard))
+            except CheckpointError as exc:  # unreadable: its shards cannot be told, the index itself goes
+                logger.warning("%s: keeping the shards %s names, unreadable: %s", directory, name, exc)
     removed = []
     for name in sorted(doomed - kept):
         path = directory / name

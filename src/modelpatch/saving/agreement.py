@@ -23,6 +23,7 @@ the saves given up without a rank skipped by it, the ranks stay in step.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -119,16 +120,13 @@ def meet(directory: Path, report: Report) -> list[Report]:
         _saves = save + 1
         keys = [_key(save, str(peer)) for peer in range(world)]
         store.set(keys[rank], json.dumps(asdict(report)))
-        store.set(f"{_PREFIX}/waiting/{rank}", json.dumps({"directory": str(directory), "save": save}))
-        try:
-            deadline = time.monotonic() + timeout
-            while not store.check(keys) and time.monotonic() < deadline:
-                time.sleep(_POLL_SECONDS)
-            missing = [peer for peer in range(world) if not store.check([keys[peer]])]
-            proposal = {"go": True} if not missing else {"missing": missing, "by": rank}
-            decision = json.loads(store.compare_set(decided, "", json.dumps(proposal)))
-        finally:
-            store.set(f"{_PREFIX}/waiting/{rank}", "")
+        store.set(_waiting(directory), json.dumps({"save": save, "rank": rank}))  # until the save is decided
+        deadline = time.monotonic() + timeout
+        while not store.check(keys) and time.monotonic() < deadline:
+            time.sleep(_POLL_SECONDS)
+        missing = [peer for peer in range(world) if not store.check([keys[peer]])]
+        proposal = {"go": True} if not missing else {"missing": missing, "by": rank}
+        decision = json.loads(store.compare_set(decided, "", json.dumps(proposal)))
         if decision.get("go"):
             return [Report(**json.loads(store.get(key))) for key in keys]
         if rank not in decision["missing"]:
@@ -171,20 +169,22 @@ def lone_save(directory: Path, what: str) -> None:
     global _saves
     store, rank = _store(), dist.get_rank()
     directory = Path(directory).absolute()
-    for peer in range(dist.get_world_size()):
-        key = f"{_PREFIX}/waiting/{peer}"
-        waiting = json.loads(store.get(key) or b"{}") if peer != rank and store.check([key]) else {}
-        if waiting.get("directory") != str(directory):
-            continue
+    waiting = json.loads(store.get(_waiting(directory))) if store.check([_waiting(directory)]) else None
+    if waiting is not None and not store.check([_key(waiting["save"], "decision")]):
         refused = f"its model holds no sharded parameters: it called {what}, a save by this rank alone"
         store.set(_key(waiting["save"], str(rank)), json.dumps(asdict(Report(what, str(directory), refused=refused))))
         _saves = max(_saves, waiting["save"] + 1)  # that save counts as this rank's: the next ones stay in step
         raise SaveError(
-            f"Cannot save to {directory}: rank {peer} is saving a sharded model into it collectively, and this rank's "
-            f"(rank {rank}) model holds no sharded parameters: a collective save needs the same sharded model on "
-            "every rank. Nothing was replaced by this rank."
+            f"Cannot save to {directory}: rank {waiting['rank']} is saving a sharded model into it collectively, and "
+            f"this rank's (rank {rank}) model holds no sharded parameters: a collective save needs the same sharded "
+            "model on every rank. Nothing was replaced by this rank."
         )
     store.set(f"{_PREFIX}/lone/{rank}", json.dumps({"directory": str(directory)}))
+
+
+def _waiting(directory: Path) -> str:
+    """The key naming the collective save into ``directory`` ranks last waited in (decided once its decision is)."""
+    return f"{_PREFIX}/waiting/{hashlib.sha256(str(directory).encode()).hexdigest()[:32]}"
 
 
 def _ranks(ranks: Sequence[int]) -> str:
