@@ -38,6 +38,7 @@ from ..conversion.planner import ConversionPlan
 from ..loading.record import get_load_report
 from ..modes.distributed import current_rank
 from ..modes.offload import meta_tensors, unreadable_meta_tensors
+from .agreement import lone_save
 from .contents import check_saveable, config_files, model_layout, state_to_save
 from .plan import SaveMode, SavePlan, SaveWriter
 
@@ -97,6 +98,8 @@ class WholeFiles(SaveWriter):
     done: Callable[[], None] | None = None
 
     def write(self, directory: str | Path, planned: Callable[[], SavePlan], max_shard_size: int | str) -> list[Path]:
+        if self.done is None:  # written by this process alone: refused where other ranks save into it collectively
+            lone_save(Path(directory), "modelpatch.save_pretrained")
         plan = planned()
         tensors = plan.tensors()
         if not self.writes:
