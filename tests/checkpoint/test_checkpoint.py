@@ -68,9 +68,21 @@ def test_sharded_index(sharded_dir: Path) -> None:
         assert ckpt.metadata == {"format": "pt"}
 
 
-def test_index_preferred_over_single_file(sharded_dir: Path) -> None:
-    save_file({"other": torch.ones(1)}, str(sharded_dir / "model.safetensors"))
-    assert Checkpoint.open(sharded_dir).keys() == ["a", "b", "c"]
+def test_index_read_beside_a_single_file_of_the_same_tensors(sharded_dir: Path) -> None:
+    tensors = {"a": torch.arange(4.0), "b": torch.ones(2, 2), "c": torch.tensor(5, dtype=torch.int64)}
+    save_file(tensors, str(sharded_dir / "model.safetensors"))
+    with Checkpoint.open(sharded_dir) as checkpoint:
+        assert checkpoint.keys() == ["a", "b", "c"]
+        assert checkpoint.is_sharded
+
+
+@pytest.mark.parametrize(
+    "single", [{"other": torch.ones(1)}, {"a": torch.arange(4.0), "b": torch.ones(2, 2), "c": torch.tensor(6)}]
+)
+def test_a_single_file_of_other_tensors_beside_an_index_is_refused_naming_both(sharded_dir: Path, single) -> None:
+    save_file(single, str(sharded_dir / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"two checkpoints of different versions: model.safetensors.index.json"):
+        Checkpoint.open(sharded_dir)
 
 
 def test_shard_keys_missing_from_weight_map_are_included_with_warning(sharded_dir: Path, caplog) -> None:

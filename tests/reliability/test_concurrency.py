@@ -12,7 +12,8 @@ import shutil
 import threading
 import traceback
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.reliability
 
 ATOL = 1e-5
 ROUNDS = 3
+LOOP_LOADS = 60
 
 
 class AttentionA(LlamaAttention):
@@ -321,6 +323,25 @@ def _which(state, states) -> int:
     return found[0]
 
 
+ROPE_THETAS = (1e4, 1e6)
+
+
+def _two_configured_versions(stock, tmp_path):
+    """:func:`_two_versions` whose configs differ too (``rope_theta``; same keys and shapes)."""
+    checkpoint, models, states = _two_versions(stock, tmp_path)
+    for model, theta in zip(models, ROPE_THETAS, strict=True):
+        model.config.rope_parameters["rope_theta"] = theta
+    return checkpoint, models, states
+
+
+def _which_version(model, states) -> int:
+    """The version ``model`` was loaded from; its config must be that version's too."""
+    version = _which(model.state_dict(), states)
+    theta = model.config.rope_parameters["rope_theta"]
+    assert theta == ROPE_THETAS[version], f"the weights of version {version} with the config.json of rope_theta {theta}"
+    return version
+
+
 def test_concurrent_saves_to_one_directory_all_succeed_one_after_another(stock, tmp_path):
     """Saves racing for one directory are serialised: none fails, the result is one complete version, no leftovers."""
     checkpoint, models, states = _two_versions(stock, tmp_path)
@@ -378,9 +399,9 @@ def test_a_checkpoint_opened_before_a_save_reads_only_its_own_files(tmp_path):
     assert Checkpoint.open(target).tensor("w5").dtype == torch.float64
 
 
-class _SaveOnIndexRead(logging.Handler):
-    """Saves over ``target`` each time a load has read its index and is about to open the shards it names, and lets
-    the load go on once the previous version is gone or the save waits for the load to open it."""
+class _SaveWhenTold(logging.Handler):
+    """Saves over ``target`` each time :meth:`save_now` is called (from a load, at the moment under test), and lets the
+    load go on once the save is done or waits for the load to open the version it read."""
 
     def __init__(self, target, model) -> None:
         super().__init__(logging.DEBUG)
@@ -396,18 +417,42 @@ class _SaveOnIndexRead(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if record.name == "modelpatch.checkpoint.writer" and "waiting" in record.getMessage():
             self.settled.set()
-        elif record.name == "modelpatch.checkpoint.checkpoint" and record.getMessage().endswith("shard(s)"):
-            self.settled.clear()
-            save = threading.Thread(target=self._save, daemon=True)
-            self.saves.append(save)
-            save.start()
-            assert self.settled.wait(60), "the save neither finished nor waited for the load"
+
+    def save_now(self) -> None:
+        self.settled.clear()
+        save = threading.Thread(target=self._save, daemon=True)
+        self.saves.append(save)
+        save.start()
+        assert self.settled.wait(60), "the save neither finished nor waited for the load"
 
     def _save(self) -> None:
         try:
             modelpatch.save_pretrained(self.model, self.target, max_shard_size="40KB")
         finally:
             self.settled.set()
+
+    @contextmanager
+    def listening(self) -> Iterator[None]:
+        package = logging.getLogger("modelpatch.checkpoint")
+        level = package.level
+        package.addHandler(self)
+        package.setLevel(logging.DEBUG)
+        try:
+            yield
+        finally:
+            package.removeHandler(self)
+            package.setLevel(level)
+            for save in self.saves:
+                save.join(60)
+
+
+class _SaveOnIndexRead(_SaveWhenTold):
+    """Saves each time a load has read its index and is about to open the shards it names."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        super().emit(record)
+        if record.name == "modelpatch.checkpoint.checkpoint" and record.getMessage().endswith("shard(s)"):
+            self.save_now()
 
 
 def test_a_save_between_reading_the_index_and_opening_the_shards_never_fails_the_load(stock, tmp_path):
@@ -418,21 +463,74 @@ def test_a_save_between_reading_the_index_and_opening_the_shards_never_fails_the
     target = tmp_path / "live"
     modelpatch.save_pretrained(models[0], target, max_shard_size="40KB")
     hook = _SaveOnIndexRead(target, models[1])
-    package = logging.getLogger("modelpatch.checkpoint")
-    level = package.level
-    package.addHandler(hook)
-    package.setLevel(logging.DEBUG)
-    try:
+    with hook.listening():
         loaded = modelpatch.from_pretrained(checkpoint.model_class, target)
-    finally:
-        package.removeHandler(hook)
-        package.setLevel(level)
-        for save in hook.saves:
-            save.join(60)
     assert len(hook.saves) == 1
     assert _which(loaded.state_dict(), states) == 0
     assert _which(modelpatch.from_pretrained(checkpoint.model_class, target).state_dict(), states) == 1
     assert siblings(target) == []
+
+
+def test_a_save_right_after_the_config_is_read_gives_the_config_of_the_weights_read(stock, tmp_path, monkeypatch):
+    """The config is read by path before the weights: a save swapping a new version in right after the load read
+    ``config.json`` must not pair that config with the new version's weights (nor the new config with the old
+    weights); the load reads config and weights of one version."""
+    from modelpatch.loading import load as load_module
+
+    checkpoint, models, states = _two_configured_versions(stock, tmp_path)
+    target = tmp_path / "live"
+    modelpatch.save_pretrained(models[0], target, max_shard_size="40KB")
+    hook = _SaveWhenTold(target, models[1])
+    read_config = load_module._model_config
+
+    def then_save(*args, **kwargs):
+        config = read_config(*args, **kwargs)
+        if not hook.saves:
+            hook.save_now()
+        return config
+
+    monkeypatch.setattr(load_module, "_model_config", then_save)
+    with hook.listening():
+        loaded = modelpatch.from_pretrained(checkpoint.model_class, target)
+    assert len(hook.saves) == 1
+    assert _which_version(loaded, states) == 1
+    monkeypatch.undo()
+    assert _which_version(modelpatch.from_pretrained(checkpoint.model_class, target), states) == 1
+    assert siblings(target) == []
+
+
+def test_a_save_between_planning_and_loading_is_refused_when_the_config_changed(stock, tmp_path):
+    """``plan_pretrained`` then ``load_planned``: a save in between with the same tensor shapes but another
+    ``config.json`` is refused by name, never the plan's config with the new weights."""
+    checkpoint, models, _ = _two_configured_versions(stock, tmp_path)
+    target = tmp_path / "live"
+    modelpatch.save_pretrained(models[0], target, max_shard_size="40KB")
+    plan = modelpatch.plan_pretrained(checkpoint.model_class, target)
+    modelpatch.save_pretrained(models[1], target, max_shard_size="40KB")
+    with pytest.raises(modelpatch.CheckpointError, match=r"changed since it was planned \(config.json differ"):
+        modelpatch.load_planned(plan)
+
+
+def test_loads_while_configs_and_weights_are_saved_over_pair_them_by_version(stock, tmp_path):
+    """The loop: a trainer saving two versions differing in weights and config over and over, a service loading
+    it meanwhile; every load gets the config of the version whose weights it read."""
+    checkpoint, models, states = _two_configured_versions(stock, tmp_path)
+    target = tmp_path / "live"
+    modelpatch.save_pretrained(models[0], target)
+    seen = Counter()
+
+    def writer(stop: threading.Event) -> None:
+        i = 0
+        while not stop.is_set():
+            i ^= 1
+            modelpatch.save_pretrained(models[i], target)
+
+    def reader():
+        for _ in range(LOOP_LOADS):
+            seen[_which_version(modelpatch.from_pretrained(checkpoint.model_class, target), states)] += 1
+
+    run_threads([reader], writer)
+    assert sum(seen.values()) == LOOP_LOADS
 
 
 def test_a_save_into_a_subfolder_never_stalls_loads_of_the_folder(stock, tmp_path):

@@ -383,3 +383,94 @@ def test_a_marian_load_saves_back_its_checkpoint(tmp_path, shared):
     model = modelpatch.from_pretrained(MarianMTModel, tmp_path / "source")
     model.save_pretrained(tmp_path / "out")
     assert_bitwise_equal(read_tensors(tmp_path / "out"), read_tensors(tmp_path / "source"))
+
+
+# ------------------------------------------------------------------------------------ one version per directory
+
+
+def _changed_model(ckpt, fusion_config):
+    """A modelpatch load of ``ckpt`` whose weights all differ from the checkpoint's, and its logits."""
+    model = modelpatch.from_pretrained(ckpt.model_class, ckpt.path, fusion_config=fusion_config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(1.5)
+        expected = model(**ckpt.inputs()).logits
+    return model, expected
+
+
+@pytest.mark.parametrize("fusion_config", [None, {"qkv": True, "gate_up": True}])
+@pytest.mark.parametrize("old_shards, new_shards", [("40KB", "50GB"), ("50GB", "40KB")])
+def test_model_save_pretrained_over_the_other_shard_layout_leaves_one_version(
+    stock_checkpoint, tmp_path, fusion_config, old_shards, new_shards
+):
+    """``model.save_pretrained`` (stock's writer, fed the original layout) over a checkpoint of the other shard layout:
+    the previous version's entry file is gone, and stock and modelpatch both load the new version."""
+    ckpt = stock_checkpoint("llama")
+    out = tmp_path / "out"
+    previous = modelpatch.from_pretrained(ckpt.model_class, ckpt.path)
+    modelpatch.save_pretrained(previous, out, max_shard_size=old_shards)
+    (out / "tokenizer.json").write_text("{}")
+    model, expected = _changed_model(ckpt, fusion_config)
+    model.save_pretrained(out, max_shard_size=new_shards)
+    weights = sorted(p.name for p in out.iterdir() if p.name.startswith("model"))
+    if new_shards == "50GB":
+        assert weights == ["model.safetensors"]
+    else:
+        assert "model.safetensors" not in weights and "model.safetensors.index.json" in weights
+        assert set(weights) - {"model.safetensors.index.json"} == set(
+            json.loads((out / "model.safetensors.index.json").read_text())["weight_map"].values()
+        )
+    assert (out / "tokenizer.json").read_text() == "{}"
+    for reloaded in (ckpt.model_class.from_pretrained(out), modelpatch.from_pretrained(ckpt.model_class, out)):
+        with torch.no_grad():
+            torch.testing.assert_close(reloaded(**ckpt.inputs()).logits, expected, atol=1e-5, rtol=0)
+
+
+def test_a_modelpatch_save_over_an_older_pickle_checkpoint_leaves_one_version(stock_checkpoint, tmp_path):
+    """A ``pytorch_model.bin`` left by an older save is a previous version of the weights, not a user file."""
+    ckpt = stock_checkpoint("llama")
+    out = tmp_path / "out"
+    shutil.copytree(ckpt.path, out)
+    torch.save(ckpt.tensors(), out / "pytorch_model.bin")
+    (out / "model.safetensors").unlink()
+    model, _ = _changed_model(ckpt, None)
+    modelpatch.save_pretrained(model, out)
+    assert not (out / "pytorch_model.bin").exists()
+
+
+def _both_entry_files(ckpt, tmp_path, single_from):
+    """``ckpt`` saved sharded, with the ``model.safetensors`` of directory ``single_from`` beside its index."""
+    out = tmp_path / "both"
+    modelpatch.save_pretrained(modelpatch.from_pretrained(ckpt.model_class, ckpt.path), out, max_shard_size="40KB")
+    shutil.copy(single_from / "model.safetensors", out / "model.safetensors")
+    return out
+
+
+def test_a_load_finding_two_versions_names_both_entry_files(stock_checkpoint, tmp_path):
+    """A ``model.safetensors`` of another version beside an index (left by an older stock save): stock would read
+    the one, modelpatch the other; refused, naming both."""
+    ckpt = stock_checkpoint("llama")
+    model, _ = _changed_model(ckpt, None)
+    modelpatch.save_pretrained(model, tmp_path / "other")
+    out = _both_entry_files(ckpt, tmp_path, tmp_path / "other")
+    with pytest.raises(CheckpointError, match=r"two checkpoints of different versions.*index.json.*model.safetensors"):
+        modelpatch.from_pretrained(ckpt.model_class, out)
+
+
+def test_a_stale_index_beside_a_single_file_is_named_as_such(stock_checkpoint, tmp_path):
+    """An index whose shards a later save of one file removed: the error names the single file beside it."""
+    ckpt = stock_checkpoint("llama")
+    out = _both_entry_files(ckpt, tmp_path, ckpt.path)
+    for shard in out.glob("model-*.safetensors"):
+        shard.unlink()
+    with pytest.raises(CheckpointError, match=r"does not exist.*also holds model.safetensors.*stale"):
+        modelpatch.from_pretrained(ckpt.model_class, out)
+
+
+def test_a_single_file_holding_the_index_tensors_loads(stock_checkpoint, tmp_path):
+    """Both layouts of the same tensors (a repository uploaded twice): one version, loaded."""
+    ckpt = stock_checkpoint("llama")
+    out = _both_entry_files(ckpt, tmp_path, ckpt.path)
+    loaded = modelpatch.from_pretrained(ckpt.model_class, out)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**ckpt.inputs()).logits, ckpt.reference_logits(), atol=1e-5, rtol=0)

@@ -7,6 +7,7 @@ import os
 import stat
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -67,6 +68,8 @@ _Source = SafetensorsFile | PickleFile
 
 _OPEN_ATTEMPTS = 3
 
+_Read = TypeVar("_Read")
+
 
 class _Directory:
     """Reads the files of one checkpoint directory through one open descriptor of it.
@@ -101,6 +104,20 @@ class _Directory:
             except OSError as exc:  # a file system without flock: a removed version is opened again, a few times
                 logger.debug("%s: cannot lock it while it is opened (%s)", self.path, exc)
         return entry
+
+    @classmethod
+    def at(cls, path: Path, allow_external_symlinks: bool) -> _Directory:
+        """Open ``path``, refused as not a local directory where it is none."""
+        try:
+            return cls(path, allow_external_symlinks)
+        except OSError:
+            raise CheckpointError(
+                f"{path}: not a local directory (checkpoints are only read from local directories, never a hub)"
+            ) from None
+
+    def stale(self) -> bool:
+        """Whether a save replaced the version opened: removed before it was locked, or ``path`` names another."""
+        return self.removed() or self.replaced()
 
     def removed(self) -> bool:
         """Whether the directory opened was removed before it was locked (a save replaced it meanwhile)."""
@@ -172,34 +189,79 @@ class Checkpoint(ClosesOnExit):
         Symlinked files are followed inside ``directory`` and, for a huggingface_hub cache snapshot, into its
         repository's ``blobs/``; ``allow_external_symlinks=True`` follows them anywhere.
         """
+        checkpoint, _ = cls.open_with(
+            directory, lambda: None, allow_pickle=allow_pickle, allow_external_symlinks=allow_external_symlinks
+        )
+        return checkpoint
+
+    @classmethod
+    def open_with(
+        cls,
+        directory: str | Path,
+        read: Callable[[], _Read],
+        *,
+        allow_pickle: bool = False,
+        allow_external_symlinks: bool = False,
+    ) -> tuple[Checkpoint, _Read]:
+        """Open the checkpoint in local ``directory`` as :meth:`open` does, with what ``read()`` reads of the same
+        saved version: ``read`` reads the other files of ``directory`` by path (its ``config.json``), and returns
+        what it made of them.
+
+        ``read`` runs while the version it reads is held open; if a save swapped another version in meanwhile, it
+        runs again on that one, the first still held (so the save that replaced it, which removes it only once
+        released, and every later save to the directory, which waits for that one, cannot replace the second
+        version meanwhile). The checkpoint is then opened from the version ``read`` read, whole.
+
+        Raises:
+            CheckpointError: as :meth:`open`; or saves not taking turns replaced the directory at every try.
+        """
         directory = Path(directory)
-        for attempt in range(_OPEN_ATTEMPTS):
-            try:
-                handle = _Directory(directory, allow_external_symlinks)
-            except OSError:
-                raise CheckpointError(
-                    f"{directory}: not a local directory (checkpoints are only read from local directories, "
-                    "never a hub)"
-                ) from None
-            try:
-                if handle.removed():
-                    raise CheckpointError(f"{directory}: a save replaced and removed it while it was being opened")
-                return cls._open(directory, handle, allow_pickle)
-            except CheckpointError:
-                # A save swapped a new checkpoint in and removed the one being opened: open the new one.
-                if attempt + 1 < _OPEN_ATTEMPTS and handle.replaced():
-                    logger.info("%s was replaced while it was being opened; opening it again", directory)
-                    continue
-                raise
-            finally:
-                handle.close()
-        raise AssertionError("unreachable")
+        handle, previous = _Directory.at(directory, allow_external_symlinks), None
+        try:
+            for attempt in range(_OPEN_ATTEMPTS):
+                try:
+                    result = read()
+                    if not handle.stale():
+                        return cls._open(directory, handle, allow_pickle), result
+                except CheckpointError:
+                    # A save swapped a new checkpoint in and removed the one being opened: open the new one.
+                    if attempt + 1 == _OPEN_ATTEMPTS or not handle.stale():
+                        raise
+                finally:
+                    if previous is not None:
+                        previous.close()
+                        previous = None
+                logger.info("%s was replaced while it was being opened; opening it again", directory)
+                previous, handle = handle, _Directory.at(directory, allow_external_symlinks)
+            raise CheckpointError(
+                f"{directory}: saves replaced it {_OPEN_ATTEMPTS} times while it was being opened (saves that do "
+                "not take turns, or a file system without flock): load it again once the saves are done"
+            )
+        finally:
+            for held in (previous, handle):
+                if held is not None:
+                    held.close()
 
     @classmethod
     def _open(cls, directory: Path, handle: _Directory, allow_pickle: bool) -> Checkpoint:
         if handle.is_file(SAFE_INDEX):
             _check_symlinks(directory, handle, SAFE_INDEX)
-            return cls._open_index(directory, handle, SAFE_INDEX, _load_safetensors)
+            try:
+                checkpoint = cls._open_index(directory, handle, SAFE_INDEX, _load_safetensors)
+            except CheckpointError as exc:
+                if handle.is_file(SAFE_SINGLE):
+                    raise CheckpointError(
+                        f"{exc}. {directory} also holds {SAFE_SINGLE}: {_TWO_VERSIONS}, the index most likely the "
+                        "stale one here"
+                    ) from exc
+                raise
+            if handle.is_file(SAFE_SINGLE) and directory / SAFE_SINGLE not in checkpoint._sources:
+                try:
+                    checkpoint._check_one_version(handle)
+                except BaseException:
+                    checkpoint.close()
+                    raise
+            return checkpoint
         if handle.is_file(SAFE_SINGLE):
             _check_symlinks(directory, handle, SAFE_SINGLE)
             source: _Source = _load_safetensors(handle, SAFE_SINGLE)
@@ -265,6 +327,32 @@ class Checkpoint(ClosesOnExit):
                 ", ".join(unmapped[:10]) + (", ..." if len(unmapped) > 10 else ""),
             )
         return cls(directory, infos, sources, is_sharded=True)
+
+    def _check_one_version(self, handle: _Directory) -> None:
+        """Refuse a ``model.safetensors`` beside the index this checkpoint was opened from (and not one of its
+        shards) when it holds other tensors: two versions, of which stock transformers would load the single file."""
+        _check_symlinks(self.directory, handle, SAFE_SINGLE)
+        logger.info("%s holds %s and %s: comparing them", self.directory, SAFE_INDEX, SAFE_SINGLE)
+        with _load_safetensors(handle, SAFE_SINGLE) as single:
+            if {key: (i.dtype, i.shape) for key, i in single.tensors.items()} != {
+                key: (i.dtype, i.shape) for key, i in self._infos.items()
+            }:
+                differs = "their tensors' names, dtypes or shapes differ"
+            else:
+                differs = next(
+                    (
+                        f"tensor {key!r} differs"
+                        for key in self.keys()
+                        if not _same_bytes(self.tensor(key), single.tensor(key))
+                    ),
+                    "",
+                )
+        if differs:
+            raise CheckpointError(
+                f"{self.directory} holds two checkpoints of different versions: {SAFE_INDEX} (and its "
+                f"{len(self._sources)} shard(s)) and {SAFE_SINGLE} ({differs}): {_TWO_VERSIONS}"
+            )
+        logger.debug("%s: %s holds the tensors of %s", self.directory, SAFE_SINGLE, SAFE_INDEX)
 
     def keys(self) -> list[str]:
         """All tensor keys, sorted."""
@@ -361,6 +449,18 @@ class Checkpoint(ClosesOnExit):
 
     def __repr__(self) -> str:
         return f"Checkpoint({str(self.directory)!r}, {len(self._infos)} tensors, sharded={self.is_sharded})"
+
+
+_TWO_VERSIONS = (
+    "one was left beside the other by an earlier save of the other layout (stock save_pretrained leaves it); stock "
+    f"transformers would load {SAFE_SINGLE}, modelpatch {SAFE_INDEX}. Remove the stale one (a modelpatch save over "
+    "the directory leaves one version)"
+)
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one dtype and shape hold the same bytes (NaNs included)."""
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 def _load_safetensors(handle: _Directory, name: str) -> SafetensorsFile:

@@ -30,7 +30,7 @@ from safetensors.torch import save, save_file
 
 from modelpatch.checkpoint.checkpoint import SAFE_INDEX, SAFE_SINGLE
 from modelpatch.checkpoint.file_range import FileRange
-from modelpatch.checkpoint.layout import open_entry_file
+from modelpatch.checkpoint.layout import ENTRY_FILES, PICKLE_INDEX, open_entry_file, read_weight_map
 from modelpatch.errors import CheckpointError, CheckpointPermissionError
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ _SIZE_UNITS = {
     "TIB": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
-_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+_SHARD_RE = re.compile(r"^(model-\d{5}-of-\d{5}\.safetensors|pytorch_model-\d{5}-of-\d{5}\.bin)$")
 
 
 def parse_size(size: int | str, *, context: Path) -> int:
@@ -604,12 +604,13 @@ def _write_contents(
 def _carry_over_user_files(directory: Path, tmp: Path, produced: set[str]) -> None:
     """Copy into ``tmp`` everything in the old ``directory`` that is not one of this writer's file names.
 
-    Old shards and index are dropped (replaced); any other file, e.g. ``tokenizer.json`` or an
-    ``adapter_model.safetensors``, is kept.
+    The previous version's weights are dropped (replaced), in either layout and in either format (an older stock
+    save's ``pytorch_model.bin``); any other file, e.g. ``tokenizer.json`` or an ``adapter_model.safetensors``, is
+    kept.
     """
     for entry in directory.iterdir():
         name = entry.name
-        if name in produced or name in (SAFE_SINGLE, SAFE_INDEX) or _SHARD_RE.match(name):
+        if name in produced or name in ENTRY_FILES or _SHARD_RE.match(name):
             continue
         target = tmp / name
         try:
@@ -620,6 +621,66 @@ def _carry_over_user_files(directory: Path, tmp: Path, produced: set[str]) -> No
         except (OSError, shutil.Error) as exc:
             raise CheckpointError(f"{entry}: cannot keep this file of the previous checkpoint: {exc}") from exc
         logger.debug("kept %s from the previous %s", name, directory)
+
+
+FileVersions = dict[str, tuple[int, int, int, int]]
+"""Entry file name (``layout.ENTRY_FILES``) -> its identity (inode, size, modification and status-change times)."""
+
+
+def entry_files(directory: str | Path) -> FileVersions:
+    """The entry files ``directory`` holds now, each with its identity (what :func:`remove_replaced_versions` compares
+    with after a save that writes in place)."""
+    found: FileVersions = {}
+    for name in ENTRY_FILES:
+        try:
+            status = os.lstat(Path(directory) / name)
+        except OSError:
+            continue
+        if stat.S_ISREG(status.st_mode):
+            found[name] = (status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns)
+    return found
+
+
+def remove_replaced_versions(directory: str | Path, before: FileVersions) -> list[Path]:
+    """After a save that wrote ``directory`` in place (stock ``save_pretrained``), remove the previous version it left
+    beside the new one: every entry file of ``before`` (:func:`entry_files`, taken before the save) the save did not
+    rewrite, once it wrote one, and the shards a left index names that the new version does not hold.
+
+    Stock transformers removes the previous shards it would not overwrite, never a previous ``model.safetensors`` or
+    index: one left beside the other layout is a second checkpoint, which stock (reading the single file first) or
+    modelpatch (the index first) would load. Returns the files removed.
+    """
+    directory = Path(directory)
+    now = entry_files(directory)
+    written = {name for name, identity in now.items() if before.get(name) != identity}
+    if not written:
+        return []
+    kept: set[str] = set(written)
+    for name in written & {SAFE_INDEX, PICKLE_INDEX}:
+        kept.update(read_weight_map(directory / name).values())
+    left = [name for name in now if name not in written]
+    doomed = set(left)
+    for name in left:
+        if name in (SAFE_INDEX, PICKLE_INDEX):
+            try:
+                doomed.update(shard for shard in read_weight_map(directory / name).values() if _SHARD_RE.match(shard))
+            except CheckpointError as exc:  # unreadable: its shards cannot be told, the index itself goes
+                logger.warning("%s: keeping the shards %s names, unreadable: %s", directory, name, exc)
+    removed = []
+    for name in sorted(doomed - kept):
+        path = directory / name
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise CheckpointError(
+                f"{path}: left by an earlier save beside the new checkpoint {sorted(written)}, and cannot be removed: "
+                f"{exc}. Remove it: a load would read one or the other."
+            ) from exc
+        logger.info("%s: removed %s, left by an earlier save beside the new %s", directory, name, sorted(written))
+        removed.append(path)
+    return removed
 
 
 def _swap_in(tmp: Path, directory: Path) -> None:

@@ -66,7 +66,7 @@ from .build import (
 )
 from .config import load_config, resolve_dtype, resolve_model_class
 from .diagnose import Replacement
-from .hub import HubOptions, resolve_checkpoint
+from .hub import CONFIG_NAME, GENERATION_CONFIG_NAME, HubOptions, resolve_checkpoint
 from .materialize import load_into_model
 from .options import FusionConfig, LoadOptions
 from .plan import LoadPlan, model_expectations, plan_model_load
@@ -162,8 +162,9 @@ class _FusionsStepAside(Exception):
 
 @dataclass
 class _Request:
-    """A load as asked for, resolved before its checkpoint is opened: the options, the checkpoint's directory, the
-    config to build from (keywords applied), the generation config, and tensor parallelism's mesh (made once)."""
+    """A load as asked for, resolved as its checkpoint is opened: the options, the checkpoint's directory, the config
+    to build from (keywords applied), the generation config, tensor parallelism's mesh (made once), and the bytes of
+    the checkpoint's config files those were read from (``config.json``, ``generation_config.json``; None: absent)."""
 
     model_class: type
     path: str | os.PathLike[str]
@@ -172,25 +173,39 @@ class _Request:
     config: PretrainedConfig
     generation_config: GenerationConfig | None
     tensor_parallel: TensorParallelSetup | None
+    config_files: dict[str, bytes | None]
 
     @classmethod
-    def resolve(cls, model_class: type, path: str | os.PathLike[str], options: LoadOptions) -> _Request:
+    @contextmanager
+    def opened(
+        cls, model_class: type, path: str | os.PathLike[str], options: LoadOptions
+    ) -> Iterator[tuple[_Request, Checkpoint]]:
+        """The request and its checkpoint, open while the caller uses it: the config files it was read from and the
+        weights are those of one saved version, whatever saves replace the directory meanwhile."""
         # The mesh first (torch.distributed initialised), as transformers makes it before looking at any file.
         tensor_parallel = prepare_tensor_parallel(options.distributed)
         directory = resolve_checkpoint(
             path, options.hub, allow_pickle=options.allow_pickle, safetensors_only=bool(options.use_safetensors)
         )
-        config = _model_config(directory, options.config, options.hub, options.config_overrides)
-        _check_remote_code(config, options.trust_remote_code)
-        # Stock sets both on the config before building (its setters reach the sub-configs of composite models).
-        if options.attn_implementation is not None:
-            set_attention_implementation(config, options.attn_implementation)
-        if options.experts_implementation is not None:
-            set_experts_implementation(config, options.experts_implementation)
-        generation_config = options.generation_config
-        if generation_config is None:
-            generation_config = _load_generation_config(directory)
-        return cls(model_class, path, options, directory, config, generation_config, tensor_parallel)
+
+        def read() -> _Request:
+            config = _model_config(directory, options.config, options.hub, options.config_overrides)
+            _check_remote_code(config, options.trust_remote_code)
+            # Stock sets both on the config before building (its setters reach the sub-configs of composite models).
+            if options.attn_implementation is not None:
+                set_attention_implementation(config, options.attn_implementation)
+            if options.experts_implementation is not None:
+                set_experts_implementation(config, options.experts_implementation)
+            generation_config = options.generation_config
+            if generation_config is None:
+                generation_config = _load_generation_config(directory)
+            read_here = [name for name, passed in _CONFIG_FILES.items() if getattr(options, passed) is None]
+            config_files = _config_files(directory, read_here)
+            return cls(model_class, path, options, directory, config, generation_config, tensor_parallel, config_files)
+
+        checkpoint, request = options.open_checkpoint(directory, read)
+        with checkpoint:
+            yield request, checkpoint
 
     def modes(self, config: PretrainedConfig, options: LoadOptions) -> list[LoadMode]:
         """The load modes of one planning of the load, in the order their hooks run: quantization (refused by name
@@ -244,6 +259,7 @@ def _plan(request: _Request, checkpoint: Checkpoint) -> LoadPlan:
             raise
         logger.info("Loading %s without fusions: %s", getattr(model_class, "__name__", model_class), aside)
     plan.generation_config = request.generation_config
+    plan.config_files = request.config_files
     for mode in plan.modes:
         mode.plan(plan.model, plan, checkpoint)
     return plan
@@ -422,8 +438,7 @@ def open_plan(
 ) -> Iterator[tuple[LoadPlan, Checkpoint]]:
     """The plan of a load with ``options``, and its checkpoint, open while the caller uses them (offline conversion
     streams the checkpoint's tensors through the plan)."""
-    request = _Request.resolve(model_class, path, options)
-    with options.open_checkpoint(request.directory) as checkpoint:
+    with _Request.opened(model_class, path, options) as (request, checkpoint):
         yield _plan(request, checkpoint), checkpoint
 
 
@@ -497,12 +512,11 @@ def from_pretrained(
 def load_with_options(model_class: type, path: str | os.PathLike[str], options: LoadOptions) -> PreTrainedModel:
     """:func:`from_pretrained` with its keywords gathered in ``options``: planned and executed on one open
     checkpoint."""
-    request = _Request.resolve(model_class, path, options)
     # A prefetch modelpatch's Auto classes started (before torch was imported) is adopted here; otherwise one starts
     # here only with MODELPATCH_PREFETCH=1. It reads the files into the page cache while the model is built and
     # loaded and during the first forward (a hint: off for placements reading part of them).
     with (
-        options.open_checkpoint(request.directory) as checkpoint,
+        _Request.opened(model_class, path, options) as (request, checkpoint),
         prefetching(checkpoint, enabled=request.prefetches()),
     ):
         plan = _plan(request, checkpoint)
@@ -524,9 +538,20 @@ def execute_plan(plan: LoadPlan, model: PreTrainedModel) -> torch.device:
         raise ValueError(
             "This LoadPlan was executed already (a plan loads once, failed or not): plan again with plan_pretrained."
         )
-    with plan.options.open_checkpoint(plan.directory) as checkpoint:
+    opened, config_files = plan.options.open_checkpoint(
+        plan.directory, lambda: _config_files(plan.directory, list(plan.config_files))
+    )
+    with opened as checkpoint:
         planned = plan.checkpoint
         now = {key: TensorMeta(checkpoint.info(key).shape, checkpoint.info(key).dtype) for key in checkpoint.keys()}
+        # The config the model was built from must be the one of the weights read.
+        if changed_files := sorted(
+            name for name, now_read in config_files.items() if plan.config_files[name] != now_read
+        ):
+            raise CheckpointError(
+                f"{plan.directory}: the checkpoint changed since it was planned ({', '.join(changed_files)} "
+                "differ): plan it again. Nothing was loaded."
+            )
         if now != planned:
             changed = sorted(k for k in planned.keys() | now.keys() if planned.get(k) != now.get(k))
             raise CheckpointError(
@@ -619,6 +644,25 @@ def _set_config_dtype(config: PretrainedConfig, dtype: torch.dtype) -> None:
     for name in getattr(config, "sub_configs", {}) or {}:
         if (sub_config := getattr(config, name, None)) is not None:
             sub_config.dtype = dtype
+
+
+_CONFIG_FILES = {CONFIG_NAME: "config", GENERATION_CONFIG_NAME: "generation_config"}
+"""The config files a load reads from the checkpoint's directory, each unless this option passes its content."""
+
+
+def _config_files(directory: Path, names: Sequence[str]) -> dict[str, bytes | None]:
+    """The bytes of the files ``names`` of ``directory`` (None for each it lacks; what the configs' limit allows of
+    one larger, which its parse refused or will refuse)."""
+    contents: dict[str, bytes | None] = {}
+    for name in names:
+        try:
+            with (directory / name).open("rb") as f:
+                contents[name] = f.read(MAX_CONFIG_BYTES + 1)
+        except FileNotFoundError:
+            contents[name] = None
+        except OSError as exc:
+            raise CheckpointError(f"{directory / name}: cannot read it: {exc}") from exc
+    return contents
 
 
 def _load_generation_config(directory: Path) -> GenerationConfig | None:

@@ -7,10 +7,10 @@ import functools
 import logging
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from transformers import DistributedConfig, GenerationConfig, PretrainedConfig
@@ -21,6 +21,8 @@ from ..patching.patcher import Patcher
 from .hub import HubOptions
 from .keywords import config_overrides
 from .placement import distributed_config_of, single_device
+
+_Read = TypeVar("_Read")
 
 logger = logging.getLogger(__name__)
 
@@ -177,10 +179,11 @@ class LoadOptions:
             **known,
         )
 
-    def open_checkpoint(self, directory: Path) -> Checkpoint:
-        """The checkpoint in ``directory``, opened with these options' file permissions (headers validated)."""
-        return Checkpoint.open(
-            directory, allow_pickle=self.allow_pickle, allow_external_symlinks=self.allow_external_symlinks
+    def open_checkpoint(self, directory: Path, read: Callable[[], _Read]) -> tuple[Checkpoint, _Read]:
+        """The checkpoint in ``directory``, opened with these options' file permissions (headers validated), and what
+        ``read()`` made of the other files of the same saved version (:meth:`Checkpoint.open_with`)."""
+        return Checkpoint.open_with(
+            directory, read, allow_pickle=self.allow_pickle, allow_external_symlinks=self.allow_external_symlinks
         )
 
 

@@ -59,6 +59,8 @@ class LoadPlan:
         options: The options the load was planned with (what executing it needs: the device, file permissions).
         generation_config: The model's generation config (the checkpoint's ``generation_config.json``, or the one
             passed), set on the model when it is loaded.
+        config_files: The bytes of the checkpoint's config files the plan was made from (``config.json``,
+            ``generation_config.json``, each unless passed; None: absent): executing it checks they are unchanged.
         loaded: The plan was executed (its model holds the checkpoint's tensors): a plan loads once.
     """
 
@@ -80,6 +82,7 @@ class LoadPlan:
     modes: tuple[LoadMode[LoadPlan], ...] = ()
     options: LoadOptions = field(default_factory=LoadOptions)
     generation_config: GenerationConfig | None = None
+    config_files: dict[str, bytes | None] = field(default_factory=dict)
     loaded: bool = False
 
     def loaded_keys(self) -> list[str]:

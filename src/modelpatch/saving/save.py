@@ -24,7 +24,6 @@ so that stock code paths â€” ``model.save_pretrained``, ``Trainer.save_model`` â
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,12 +32,15 @@ import torch
 from transformers import PreTrainedModel
 
 from .._transformers import has_transformers_adapter
+from ..checkpoint.writer import entry_files, remove_replaced_versions
 from ..loading.record import model_record
+from ..modes.distributed import is_fully_sharded
 from ..state import stored_fusion_config
+from .agreement import in_process_group, lone_save
 from .compressed import refuse_runtime_layout, refuse_without_quantization_config
 from .contents import config_files, reject_wrapped, untied_pairs
 from .plan import SaveMode, SavePlan
-from .sharded import ShardedTensors
+from .sharded import STOCK_SAVE, ShardedTensors, agree
 from .stages import plan_model_save, save_writer
 
 
@@ -75,11 +77,17 @@ def save_pretrained(
         SaveError: A module was substituted since the model was built (a quantizer's module, a quantized tensor
             subclass, PEFT layers) and its state cannot be written so that it loads back the same; nothing is written.
     """
-    reject_wrapped(model)  # a PEFT model or injected adapters: said as such, sharded or not
-    refuse_without_quantization_config(model)
+    if not isinstance(model, torch.nn.Module):
+        reject_wrapped(model)  # a TypeError naming what it is
     modes = save_modes(model)
+    # Chosen before anything is refused, so that every rank of a collective save refuses together.
     writer = save_writer(model, modes)
-    plan = functools.partial(plan_model_save, model, modes, original_format=save_original_format, writer=writer)
+
+    def plan() -> SavePlan:
+        reject_wrapped(model)  # a PEFT model or injected adapters: said as such, sharded or not
+        refuse_without_quantization_config(model)
+        return plan_model_save(model, modes, original_format=save_original_format, writer=writer)
+
     return writer.write(path, plan, max_shard_size)
 
 
@@ -124,23 +132,63 @@ def original_format_save(model: PreTrainedModel, save_directory: str | Path, *ar
     transformers write it (its sharding, hub upload, tokenizer-free config handling). Adapter-only saves of
     transformers' own PEFT integration are passed through unchanged.
     """
-    stock_save = type(model).save_pretrained
-    if has_transformers_adapter(model):
-        return stock_save(model, save_directory, *args, **kwargs)
-    if not kwargs.get("save_original_format", True):
-        refuse_runtime_layout(model, fused=stored_fusion_config(model.config) is not None)
-        result = stock_save(model, save_directory, *args, **kwargs)
-        if kwargs.get("is_main_process", True):  # stock's config.json, marked as modelpatch's runtime saves are
-            config_json = config_files(model, original_format=False)["config.json"]
-            (Path(save_directory) / "config.json").write_bytes(config_json)
+    return OriginalFormatSave(model)(save_directory, *args, **kwargs)
+
+
+class OriginalFormatSave:
+    """What :func:`original_format_save` runs, for one model."""
+
+    def __init__(self, model: PreTrainedModel):
+        self.model = model
+
+    def __call__(self, save_directory: str | Path, *args: Any, **kwargs: Any) -> Any:
+        model = self.model
+        if has_transformers_adapter(model):
+            return type(model).save_pretrained(model, save_directory, *args, **kwargs)
+        if not kwargs.get("save_original_format", True):
+            refuse_runtime_layout(model, fused=stored_fusion_config(model.config) is not None)
+            result = self._stock_save(save_directory, args, kwargs)
+            if kwargs.get("is_main_process", True):  # stock's config.json, marked as modelpatch's runtime saves are
+                config_json = config_files(model, original_format=False)["config.json"]
+                (Path(save_directory) / "config.json").write_bytes(config_json)
+            return result
+        kwargs["state_dict"] = self._original_tensors(save_directory, kwargs.get("state_dict"))
+        kwargs["save_original_format"] = False  # already in the original layout: stock must not convert again
+        tie = getattr(model.config, "tie_word_embeddings", None)
+        if untied_pairs(model, model.state_dict()) and tie:
+            model.config.tie_word_embeddings = False
+        try:
+            return self._stock_save(save_directory, args, kwargs)
+        finally:
+            if tie is not None:
+                model.config.tie_word_embeddings = tie
+
+    def _original_tensors(self, save_directory: str | Path, state_dict: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The original-layout tensors stock writes. For a sharded model, gathering them is collective: the ranks
+        first agree that each runs this save (``sharded.agree``: a rank refusing, running another save or none is
+        named at once, or within the join timeout), so that none waits in a gather the others never enter."""
+        if not (in_process_group() and is_fully_sharded(self.model)):
+            lone_save(Path(save_directory), "model.save_pretrained")
+            return checkpoint_tensors(self.model, state_dict)
+        plan, failure = None, None
+        try:
+            plan = planned_save(self.model, state_dict=state_dict)
+        except Exception as exc:  # refused on every rank together
+            failure = exc
+        agree(Path(save_directory).absolute(), STOCK_SAVE, [], failure)
+        assert plan is not None  # agree raised the failure
+        return plan.tensors()
+
+    def _stock_save(self, save_directory: str | Path, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Stock ``save_pretrained``, then the previous version it left beside its own removed.
+
+        Stock writes in place, and leaves a previous checkpoint of the other layout (a ``model.safetensors`` beside
+        its new index, an index beside its new ``model.safetensors``): the directory is left holding one version, as
+        a modelpatch save leaves it (``writer.remove_replaced_versions``).
+        """
+        writes = kwargs.get("is_main_process", True)
+        before = entry_files(save_directory) if writes else {}
+        result = type(self.model).save_pretrained(self.model, save_directory, *args, **kwargs)
+        if writes:
+            remove_replaced_versions(save_directory, before)
         return result
-    kwargs["state_dict"] = checkpoint_tensors(model, kwargs.get("state_dict"))
-    kwargs["save_original_format"] = False  # already in the original layout: stock must not convert again
-    tie = getattr(model.config, "tie_word_embeddings", None)
-    if untied_pairs(model, model.state_dict()) and tie:
-        model.config.tie_word_embeddings = False
-    try:
-        return stock_save(model, save_directory, *args, **kwargs)
-    finally:
-        if tie is not None:
-            model.config.tie_word_embeddings = tie

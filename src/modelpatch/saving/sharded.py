@@ -6,10 +6,13 @@ module's writer (:class:`CollectiveWriter`) for a model that holds them; the sta
 the same files as the save of the same model unsharded, byte for byte, without gathering the model anywhere:
 
 1. every rank plans the save from the full shapes alone (the modes' stand-ins: the load's recorded groups reversed,
-   as an unsharded save plans it) and runs the same checks as an unsharded save; the ranks then compare what they would
-   write (every key, dtype, shape and source, the fusions, the config files, ``all_gather_object``), and refuse
-   together, before anything is touched, when a rank's checks failed or the plans differ (ranks holding differently
-   fused models would otherwise each write their own rows of another layout into the same files);
+   as an unsharded save plans it) and runs the same checks as an unsharded save (a PEFT model refused among them);
+   the ranks then compare what they would write (every key, dtype, shape and source, the fusions, the config files:
+   a digest, met in the process group's store before any collective, ``agreement.py``), and refuse together, before
+   anything is touched, when a rank's checks failed, a rank runs another save (``model.save_pretrained``, or a save
+   of a model not sharded on it) or never starts one (within ``MODELPATCH_SAVE_JOIN_TIMEOUT`` seconds, default 60),
+   or the plans differ (ranks holding differently fused models would otherwise each write their own rows of another
+   layout into the same files);
 2. rank 0 creates the files in a temporary sibling directory at their final sizes, with their headers
    (``checkpoint/writer.py``'s :func:`~modelpatch.checkpoint.writer.write_presized_checkpoint`), and tells every rank
    where each tensor's bytes lie (``broadcast_object_list``);
@@ -53,6 +56,7 @@ from ..errors import SaveError
 from ..fusions.sharding import FusedParts
 from ..modes.distributed import Rows, is_fully_sharded, local_rows
 from ..state import stored_fusion_config
+from .agreement import Report, meet
 from .contents import config_files
 from .plan import SaveMode, SavePlan, SaveWriter
 
@@ -294,7 +298,7 @@ class CollectiveWriter(SaveWriter):
             entries = _save_entries(plan, sharded, extra_files, directory, max_shard_size)
         except Exception as exc:  # refused on every rank together: the others must not go on to collectives alone
             failure = exc
-        _agree(directory, entries, failure)
+        agree(directory, COLLECTIVE_SAVE, entries, failure)
         written = _write_collectively(directory, sharded, extra_files, max_shard_size)
         layout = "checkpoint" if plan.original_format else "runtime"
         logger.info("Saved %d tensors to %s collectively (%s layout)", len(sharded.layout), directory, layout)
@@ -357,24 +361,37 @@ def _gather_all(value: Any, directory: Path, outcome: str) -> list[Any]:
     return values
 
 
-def _agree(directory: Path, entries: list[tuple[str, str]], failure: Exception | None) -> None:
-    """Go on only if every rank planned its save (``failure`` None) and all planned the same ``entries``; else raise
-    on every rank, before anything is touched: ``failure`` on a rank that had one, a :class:`SaveError` naming the
-    failed ranks or the ranks whose plans differ (the same message on every rank) on the others."""
+COLLECTIVE_SAVE = "modelpatch.save_pretrained (each rank writes its rows)"
+STOCK_SAVE = "model.save_pretrained (the shards gathered on every rank, stock transformers writes)"
+
+
+def agree(directory: Path, save: str, entries: list[tuple[str, str]], failure: Exception | None) -> None:
+    """Go on only if every rank runs the same ``save`` into ``directory``, planned it (``failure`` None) and planned
+    the same ``entries``; else raise on every rank, before anything is touched: ``failure`` on a rank that had one,
+    a :class:`SaveError` naming the failed ranks and their reasons, the ranks running another save, or the ranks whose
+    plans differ (the same message on every rank) on the others.
+
+    The ranks meet in the process group's store, not in a collective (``agreement.py``): a rank that refused, or
+    runs another save, is known at once; one that never starts the save, within ``agreement.join_timeout()``.
+    """
     digest = hashlib.sha256(json.dumps(entries).encode()).hexdigest()
-    reports = _gather_all(
-        ("planned", digest) if failure is None else ("failed", f"{type(failure).__name__}: {failure}"),
-        directory,
-        _INTACT,
-    )
+    refused = None if failure is None else f"{type(failure).__name__}: {failure}"
+    reports = meet(directory, Report(save, str(directory), digest=digest, refused=refused))
     if failure is not None:
         raise failure
-    failed = [f"rank {rank}: {text}" for rank, (kind, text) in enumerate(reports) if kind == "failed"]
+    failed = [f"rank {rank}: {report.refused}" for rank, report in enumerate(reports) if report.refused is not None]
     if failed:
         raise SaveError(
             f"Cannot save to {directory}; nothing was replaced: another rank refused it. " + "; ".join(failed)
         )
-    digests = [text for _, text in reports]
+    calls = [(report.save, report.directory) for report in reports]
+    if len(set(calls)) > 1:
+        raise SaveError(
+            f"Cannot save to {directory}; nothing was replaced: the ranks called different saves (a sharded model is "
+            "saved by every rank calling the same save of the same directory): "
+            + "; ".join(f"rank {rank}: {save} into {where}" for rank, (save, where) in enumerate(calls))
+        )
+    digests = [report.digest for report in reports]
     if len(set(digests)) == 1:
         return
     # Only now the whole plans: the first difference between rank 0's and each other one.

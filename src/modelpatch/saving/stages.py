@@ -39,6 +39,7 @@ from ..loading.record import get_load_report
 from ..modes.distributed import current_rank
 from ..modes.offload import meta_tensors, unreadable_meta_tensors
 from ..state import stored_fusion_config
+from .agreement import lone_save
 from .compressed import refuse_runtime_layout
 from .contents import check_saveable, config_files, model_layout, state_to_save
 from .plan import SaveMode, SavePlan, SaveWriter
@@ -101,6 +102,8 @@ class WholeFiles(SaveWriter):
     done: Callable[[], None] | None = None
 
     def write(self, directory: str | Path, planned: Callable[[], SavePlan], max_shard_size: int | str) -> list[Path]:
+        if self.done is None:  # written by this process alone: refused where other ranks save into it collectively
+            lone_save(Path(directory), "modelpatch.save_pretrained")
         plan = planned()
         tensors = plan.tensors()
         if not self.writes:
