@@ -59,14 +59,17 @@ def compressed_modules(model: nn.Module) -> dict[str, nn.Linear]:
 
 
 def refuse_without_quantization_config(model: nn.Module) -> None:
-    """Refuse, naming the layers, a save by modelpatch's own writer of a model holding compressed-tensors' state.
+    """Refuse, naming the layers, a save by modelpatch's own writer of a model given compressed-tensors' state after
+    its load.
 
     That writer writes the model's config, which has no ``quantization_config`` for a quantization made after the
     load: stock transformers would load the tensors as a plain model's (the scales unused). llm-compressor's
-    compressed save (``model.save_pretrained``, which ``oneshot`` wraps) writes the config that goes with them.
+    compressed save (``model.save_pretrained``, which ``oneshot`` wraps) writes the config that goes with them. A model
+    loaded quantized has its ``quantization_config``: its save is the quantization mode's to serialise or refuse.
     """
     modules = compressed_modules(model)
-    if modules:
+    loaded_quantized = getattr(getattr(model, "config", None), "quantization_config", None) is not None
+    if modules and not loaded_quantized:
         names = _named_first(modules)
         raise SaveError(
             f"Cannot save {type(model).__name__} with modelpatch.save_pretrained: {_listed(names)} hold "
