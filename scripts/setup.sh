@@ -54,4 +54,9 @@ fi
 "$VENV/bin/python" -m pip install --quiet --upgrade pip -c "$CONSTRAINTS"
 # torch's version comes from the constraints like every other package's.
 "$VENV/bin/python" -m pip install --quiet -e ".[test,dev]" -c "$CONSTRAINTS"
+# llm-compressor, for tests/quantization: installed without its dependencies, at the version the constraints pin.
+# Its releases pin transformers<=5.17, torch<=2.14 and compressed-tensors==0.19, which no resolver can combine with
+# modelpatch's transformers range; it runs with the releases installed here (what it imports besides them is in the
+# test extra). The tests skip themselves where it does not import.
+"$VENV/bin/python" -m pip install --quiet --no-deps llmcompressor -c "$CONSTRAINTS"
 "$VENV/bin/python" -c "import sys, modelpatch, torch, transformers; print('python', sys.version.split()[0], '| modelpatch', modelpatch.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__)"

@@ -216,7 +216,7 @@ def test_persisted_reused_and_overridden(tiny, tmp_path):
     # Explicit: replaces the stored one (no merging).
     overridden = ckpt.load({"gate_up": True}, path=tmp_path / "saved")
     assert type(overridden.model.layers[0].self_attn) is LlamaAttention
-    assert type(overridden.model.layers[0].mlp).__name__ == "GateUpFusedLlamaMLP"
+    assert type(overridden.model.layers[0].mlp).__name__ == "InputProjFusedLlamaMLP"
     assert overridden.config.modelpatch["fusion_config"] == {"gate_up": True}
 
     disabled = ckpt.load({"qkv": False}, path=tmp_path / "saved")
@@ -285,7 +285,7 @@ def test_concurrent_loads_get_their_own_structure(tiny):
             fused_future, plain_future = pool.submit(load, {"qkv": True, "gate_up": True}), pool.submit(load, None)
             fused, plain = fused_future.result(timeout=120), plain_future.result(timeout=120)
             assert type(fused.model.layers[0].self_attn).__name__ == "QKVFusedLlamaAttention"
-            assert type(fused.model.layers[1].mlp).__name__ == "GateUpFusedLlamaMLP"
+            assert type(fused.model.layers[1].mlp).__name__ == "InputProjFusedLlamaMLP"
             assert module_types(plain) == module_types(ckpt.stock())
     assert_outputs_close(ckpt.outputs(fused), ckpt.stock_outputs())
     assert_outputs_equal(ckpt.outputs(plain), ckpt.stock_outputs())

@@ -257,7 +257,7 @@ def test_modelpatch_auto_classes_stand_for_transformers(stock_checkpoint):
     assert type(model.model.layers[0].self_attn).__name__ == "QKVFusedLlamaAttention"
     assert type(AutoModel.from_pretrained(ckpt.path)).__name__ == "LlamaModel"
     built = PatchedAuto.from_config(model.config, fusion_config={"gate_up": True})
-    assert type(built.model.layers[0].mlp).__name__ == "GateUpFusedLlamaMLP"
+    assert type(built.model.layers[0].mlp).__name__ == "InputProjFusedLlamaMLP"
     with pytest.raises(OSError, match="from_pretrained"):
         PatchedAuto()
     with pytest.raises(AttributeError, match="no Auto model class 'AutoModelForNothing'"):

@@ -12,8 +12,8 @@ between the two reaches modelpatch. What does reach it is the one call PEFT's re
 ``model.get_output_embeddings()`` (to leave the output embedding out), after finding the Linear layers and before
 making any adapter layer. Every transformers model (the model and its sub-models) of a model that modelpatch builds or
 restructures therefore gets that method as an instance attribute (transformers' classes stay untouched):
-:class:`OutputEmbeddings`, transformers' own method except when its caller is PEFT's resolution (recognised through the
-PEFT door) and the model holds fused projections. Where the resolution is modelpatch's own
+:func:`output_embeddings` (a bound method), transformers' own method except when its caller is PEFT's resolution
+(recognised through the PEFT door) and the model holds fused projections. Where the resolution is modelpatch's own
 (``modelpatch.get_peft_model`` replaces the fused layers it finds by their original names), it is let through.
 
 PEFT asks for the output embedding of transformers models only: "all-linear" on a module that is none (a wrapper of a
@@ -31,34 +31,30 @@ from transformers import PreTrainedModel
 from .. import _peft as door
 from ..errors import PeftIntegrationError
 from ..fusions.projections.modules import ProjectionSlice
+from .methods import bind_method
 
-__all__ = ["OutputEmbeddings", "install_adapter_guard"]
+__all__ = ["install_adapter_guard", "output_embeddings"]
 
 
-class OutputEmbeddings:
-    """``model.get_output_embeddings`` of a transformers model modelpatch built or restructured: transformers' method,
-    which refuses PEFT's resolution of ``"all-linear"`` on a model holding fused projections."""
-
-    def __init__(self, model: PreTrainedModel):
-        self.model = model
-
-    def __call__(self) -> nn.Module | None:
-        model = self.model
-        # The caller's frame, to tell PEFT's resolution of "all-linear" from every other caller. Only a fused model
-        # asks the door which PEFT function calls (a PEFT release without that function is refused there by name).
-        caller = sys._getframe(1)
-        if door.runs_peft(caller) and not door.modelpatch_resolves():
-            fused = fused_projections(model)
-            if fused and door.resolves_all_linear(caller):
-                raise PeftIntegrationError(_all_linear_refusal(model, fused))
-        return type(model).get_output_embeddings(model)
+def output_embeddings(model: PreTrainedModel) -> nn.Module | None:
+    """``model.get_output_embeddings`` of a transformers model modelpatch built or restructured (bound to it):
+    transformers' method, which refuses PEFT's resolution of ``"all-linear"`` on a model holding fused projections."""
+    # The caller's frame, to tell PEFT's resolution of "all-linear" from every other caller. Only a fused model asks
+    # the door which PEFT function calls (a PEFT release without that function is refused there by name).
+    caller = sys._getframe(1)
+    if door.runs_peft(caller) and not door.modelpatch_resolves():
+        fused = fused_projections(model)
+        if fused and door.resolves_all_linear(caller):
+            raise PeftIntegrationError(_all_linear_refusal(model, fused))
+    return type(model).get_output_embeddings(model)
 
 
 def install_adapter_guard(model: nn.Module) -> None:
-    """Give each transformers model within ``model`` (itself included) an :class:`OutputEmbeddings`."""
+    """Give each transformers model within ``model`` (itself included) :func:`output_embeddings` as its
+    ``get_output_embeddings``."""
     for module in model.modules():
         if isinstance(module, PreTrainedModel):
-            object.__setattr__(module, "get_output_embeddings", OutputEmbeddings(module))
+            bind_method(module, "get_output_embeddings", output_embeddings)
 
 
 def fused_projections(model: nn.Module) -> dict[str, list[str]]:

@@ -3,14 +3,15 @@
 Inside, a fused model holds its runtime layout (``qkv_proj``, packed experts); outside, callers speak the layout of
 the checkpoint it came from (what stock models hold and ``save_pretrained`` writes). Three doors cross that boundary:
 
-* saving: ``model.save_pretrained`` (:class:`~modelpatch.saving.save.OriginalFormatSave`);
-* loading: ``model.load_state_dict`` (:class:`OriginalLayoutLoad`) accepts either layout, or a mix, as Trainer's
+* saving: ``model.save_pretrained`` (:func:`~modelpatch.saving.save.original_format_save`);
+* loading: ``model.load_state_dict`` (:func:`original_layout_load`) accepts either layout, or a mix, as Trainer's
   ``resume_from_checkpoint`` and ``load_best_model_at_end`` pass it;
 * streaming: :func:`iter_original_state_dict` yields the checkpoint's ``(name, tensor)`` pairs one conversion group at
   a time, for a consumer such as an inference engine's ``load_weights(iterable)``.
 
 Every door plans with the same conversion plan (:func:`~modelpatch.saving.save.model_layout`): direct keys and
 conversion groups bound to the model's shapes, run forwards or backwards; nothing is converted here by hand.
+The two methods are real bound methods of the model (:mod:`.methods`).
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from ..conversion.planner import ConversionGroup, TensorMeta
 from ..loading.plan import plan_checkpoint_keys
 from ..modes.distributed import full_tensor, is_fsdp, refuse_two_shardings, shard_like
 from ..saving.contents import model_layout, model_transforms
-from ..saving.save import OriginalFormatSave, planned_save
+from ..saving.save import original_format_save, planned_save
 from .adapters import install_adapter_guard
+from .methods import bind_method
 
-__all__ = ["OriginalLayoutLoad", "install_state_dict_boundary", "iter_original_state_dict"]
+__all__ = ["OriginalLayoutLoad", "install_state_dict_boundary", "iter_original_state_dict", "original_layout_load"]
 
 
 def iter_original_state_dict(model: PreTrainedModel) -> Iterator[tuple[str, torch.Tensor]]:
@@ -265,8 +267,15 @@ class OriginalLayoutLoad:
 
 def install_state_dict_boundary(model: PreTrainedModel) -> None:
     """Make ``model.save_pretrained`` write and ``model.load_state_dict`` accept the original layout, and refuse stock
-    PEFT's ``"all-linear"``, whose adapter would carry fused names out (:mod:`.adapters`). Instance attributes:
-    transformers' classes are untouched."""
-    object.__setattr__(model, "save_pretrained", OriginalFormatSave(model))
-    object.__setattr__(model, "load_state_dict", OriginalLayoutLoad(model))
+    PEFT's ``"all-linear"``, whose adapter would carry fused names out (:mod:`.adapters`). Instance attributes, each a
+    bound method of the model (:func:`.methods.bind_method`): transformers' classes are untouched."""
+    bind_method(model, "save_pretrained", original_format_save)
+    bind_method(model, "load_state_dict", original_layout_load)
     install_adapter_guard(model)
+
+
+def original_layout_load(
+    model: PreTrainedModel, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+) -> Any:
+    """``model.load_state_dict`` of a model modelpatch built (bound to it): :class:`OriginalLayoutLoad`."""
+    return OriginalLayoutLoad(model)(state_dict, strict=strict, assign=assign)

@@ -27,6 +27,7 @@ from ..loading.record import get_load_report, model_record
 from ..loading.report import LoadReport
 from ..modes.distributed import local_part, model_class
 from ..state import mark_runtime_layout, record_file_layout, stored_fusion_config
+from .compressed import compressed_layout, compressed_modules
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +55,16 @@ def check_saveable(model: PreTrainedModel, state: Mapping[str, Any], quantized: 
     a bias; what the load did not convert is written under its own name. A module substituted by a tool (a
     quantizer's module class, a tensor subclass such as torchao's, integer weights) has a layout the recorded
     conversions cannot reverse: nothing is written. Tensor subclasses are accepted when ``quantized`` (the model's
-    load quantizer serialises them).
+    load quantizer serialises them). So is the state compressed-tensors gives the Linear layers it quantizes
+    (llm-compressor's ``oneshot``), which the layout writes under their checkpoint names (:mod:`.compressed`).
     """
     problems: dict[str, list[str]] = defaultdict(list)
     remedies: set[str] = set()
     modules = dict(model.named_modules())
+    compressed = compressed_modules(model)
     for key, tensor in state.items():
+        if _module_of(key) in compressed and isinstance(tensor, torch.Tensor):
+            continue
         if not isinstance(tensor, torch.Tensor):
             problems[_module_of(key)].append(f"{key.rpartition('.')[2]} is a {type(tensor).__name__}, not a tensor")
             remedies.add(_REMEDY_SUBSTITUTED)
@@ -72,6 +77,8 @@ def check_saveable(model: PreTrainedModel, state: Mapping[str, Any], quantized: 
     expected: Mapping[str, TensorMeta] | None = None if record is None else record.expected_state
     if expected is not None:
         for key, meta in expected.items():
+            if _module_of(key) in compressed:
+                continue
             name, module = key.rpartition(".")[2], modules.get(_module_of(key))
             tensor = state.get(key)
             if tensor is None:
@@ -86,7 +93,11 @@ def check_saveable(model: PreTrainedModel, state: Mapping[str, Any], quantized: 
                 remedies.add(_REMEDY_SUBSTITUTED)
         built_modules = {_module_of(key) for key in expected}
         for key in state.keys() - expected.keys():
-            if _module_of(key) in built_modules and not _plain(modules.get(_module_of(key))):
+            if (
+                _module_of(key) in built_modules
+                and _module_of(key) not in compressed
+                and not _plain(modules.get(_module_of(key)))
+            ):
                 problems[_module_of(key)].append(f"{key.rpartition('.')[2]} is new")
                 remedies.add(_REMEDY_SUBSTITUTED)
     if not problems:
@@ -202,9 +213,16 @@ def model_transforms(model: PreTrainedModel) -> Sequence[WeightTransform]:
 
 def model_layout(model: PreTrainedModel, state: Mapping[str, torch.Tensor]) -> ConversionPlan:
     """The checkpoint layout of ``model``'s runtime tensors ``state`` (see :func:`checkpoint_layout`), planned with
-    :func:`model_transforms`."""
+    :func:`model_transforms`; the Linear layers a tool gave compressed-tensors' state follow their weights
+    (:func:`.compressed.compressed_layout`)."""
     metas = {k: TensorMeta(tuple(v.shape), v.dtype) for k, v in state.items()}
-    return checkpoint_layout(get_load_report(model), model_transforms(model), metas)
+    report, transforms = get_load_report(model), model_transforms(model)
+    compressed = compressed_modules(model)
+    if not compressed:
+        return checkpoint_layout(report, transforms, metas)
+    record = model_record(model)
+    built = None if record is None else record.expected_state
+    return compressed_layout(compressed, metas, built, lambda plain: checkpoint_layout(report, transforms, plain))
 
 
 def reject_wrapped(model: Any) -> None:

@@ -35,7 +35,9 @@ from .._transformers import has_transformers_adapter
 from ..checkpoint.writer import entry_files, remove_replaced_versions
 from ..loading.record import model_record
 from ..modes.distributed import is_fully_sharded
+from ..state import stored_fusion_config
 from .agreement import in_process_group, lone_save
+from .compressed import refuse_runtime_layout, refuse_without_quantization_config
 from .contents import config_files, reject_wrapped, untied_pairs
 from .plan import SaveMode, SavePlan
 from .sharded import STOCK_SAVE, ShardedTensors, agree
@@ -83,6 +85,7 @@ def save_pretrained(
 
     def plan() -> SavePlan:
         reject_wrapped(model)  # a PEFT model or injected adapters: said as such, sharded or not
+        refuse_without_quantization_config(model)
         return plan_model_save(model, modes, original_format=save_original_format, writer=writer)
 
     return writer.write(path, plan, max_shard_size)
@@ -119,15 +122,21 @@ def checkpoint_tensors(
     return planned_save(model, original_format=original_format, state_dict=state_dict).tensors()
 
 
-class OriginalFormatSave:
+def original_format_save(model: PreTrainedModel, save_directory: str | Path, *args: Any, **kwargs: Any) -> Any:
     """``model.save_pretrained`` of a model modelpatch built: stock transformers' method, fed the original layout.
 
     Stock ``save_pretrained`` (and so ``Trainer.save_model`` and ``push_to_hub``) would write the fused/runtime
-    tensors under a config stock transformers cannot load them with. This instance attribute shadows the method for
-    one model only (transformers' classes are untouched): it converts the state dict back with modelpatch's exact
-    reverses, then lets stock transformers write it (its sharding, hub upload, tokenizer-free config handling).
-    Adapter-only saves of transformers' own PEFT integration are passed through unchanged.
+    tensors under a config stock transformers cannot load them with. Bound to one model as an instance attribute
+    (transformers' classes are untouched; a real bound method, so that a tool wrapping it can call its ``__func__``
+    rebound to the model), it converts the state dict back with modelpatch's exact reverses, then lets stock
+    transformers write it (its sharding, hub upload, tokenizer-free config handling). Adapter-only saves of
+    transformers' own PEFT integration are passed through unchanged.
     """
+    return OriginalFormatSave(model)(save_directory, *args, **kwargs)
+
+
+class OriginalFormatSave:
+    """What :func:`original_format_save` runs, for one model."""
 
     def __init__(self, model: PreTrainedModel):
         self.model = model
@@ -137,6 +146,7 @@ class OriginalFormatSave:
         if has_transformers_adapter(model):
             return type(model).save_pretrained(model, save_directory, *args, **kwargs)
         if not kwargs.get("save_original_format", True):
+            refuse_runtime_layout(model, fused=stored_fusion_config(model.config) is not None)
             result = self._stock_save(save_directory, args, kwargs)
             if kwargs.get("is_main_process", True):  # stock's config.json, marked as modelpatch's runtime saves are
                 config_json = config_files(model, original_format=False)["config.json"]

@@ -38,7 +38,9 @@ from ..conversion.planner import ConversionPlan
 from ..loading.record import get_load_report
 from ..modes.distributed import current_rank
 from ..modes.offload import meta_tensors, unreadable_meta_tensors
+from ..state import stored_fusion_config
 from .agreement import lone_save
+from .compressed import refuse_runtime_layout
 from .contents import check_saveable, config_files, model_layout, state_to_save
 from .plan import SaveMode, SavePlan, SaveWriter
 
@@ -78,6 +80,8 @@ def plan_model_save(
     if unread:
         raise unreadable_meta_tensors(model, unread)
     check_saveable(model, plan.stand_ins(), quantized=plan.serialised is not None)
+    if not original_format:
+        refuse_runtime_layout(model, fused=stored_fusion_config(model.config) is not None)
     kept = state_to_save(model, plan.written(), get_load_report(model))
     if original_format and plan.serialised is None:
         plan.layout = model_layout(model, {key: plan.full(key) for key in kept})

@@ -24,11 +24,23 @@ from .base import ConversionOperation, DtypeSlot, KeySlot, Shape, ShapeSlot, Slo
 from .chain import bind_operations, concatenates_rows, reverse_operations, run_operations
 from .conv import Conv3dToLinear, LinearToConv3d
 from .experts import FuseExpertGroups, MergeModulelist, SplitExpertGroups, SplitModulelist
-from .quantized import Fp8BlockDequantize, TorchAoTensor, WithoutCompanions
-from .shapes import Chunk, Concatenate, Interleave, MergeRowGroups, PermuteForRope, Split, Transpose, Unpad
+from .quantized import ConcatenateShapeRows, Fp8BlockDequantize, SplitShapeRows, TorchAoTensor, WithoutCompanions
+from .shapes import (
+    Chunk,
+    Concatenate,
+    Interleave,
+    MergeRowGroups,
+    PermuteForRope,
+    Replicate,
+    Split,
+    Transpose,
+    Unpad,
+    Unreplicate,
+)
 
 __all__ = [
     "Chunk",
+    "ConcatenateShapeRows",
     "Concatenate",
     "Conv3dToLinear",
     "ConversionOperation",
@@ -41,15 +53,18 @@ __all__ = [
     "MergeModulelist",
     "MergeRowGroups",
     "PermuteForRope",
+    "Replicate",
     "Shape",
     "ShapeSlot",
     "Slot",
     "Split",
+    "SplitShapeRows",
     "SplitExpertGroups",
     "SplitModulelist",
     "TorchAoTensor",
     "Transpose",
     "Unpad",
+    "Unreplicate",
     "WithoutCompanions",
     "bind_operations",
     "common_dtype",

@@ -1,5 +1,6 @@
 """Operations on quantized checkpoint tensors: a weight stored without its companions, float8 weights dequantized
-with their block scales, torchao tensor subclasses rebuilt from their flattened parts."""
+with their block scales, torchao tensor subclasses rebuilt from their flattened parts, a packed weight's shape split
+with its rows."""
 
 from __future__ import annotations
 
@@ -270,3 +271,49 @@ class TorchAoTensor(ConversionOperation):
             f"{self!r} has no tensor-only reverse: torchao tensors are written by torchao's serialisation, data and "
             "metadata together (modelpatch.save_pretrained does this for a torchao model whose layout is unchanged)."
         )
+
+
+@dataclass(frozen=True)
+class SplitShapeRows(ConversionOperation):
+    """A tensor holding a 2-D weight's shape ``[rows, columns]`` (compressed-tensors' ``weight_shape`` beside packed
+    4-bit weights) as one per part of those rows: ``[size, columns]`` for each of ``sizes``, which must add up to the
+    rows it holds. Its reverse is :class:`ConcatenateShapeRows`."""
+
+    sizes: tuple[int, ...] = ()
+
+    def bind(self, shapes, num_targets):
+        tensors = require_tensor_slots(shapes, self)
+        if len(tensors) != 1 or tuple(tensors[0]) != (2,) or len(self.sizes) != num_targets:
+            raise ConversionError(
+                f"{self!r} takes one shape tensor of 2 entries into {num_targets} parts, got {tensors}."
+            )
+        return self, [(2,)] * num_targets
+
+    def apply(self, slots):
+        shape = slots[0]
+        if int(shape[0]) != sum(self.sizes):
+            raise ConversionError(f"{self!r}: the shape {shape.tolist()} does not have {sum(self.sizes)} rows.")
+        return [torch.stack([shape.new_tensor(size), shape[1]]) for size in self.sizes]
+
+    def reverse(self):
+        return ConcatenateShapeRows()
+
+
+@dataclass(frozen=True)
+class ConcatenateShapeRows(ConversionOperation):
+    """Shape tensors ``[rows, columns]`` of parts with the same columns as the shape of their concatenation along the
+    rows (the reverse of :class:`SplitShapeRows`)."""
+
+    def bind(self, shapes, num_targets):
+        tensors = require_tensor_slots(shapes, self)
+        if not tensors or any(tuple(shape) != (2,) for shape in tensors):
+            raise ConversionError(f"{self!r} takes shape tensors of 2 entries, got {tensors}.")
+        return self, [(2,)]
+
+    def apply(self, slots):
+        if any(int(shape[1]) != int(slots[0][1]) for shape in slots):
+            raise ConversionError(f"{self!r}: the parts have other columns: {[s.tolist() for s in slots]}.")
+        return [torch.stack([sum(shape[0] for shape in slots), slots[0][1]])]
+
+    def reverse(self):
+        return SplitShapeRows()

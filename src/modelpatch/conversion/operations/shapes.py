@@ -1,5 +1,5 @@
 """Operations that rearrange a tensor's entries without combining them: concatenations and splits (``Concatenate``,
-``Chunk``, ``Split``), transposes, interleaves and rotary permutations, padding, row groups."""
+``Chunk``, ``Split``), transposes, interleaves and rotary permutations, padding, row groups, copies (``Replicate``)."""
 
 from __future__ import annotations
 
@@ -407,3 +407,48 @@ class MergeRowGroups(ConversionOperation):
 
     def reverse(self):
         return replace(self, inverse=not self.inverse)
+
+
+@dataclass(frozen=True)
+class Replicate(ConversionOperation):
+    """One tensor given, as a copy each, to every target: a fused layer's per-tensor quantization scale written to
+    each of its parts (every part was quantized with it), or its per-input-column index. ``count`` is fixed when
+    bound (the number of targets).
+
+    Its reverse, :class:`Unreplicate`, gives back the one tensor only when every part holds the same values.
+    """
+
+    count: int | None = None
+
+    def bind(self, shapes, num_targets):
+        tensors = require_tensor_slots(shapes, self)
+        if len(tensors) != 1:
+            raise ConversionError(f"{self!r} takes exactly one tensor, got {len(tensors)}.")
+        return replace(self, count=num_targets), [tensors[0]] * num_targets
+
+    def apply(self, slots):
+        return [slots[0].clone() for _ in range(self.count or 0)]
+
+    def reverse(self):
+        return Unreplicate()
+
+
+@dataclass(frozen=True)
+class Unreplicate(ConversionOperation):
+    """Several tensors that must hold the same values, as the one tensor they are copies of (the reverse of
+    :class:`Replicate`); parts that differ are a :class:`ConversionError`, as one tensor cannot hold them."""
+
+    def bind(self, shapes, num_targets):
+        parts = require_tensor_slots(shapes, self)
+        if not parts or any(tuple(part) != tuple(parts[0]) for part in parts):
+            raise ConversionError(f"{self!r}: the parts must have one shape, got {parts}.")
+        return self, [parts[0]]
+
+    def apply(self, slots):
+        first = slots[0]
+        if any(not torch.equal(first, other) for other in slots[1:]):
+            raise ConversionError(f"{self!r}: the parts hold different values; one tensor cannot hold them all.")
+        return [first]
+
+    def reverse(self):
+        return Replicate()
