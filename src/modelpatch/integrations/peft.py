@@ -7,6 +7,8 @@
   of the config (``LoraConfig._register_custom_module``), and ``"all-linear"`` is resolved to the original names.
   The adapter then has the modules and state-dict keys it has on the stock model, so adapters move between both.
 * An adapter saved from the stock model: :func:`load_adapter`.
+* ``linear_experts``: the experts get LoRA in stock PEFT's ``target_parameters`` form (:mod:`.peft_experts`), so
+  adapters move between the fused and the stock model both ways; what cannot be carried exactly is refused.
 * Stock PEFT's own ``"all-linear"`` on a fused model is refused (:mod:`modelpatch.boundary.adapters`): it would adapt
   the fused layers, names the original checkpoint lacks; the resolution here is let through.
 
