@@ -60,6 +60,11 @@ PRIVATE_API: dict[str, tuple[str, str]] = {
         "0.21",
         "load_adapter on a linear_experts model (low_cpu_mem_usage)",
     ),
+    "peft.utils.other:get_pattern_key": ("0.21", "LoRA on a linear_experts model (ranks of the experts)"),
+    "peft.utils.constants:DUMMY_TARGET_MODULES": ("0.21", "LoRA on a linear_experts model (experts only)"),
+    "peft.tuners.lora:LoraLayer": ("0.21", "LoRA on a linear_experts model (the experts' layer)"),
+    "peft.tuners.lora:LoraLayer.reset_lora_parameters": ("0.21", "LoRA on a linear_experts model (the experts' layer)"),
+    "peft.tuners.lora:LoraLayer._get_in_out_features": ("0.21", "LoRA on a linear_experts model (the experts' layer)"),
 }
 
 
@@ -284,3 +289,45 @@ def move_adapters_to_their_base_layers(model: nn.Module, adapter_name: str) -> N
         move = getattr(module, "_move_adapter_to_device_of_base_layer", None)
         if move is not None:
             move(adapter_name)
+
+
+def pattern_key(patterns: Any, key: str) -> str:
+    """The key of ``patterns`` (a ``rank_pattern`` / ``alpha_pattern``) that PEFT applies to the module or parameter
+    named ``key``, or ``key`` itself when none does.
+
+    Checked against 0.21.2: ``peft.utils.other.get_pattern_key(pattern_keys, key)``.
+    """
+    return str(require("peft.utils.other:get_pattern_key")(list(patterns), key))
+
+
+def dummy_target_modules() -> str:
+    """The ``target_modules`` value with which PEFT injects no module and raises nothing (``"dummy-target-modules"``).
+
+    Checked against 0.21.2: ``peft.utils.constants.DUMMY_TARGET_MODULES``.
+    """
+    return str(require("peft.utils.constants:DUMMY_TARGET_MODULES"))
+
+
+@functools.cache
+def lora_layer() -> Any:
+    """PEFT's ``LoraLayer``: the tuner-layer base of its LoRA layers (what PEFT's merge, unload, adapter switching,
+    save and load recognise), for a LoRA layer of modelpatch's own; its public hook ``base_features(module)`` sizes
+    the base layer (``(in_features, out_features)``, or None for PEFT's own answer), as in :func:`lora_linear`.
+
+    Checked against 0.21.2: ``peft.tuners.lora.LoraLayer(base_layer)`` sets up the adapter dicts and reads the sizes
+    through ``_get_in_out_features``; ``reset_lora_parameters(adapter_name, init_lora_weights)`` initialises
+    ``lora_A`` / ``lora_B`` as PEFT's layers do.
+    """
+    base = require("peft.tuners.lora:LoraLayer")
+    require("peft.tuners.lora:LoraLayer.reset_lora_parameters")
+    require("peft.tuners.lora:LoraLayer._get_in_out_features")
+
+    class LoraLayer(base):  # type: ignore[misc, valid-type]  # a class of the installed PEFT
+        def base_features(self, module: nn.Module) -> tuple[int, int] | None:
+            return None
+
+        def _get_in_out_features(self, module: nn.Module) -> tuple[int, int] | tuple[None, None]:
+            features = self.base_features(module)
+            return features if features is not None else super()._get_in_out_features(module)
+
+    return LoraLayer

@@ -7,6 +7,8 @@
   of the config (``LoraConfig._register_custom_module``), and ``"all-linear"`` is resolved to the original names.
   The adapter then has the modules and state-dict keys it has on the stock model, so adapters move between both.
 * An adapter saved from the stock model: :func:`load_adapter`.
+* ``linear_experts``: the experts get LoRA in stock PEFT's ``target_parameters`` form (:mod:`.peft_experts`), so
+  adapters move between the fused and the stock model both ways; what cannot be carried exactly is refused.
 * Stock PEFT's own ``"all-linear"`` on a fused model is refused (:mod:`modelpatch.boundary.adapters`): it would adapt
   the fused layers, names the original checkpoint lacks; the resolution here is let through.
 
@@ -20,8 +22,9 @@ import copy
 import functools
 import logging
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
@@ -36,6 +39,15 @@ from ..errors import PeftIntegrationError
 from ..fusions.linear_experts.modules import LinearExperts
 from ..fusions.projections import ProjectionSlice
 from ..modes.distributed import refuse_adapters
+from .peft_experts import (
+    DOWN,
+    GATE_UP,
+    STOCK_PARAMETERS,
+    add_expert_layers,
+    child_names,
+    expert_linear_names,
+    experts_modules,
+)
 
 if TYPE_CHECKING:
     from peft import LoraConfig, PeftConfig, PeftMixedModel, PeftModel
@@ -133,17 +145,6 @@ def _projection_slices(model: nn.Module) -> dict[str, ProjectionSlice]:
     return {name: module for name, module in model.named_modules() if isinstance(module, ProjectionSlice)}
 
 
-def _expert_linears(model: nn.Module) -> list[str]:
-    """Names of the per-expert Linears of ``linear_experts``: modules that the stock model does not have."""
-    return [
-        f"{name}.{child}"
-        for name, experts in model.named_modules()
-        if isinstance(experts, LinearExperts)
-        for child, linear in experts.named_modules()
-        if isinstance(linear, nn.Linear)
-    ]
-
-
 def _fused_layer_name(slice_name: str, part: ProjectionSlice) -> str:
     owner = slice_name.rpartition(".")[0]
     return f"{owner}.{part.fused_name}" if owner else part.fused_name
@@ -175,24 +176,11 @@ def _convert_for_transformers_v5(config: LoraConfig, model: nn.Module) -> None:
 
     PEFT does it first thing when it injects an adapter (a no-op when repeated): for model types whose experts
     transformers fuses into 3-D parameters (qwen3_moe, mixtral, olmoe, ...; not qwen2_moe), ``gate_proj`` and the like
-    become ``target_parameters``, and ``"all-linear"`` becomes leaf names plus the experts and the router. Done first,
-    :func:`_resolve_all_linear` starts from what PEFT would, and a ``linear_experts`` model (per-expert Linears, no
-    3-D expert parameters) is refused where those targets would silently adapt nothing.
+    become ``target_parameters`` (``gate_up_proj`` with rank and alpha doubled), and ``"all-linear"`` becomes leaf
+    names plus the experts and the router. Done first, the config is the one stock PEFT adapts the stock model with,
+    and :func:`_resolve_all_linear` starts from what PEFT would.
     """
-    before = set(config.target_parameters or ())
     door.convert_config_for_transformers(config, model)
-    added = set(config.target_parameters or ()) - before
-    if not added or not _expert_linears(model):
-        return
-    parameters = [name for name, _ in model.named_parameters()]
-    lost = sorted(t for t in added if not any(p == t or p.endswith(f".{t}") for p in parameters))
-    if lost:
-        raise PeftIntegrationError(
-            f"PEFT turns the expert targets of {_model_type(model)} models into targets of transformers' fused "
-            f"3-D expert parameters {lost}, which this model does not have (linear_experts made them per-expert "
-            "Linears): they would get no LoRA. Load the model without linear_experts to adapt its experts, or leave "
-            "the expert projections out of target_modules."
-        )
 
 
 def _resolve_all_linear(config: PeftConfig, model: nn.Module, slices: dict[str, ProjectionSlice]) -> None:
@@ -220,58 +208,262 @@ def _resolve_all_linear(config: PeftConfig, model: nn.Module, slices: dict[str, 
     logger.debug("all-linear on a fused model: %s replaced by their parts", sorted(targets - resolved))
 
 
-def _config_for(config: PeftConfig, model: nn.Module) -> PeftConfig:
-    """The config to hand PEFT for ``model``.
+@dataclass
+class _Plan:
+    """What to hand PEFT for a model, and what to add after it.
+
+    Attributes:
+        runtime: The config PEFT injects the adapter with.
+        stock: The adapter's config on the stock model (saved with it), where it differs from ``runtime``: the
+            expert targets are ``target_parameters`` there and per-expert Linears here (None: no difference).
+        experts: Path of each experts module -> the stock parameters (``gate_up_proj``, ``down_proj``) whose LoRA
+            its per-expert Linears get (:func:`modelpatch.integrations.peft_experts.add_expert_layers`).
+    """
+
+    runtime: PeftConfig
+    stock: PeftConfig | None = None
+    experts: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+def _config_for(config: PeftConfig, model: nn.Module, *, creating: bool) -> _Plan:
+    """The plan for ``config`` on ``model``: nothing is changed, everything that cannot be carried exactly to the
+    stock model is refused here, before any adapter layer exists.
 
     LoRA: a copy, with PEFT's transformers-v5 target rewrite applied, the slice layer class registered and
-    ``"all-linear"`` resolved to the original names. Other methods: ``config`` itself, provided it targets no slice
-    (they have no layer class for one).
+    ``"all-linear"`` resolved to the original names. With ``linear_experts``, the experts are adapted in stock's
+    form (``target_parameters``, see :mod:`.peft_experts`): from ``target_parameters`` (a stock adapter), and
+    ``creating`` an adapter, also from target modules naming every expert's Linears (they become target parameters,
+    gate_up with rank and alpha doubled where gate and up are both targeted, as PEFT converts per-expert targets).
+    Other methods (and subclasses of LoRA: AdaLoRA, ...): ``config`` itself, provided it targets no slice and no
+    per-expert Linear (they have no layer for one, or no stock form).
     """
     slices = _projection_slices(model)
-    if not slices and not _expert_linears(model):
-        return config
-    door.import_peft()  # its error names the missing package
-    from peft import LoraConfig
-
-    if not isinstance(config, LoraConfig):
-        # "all-linear" adapts every part of the stock model's projections (plain Linears there).
-        all_linear = _is_all_linear(getattr(config, "target_modules", None))
-        targeted = list(slices) if all_linear else _targeted_modules(config, model, slices)
-        if targeted:
-            fused = sorted({_fused_layer_name(name, slices[name]) for name in targeted})
-            raise PeftIntegrationError(
-                f"{type(config).__name__} targets {targeted[:3]}{'...' if len(targeted) > 3 else ''}: parts of fused "
-                f"projections, which modelpatch supports for LoraConfig only. Target the fused layers ({fused[:2]}...) "
-                "or load the model without the qkv / gate_up fusions."
-            )
-        return config
-    config = copy.deepcopy(config)
-    is_all_linear = _is_all_linear(config.target_modules)
-    _convert_for_transformers_v5(config, model)
+    experts = experts_modules(model)
+    if not slices and not experts:
+        return _Plan(config)
+    peft = door.import_peft()  # its error names the missing package
+    if not isinstance(config, peft.LoraConfig) or config.peft_type != peft.PeftType.LORA:
+        _refuse_other_methods(config, model, slices, experts)
+        return _Plan(config)
+    lora: LoraConfig = copy.deepcopy(cast("LoraConfig", config))
+    is_all_linear = _is_all_linear(lora.target_modules)
+    _convert_for_transformers_v5(lora, model)
     if slices:
-        door.register_custom_lora_module(config, {ProjectionSlice: _slice_lora_class()})
+        door.register_custom_lora_module(lora, {ProjectionSlice: _slice_lora_class()})
         if is_all_linear:
-            _resolve_all_linear(config, model, slices)
-    return config
+            _resolve_all_linear(lora, model, slices)
+        _refuse_fused_layers_with_their_parts(lora, model, slices)
+    if not experts:
+        return _Plan(lora)
+    if _is_all_linear(lora.target_modules):
+        door.include_all_linear_layers(lora, model)
+    linears = {name for path, module in experts.items() for name in expert_linear_names(path, module)}
+    if creating:
+        _targets_to_parameters(lora, model, experts)
+    targets = _expert_parameters(lora, experts)
+    if targets:
+        _refuse_options_stock_lacks(lora, targets)
+    runtime = copy.deepcopy(lora)
+    names = [name for name, _ in model.named_modules() if name not in linears]
+    modules = _targeted_modules(lora, model, names)
+    parameters = [name for name, _ in model.named_parameters()]
+    kept = [t for t in lora.target_parameters or () if any(p == t or p.endswith(f".{t}") for p in parameters)]
+    lost = sorted(
+        t
+        for t in set(lora.target_parameters or ()) - set(kept)
+        if not any(f"{path}.{p}" == t or f"{path}.{p}".endswith(f".{t}") for path in experts for p in STOCK_PARAMETERS)
+    )
+    if lost:
+        raise PeftIntegrationError(
+            f"target_parameters {lost} name parameters of the stock model that this fused model does not hold: "
+            "their LoRA would be dropped. Target the modules instead, or load the model without the fusions."
+        )
+    runtime.target_parameters = kept or None
+    # Patterns for the experts alone have nothing to match among the runtime targets (PEFT would warn so).
+    runtime_names = [*modules, *(p for p in parameters if any(p == t or p.endswith(f".{t}") for t in kept))]
+    for patterns in ("rank_pattern", "alpha_pattern"):
+        setattr(
+            runtime,
+            patterns,
+            {
+                key: value
+                for key, value in (getattr(lora, patterns) or {}).items()
+                if any(door.pattern_key([key], name) == key for name in runtime_names)
+            },
+        )
+    runtime.target_modules = modules or (door.dummy_target_modules() if targets else lora.target_modules)
+    runtime.exclude_modules = None
+    return _Plan(runtime, lora if targets else None, targets)
+
+
+def _refuse_other_methods(
+    config: PeftConfig, model: nn.Module, slices: dict[str, ProjectionSlice], experts: dict[str, LinearExperts]
+) -> None:
+    """A PEFT method other than plain LoRA has no layer for a projection slice, and no stock form on experts."""
+    # "all-linear" adapts every part of the stock model's projections (plain Linears there).
+    all_linear = _is_all_linear(getattr(config, "target_modules", None))
+    linears = [name for path, module in experts.items() for name in expert_linear_names(path, module)]
+    targeted = list(slices) if all_linear else _targeted_modules(config, model, slices)
+    targeted += linears if all_linear else _targeted_modules(config, model, linears)
+    if targeted:
+        fused = sorted({_fused_layer_name(name, slices[name]) for name in targeted if name in slices})
+        fused_hint = f"target the fused layers ({fused[:2]}...), " if fused else ""
+        raise PeftIntegrationError(
+            f"{type(config).__name__} targets {targeted[:3]}{'...' if len(targeted) > 3 else ''}: parts of fused "
+            "projections or per-expert Linears of linear_experts, whose adapter stock PEFT cannot load on the stock "
+            f"model (modelpatch carries plain LoraConfig adapters there only). Use a LoraConfig, {fused_hint}leave "
+            "them out of target_modules, or load the model without the qkv / gate_up / linear_experts fusions."
+        )
+
+
+def _refuse_fused_layers_with_their_parts(
+    config: LoraConfig, model: nn.Module, slices: dict[str, ProjectionSlice]
+) -> None:
+    """A fused layer adapted together with its parts: its adapter would hold LoRA of both, which the stock model
+    (having the parts only) drops without a word."""
+    fused = {_fused_layer_name(name, part): name for name, part in slices.items()}
+    both = [
+        name
+        for name in _targeted_modules(config, model, list(fused))
+        if _targeted_modules(config, model, [n for n, p in slices.items() if _fused_layer_name(n, p) == name])
+    ]
+    if both:
+        raise PeftIntegrationError(
+            f"target_modules {config.target_modules!r} match the fused layers {both[:3]} and also their parts (the "
+            "original names): stock PEFT would drop the fused layers' LoRA on the stock model. Target either the "
+            "original names (q_proj, gate_proj, ...) or the fused layers (qkv_proj, gate_up_proj), not both."
+        )
+
+
+def _targets_to_parameters(config: LoraConfig, model: nn.Module, experts: dict[str, LinearExperts]) -> None:
+    """Expert Linears that ``config`` targets by module name become ``target_parameters`` of the stock experts, in
+    place; refused where that is not exact: some experts' Linears without the others, gate without up, or a rank /
+    alpha pattern naming them."""
+    added: list[str] = []
+    for path, module in experts.items():
+        gate, up, down = child_names(module)
+        chosen: dict[str, bool] = {}
+        for child in (gate, up, down):
+            names = [f"{path}.{index}.{child}" for index in range(len(module))]
+            hit = _targeted_modules(config, model, names)
+            if hit and len(hit) != len(names):
+                raise PeftIntegrationError(
+                    f"target_modules {config.target_modules!r} match {hit[:2]}... but not every expert's {child} of "
+                    f"{path}: stock PEFT adapts all experts of its 3-D {GATE_UP if child != down else DOWN} or none. "
+                    "Target every expert (the name alone: "
+                    f"{child!r}) or none."
+                )
+            chosen[child] = bool(hit)
+        if chosen[gate] != chosen[up]:
+            raise PeftIntegrationError(
+                f"target_modules {config.target_modules!r} match the experts' {gate if chosen[gate] else up} of "
+                f"{path} without their {up if chosen[gate] else gate}: the stock model holds both in one 3-D "
+                f"{GATE_UP}, adapted as one. Target both or neither."
+            )
+        for pattern in (*(config.rank_pattern or {}), *(config.alpha_pattern or {})):
+            named = [n for n in expert_linear_names(path, module) if door.pattern_key([pattern], n) == pattern]
+            if named:
+                raise PeftIntegrationError(
+                    f"rank_pattern / alpha_pattern key {pattern!r} names per-expert Linears ({named[0]}, ...): "
+                    f"their stock form is the 3-D {GATE_UP} / {DOWN}; key the pattern on those instead."
+                )
+        if chosen[gate]:
+            added.append(f"{path}.{GATE_UP}")
+        if chosen[down]:
+            added.append(f"{path}.{DOWN}")
+    if not added:
+        return
+    if any(name.endswith(GATE_UP) for name in added):
+        # As PEFT converts per-expert gate and up targets: one LoRA of rank 2r for both, alpha doubled with it.
+        key = rf".*\.{GATE_UP}"
+        config.rank_pattern = {**(config.rank_pattern or {}), key: 2 * config.r}
+        config.alpha_pattern = {**(config.alpha_pattern or {}), key: 2 * config.lora_alpha}
+    config.target_parameters = sorted({*(config.target_parameters or ()), *added})
+    # What the stock model has of the other targets, by name (a string target would match nothing else there).
+    linears = {name for path, module in experts.items() for name in expert_linear_names(path, module)}
+    others = _targeted_modules(config, model, [name for name, _ in model.named_modules() if name not in linears])
+    config.target_modules = sorted(others) or None
+
+
+def _expert_parameters(config: LoraConfig, experts: dict[str, LinearExperts]) -> dict[str, tuple[str, ...]]:
+    """Each experts module's stock parameters that ``config.target_parameters`` adapts, matched as PEFT matches them
+    (the parameter's path, or a suffix of it after a dot)."""
+    targets = set(config.target_parameters or ())
+    found: dict[str, tuple[str, ...]] = {}
+    for path in experts:
+        adapted = tuple(
+            p for p in STOCK_PARAMETERS if any(f"{path}.{p}" == t or f"{path}.{p}".endswith(f".{t}") for t in targets)
+        )
+        if adapted:
+            found[path] = adapted
+    return found
+
+
+def _refuse_options_stock_lacks(config: LoraConfig, targets: dict[str, tuple[str, ...]]) -> None:
+    """Options stock PEFT's LoRA of 3-D parameters (``ParamWrapper``) does not have, or that these layers would not
+    compute as it does."""
+    wrong = [
+        f"{name}={value!r}"
+        for name, value, fine in (
+            ("lora_dropout", config.lora_dropout, not config.lora_dropout),
+            ("use_dora", config.use_dora, not config.use_dora),
+            ("lora_bias", config.lora_bias, not config.lora_bias),
+            ("fan_in_fan_out", config.fan_in_fan_out, not config.fan_in_fan_out),
+            ("init_lora_weights", config.init_lora_weights, isinstance(config.init_lora_weights, bool)),
+            ("layers_to_transform", config.layers_to_transform, config.layers_to_transform is None),
+            ("use_qalora", getattr(config, "use_qalora", False), not getattr(config, "use_qalora", False)),
+        )
+        if not fine
+    ]
+    if wrong:
+        shown = [f"{path}.{p}" for path, params in targets.items() for p in params][:2]
+        raise PeftIntegrationError(
+            f"LoRA on the experts ({shown}..., stock's target_parameters) with {', '.join(wrong)}: stock PEFT's "
+            "LoRA of 3-D expert parameters does not support that, so the adapter would not load on the stock model. "
+            "Use lora_dropout=0 and no DoRA / lora_bias / fan_in_fan_out / layers_to_transform / data-dependent "
+            "init on the experts, or leave the experts out (target_modules without gate_proj / up_proj / down_proj)."
+        )
 
 
 def get_peft_model(model: nn.Module, peft_config: PeftConfig, *args: Any, **kwargs: Any) -> PeftModel | PeftMixedModel:
-    """``peft.get_peft_model`` (same arguments) that also works on the original names of fused projections.
+    """``peft.get_peft_model`` (same arguments) that also works on the original names of fused projections and on
+    the experts of ``linear_experts``, saving the adapter the stock model takes.
 
-    On a model without fused projections this is ``peft.get_peft_model``. Otherwise a ``LoraConfig`` may target the
+    On a model without fused modules this is ``peft.get_peft_model``. Otherwise a ``LoraConfig`` may target the
     original names (``q_proj``, ``gate_proj``, ``"all-linear"``) as on the stock model, with the same adapter modules
-    and state-dict keys; it may also target the fused layers (``qkv_proj``). ``merge_and_unload()`` merges into the
-    fused layers' rows. ``peft_config`` itself is not modified.
+    and state-dict keys; it may also target the fused layers (``qkv_proj``), not both. With ``linear_experts``,
+    targets naming the experts' Linears (``"all-linear"``, ``gate_proj`` + ``up_proj``, ``down_proj``, a pattern
+    matching every expert) and ``target_parameters`` naming the stock 3-D experts adapt each expert's Linears in the
+    stock adapter's parameterization, and ``save_pretrained`` writes the stock adapter (``target_parameters``; see
+    :mod:`modelpatch.integrations.peft_experts`). ``merge_and_unload()`` merges into the fused layers' rows and the
+    experts' Linears. ``peft_config`` itself is not modified.
 
     Raises:
-        PeftIntegrationError: a non-LoRA config targets an original name of a fused projection, PEFT would turn
-            expert targets of a ``linear_experts`` model into parameters it does not have, or the model is sharded
-            (tensor parallelism, FSDP2: add adapters before ``fully_shard``).
+        PeftIntegrationError: before any adapter layer is made, when the adapter could not be carried exactly to the
+            stock model: a non-LoRA config (or a subclass of LoRA, such as AdaLoRA) targeting an original name of a
+            fused projection or an expert's Linear; targets matching a fused layer and its parts; expert targets
+            covering some experts or gate without up; options stock's expert LoRA lacks (dropout, DoRA, lora_bias,
+            ...); ``target_parameters`` this model does not hold; or a sharded model (tensor parallelism, FSDP2: add
+            adapters before ``fully_shard``).
         ImportError: PEFT is not installed.
     """
     peft = door.import_peft()
     refuse_adapters(model, "modelpatch.get_peft_model()")
-    return peft.get_peft_model(model, _config_for(peft_config, model), *args, **kwargs)
+    plan = _config_for(peft_config, model, creating=True)
+    peft_model = peft.get_peft_model(model, plan.runtime, *args, **kwargs)
+    _finish(peft_model, plan, kwargs.get("adapter_name", args[0] if args else "default"), kwargs)
+    return peft_model
+
+
+def _finish(peft_model: Any, plan: _Plan, adapter_name: str, kwargs: Mapping[str, Any]) -> None:
+    """The expert layers of ``plan`` added (stock's creation order: after the target modules), and the stock config
+    put where PEFT saves it from."""
+    if plan.stock is None:
+        return
+    stock = copy.deepcopy(plan.stock)
+    stock.inference_mode = plan.runtime.inference_mode
+    add_expert_layers(peft_model, stock, adapter_name, plan.experts, kwargs.get("autocast_adapter_dtype", True))
+    peft_model.peft_config[adapter_name] = stock
 
 
 def load_adapter(
@@ -286,39 +478,67 @@ def load_adapter(
     Like ``peft.PeftModel.from_pretrained(model, adapter_dir, ...)``; ``kwargs`` go to it and to
     ``PeftConfig.from_pretrained``. The adapter's keys name the original modules, which a fused model keeps.
 
-    With ``linear_experts``, two things differ from a plain PEFT load:
-
-    * the model has per-expert Linears that the stock model has not. A stock adapter's suffix targets
-      (``gate_proj``) match them, and PEFT would give them new adapter layers (random ones, for a LoRA made with
-      ``init_lora_weights=False``): per-expert Linears the adapter has no weights for are left out;
-    * PEFT converts saved per-expert LoRA weights for transformers' fused 3-D experts, which this model does not
-      have: the adapter's weights of per-expert Linears are loaded as saved.
+    With ``linear_experts``: the adapter's ``target_parameters`` of the stock 3-D experts (PEFT's form, and what
+    :func:`get_peft_model` saves) become LoRA layers of the experts' Linears in the same parameterization, holding
+    the saved tensors cut per expert; saved again, they are the same tensors. Target modules naming ``gate_proj``
+    and the like adapt, as on the stock model, the modules the stock model has under that name, not the per-expert
+    Linears.
 
     Raises:
-        PeftIntegrationError: see :func:`get_peft_model`.
+        PeftIntegrationError: see :func:`get_peft_model`; also an adapter holding LoRA weights of per-expert Linears
+            (``experts.0.gate_proj``), which stock PEFT does not load on the stock model's 3-D experts.
         ImportError: PEFT is not installed.
     """
     peft = door.import_peft()
     refuse_adapters(model, "modelpatch.load_adapter()")
     directory = Path(adapter_dir, kwargs.get("subfolder") or "")
-    config = _config_for(_saved_config(peft, adapter_dir, directory, kwargs), model)
-    expert_linears = set(_expert_linears(model))
-    reload = set()
-    if expert_linears:
-        saved = _saved_modules(directory, config)
-        _skip_unsaved(config, model, expert_linears - saved)
-        reload = expert_linears & saved if isinstance(config, peft.LoraConfig) else set()
+    plan = _config_for(_saved_config(peft, adapter_dir, directory, kwargs), model, creating=False)
+    experts = experts_modules(model)
+    if experts:
+        _refuse_per_expert_weights(directory, plan.runtime, experts)
     with warnings.catch_warnings():
-        if reload:
-            # PEFT counts the weights it converted away as missing; they are loaded below, which warns as PEFT does
-            # about whatever is still missing then.
+        if plan.experts:
+            # The experts' weights fit no layer PEFT makes: they are loaded below, once the layers exist.
             warnings.filterwarnings("ignore", message="Found missing adapter keys")
+            warnings.filterwarnings("ignore", message=".*unexpected", category=UserWarning)
         peft_model = peft.PeftModel.from_pretrained(
-            model, str(adapter_dir), adapter_name=adapter_name, is_trainable=is_trainable, config=config, **kwargs
+            model, str(adapter_dir), adapter_name=adapter_name, is_trainable=is_trainable, config=plan.runtime, **kwargs
         )
-    if reload:
-        _load_as_saved(peft_model, directory, adapter_name, reload)
+    if plan.experts:
+        _finish(peft_model, plan, adapter_name, kwargs)
+        _load_expert_weights(peft_model, directory, adapter_name, set(plan.experts))
     return peft_model
+
+
+def _refuse_per_expert_weights(directory: Path, config: PeftConfig, experts: dict[str, LinearExperts]) -> None:
+    prefix = door.adapter_parameter_prefix(config)
+    linears = {name for path, module in experts.items() for name in expert_linear_names(path, module)}
+    held = sorted(_saved_modules(directory, config) & linears)
+    if held:
+        raise PeftIntegrationError(
+            f"The adapter in {directory} holds {prefix} weights of per-expert Linears ({held[:2]}, ...): modules "
+            "the stock model does not have (its experts are 3-D parameters), so stock PEFT would not load them there. "
+            "modelpatch reads expert LoRA in stock PEFT's target_parameters form only (what modelpatch.get_peft_model "
+            "saves); convert the adapter to that form, or load the model without linear_experts."
+        )
+
+
+def _load_expert_weights(peft_model: PeftModel, directory: Path, adapter_name: str, paths: set[str]) -> None:
+    """Load the saved LoRA weights of the experts at ``paths`` (stock keys: the experts' hooks cut them per expert),
+    by PEFT's own mapping of saved keys to parameters; warn about any of their weights missing, as PEFT does."""
+    prefix = door.adapter_parameter_prefix(peft_model.peft_config[adapter_name])
+    remap = door.adapter_state_remapper(peft_model, adapter_name)
+    keys = [k for k in _saved_keys(directory) if _module_of(k, prefix).removesuffix(".base_layer") in paths]
+    state = remap(state_dict=_saved_tensors(directory, keys))
+    result = peft_model.load_state_dict(state, strict=False)
+    if result.unexpected_keys:
+        raise PeftIntegrationError(f"Adapter weights {result.unexpected_keys[:3]} in {directory} fit no LoRA layer.")
+    missing = [k for k in result.missing_keys if f".{prefix}" in k and adapter_name in k and ".experts." in k]
+    expected = {f"{_SAVED_KEY_PREFIX}{path}." for path in paths}
+    missing = [k for k in missing if any(k.startswith(e) for e in expected)]
+    if missing:
+        # stacklevel 3: the warning points at the caller of load_adapter.
+        warnings.warn(f"Found missing adapter keys while loading the checkpoint: {missing}.", stacklevel=3)
 
 
 def _saved_config(peft: ModuleType, adapter_dir: str | Path, directory: Path, kwargs: dict[str, Any]) -> PeftConfig:
@@ -328,50 +548,6 @@ def _saved_config(peft: ModuleType, adapter_dir: str | Path, directory: Path, kw
     if config_file.is_file():
         read_json(config_file, MAX_CONFIG_BYTES)
     return peft.PeftConfig.from_pretrained(str(adapter_dir), **kwargs)
-
-
-def _skip_unsaved(config: PeftConfig, model: nn.Module, unsaved: set[str]) -> None:
-    """Pin ``config.target_modules`` to the modules it matches in ``model``, minus the ``unsaved`` ones it matches."""
-    if not isinstance(config, _TargetsModules) or config.target_modules is None:
-        return
-    if _is_all_linear(config.target_modules):  # as PEFT would resolve it: the expert Linears are in it
-        _resolve_all_linear(config, model, _projection_slices(model))
-    skipped = set(_targeted_modules(config, model, unsaved))
-    if not skipped:
-        return
-    targeted = _targeted_modules(config, model, [name for name, _ in model.named_modules()])
-    config.target_modules = {name for name in targeted if name not in skipped}
-    logger.info(
-        "load_adapter: %d per-expert Linear layers match the adapter's target_modules but have no weights in it "
-        "(it was made on a model without linear_experts); they stay without adapter layers.",
-        len(skipped),
-    )
-
-
-def _load_as_saved(peft_model: PeftModel, directory: Path, adapter_name: str, modules: set[str]) -> None:
-    """Load the saved LoRA weights of ``modules`` without PEFT's key conversion; warn about any adapter weight
-    missing then, as PEFT does.
-
-    Saved keys are mapped to parameters by PEFT's own mapping (the reverse of how it saves them).
-    """
-    prefix = door.adapter_parameter_prefix(peft_model.peft_config[adapter_name])
-    remap = door.adapter_state_remapper(peft_model, adapter_name)
-    keys = _saved_keys(directory)
-    state = remap(state_dict=_saved_tensors(directory, [k for k in keys if _module_of(k, prefix) in modules]))
-    # With low_cpu_mem_usage, PEFT made the parameters on the meta device, to be assigned (as PEFT does).
-    parameters = dict(peft_model.named_parameters())
-    assign = any(parameters[key].is_meta for key in state if key in parameters)
-    result = peft_model.load_state_dict(state, strict=False, assign=assign)
-    if result.unexpected_keys:
-        raise PeftIntegrationError(f"Adapter weights {result.unexpected_keys[:3]} in {directory} fit no LoRA layer.")
-    if assign:
-        door.move_adapters_to_their_base_layers(peft_model, adapter_name)
-    # Only the names are remapped here: PEFT reads the keys, not the values (annotated as tensors).
-    provided = remap(state_dict=dict.fromkeys(keys))
-    missing = [k for k in peft_model.state_dict() if prefix in k and adapter_name in k and k not in provided]
-    if missing:
-        # stacklevel 3: the warning points at the caller of load_adapter.
-        warnings.warn(f"Found missing adapter keys while loading the checkpoint: {missing}.", stacklevel=3)
 
 
 def _module_of(saved_key: str, prefix: str) -> str:

@@ -430,6 +430,10 @@ class LinearExpertsFusionSpec(ModuleFusionSpec):
                 bias=layout.bias,
                 gate_fn=expert_gate(reference, layout),
             )
+            # What LoRA on these experts needs to read and write stock PEFT's adapter of the stock module
+            # (integrations/peft_experts.py): its layout, and whether PEFT takes its 3-D weights as [E, in, out].
+            self.stock_layout = layout
+            self.stock_is_transposed = bool(getattr(reference, "is_transposed", False))
 
         namespace: dict[str, Any] = {"__init__": __init__}
         if known.dispatched:

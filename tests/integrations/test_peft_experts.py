@@ -1,0 +1,241 @@
+"""LoRA on the experts of ``linear_experts`` models, against stock PEFT's ``target_parameters`` LoRA on the stock 3-D
+experts: adapters made on either side load on the other and compute the same (fp32, within 1e-5), a round trip
+through the fused model gives back the same tensors bitwise, a training step is stock's, and what cannot be carried
+exactly is refused before any adapter layer exists.
+
+Every experts layout ``linear_experts`` fuses is covered, with the zoo sweep's tiny configs (``benchmarks/zoo.py``),
+as ``tests/fusions/test_linear_experts_layouts.py`` covers the fusion itself. Adapters are random in A and B
+(``init_lora_weights=False``), so a wrong row, column or expert shows in the outputs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import peft
+import pytest
+import torch
+import transformers
+from peft import AdaLoraConfig, IA3Config, LoraConfig
+from peft.tuners.tuners_utils import BaseTunerLayer
+from safetensors.torch import load_file
+
+import modelpatch
+from modelpatch.errors import PeftIntegrationError
+from modelpatch.fusions.linear_experts.modules import LinearExperts
+from support.compare import assert_outputs_close
+from support.models import VOCAB
+from support.zoo import load_zoo
+
+zoo = load_zoo()
+
+TOLERANCE = {"atol": 1e-5}
+EXPERTS = {"linear_experts": True}
+FUSED = {"qkv": True, "gate_up": True, "linear_experts": True}
+STOCK_TARGETS = ["experts.gate_up_proj", "experts.down_proj"]
+# Every experts layout linear_experts fuses (see test_linear_experts_layouts.py): the plain forward, the experts'
+# own _apply_gate, transposed weights (with is_transposed, and Llama 4's without), interleaved gate/up with biases,
+# other checkpoint names, a vision-language model.
+FAMILIES = [
+    "AriaTextForCausalLM",
+    "DeepseekV4ForCausalLM",
+    "GptOssForCausalLM",
+    "GraniteMoeForCausalLM",
+    "HYV4ForCausalLM",
+    "InklingForConditionalGeneration",
+    "Llama4ForCausalLM",
+    "MiniMaxM3VLForCausalLM",
+    "MixtralForCausalLM",
+]
+
+
+def _checkpoint(name: str, root: Path) -> tuple[type, Path]:
+    cls = getattr(transformers, name)
+    torch.manual_seed(0)
+    model = cls(zoo.tiny_config(cls.config_class))
+    zoo._perturb(model)
+    path = root / name
+    model.save_pretrained(path)
+    return cls, path
+
+
+def _outputs(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    model.eval()
+    with torch.no_grad():
+        return zoo._forward(
+            model, zoo.dummy_inputs(model.get_base_model() if hasattr(model, "get_base_model") else model)[0]
+        )
+
+
+def _lora(**kwargs) -> LoraConfig:
+    return LoraConfig(**{"r": 2, "lora_alpha": 4, "init_lora_weights": False, **kwargs})
+
+
+def _saved(directory: Path) -> dict[str, torch.Tensor]:
+    return load_file(directory / "adapter_model.safetensors")
+
+
+def _assert_same_tensors(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert actual.keys() == expected.keys()
+    for key, value in expected.items():
+        assert actual[key].dtype == value.dtype and torch.equal(actual[key], value), key
+
+
+def _no_adapter_layers(model: torch.nn.Module) -> bool:
+    return not any(isinstance(module, BaseTunerLayer) for module in model.modules())
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_stock_expert_adapter_loads_computes_and_saves_back_bitwise(tmp_path, name):
+    """Stock PEFT's target_parameters adapter of the stock experts, loaded onto the fused model: the same outputs,
+    merged too; saved again, the same tensors and targets."""
+    cls, path = _checkpoint(name, tmp_path)
+    torch.manual_seed(1)
+    stock = peft.get_peft_model(cls.from_pretrained(path), _lora(target_modules=[], target_parameters=STOCK_TARGETS))
+    stock.save_pretrained(tmp_path / "stock")
+    expected = _outputs(stock)
+    base = _outputs(cls.from_pretrained(path))
+    assert any((expected[k] - base[k]).abs().max() > 1e-3 for k in base), "the adapter changes the outputs"
+
+    fused = modelpatch.load_adapter(modelpatch.from_pretrained(cls, path, fusion_config=EXPERTS), tmp_path / "stock")
+    assert any(isinstance(m, LinearExperts) for m in fused.modules())
+    assert_outputs_close(_outputs(fused), expected, **TOLERANCE)
+    fused.save_pretrained(tmp_path / "again")
+    _assert_same_tensors(_saved(tmp_path / "again"), _saved(tmp_path / "stock"))
+    saved_config = json.loads((tmp_path / "again" / "adapter_config.json").read_text())
+    assert sorted(saved_config["target_parameters"]) == sorted(STOCK_TARGETS)
+
+    assert_outputs_close(_outputs(fused.merge_and_unload()), _outputs(stock.merge_and_unload()), **TOLERANCE)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_adapter_made_on_the_fused_model_is_the_stock_adapter(tmp_path, name):
+    """modelpatch.get_peft_model with expert targets by module name: saved in the target_parameters form, which stock
+    PeftModel.from_pretrained loads on the stock model and computes the same with."""
+    cls, path = _checkpoint(name, tmp_path)
+    fused_model = modelpatch.from_pretrained(cls, path, fusion_config=EXPERTS)
+    gate, up, down = next(m for m in fused_model.modules() if isinstance(m, LinearExperts))[0].names
+    torch.manual_seed(1)
+    fused = modelpatch.get_peft_model(fused_model, _lora(target_modules=[gate, up, down]))
+    fused.save_pretrained(tmp_path / "fused")
+    saved_config = json.loads((tmp_path / "fused" / "adapter_config.json").read_text())
+    assert saved_config["target_parameters"] and not any(
+        ".experts." in key and f".{gate}." in key for key in _saved(tmp_path / "fused")
+    )
+
+    stock = peft.PeftModel.from_pretrained(cls.from_pretrained(path), tmp_path / "fused")
+    assert_outputs_close(_outputs(fused), _outputs(stock), **TOLERANCE)
+    assert_outputs_close(_outputs(fused.merge_and_unload()), _outputs(stock.merge_and_unload()), **TOLERANCE)
+
+
+# qwen2_moe: not in PEFT's v5 conversion table, with a shared expert (slices with gate_up); the others: PEFT rewrites
+# their expert targets itself (and "all-linear" adds the router).
+@pytest.mark.parametrize("name", ["qwen2_moe", "qwen3_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("target_modules", ["all-linear", ["q_proj", "gate_proj", "up_proj", "down_proj"]])
+def test_all_linear_and_names_on_fused_moe_models_match_stock(tiny, tmp_path, name, target_modules):
+    ckpt = tiny(name)
+    if name == "mixtral" and target_modules != "all-linear":
+        target_modules = ["q_proj", "w1", "w3", "w2"]
+    torch.manual_seed(0)
+    fused = modelpatch.get_peft_model(ckpt.load(FUSED), _lora(target_modules=target_modules))
+    assert any(".experts." in key for key in fused.state_dict() if ".lora_" in key)
+    fused.save_pretrained(tmp_path / "fused")
+
+    stock = peft.PeftModel.from_pretrained(ckpt.model_class.from_pretrained(ckpt.path), tmp_path / "fused")
+    assert {k for k in stock.state_dict() if ".lora_" in k} == {k for k in fused.state_dict() if ".lora_" in k}
+    input_ids = torch.randint(0, VOCAB - 8, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            fused(input_ids=input_ids).logits, stock(input_ids=input_ids).logits, **TOLERANCE, rtol=0
+        )
+
+    again = modelpatch.load_adapter(ckpt.load(FUSED), tmp_path / "fused")
+    again.save_pretrained(tmp_path / "again")
+    _assert_same_tensors(_saved(tmp_path / "again"), _saved(tmp_path / "fused"))
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "MixtralForCausalLM"])
+def test_a_training_step_from_the_same_adapter_is_stocks(tiny, tmp_path, name):
+    """From one stock adapter, one AdamW step on the fused model and on the stock model: the same loss, and the same
+    adapter after the step (the gate and up parts share each expert's lora_A, as stock's gate_up does)."""
+    if name == "qwen3_moe":
+        ckpt = tiny(name)
+        cls, path = ckpt.model_class, ckpt.path
+    else:
+        cls, path = _checkpoint(name, tmp_path)
+    torch.manual_seed(1)
+    made = peft.get_peft_model(
+        cls.from_pretrained(path), _lora(target_modules=["q_proj"], target_parameters=STOCK_TARGETS)
+    )
+    made.save_pretrained(tmp_path / "adapter")
+
+    input_ids = torch.randint(0, VOCAB - 8, (2, 16), generator=torch.Generator().manual_seed(2))
+    results = []
+    for model in (
+        peft.PeftModel.from_pretrained(cls.from_pretrained(path), tmp_path / "adapter", is_trainable=True),
+        modelpatch.load_adapter(
+            modelpatch.from_pretrained(cls, path, fusion_config=FUSED), tmp_path / "adapter", is_trainable=True
+        ),
+    ):
+        model.train()
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        optimizer.step()
+        model.save_pretrained(tmp_path / f"step{len(results)}")
+        results.append((loss.detach(), _saved(tmp_path / f"step{len(results)}")))
+    (stock_loss, stock_after), (fused_loss, fused_after) = results
+    torch.testing.assert_close(fused_loss, stock_loss, **TOLERANCE, rtol=0)
+    assert fused_after.keys() == stock_after.keys()
+    for key in stock_after:
+        torch.testing.assert_close(fused_after[key], stock_after[key], **TOLERANCE, rtol=0)
+    assert any(not torch.equal(stock_after[k], v) for k, v in _saved(tmp_path / "adapter").items()), "a step was taken"
+
+
+# --- refused before any adapter layer exists -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "config, words",
+    [
+        (_lora(target_modules=["gate_proj", "up_proj", "down_proj"], lora_dropout=0.1), "lora_dropout=0.1"),
+        (_lora(target_modules=["gate_proj", "up_proj", "down_proj"], use_dora=True), "use_dora=True"),
+        (_lora(target_modules=["gate_proj", "up_proj", "down_proj"], lora_bias=True), "lora_bias=True"),
+        (_lora(target_modules=r".*experts\.0\.(gate_proj|up_proj|down_proj)"), "not every expert"),
+        (_lora(target_modules=r".*experts\.\d+\.gate_proj"), "without their up_proj"),
+        (_lora(target_modules=["q_proj"], target_parameters=["q_proj.weight"]), "does not hold"),
+        (AdaLoraConfig(target_modules=["gate_proj", "up_proj", "down_proj"], total_step=10), "AdaLoraConfig"),
+        (IA3Config(target_modules=["down_proj"], feedforward_modules=["down_proj"]), "IA3Config"),
+        (_lora(target_modules=r".*\.(qkv_proj|q_proj|k_proj|v_proj)"), "also their parts"),
+    ],
+)
+def test_what_cannot_be_carried_to_stock_is_refused_by_name(tiny, config, words):
+    model = tiny("qwen2_moe").load(FUSED)
+    with pytest.raises(PeftIntegrationError, match=words) as raised:
+        modelpatch.get_peft_model(model, config)
+    assert "modelpatch.get_peft_model" not in str(raised.value), "the remedy is not the function that failed"
+    assert _no_adapter_layers(model)
+
+
+def test_adalora_on_fused_projections_is_refused_without_pointing_back(tiny):
+    model = tiny("llama").load({"qkv": True, "gate_up": True})
+    with pytest.raises(PeftIntegrationError, match="AdaLoraConfig targets .*q_proj") as raised:
+        modelpatch.get_peft_model(model, AdaLoraConfig(target_modules="all-linear", total_step=10))
+    assert "modelpatch.get_peft_model" not in str(raised.value)
+    assert _no_adapter_layers(model)
+
+
+def test_per_expert_adapter_weights_are_refused_by_name(tiny, tmp_path):
+    """Per-expert LoRA (stock PEFT on the linear_experts Linears): the stock model has no such modules, so it is not
+    read silently, partly or as something else."""
+    ckpt = tiny("qwen2_moe")
+    torch.manual_seed(0)
+    made = peft.get_peft_model(
+        ckpt.load(EXPERTS), _lora(target_modules=[r"experts.0.down_proj", "experts.1.down_proj"])
+    )
+    made.save_pretrained(tmp_path)
+    model = ckpt.load(EXPERTS)
+    with pytest.raises(PeftIntegrationError, match=r"per-expert Linears \(\['model\.layers\.0\.mlp\.experts\.0"):
+        modelpatch.load_adapter(model, tmp_path)
+    assert _no_adapter_layers(model)
