@@ -310,3 +310,17 @@ def test_a_weight_shared_across_layers_is_refused_by_name_where_fusing_would_uns
     layers[1].self_attn.o_proj.weight = layers[0].self_attn.o_proj.weight
     modelpatch.fuse(model, {"qkv": True})
     assert layers[1].self_attn.o_proj.weight is layers[0].self_attn.o_proj.weight
+
+
+def test_a_part_the_fused_class_has_no_place_for_is_named_first_in_the_refusal(tiny):
+    """A bias added to one q_proj (the fused class, built from the config, has none): the planner's problem is the
+    whole reason, the message's first item (it began with an empty one)."""
+    ckpt = tiny("llama")
+    model = ckpt.model_class.from_pretrained(ckpt.path)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    q_proj.bias = torch.nn.Parameter(torch.zeros(q_proj.out_features))
+    assert_refused_unchanged(
+        model,
+        lambda m: modelpatch.fuse(m, {"qkv": True}),
+        "do not convert to those of QKVFusedLlamaAttention (['model.layers.0.self_attn.q_proj.bias'] match",
+    )

@@ -193,10 +193,10 @@ def _plan(
             if key not in metas or key not in expected or metas[key].shape != expected[key].shape
         )
         if problems or wrong:
+            keys = [", ".join(wrong[:6]) + (", ..." if len(wrong) > 6 else "")] if wrong else []
             raise FusionError(
                 f"Cannot {verb} {name} ({type(model.get_submodule(name)).__name__}): its tensors do not convert to "
-                f"those of {type(new).__name__} ({', '.join(wrong[:6])}{', ...' if len(wrong) > 6 else ''}"
-                f"{'; ' + '; '.join(problems) if problems else ''}). The model was left unchanged."
+                f"those of {type(new).__name__} ({'; '.join([*keys, *problems])}). The model was left unchanged."
             )
         training_problems += training_state_problems(name, state, module_plans)
         converted = set(state) - set(passed.values())
