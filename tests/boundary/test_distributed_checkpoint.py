@@ -121,3 +121,15 @@ def test_a_tied_weight_is_refused_naming_the_weight_it_is_tied_to(stock_checkpoi
     state["lm_head.weight"] = state["model.embed_tokens.weight"]
     message = _refused(model, state, "lm_head.weight")
     assert "tied to model.embed_tokens.weight" in message
+
+
+@pytest.mark.parametrize("key", [Q, "model.layers.1.mlp.down_proj.weight"])  # a converted part, a direct key
+def test_a_placeholder_left_on_the_meta_device_is_refused_by_name_before_any_write(tiny, key):
+    """A right-shaped meta tensor (a placeholder DCP did not fill) has no data: copying it fails, after the keys
+    before it were written. Refused by name with nothing written."""
+    checkpoint = tiny("llama")
+    model = checkpoint.load(FUSED)
+    state = _perturbed(modelpatch.get_original_state_dict(model))
+    state[key] = state[key].to("meta")
+    message = _refused(model, state, key)
+    assert "on the meta device" in message

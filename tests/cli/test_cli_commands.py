@@ -129,6 +129,18 @@ def test_runtime_layout_back_with_fusion_none_is_the_original_checkpoint(cli, ll
     assert json.loads((tmp_path / "qkv" / "config.json").read_text())["modelpatch"]["fusion_config"] == {"qkv": True}
 
 
+def test_convert_records_only_the_fusions_that_apply_to_the_model(cli, llama_checkpoint, tmp_path):
+    """linear_experts fuses nothing in a dense Llama: recorded, config.json said the checkpoint is fused with it."""
+    code, _, err = cli("convert", llama_checkpoint, tmp_path / "out", "--fusion", "qkv,linear_experts")
+    assert code == 0, err
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["modelpatch"]["fusion_config"] == {"qkv": True}
+    assert "note: --fusion linear_experts fuses nothing in LlamaForCausalLM: not recorded" in err
+    code, _, err = cli("convert", llama_checkpoint, tmp_path / "none", "--fusion", "linear_experts")
+    assert code == 0, err
+    assert_same_files(tmp_path / "none", llama_checkpoint)
+    assert (tmp_path / "none" / "config.json").read_bytes() == (llama_checkpoint / "config.json").read_bytes()
+
+
 def test_verify_passes_for_equivalent_fusions(cli, moe_checkpoint):
     code, out, err = cli("verify", moe_checkpoint, "--fusion", "qkv,gate_up,linear_experts")
     assert code == 0, out + err
@@ -180,6 +192,8 @@ def test_demo_runs_end_to_end(cli):
         (["plan", "{llama}", "--patch", "LlamaMLP=cli_patches:NOT_A_MODULE"], "must be a subclass of torch.nn.Module"),
         (["plan", "{llama}", "--import", "no_such_module"], "cannot import --import module 'no_such_module'"),
         (["--import", "no_such_module", "plan", "{llama}"], "cannot import --import module 'no_such_module'"),
+        (["convert", "{llama}", "{empty}/out", "--dtype", "int8"], "--dtype 'int8' is not one of auto, float32"),
+        (["verify", "{llama}", "--dtype", "float8_e4m3fn"], "--dtype 'float8_e4m3fn' is not one of auto, float32"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(cli, llama_checkpoint, tmp_path, args, message):
@@ -190,9 +204,7 @@ def test_bad_input_is_one_line_and_exit_code_2(cli, llama_checkpoint, tmp_path, 
     assert len(err.strip().splitlines()) == 1, err
 
 
-@pytest.mark.parametrize(
-    "args", [["bogus"], ["inspect"], ["convert", "a", "b", "--dtype", "int8"], ["verify", "x", "--atol", "small"]]
-)
+@pytest.mark.parametrize("args", [["bogus"], ["inspect"], ["convert", "a"], ["verify", "x", "--atol", "small"]])
 def test_usage_errors_exit_code_2(cli, args):
     code, out, err = cli(*args)
     assert code == 2 and out == "" and "usage: modelpatch" in err

@@ -134,3 +134,29 @@ def test_a_shard_description_is_checked():
         TensorParallelShard("rowwise", parts=FusedParts((2, 2)))
     with pytest.raises(ValueError, match="split must be 'colwise' or 'rowwise'"):
         TensorParallelShard("sideways")  # type: ignore[arg-type]
+
+
+def test_a_shard_is_checked_against_the_module_it_names():
+    """What the tensor-parallel mode refuses a layout for (tests/modes/test_tensor_parallel.py refuses user fusions
+    declaring them): parts that do not tile a weight's rows, a split that cuts across the parts a weight is joined
+    from, a module with nothing to split. Boundaries finer than the joined parts' keep every rank's rows in them."""
+    with torch.device("meta"):
+        fused = torch.nn.Linear(32, 128)  # gate and up, 64 rows each, joined along dim 0 (its bias too)
+        down = torch.nn.Linear(128, 32, bias=False)  # its columns joined from two parts of 64
+    joined = {"weight": (0, (64, 64)), "bias": (0, (64, 64))}
+    assert TensorParallelShard("colwise", parts=FusedParts((64, 64))).problems("w12", fused, joined) == []
+    assert TensorParallelShard("colwise", parts=FusedParts((32,) * 4)).problems("w12", fused, joined) == []
+    assert TensorParallelShard("rowwise").problems("w12", fused, joined) == []  # splits the 32 input columns
+    (one_block, bias) = TensorParallelShard("colwise").problems("w12", fused, joined)
+    assert one_block.startswith("w12.weight is joined from parts of [64, 64] along dim 0, which a colwise split as one")
+    assert one_block.endswith("declare the parts (parts=FusedParts((64, 64)))") and bias.startswith("w12.bias")
+    (across, _) = TensorParallelShard("colwise", parts=FusedParts((32, 96))).problems("w12", fused, joined)
+    assert "a colwise split by the parts [32, 96] cuts across" in across
+    (untiled, _) = TensorParallelShard("colwise", parts=FusedParts((64,))).problems("w12", fused, {})
+    assert untiled == "w12.weight has 128 rows, and the parts [64] declared for them tile 64"
+    (columns,) = TensorParallelShard("rowwise").problems("w3", down, {"weight": (1, (64, 64))})
+    assert columns.startswith("w3.weight is joined from parts of [64, 64] along dim 1, which a rowwise split")
+    assert TensorParallelShard("colwise").problems("w3", down, {"weight": (1, (64, 64))}) == []
+    assert TensorParallelShard("colwise").problems("act_fn", torch.nn.SiLU(), {}) == [
+        "act_fn is a SiLU holding no parameter of its own: it cannot be split colwise"
+    ]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -223,5 +224,52 @@ class WholeSwiGLUFusionSpec(SwiGLUFusionSpec):
     tensor_parallel_layout = ModuleFusionSpec.tensor_parallel_layout
 
 
+class MisdeclaredSwiGLUFusionSpec(SwiGLUFusionSpec):
+    """The example declaring ``shards(module)`` where it shards: a layout that does not fit SwiGLU, refused by name
+    at a ``tp_plan`` load (before anything is sharded), rather than loaded into a model that computes another
+    function on every rank."""
+
+    shards: Callable[[SwiGLU], dict[str, TensorParallelShard]]
+
+    def tensor_parallel_layout(self, module, rules, ranks):
+        layout = super().tensor_parallel_layout(module, rules, ranks)
+        return None if layout is None else TensorParallelLayout(layout.replaces, type(self).shards(module))
+
+
+def _misdeclared(shards: Callable[[SwiGLU], dict[str, TensorParallelShard]]) -> type[MisdeclaredSwiGLUFusionSpec]:
+    return type("MisdeclaredSwiGLUFusionSpec", (MisdeclaredSwiGLUFusionSpec,), {"shards": staticmethod(shards)})
+
+
+ROWWISE = TensorParallelShard("rowwise")
+# name: (spec class, what the refusal names)
+MISDECLARED_LAYOUTS = {
+    # gate and up joined in w12, split as one block: rank 0 would hold gate's rows alone (logits off by 0.14).
+    "swiglu_one_block": (
+        _misdeclared(lambda m: {"w12": TensorParallelShard("colwise"), "w3": ROWWISE}),
+        "model.layers.*.mlp.w12.weight is joined from parts of [64, 64] along dim 0, which a colwise split as one "
+        "block cuts across",
+    ),
+    "swiglu_untiled": (
+        _misdeclared(
+            lambda m: {"w12": TensorParallelShard("colwise", parts=FusedParts((m.intermediate_size,))), "w3": ROWWISE}
+        ),
+        "model.layers.*.mlp.w12.weight has 128 rows, and the parts [64] declared for them tile 64",
+    ),
+    "swiglu_unknown_module": (
+        _misdeclared(
+            lambda m: {
+                "w12": TensorParallelShard("colwise", parts=FusedParts((m.intermediate_size,) * 2)),
+                "w3": ROWWISE,
+                "w13": TensorParallelShard("colwise"),
+            }
+        ),
+        "shards 'w13', which names no module of model.layers.*.mlp (its modules: act_fn, w12, w3)",
+    ),
+}
+
 # The names the tensor-parallel tests register these fusions under (in their ranks and in the test process).
-TENSOR_PARALLEL_FUSIONS = {"swiglu": SwiGLUFusionSpec, "swiglu_whole": WholeSwiGLUFusionSpec}
+TENSOR_PARALLEL_FUSIONS = {
+    "swiglu": SwiGLUFusionSpec,
+    "swiglu_whole": WholeSwiGLUFusionSpec,
+    **{name: spec for name, (spec, _) in MISDECLARED_LAYOUTS.items()},
+}

@@ -92,7 +92,12 @@ def main() -> None:
     refusals = []
     for refusal in job.get("refusals", []):
         try:
-            modelpatch.from_pretrained(transformers.AutoModelForCausalLM, refusal["path"], tp_plan=refusal["tp_plan"])
+            modelpatch.from_pretrained(
+                transformers.AutoModelForCausalLM,
+                refusal["path"],
+                tp_plan=refusal["tp_plan"],
+                fusion_config=refusal.get("fusion_config"),
+            )
             refusals.append("loaded")
         except parallel.TensorParallelError as exc:
             refusals.append(str(exc))

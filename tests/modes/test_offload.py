@@ -207,6 +207,35 @@ def test_offloaded_model_saves_like_the_loaded_one(stock_checkpoint, tmp_path, f
         assert_tensors_identical(read_tensors(tmp_path / "stock"), expected)
 
 
+@pytest.mark.parametrize("offloaded", ["model.embed_tokens", "lm_head"])
+def test_a_tie_with_one_side_offloaded_is_saved_tied_after_a_forward(stock_checkpoint, tmp_path, offloaded):
+    """accelerate puts the offloaded side back on the meta device after each forward: two tensors, one value. The
+    save kept lm_head.weight and wrote tie_word_embeddings false; it writes the tied checkpoint, as the loaded one."""
+    checkpoint = stock_checkpoint("llama_tied")
+    plain = _load(checkpoint)
+    modelpatch.save_pretrained(plain, tmp_path / "plain")
+    device_map = {"model.embed_tokens": "cpu", "model.layers": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
+    model = _load(checkpoint, device_map={**device_map, "model.rotary_emb": "cpu", offloaded: "disk"})
+    torch.testing.assert_close(_logits(model, checkpoint), _logits(plain, checkpoint), rtol=0, atol=0)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight  # the forward parted them
+    modelpatch.save_pretrained(model, tmp_path / "modelpatch")
+    model.save_pretrained(tmp_path / "stock_path")
+    expected = read_tensors(tmp_path / "plain")
+    assert "lm_head.weight" not in expected
+    for saved in ("modelpatch", "stock_path"):
+        assert_tensors_identical(read_tensors(tmp_path / saved), expected)
+        assert config_json(tmp_path / saved)["tie_word_embeddings"] is True
+    assert config_json(tmp_path / "modelpatch") == config_json(tmp_path / "plain")
+
+    # Untied for real (the resident side changed since): both are written, and the config says untied.
+    resident = model.model.embed_tokens if offloaded == "lm_head" else model.lm_head
+    with torch.no_grad():
+        resident.weight.add_(1.0)
+    modelpatch.save_pretrained(model, tmp_path / "untied")
+    assert {"lm_head.weight", "model.embed_tokens.weight"} <= set(read_tensors(tmp_path / "untied"))
+    assert config_json(tmp_path / "untied")["tie_word_embeddings"] is False
+
+
 def _fully_offloaded_copy(checkpoint, tmp_path):
     """A copy of ``checkpoint`` in ``tmp_path`` and the model loaded from it with every module on ``"disk"``."""
     source = shutil.copytree(checkpoint.path, tmp_path / checkpoint.path.name)

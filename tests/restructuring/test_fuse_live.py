@@ -262,3 +262,65 @@ def test_a_grad_through_a_conversion_that_does_not_only_move_entries_is_refused_
     patch(model)
     assert type(model.model.layers[1].mlp) is DoubledDownLlamaMLP
     assert_outputs_close(ckpt.outputs(model), ckpt.stock_outputs())
+
+
+def test_a_tensor_without_data_is_refused_by_name_before_any_module_changes(tiny, tmp_path):
+    """One k_proj on the meta device (a placeholder never filled): planning sees shapes only, so the fill would fail
+    at layer 1, after layer 0 was fused. Refused before anything changes; once the tensor is back, fuse is exact."""
+    ckpt = tiny("llama")
+    model = ckpt.model_class.from_pretrained(ckpt.path)
+    k_proj = model.model.layers[1].self_attn.k_proj
+    weight = k_proj.weight
+    k_proj.weight = torch.nn.Parameter(weight.to("meta"))
+    fuse = lambda m: modelpatch.fuse(m, CASES["llama"])  # noqa: E731
+    assert_refused_unchanged(model, fuse, "model.layers.1.self_attn.k_proj.weight is on the meta device")
+    assert not hasattr(model.config, "modelpatch")
+    k_proj.weight = weight
+    fuse(model)
+    assert_outputs_close(ckpt.outputs(model), ckpt.stock_outputs())
+    model.save_pretrained(tmp_path / "saved")
+    assert_same_files(tmp_path / "saved", ckpt.path)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device")
+def test_parts_of_one_fused_tensor_on_different_devices_are_refused_by_name(tiny):
+    ckpt = tiny("llama")
+    model = ckpt.model_class.from_pretrained(ckpt.path)
+    model.model.layers[1].self_attn.k_proj.cuda()
+    assert_refused_unchanged(
+        model, lambda m: modelpatch.fuse(m, {"qkv": True}), "model.layers.1.self_attn.q_proj.weight", "cpu, cuda:0"
+    )
+
+
+def test_a_weight_shared_across_layers_is_refused_by_name_where_fusing_would_unshare_it(tiny):
+    """Layer 1's q_proj.weight is layer 0's Parameter: each layer's qkv_proj would be a copy of its own, which one
+    optimizer step moves apart. A shared tensor fuse does not convert (o_proj) stays shared: the same object."""
+    ckpt = tiny("llama")
+    model = ckpt.model_class.from_pretrained(ckpt.path)
+    layers = model.model.layers
+    layers[1].self_attn.q_proj.weight = layers[0].self_attn.q_proj.weight
+    assert_refused_unchanged(
+        model,
+        lambda m: modelpatch.fuse(m, {"qkv": True}),
+        "model.layers.0.self_attn.q_proj.weight is the same tensor as model.layers.1.self_attn.q_proj.weight",
+    )
+
+    model = ckpt.model_class.from_pretrained(ckpt.path)
+    layers = model.model.layers
+    layers[1].self_attn.o_proj.weight = layers[0].self_attn.o_proj.weight
+    modelpatch.fuse(model, {"qkv": True})
+    assert layers[1].self_attn.o_proj.weight is layers[0].self_attn.o_proj.weight
+
+
+def test_a_part_the_fused_class_has_no_place_for_is_named_first_in_the_refusal(tiny):
+    """A bias added to one q_proj (the fused class, built from the config, has none): the planner's problem is the
+    whole reason, the message's first item (it began with an empty one)."""
+    ckpt = tiny("llama")
+    model = ckpt.model_class.from_pretrained(ckpt.path)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    q_proj.bias = torch.nn.Parameter(torch.zeros(q_proj.out_features))
+    assert_refused_unchanged(
+        model,
+        lambda m: modelpatch.fuse(m, {"qkv": True}),
+        "do not convert to those of QKVFusedLlamaAttention (['model.layers.0.self_attn.q_proj.bias'] match",
+    )

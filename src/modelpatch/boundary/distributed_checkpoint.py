@@ -58,12 +58,13 @@ def set_original_state_dict(model: PreTrainedModel, state_dict: Mapping[str, tor
     :func:`get_original_state_dict`, filled by ``torch.distributed.checkpoint.load``). Call it on every rank.
 
     Every key of ``state_dict`` is checked against the model's original layout before anything is written, as torch's
-    strict ``load_state_dict`` checks its keys and shapes: a tensor is never broadcast into a parameter.
+    strict ``load_state_dict`` checks its keys and shapes: a tensor is never broadcast into a parameter, and one on the
+    meta device (a placeholder the checkpoint did not fill) is refused, not found out halfway through the writes.
 
     Raises:
         LoadPlanError: ``state_dict`` does not fit the model's original layout: keys missing, keys the layout does not
-            have, values that are not tensors or not of the layout's full shape (every key at fault is named);
-            nothing was written.
+            have, values that are not tensors, not of the layout's full shape or on the meta device (every key at
+            fault is named); nothing was written.
     """
     plan = planned_save(model)
     _check_original_state(model, plan.checkpoint_metas(), state_dict)
@@ -109,6 +110,8 @@ def _check_original_state(
             problems["shape mismatches"].append(
                 f"{key}: the state dict gives {list(value.shape)}, the model's original layout has {list(meta.shape)}"
             )
+        elif local_part(value).is_meta:
+            problems["on the meta device (placeholders never filled: no data to copy)"].append(key)
     if not any(problems.values()):
         return
     lines = [

@@ -88,10 +88,19 @@ def add_patch_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_dtype_argument(parser: argparse.ArgumentParser, default: str, why: str = "") -> None:
     """``--dtype``, passed as ``dtype=`` to ``from_pretrained``; ``why`` explains the default."""
+    # Checked by check_dtype, not by argparse's ``choices``, whose refusal prints the whole usage first.
     parser.add_argument(
         "--dtype",
-        choices=DTYPES,
         default=default,
+        metavar="{" + ",".join(DTYPES) + "}",
         help="dtype to load the weights in; 'auto' keeps the config's dtype (else the checkpoint's) "
         f"(default: {default}{f'; {why}' if why else ''})",
     )
+
+
+def check_dtype(args: argparse.Namespace) -> None:
+    """Refuse a ``--dtype`` that is not one of :data:`DTYPES`, in one line naming it (commands without the option
+    pass)."""
+    dtype = getattr(args, "dtype", None)
+    if dtype is not None and dtype not in DTYPES:
+        raise UsageError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}.")

@@ -108,6 +108,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {len(files)} files to {destination} ({layout} layout)")
     if copied:
         print(f"copied from {args.src}: {', '.join(map(str, copied))}")
+    if conversion.unapplied and not args.quiet:
+        print(
+            f"modelpatch convert: note: --fusion {','.join(conversion.unapplied)} fuses nothing in "
+            f"{type(conversion.plan.model).__name__}: not recorded in {destination}/config.json",
+            file=sys.stderr,
+        )
     if carry.skipped and not args.quiet:
         print(f"modelpatch convert: note: not copied from {args.src}: {', '.join(carry.skipped)}", file=sys.stderr)
     return 0

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from .. import __version__
 from ..errors import ModelPatchError
 from . import convert, demo, inspect, plan, verify
-from .arguments import UsageError, add_common_options
+from .arguments import UsageError, add_common_options, check_dtype
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             importlib.import_module(library)
     _configure_logging(args.verbose)
     try:
+        check_dtype(args)
         import_modules([*args.imports, *args.command_imports])
         from .common import load_progress
 

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from torch import nn
 
 __all__ = ["FusedParts", "HeldRows", "TensorParallelLayout", "TensorParallelShard"]
 
@@ -111,6 +114,47 @@ class TensorParallelShard:
             raise ValueError(f"split must be 'colwise' or 'rowwise', got {self.split!r}.")
         if self.parts is not None and self.split != "colwise":
             raise ValueError(f"only a colwise split goes part by part, got parts with {self.split!r}.")
+
+    def problems(self, name: str, module: nn.Module, joined: Mapping[str, tuple[int, tuple[int, ...]]]) -> list[str]:
+        """What of this shard does not fit ``module`` (named ``name``), the module of the fused one it names.
+
+        ``joined``: the parameters of ``module`` (by attribute name) that a conversion concatenated from several
+        parts, each with the dim it joined them along and the parts' sizes there. A split along that dim must keep
+        each rank's rows within the parts: by parts whose boundaries include the joined ones (one block would give
+        a rank the rows of one part and none of another).
+        """
+        parameters = dict(module.named_parameters(recurse=False))
+        if not parameters or (self.local and "weight" not in parameters):
+            held = "no weight" if parameters else "no parameter of its own"
+            return [f"{name} is a {type(module).__name__} holding {held}: it cannot be split {self.split}"]
+        problems = []
+        for attribute, parameter in parameters.items():
+            rows = parameter.shape[0] if parameter.ndim else 0
+            if self.parts is not None and rows != sum(self.parts.sizes):
+                problems.append(
+                    f"{name}.{attribute} has {rows} rows, and the parts {list(self.parts.sizes)} declared for them "
+                    f"tile {sum(self.parts.sizes)}"
+                )
+                continue
+            if attribute not in joined:
+                continue
+            dim, sizes = joined[attribute]
+            if self.parts is not None:
+                split_dim: int | None = 0  # sharded part by part along its rows
+            elif self.split == "colwise":
+                split_dim = max(parameter.ndim - 2, 0)  # a weight's output rows, a bias' entries
+            else:
+                split_dim = parameter.ndim - 1 if parameter.ndim > 1 else None  # input columns; a bias stays whole
+            declared = set(self.parts.offsets()[1:]) if self.parts is not None else set()
+            if dim == split_dim and not set(FusedParts(sizes).offsets()[1:]) <= declared:
+                how = f"by the parts {list(self.parts.sizes)}" if self.parts is not None else "as one block"
+                fix = f" (parts=FusedParts({tuple(sizes)}))" if self.split == "colwise" else ""
+                problems.append(
+                    f"{name}.{attribute} is joined from parts of {list(sizes)} along dim {dim}, which a {self.split} "
+                    f"split {how} cuts across: its ranks would not hold the same rows of every part; declare the "
+                    f"parts{fix}"
+                )
+        return problems
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from .._transformers import (
     set_tp_plan,
 )
 from ..conversion.operations import Concatenate, MergeModulelist
-from ..conversion.planner import ConversionGroup
+from ..conversion.planner import ConversionGroup, ConversionPlan
 from ..errors import TensorParallelError  # raised here; importable from this module as before
 from ..fusions.sharding import FusedParts, TensorParallelLayout
 from ..fusions.spec import ModuleFusionSpec
@@ -180,6 +180,7 @@ class TensorParallelSetup(LoadMode):
         _check_plan_names(model, override)
         rules = {**model.tp_plan, **override}
         fused = _fused_layouts(model, plan.fusions.fused_modules(), rules, mesh.size())
+        _check_declared_layouts(model, fused, plan.conversion)
         set_tp_plan(model, _translate_plan(rules, fused))
         # The plan is complete now: transformers resolves it (validation, layer numbers) as for a stock model.
         tp_plan = resolved_tp_plan(model, mesh.size())
@@ -278,6 +279,58 @@ def _fused_layouts(
             )
         layouts[name] = (spec, layout)
     return layouts
+
+
+def _joined_parts(conversion: ConversionPlan) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Each runtime tensor that the load concatenates from several parts (a fused ``qkv_proj``, a user fusion's
+    stacked weight) -> the dim it joins them along and their sizes there."""
+    joined = {}
+    for group in conversion.groups:
+        last = group.operations[-1] if group.operations else None
+        shapes = group.target_shapes
+        if isinstance(last, Concatenate) and not last.indexed and last.sizes and len(last.sizes) > 1:
+            if len(shapes) == 1 and isinstance(shapes[0], tuple):
+                (target,) = group.target_keys()
+                joined[target] = (last.dim % len(shapes[0]), tuple(last.sizes))
+    return joined
+
+
+def _check_declared_layouts(
+    model: nn.Module, fused: Mapping[str, tuple[ModuleFusionSpec, TensorParallelLayout]], conversion: ConversionPlan
+) -> None:
+    """Refuse, before anything is sharded, a fusion's layout that does not fit the module it was declared for: a
+    shard naming no module of it, or one holding no parameter, parts that do not tile a weight's rows, a split that
+    cuts across the parts a weight is joined from (:meth:`TensorParallelShard.problems`). transformers shards what it
+    is told, and such a model computes something else on every rank."""
+    joined = _joined_parts(conversion)
+    problems: dict[str, None] = {}  # in order, each once: every layer of a fused class repeats its layout's faults
+    for name, (spec, layout) in fused.items():
+        owner, generic = model.get_submodule(name), generic_module_name(name)
+        declared_by = f"the layout {type(spec).__name__} declares for {type(owner).__name__}"
+        # Each module of the fused one by its path and its name relative to it as plans name it (layer numbers '*').
+        modules = [
+            (path, module, generic_module_name(path)[len(generic) + 1 :])
+            for inner, module in owner.named_modules()
+            for path in [f"{name}.{inner}" if inner else name]
+        ]
+        for shard_name, shard in layout.shards.items():
+            matched = [(path, module) for path, module, relative in modules if relative == shard_name]
+            if not matched:
+                names = sorted({relative for _, _, relative in modules if relative})
+                problems[
+                    f"{declared_by} shards {shard_name!r}, which names no module of {generic} "
+                    f"(its modules: {', '.join(names) or 'none'})"
+                ] = None
+            for path, module in matched:
+                local = {key[len(path) + 1 :]: value for key, value in joined.items() if key.startswith(f"{path}.")}
+                for problem in shard.problems(generic_module_name(path), module, local):
+                    problems[f"{declared_by}: {problem}"] = None
+    if problems:
+        raise TensorParallelError(
+            "A fusion's tensor_parallel_layout does not fit its module: "
+            + "; ".join(problems)
+            + ". Fix what the spec's tensor_parallel_layout returns, or return None to keep the module whole."
+        )
 
 
 def _translate_plan(

@@ -166,6 +166,8 @@ def _plan(
     hook_moves: list[HookMove] = []
     hook_problems: list[str] = []
     training_problems: list[str] = []
+    tensor_problems: list[str] = []
+    owners, reported = _tensor_names(model), set[int]()
     for name in names:
         state = _module_state(model, name)
         metas = {key: TensorMeta(tuple(t.shape), t.dtype) for key, t in state.items()}
@@ -191,13 +193,19 @@ def _plan(
             if key not in metas or key not in expected or metas[key].shape != expected[key].shape
         )
         if problems or wrong:
+            keys = [", ".join(wrong[:6]) + (", ..." if len(wrong) > 6 else "")] if wrong else []
             raise FusionError(
                 f"Cannot {verb} {name} ({type(model.get_submodule(name)).__name__}): its tensors do not convert to "
-                f"those of {type(new).__name__} ({', '.join(wrong[:6])}{', ...' if len(wrong) > 6 else ''}"
-                f"{'; ' + '; '.join(problems) if problems else ''}). The model was left unchanged."
+                f"those of {type(new).__name__} ({'; '.join([*keys, *problems])}). The model was left unchanged."
             )
         training_problems += training_state_problems(name, state, module_plans)
+        converted = set(state) - set(passed.values())
+        tensor_problems += _unreadable(state, module_plans[0]) + _shared(state, converted, owners, reported, verb)
         modules.append((name, tuple(module_plans)))
+    if tensor_problems:
+        raise FusionError(
+            f"Cannot {verb} {type(model).__name__}: {'; '.join(tensor_problems)}. The model was left unchanged."
+        )
     if training_problems:
         raise training_state_error(model, training_problems, verb)
     if hook_problems:
@@ -207,6 +215,48 @@ def _plan(
             f"again on the modules that stand there then. The model was left unchanged."
         )
     return _Restructuring(target, tuple(modules), tuple(hook_moves))
+
+
+def _tensor_names(model: nn.Module) -> dict[int, list[str]]:
+    """Every parameter and buffer of ``model`` (by identity) -> all the names it has there, shared ones included."""
+    names: dict[int, list[str]] = {}
+    for key, tensor in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)):
+        names.setdefault(id(tensor), []).append(key)
+    return names
+
+
+def _unreadable(state: Mapping[str, torch.Tensor], first: ConversionPlan) -> list[str]:
+    """What of a module's tensors a restructuring could not read: tensors on the meta device (no data: a placeholder
+    never filled, a weight offloaded by hand), and parts of one converted tensor on different devices (they are
+    joined into one). Planning works on shapes alone; the fill would fail halfway, after earlier modules changed."""
+    problems = [f"{key} is on the meta device (it holds no data)" for key, tensor in state.items() if tensor.is_meta]
+    for group in first.groups:
+        devices = sorted({str(state[key].device) for key in group.source_keys()})
+        if len(devices) > 1 and "meta" not in devices:
+            problems.append(f"{group.sources_summary()} are on different devices ({', '.join(devices)})")
+    return problems
+
+
+def _shared(
+    state: Mapping[str, torch.Tensor],
+    converted: set[str],
+    owners: Mapping[int, list[str]],
+    reported: set[int],
+    verb: str,
+) -> list[str]:
+    """Converted tensors that are also the model's tensor under another name (a weight shared across layers): each
+    place would get its own converted copy, and training would move them apart. A tensor no step converts is placed
+    as the very object it was, so its sharing is kept."""
+    problems = []
+    for key in sorted(converted):
+        others = [other for other in owners.get(id(state[key]), ()) if other != key]
+        if others and id(state[key]) not in reported:
+            reported.add(id(state[key]))  # named once, at its first place, not again at the others
+            problems.append(
+                f"{key} is the same tensor as {', '.join(others[:3])}{', ...' if len(others) > 3 else ''}, and {verb} "
+                "converts it into a new tensor at each place, which would no longer be shared"
+            )
+    return problems
 
 
 def _execute(model: PreTrainedModel, planned: _Restructuring) -> None:

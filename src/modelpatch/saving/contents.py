@@ -23,7 +23,7 @@ from .._transformers_mapping import model_conversions
 from ..conversion.planner import ConversionPlan, TensorMeta, plan_save
 from ..conversion.transforms import WeightTransform
 from ..errors import ConversionError, SaveError
-from ..loading.record import get_load_report, model_record
+from ..loading.record import get_load_report, model_record, offloaded_weights
 from ..loading.report import LoadReport
 from ..modes.distributed import local_part, model_class
 from ..state import mark_runtime_layout, record_file_layout, stored_fusion_config
@@ -136,12 +136,35 @@ def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
+def _still_tied(model: PreTrainedModel, keys: tuple[str, str], state: Mapping[str, torch.Tensor]) -> bool:
+    """Whether tensors ``keys`` of ``state`` (a tied parameter and its source) are still one tensor.
+
+    They are when they share storage. accelerate's hooks put an offloaded module's weight back on the meta device
+    after every forward, so a pair with one side offloaded to disk holds two tensors afterwards though the forward
+    reads one value for both: it is still tied while the offloaded side, read from its file, equals the other.
+    """
+    tensors = [state[key] for key in keys]
+    if _shares_storage(*tensors):
+        return True
+    offloaded = offloaded_weights(model)
+    if offloaded is None or not any(tensor.is_meta for tensor in tensors):
+        return False
+    first, second = (
+        offloaded[key] if tensor.is_meta and key in offloaded else tensor
+        for key, tensor in zip(keys, tensors, strict=True)
+    )
+    if first.is_meta or second.is_meta or first.dtype != second.dtype or first.shape != second.shape:
+        return False
+    with torch.no_grad():
+        return torch.equal(first.to(second.device), second)
+
+
 def untied_pairs(model: PreTrainedModel, state: Mapping[str, torch.Tensor]) -> list[str]:
-    """Tied parameters (per the model's tying rules) that no longer share storage with their source."""
+    """Tied parameters (per the model's tying rules) that are no longer one tensor with their source."""
     return [
         tied
         for tied, source in tied_weight_keys(model).items()
-        if tied in state and source in state and not _shares_storage(state[tied], state[source])
+        if tied in state and source in state and not _still_tied(model, (tied, source), state)
     ]
 
 

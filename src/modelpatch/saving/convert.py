@@ -102,7 +102,8 @@ class Conversion:
         loads skip conversion); otherwise the original layout, every conversion reversed exactly.
 
         ``recorded_fusions``: the fusion config that config.json records for later modelpatch loads to apply, instead
-        of the fusions the source was planned with; for the original layout only (``{}`` records none, as a
+        of the fusions the source was planned with (those of them that fuse something: :attr:`unapplied` are left
+        out); for the original layout only (``{}`` records none, as a
         runtime-layout source turned back into its original layout needs: its own record would fuse it again). A
         runtime layout records the fusions its tensors are in.
 
@@ -146,10 +147,18 @@ class Conversion:
         )
         return files
 
+    @property
+    def unapplied(self) -> list[str]:
+        """The enabled fusions of the plan that fuse nothing in this model (``linear_experts`` of a dense model):
+        :meth:`write` leaves them out of config.json's record, which says what the checkpoint is fused with."""
+        config, fused = self.plan.fusions.config, self.plan.fusions.fused
+        return sorted(name for name, value in config.items() if value is not False and name not in fused)
+
     def _fusions_to_record(self, recorded_fusions: FusionConfig | None, runtime_format: bool) -> dict[str, Any]:
         """The fusion config the written config.json records (see :meth:`write`)."""
         if recorded_fusions is None:
-            return copy.deepcopy(self.plan.fusions.config)
+            unapplied = self.unapplied
+            return {k: v for k, v in copy.deepcopy(self.plan.fusions.config).items() if k not in unapplied}
         if runtime_format:
             raise ValueError(
                 "recorded_fusions applies to the original layout only: a runtime layout records the fusions its "
