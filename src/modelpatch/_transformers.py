@@ -25,6 +25,7 @@ Only public names are imported at module level. The modules and classes below ar
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
@@ -36,12 +37,14 @@ import transformers
 from packaging.specifiers import SpecifierSet  # packaging: a dependency of transformers itself
 from transformers import PretrainedConfig, PreTrainedModel
 
+# Public from its submodule in every supported release (exported at the top level only from 5.16 on).
+from transformers.distributed import DistributedConfig
+
 from .errors import TransformersVersionError
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
-    from transformers import DistributedConfig
     from transformers.models.auto.auto_factory import _BaseAutoModelClass
     from transformers.utils.output_capturing import OutputRecorder
 
@@ -49,76 +52,76 @@ logger = logging.getLogger(__name__)
 
 # The transformers releases modelpatch supports (pyproject.toml's range) and the releases CI checks: the lowest and
 # the newest of the range.
-SUPPORTED = ">=5.22,<5.25"
-CHECKED = ("5.22.2", "5.24.0")
+SUPPORTED = ">=5.15,<5.25"
+CHECKED = ("5.15.1", "5.24.0")
 
 # Every private name of transformers the door relies on: "module:attribute path" (no attribute: the module itself)
 # -> (the first supported release that has it, the feature that needs it).
 PRIVATE_API: dict[str, tuple[str, str]] = {
     # Building and finalising a model
-    "transformers.modeling_utils:PreTrainedModel.get_init_context": ("5.22", "building a model (from_pretrained)"),
-    "transformers.modeling_utils:PreTrainedModel._from_config": ("5.22", "building a model from its config"),
-    "transformers.modeling_utils:PreTrainedModel._get_dtype_plan": ("5.22", "keeping modules in float32"),
-    "transformers.configuration_utils:PretrainedConfig._attn_implementation": ("5.22", "attn_implementation="),
-    "transformers.configuration_utils:PretrainedConfig._experts_implementation": ("5.22", "experts_implementation="),
-    "transformers.monkey_patching": ("5.22", "class patching (transformers' own patch registry)"),
-    "transformers.monkey_patching:get_patch_mapping": ("5.22", "class patching (transformers' own patch registry)"),
+    "transformers.modeling_utils:PreTrainedModel.get_init_context": ("5.15", "building a model (from_pretrained)"),
+    "transformers.modeling_utils:PreTrainedModel._from_config": ("5.15", "building a model from its config"),
+    "transformers.modeling_utils:PreTrainedModel._get_dtype_plan": ("5.15", "keeping modules in float32"),
+    "transformers.configuration_utils:PretrainedConfig._attn_implementation": ("5.15", "attn_implementation="),
+    "transformers.configuration_utils:PretrainedConfig._experts_implementation": ("5.15", "experts_implementation="),
+    "transformers.monkey_patching": ("5.15", "class patching (transformers' own patch registry)"),
+    "transformers.monkey_patching:get_patch_mapping": ("5.15", "class patching (transformers' own patch registry)"),
     "transformers.modeling_utils:PreTrainedModel._move_missing_keys_from_meta_to_device": (
-        "5.22",
+        "5.15",
         "initialising what a checkpoint does not hold",
     ),
     "transformers.modeling_utils:PreTrainedModel._initialize_missing_keys": (
-        "5.22",
+        "5.15",
         "initialising what a checkpoint does not hold",
     ),
-    "transformers.modeling_utils:PreTrainedModel.tie_weights": ("5.22", "tying weights"),
-    "transformers.modeling_utils:PreTrainedModel._keys_to_ignore_on_load_missing": ("5.22", "load reports"),
-    "transformers.modeling_utils:PreTrainedModel._keys_to_ignore_on_load_unexpected": ("5.22", "load reports"),
-    "transformers.modeling_utils:PreTrainedModel._no_split_modules": ("5.22", "device maps"),
-    "transformers.modeling_utils:PreTrainedModel._skip_keys_device_placement": ("5.22", "device maps"),
-    "transformers.modeling_utils:PreTrainedModel._hf_peft_config_loaded": ("5.22", "saving a model with an adapter"),
+    "transformers.modeling_utils:PreTrainedModel.tie_weights": ("5.15", "tying weights"),
+    "transformers.modeling_utils:PreTrainedModel._keys_to_ignore_on_load_missing": ("5.15", "load reports"),
+    "transformers.modeling_utils:PreTrainedModel._keys_to_ignore_on_load_unexpected": ("5.15", "load reports"),
+    "transformers.modeling_utils:PreTrainedModel._no_split_modules": ("5.15", "device maps"),
+    "transformers.modeling_utils:PreTrainedModel._skip_keys_device_placement": ("5.15", "device maps"),
+    "transformers.modeling_utils:PreTrainedModel._hf_peft_config_loaded": ("5.15", "saving a model with an adapter"),
     # Output recorders
-    "transformers.utils.output_capturing:OutputRecorder": ("5.22", "output_attentions / output_hidden_states"),
+    "transformers.utils.output_capturing:OutputRecorder": ("5.15", "output_attentions / output_hidden_states"),
     "transformers.modeling_utils:PreTrainedModel._can_record_outputs": (
-        "5.22",
+        "5.15",
         "output_attentions / output_hidden_states",
     ),
     # Auto classes
-    "transformers.models.auto.auto_factory:_BaseAutoModelClass": ("5.22", "modelpatch's Auto classes"),
-    "transformers.models.auto.auto_factory:_BaseAutoModelClass._model_mapping": ("5.22", "modelpatch's Auto classes"),
-    "transformers.models.auto.auto_factory:_get_model_class": ("5.22", "modelpatch's Auto classes"),
-    "transformers.models.auto.modeling_auto": ("5.22", "finding a model type's classes"),
+    "transformers.models.auto.auto_factory:_BaseAutoModelClass": ("5.15", "modelpatch's Auto classes"),
+    "transformers.models.auto.auto_factory:_BaseAutoModelClass._model_mapping": ("5.15", "modelpatch's Auto classes"),
+    "transformers.models.auto.auto_factory:_get_model_class": ("5.15", "modelpatch's Auto classes"),
+    "transformers.models.auto.modeling_auto": ("5.15", "finding a model type's classes"),
     # Conversions
-    "transformers.conversion_mapping": ("5.22", "checkpoint conversions (transformers' mapping)"),
-    "transformers.conversion_mapping:get_checkpoint_conversion_mapping": ("5.22", "checkpoint conversions"),
-    "transformers.conversion_mapping:_checkpoint_conversion_mapping_cache": ("5.22", "checkpoint conversions"),
-    "transformers.conversion_mapping:USER_REGISTERED_MAPPINGS": ("5.22", "checkpoint conversions"),
-    "transformers.core_model_loading": ("5.22", "checkpoint conversions (transformers' operations)"),
-    "transformers.core_model_loading:WeightTransform._original_source_patterns": ("5.22", "checkpoint conversions"),
-    "transformers.core_model_loading:WeightTransform._original_target_patterns": ("5.22", "checkpoint conversions"),
+    "transformers.conversion_mapping": ("5.15", "checkpoint conversions (transformers' mapping)"),
+    "transformers.conversion_mapping:get_checkpoint_conversion_mapping": ("5.15", "checkpoint conversions"),
+    "transformers.conversion_mapping:_checkpoint_conversion_mapping_cache": ("5.15", "checkpoint conversions"),
+    "transformers.conversion_mapping:USER_REGISTERED_MAPPINGS": ("5.15", "checkpoint conversions"),
+    "transformers.core_model_loading": ("5.15", "checkpoint conversions (transformers' operations)"),
+    "transformers.core_model_loading:WeightTransform._original_source_patterns": ("5.15", "checkpoint conversions"),
+    "transformers.core_model_loading:WeightTransform._original_target_patterns": ("5.15", "checkpoint conversions"),
     # Quantizers
-    "transformers.quantizers:HfQuantizer": ("5.22", "quantized loads"),
-    "transformers.quantizers:HfQuantizer.update_weight_conversions": ("5.22", "quantized loads"),
-    "transformers.quantizers.auto:get_hf_quantizer": ("5.22", "quantized loads"),
-    "transformers.integrations.finegrained_fp8:Fp8Dequantize": ("5.22", "loading FP8 checkpoints"),
-    "transformers.integrations.torchao:TorchAoDeserialize": ("5.22", "loading torchao checkpoints"),
-    # Tensor parallelism (5.22 has another distributed API: tensor_parallel_supported() is False there)
+    "transformers.quantizers:HfQuantizer": ("5.15", "quantized loads"),
+    "transformers.quantizers:HfQuantizer.update_weight_conversions": ("5.15", "quantized loads"),
+    "transformers.quantizers.auto:get_hf_quantizer": ("5.15", "quantized loads"),
+    "transformers.integrations.finegrained_fp8:Fp8Dequantize": ("5.15", "loading FP8 checkpoints"),
+    "transformers.integrations.torchao:TorchAoDeserialize": ("5.15", "loading torchao checkpoints"),
+    # Tensor parallelism (releases before 5.23 have another distributed API: tensor_parallel_supported() is False there)
     "transformers.modeling_utils:PreTrainedModel._resolve_parallel_plans": ("5.23", "tensor-parallel loads"),
-    "transformers.modeling_utils:PreTrainedModel.prepare_distribute_model": ("5.22", "tensor-parallel loads"),
-    "transformers.modeling_utils:PreTrainedModel._tp_plan": ("5.22", "tensor-parallel loads"),
-    "transformers.modeling_utils:PreTrainedModel._mesh_manager": ("5.22", "tensor-parallel loads"),
-    "transformers.modeling_utils:PreTrainedModel._device_mesh": ("5.22", "tensor-parallel loads"),
+    "transformers.modeling_utils:PreTrainedModel.prepare_distribute_model": ("5.15", "tensor-parallel loads"),
+    "transformers.modeling_utils:PreTrainedModel._tp_plan": ("5.15", "tensor-parallel loads"),
+    "transformers.modeling_utils:PreTrainedModel._mesh_manager": ("5.19", "tensor-parallel loads"),
+    "transformers.modeling_utils:PreTrainedModel._device_mesh": ("5.15", "tensor-parallel loads"),
     "transformers.modeling_utils:PreTrainedModel._is_distributed_loading_by_transformers": (
-        "5.22",
+        "5.19",
         "tensor-parallel loads",
     ),
-    "transformers.modeling_utils:PreTrainedModel._tp_size": ("5.22", "tensor-parallel loads"),
-    "transformers.modeling_utils:PreTrainedModel._fsdp_size": ("5.22", "tensor-parallel loads"),
+    "transformers.modeling_utils:PreTrainedModel._tp_size": ("5.15", "tensor-parallel loads"),
+    "transformers.modeling_utils:PreTrainedModel._fsdp_size": ("5.18", "tensor-parallel loads"),
     "transformers.distributed.parallel_utils:ALL_PARALLEL_STYLES": ("5.22", "tensor-parallel loads"),
     "transformers.distributed.parallel_utils:replace_layer_number_by_wildcard": ("5.23", "tensor-parallel loads"),
-    "transformers.distributed.tensor_parallel:apply_tensor_parallelism": ("5.22", "tensor-parallel loads"),
-    "transformers.distributed.tensor_parallel:PackedColwiseParallel": ("5.22", "tensor-parallel loads"),
-    "transformers.distributed.sharding_utils:DtensorShardOperation": ("5.22", "tensor-parallel loads"),
+    "transformers.distributed.tensor_parallel:apply_tensor_parallelism": ("5.16", "tensor-parallel loads"),
+    "transformers.distributed.tensor_parallel:PackedColwiseParallel": ("5.16", "tensor-parallel loads"),
+    "transformers.distributed.sharding_utils:DtensorShardOperation": ("5.15", "tensor-parallel loads"),
 }
 # Markers transformers sets on instances (no class declares them), exercised by the suite rather than looked up.
 INSTANCE_ATTRIBUTES = ("all_tied_weights_keys", "_is_hf_initialized")
@@ -517,10 +520,13 @@ def quantizer_for(config: PretrainedConfig, quantization_config: Any, device_map
 def weight_conversions_of(quantizer: Any, model: PreTrainedModel) -> Sequence[Any]:
     """The weight conversions the quantizer adds to a model that has none of its own.
 
-    Checked against 5.22.2–5.24.0: ``HfQuantizer.update_weight_conversions(conversions, model)``.
+    Checked against 5.15.1–5.24.0: ``HfQuantizer.update_weight_conversions(conversions, model)``; before 5.21 it
+    takes the conversions alone (it did not yet look at the model's parameters).
     """
     require("transformers.quantizers:HfQuantizer.update_weight_conversions")
-    return quantizer.update_weight_conversions([], model)
+    if "model" in inspect.signature(quantizer.update_weight_conversions).parameters:
+        return quantizer.update_weight_conversions([], model)
+    return quantizer.update_weight_conversions([])
 
 
 # --- Tensor parallelism -------------------------------------------------------------------------------------------
@@ -627,8 +633,6 @@ def resolved_tp_plan(model: PreTrainedModel, tp_size: int) -> dict[str, str]:
     Checked against 5.23.0–5.24.0: ``DistributedMixin._resolve_parallel_plans(DistributedConfig)`` returns
     ``(tp_plan, ep_plan, fsdp_plan)``; with ``tp_plan="auto"`` it overrides nothing.
     """
-    from transformers import DistributedConfig
-
     require("transformers.modeling_utils:PreTrainedModel._resolve_parallel_plans")
     tp_plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_plan="auto", tp_size=tp_size))
     return tp_plan
