@@ -586,6 +586,7 @@ CHANGES = {
 }
 
 
+@NEEDS_GROUPED_PRODUCT
 @pytest.mark.slow
 @pytest.mark.parametrize("change", sorted(CHANGES))
 def test_compiled_experts_run_what_changed_after_compiling(change):
@@ -614,6 +615,7 @@ def test_compiled_experts_run_what_changed_after_compiling(change):
 @pytest.mark.parametrize(
     "change", ["Linear set on an expert", "expert assigned into the list", "weight Parameter assigned"]
 )
+@NEEDS_GROUPED_PRODUCT
 def test_compiled_experts_take_the_grouped_path_again_once_packed(change):
     """``pack()`` after a change lays out what stands there: the compiled code of the first call runs again, on the
     new weights, compiling nothing more."""
@@ -631,6 +633,7 @@ def test_compiled_experts_take_the_grouped_path_again_once_packed(change):
         assert len(graphs.graphs) == compiles and _forward_compiles() == 2
 
 
+@NEEDS_GROUPED_PRODUCT
 @pytest.mark.slow
 def test_an_eager_call_that_finds_the_layout_intact_rearms_the_compiled_path():
     """A change that leaves the layout as packed (a Linear set back in its place) costs compiled code a full check
