@@ -6,7 +6,7 @@
 # setup resolves to the same, CI-tested set. Each constraints file names the Python it is for (a "# python: 3.X"
 # line): .ci/constraints.txt the newest supported set (Python 3.13, the newest torch, which PyPI serves as a CUDA
 # build of a few GB, downloaded once and cached by pip; it runs on the CPU), .ci/constraints-lowest.txt the lowest
-# (Python 3.11, torch 2.13.0, whose CPU wheel lies on this machine's disk).
+# (Python 3.11, torch 2.6.0, a CUDA 12.4 build of ~2.5 GB, cached alike).
 #
 #   VENV         where to create it                      (default .venv)
 #   CONSTRAINTS  the pins to install                     (default .ci/constraints.txt: the newest supported set;

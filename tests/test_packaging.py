@@ -128,6 +128,19 @@ def test_lint_tools_declared_as_ranges_and_pinned_for_ci():
             assert requirement.specifier.contains(pin.version), f"{name} pins {pin} outside {requirement}"
 
 
+def test_both_ci_sets_pin_every_extra_inside_its_declared_range():
+    """The extras (PEFT, torchao, the test tools) install in both CI sets, each pinned inside the range pyproject.toml
+    declares: the lowest set's torch (2.6) holds some extras to older releases (torchao 0.16, compressed-tensors 0.15),
+    so their declared floors must admit those."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for name in ("constraints.txt", "constraints-lowest.txt"):
+        _, pins = _ci_set(name)
+        for requirement in (Requirement(line) for group in ("peft", "torchao", "test") for line in extras[group]):
+            pin = pins.get(requirement.name.lower())
+            assert pin is not None, f"{name} pins no {requirement.name}"
+            assert requirement.specifier.contains(pin), f"{name} pins {requirement.name} {pin} outside {requirement}"
+
+
 def test_ci_runs_the_lowest_and_the_newest_supported_transformers():
     """The declared transformers range is the door's, and CI's two venvs pin its lowest and its newest release: the
     floor's own release series, and the series just below the (exclusive) ceiling."""

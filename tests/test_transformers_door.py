@@ -158,14 +158,14 @@ def test_a_name_this_transformers_lacks_is_refused_by_name():
     naming the release, the name, the feature that needs it and the supported range (not an AttributeError)."""
     expected = (
         f"transformers {transformers.__version__} lacks transformers.modeling_utils.PreTrainedModel._no_such_internal"
-        ", which building a model needs; supported: transformers>=5.22,<5.25"
+        ", which building a model needs; supported: transformers>=5.15,<5.25"
     )
     with pytest.raises(TransformersVersionError, match=re.escape(expected)):
         door.lookup("transformers.modeling_utils", "PreTrainedModel._no_such_internal", "building a model")
     with pytest.raises(TransformersVersionError, match=r"lacks transformers\.no_such_module, which conversions need"):
         door.lookup("transformers.no_such_module", "", "conversions")
     assert issubclass(TransformersVersionError, modelpatch.ModelPatchError)
-    # A name the installed release lacks among the door's own (5.22 has no _resolve_parallel_plans): refused too.
+    # A name the installed release lacks among the door's own (5.15-5.22 have no _resolve_parallel_plans): refused.
     for path, (_, feature) in door.PRIVATE_API.items():
         if not door.available(path):
             with pytest.raises(TransformersVersionError, match=re.escape(feature)):
@@ -173,8 +173,8 @@ def test_a_name_this_transformers_lacks_is_refused_by_name():
 
 
 def test_the_supported_range():
-    assert door.supports("5.22.0") and door.supports("5.24.0") and door.supports("5.24.3")
-    assert not door.supports("5.21.9") and not door.supports("5.25.0") and not door.supports("5.25.0.dev0")
+    assert door.supports("5.15.0") and door.supports("5.22.0") and door.supports("5.24.0") and door.supports("5.24.3")
+    assert not door.supports("5.14.9") and not door.supports("5.25.0") and not door.supports("5.25.0.dev0")
 
 
 def tiny_llama_config() -> PretrainedConfig:

@@ -39,6 +39,7 @@ from .errors import (
     SaveError,
     ShardingError,
     TensorParallelError,
+    TorchVersionError,
     TransformersVersionError,
 )
 
@@ -134,6 +135,7 @@ __all__ = [
     "SaveError",
     "ShardingError",
     "TensorParallelError",
+    "TorchVersionError",
     "TransformersVersionError",
     *sorted(_LAZY),
 ]

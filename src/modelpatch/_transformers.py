@@ -25,6 +25,7 @@ Only public names are imported at module level. The modules and classes below ar
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
@@ -36,12 +37,14 @@ import transformers
 from packaging.specifiers import SpecifierSet  # packaging: a dependency of transformers itself
 from transformers import PretrainedConfig, PreTrainedModel
 
+# Public from its submodule in every supported release (exported at the top level only from 5.16 on).
+from transformers.distributed import DistributedConfig
+
 from .errors import TransformersVersionError
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
-    from transformers import DistributedConfig
     from transformers.models.auto.auto_factory import _BaseAutoModelClass
     from transformers.utils.output_capturing import OutputRecorder
 
@@ -49,76 +52,76 @@ logger = logging.getLogger(__name__)
 
 # The transformers releases modelpatch supports (pyproject.toml's range) and the releases CI checks: the lowest and
 # the newest of the range.
-SUPPORTED = ">=5.22,<5.25"
-CHECKED = ("5.22.2", "5.24.0")
+SUPPORTED = ">=5.15,<5.25"
+CHECKED = ("5.15.1", "5.24.0")
 
 # Every private name of transformers the door relies on: "module:attribute path" (no attribute: the module itself)
 # -> (the first supported release that has it, the feature that needs it).
 PRIVATE_API: dict[str, tuple[str, str]] = {
     # Building and finalising a model
-    "transformers.modeling_utils:PreTrainedModel.get_init_context": ("5.22", "building a model (from_pretrained)"),
-    "transformers.modeling_utils:PreTrainedModel._from_config": ("5.22", "building a model from its config"),
-    "transformers.modeling_utils:PreTrainedModel._get_dtype_plan": ("5.22", "keeping modules in float32"),
-    "transformers.configuration_utils:PretrainedConfig._attn_implementation": ("5.22", "attn_implementation="),
-    "transformers.configuration_utils:PretrainedConfig._experts_implementation": ("5.22", "experts_implementation="),
-    "transformers.monkey_patching": ("5.22", "class patching (transformers' own patch registry)"),
-    "transformers.monkey_patching:get_patch_mapping": ("5.22", "class patching (transformers' own patch registry)"),
+    "transformers.modeling_utils:PreTrainedModel.get_init_context": ("5.15", "building a model (from_pretrained)"),
+    "transformers.modeling_utils:PreTrainedModel._from_config": ("5.15", "building a model from its config"),
+    "transformers.modeling_utils:PreTrainedModel._get_dtype_plan": ("5.15", "keeping modules in float32"),
+    "transformers.configuration_utils:PretrainedConfig._attn_implementation": ("5.15", "attn_implementation="),
+    "transformers.configuration_utils:PretrainedConfig._experts_implementation": ("5.15", "experts_implementation="),
+    "transformers.monkey_patching": ("5.15", "class patching (transformers' own patch registry)"),
+    "transformers.monkey_patching:get_patch_mapping": ("5.15", "class patching (transformers' own patch registry)"),
     "transformers.modeling_utils:PreTrainedModel._move_missing_keys_from_meta_to_device": (
-        "5.22",
+        "5.15",
         "initialising what a checkpoint does not hold",
     ),
     "transformers.modeling_utils:PreTrainedModel._initialize_missing_keys": (
-        "5.22",
+        "5.15",
         "initialising what a checkpoint does not hold",
     ),
-    "transformers.modeling_utils:PreTrainedModel.tie_weights": ("5.22", "tying weights"),
-    "transformers.modeling_utils:PreTrainedModel._keys_to_ignore_on_load_missing": ("5.22", "load reports"),
-    "transformers.modeling_utils:PreTrainedModel._keys_to_ignore_on_load_unexpected": ("5.22", "load reports"),
-    "transformers.modeling_utils:PreTrainedModel._no_split_modules": ("5.22", "device maps"),
-    "transformers.modeling_utils:PreTrainedModel._skip_keys_device_placement": ("5.22", "device maps"),
-    "transformers.modeling_utils:PreTrainedModel._hf_peft_config_loaded": ("5.22", "saving a model with an adapter"),
+    "transformers.modeling_utils:PreTrainedModel.tie_weights": ("5.15", "tying weights"),
+    "transformers.modeling_utils:PreTrainedModel._keys_to_ignore_on_load_missing": ("5.15", "load reports"),
+    "transformers.modeling_utils:PreTrainedModel._keys_to_ignore_on_load_unexpected": ("5.15", "load reports"),
+    "transformers.modeling_utils:PreTrainedModel._no_split_modules": ("5.15", "device maps"),
+    "transformers.modeling_utils:PreTrainedModel._skip_keys_device_placement": ("5.15", "device maps"),
+    "transformers.modeling_utils:PreTrainedModel._hf_peft_config_loaded": ("5.15", "saving a model with an adapter"),
     # Output recorders
-    "transformers.utils.output_capturing:OutputRecorder": ("5.22", "output_attentions / output_hidden_states"),
+    "transformers.utils.output_capturing:OutputRecorder": ("5.15", "output_attentions / output_hidden_states"),
     "transformers.modeling_utils:PreTrainedModel._can_record_outputs": (
-        "5.22",
+        "5.15",
         "output_attentions / output_hidden_states",
     ),
     # Auto classes
-    "transformers.models.auto.auto_factory:_BaseAutoModelClass": ("5.22", "modelpatch's Auto classes"),
-    "transformers.models.auto.auto_factory:_BaseAutoModelClass._model_mapping": ("5.22", "modelpatch's Auto classes"),
-    "transformers.models.auto.auto_factory:_get_model_class": ("5.22", "modelpatch's Auto classes"),
-    "transformers.models.auto.modeling_auto": ("5.22", "finding a model type's classes"),
+    "transformers.models.auto.auto_factory:_BaseAutoModelClass": ("5.15", "modelpatch's Auto classes"),
+    "transformers.models.auto.auto_factory:_BaseAutoModelClass._model_mapping": ("5.15", "modelpatch's Auto classes"),
+    "transformers.models.auto.auto_factory:_get_model_class": ("5.15", "modelpatch's Auto classes"),
+    "transformers.models.auto.modeling_auto": ("5.15", "finding a model type's classes"),
     # Conversions
-    "transformers.conversion_mapping": ("5.22", "checkpoint conversions (transformers' mapping)"),
-    "transformers.conversion_mapping:get_checkpoint_conversion_mapping": ("5.22", "checkpoint conversions"),
-    "transformers.conversion_mapping:_checkpoint_conversion_mapping_cache": ("5.22", "checkpoint conversions"),
-    "transformers.conversion_mapping:USER_REGISTERED_MAPPINGS": ("5.22", "checkpoint conversions"),
-    "transformers.core_model_loading": ("5.22", "checkpoint conversions (transformers' operations)"),
-    "transformers.core_model_loading:WeightTransform._original_source_patterns": ("5.22", "checkpoint conversions"),
-    "transformers.core_model_loading:WeightTransform._original_target_patterns": ("5.22", "checkpoint conversions"),
+    "transformers.conversion_mapping": ("5.15", "checkpoint conversions (transformers' mapping)"),
+    "transformers.conversion_mapping:get_checkpoint_conversion_mapping": ("5.15", "checkpoint conversions"),
+    "transformers.conversion_mapping:_checkpoint_conversion_mapping_cache": ("5.15", "checkpoint conversions"),
+    "transformers.conversion_mapping:USER_REGISTERED_MAPPINGS": ("5.15", "checkpoint conversions"),
+    "transformers.core_model_loading": ("5.15", "checkpoint conversions (transformers' operations)"),
+    "transformers.core_model_loading:WeightTransform._original_source_patterns": ("5.15", "checkpoint conversions"),
+    "transformers.core_model_loading:WeightTransform._original_target_patterns": ("5.15", "checkpoint conversions"),
     # Quantizers
-    "transformers.quantizers:HfQuantizer": ("5.22", "quantized loads"),
-    "transformers.quantizers:HfQuantizer.update_weight_conversions": ("5.22", "quantized loads"),
-    "transformers.quantizers.auto:get_hf_quantizer": ("5.22", "quantized loads"),
-    "transformers.integrations.finegrained_fp8:Fp8Dequantize": ("5.22", "loading FP8 checkpoints"),
-    "transformers.integrations.torchao:TorchAoDeserialize": ("5.22", "loading torchao checkpoints"),
-    # Tensor parallelism (5.22 has another distributed API: tensor_parallel_supported() is False there)
+    "transformers.quantizers:HfQuantizer": ("5.15", "quantized loads"),
+    "transformers.quantizers:HfQuantizer.update_weight_conversions": ("5.15", "quantized loads"),
+    "transformers.quantizers.auto:get_hf_quantizer": ("5.15", "quantized loads"),
+    "transformers.integrations.finegrained_fp8:Fp8Dequantize": ("5.15", "loading FP8 checkpoints"),
+    "transformers.integrations.torchao:TorchAoDeserialize": ("5.15", "loading torchao checkpoints"),
+    # Tensor parallelism (releases before 5.23 have another distributed API: tensor_parallel_supported() is False there)
     "transformers.modeling_utils:PreTrainedModel._resolve_parallel_plans": ("5.23", "tensor-parallel loads"),
-    "transformers.modeling_utils:PreTrainedModel.prepare_distribute_model": ("5.22", "tensor-parallel loads"),
-    "transformers.modeling_utils:PreTrainedModel._tp_plan": ("5.22", "tensor-parallel loads"),
-    "transformers.modeling_utils:PreTrainedModel._mesh_manager": ("5.22", "tensor-parallel loads"),
-    "transformers.modeling_utils:PreTrainedModel._device_mesh": ("5.22", "tensor-parallel loads"),
+    "transformers.modeling_utils:PreTrainedModel.prepare_distribute_model": ("5.15", "tensor-parallel loads"),
+    "transformers.modeling_utils:PreTrainedModel._tp_plan": ("5.15", "tensor-parallel loads"),
+    "transformers.modeling_utils:PreTrainedModel._mesh_manager": ("5.19", "tensor-parallel loads"),
+    "transformers.modeling_utils:PreTrainedModel._device_mesh": ("5.15", "tensor-parallel loads"),
     "transformers.modeling_utils:PreTrainedModel._is_distributed_loading_by_transformers": (
-        "5.22",
+        "5.19",
         "tensor-parallel loads",
     ),
-    "transformers.modeling_utils:PreTrainedModel._tp_size": ("5.22", "tensor-parallel loads"),
-    "transformers.modeling_utils:PreTrainedModel._fsdp_size": ("5.22", "tensor-parallel loads"),
+    "transformers.modeling_utils:PreTrainedModel._tp_size": ("5.15", "tensor-parallel loads"),
+    "transformers.modeling_utils:PreTrainedModel._fsdp_size": ("5.18", "tensor-parallel loads"),
     "transformers.distributed.parallel_utils:ALL_PARALLEL_STYLES": ("5.22", "tensor-parallel loads"),
     "transformers.distributed.parallel_utils:replace_layer_number_by_wildcard": ("5.23", "tensor-parallel loads"),
-    "transformers.distributed.tensor_parallel:apply_tensor_parallelism": ("5.22", "tensor-parallel loads"),
-    "transformers.distributed.tensor_parallel:PackedColwiseParallel": ("5.22", "tensor-parallel loads"),
-    "transformers.distributed.sharding_utils:DtensorShardOperation": ("5.22", "tensor-parallel loads"),
+    "transformers.distributed.tensor_parallel:apply_tensor_parallelism": ("5.16", "tensor-parallel loads"),
+    "transformers.distributed.tensor_parallel:PackedColwiseParallel": ("5.16", "tensor-parallel loads"),
+    "transformers.distributed.sharding_utils:DtensorShardOperation": ("5.15", "tensor-parallel loads"),
 }
 # Markers transformers sets on instances (no class declares them), exercised by the suite rather than looked up.
 INSTANCE_ATTRIBUTES = ("all_tied_weights_keys", "_is_hf_initialized")
@@ -220,7 +223,7 @@ def init_contexts(
 ) -> list[AbstractContextManager]:
     """The context managers stock ``from_pretrained`` builds a model under (meta device, default dtype, no init).
 
-    Checked against 5.22.2–5.24.0: ``get_init_context(dtype, is_quantized, _is_ds_init_called, allow_all_kernels)``,
+    Checked against 5.15.1–5.24.0: ``get_init_context(dtype, is_quantized, _is_ds_init_called, allow_all_kernels)``,
     positional.
     """
     require("transformers.modeling_utils:PreTrainedModel.get_init_context")
@@ -232,7 +235,7 @@ def initialized_from_config(
 ) -> PreTrainedModel:
     """A model built and initialised from ``config`` as stock ``AutoModel.from_config`` builds it.
 
-    Checked against 5.22.2–5.24.0: ``PreTrainedModel._from_config(config, dtype=...)``.
+    Checked against 5.15.1–5.24.0: ``PreTrainedModel._from_config(config, dtype=...)``.
     """
     require("transformers.modeling_utils:PreTrainedModel._from_config")
     return model_class._from_config(config, **({"dtype": dtype} if dtype is not None else {}))
@@ -241,7 +244,7 @@ def initialized_from_config(
 def fp32_module_patterns(model: PreTrainedModel, dtype: torch.dtype) -> list[str]:
     """The glob patterns of the tensors stock keeps in float32 when loading in ``dtype``.
 
-    Checked against 5.22.2–5.24.0: ``PreTrainedModel._get_dtype_plan(dtype)`` (``_keep_in_fp32_modules`` and
+    Checked against 5.15.1–5.24.0: ``PreTrainedModel._get_dtype_plan(dtype)`` (``_keep_in_fp32_modules`` and
     ``_keep_in_fp32_modules_strict``).
     """
     require("transformers.modeling_utils:PreTrainedModel._get_dtype_plan")
@@ -251,7 +254,7 @@ def fp32_module_patterns(model: PreTrainedModel, dtype: torch.dtype) -> list[str
 def set_attention_implementation(config: PretrainedConfig, implementation: str | None) -> None:
     """Set the attention implementation as stock's ``attn_implementation=`` does; None resets it to the default.
 
-    Checked against 5.22.2–5.24.0: the ``_attn_implementation`` setter of ``PretrainedConfig``, which reaches the
+    Checked against 5.15.1–5.24.0: the ``_attn_implementation`` setter of ``PretrainedConfig``, which reaches the
     sub-configs of composite models.
     """
     require("transformers.configuration_utils:PretrainedConfig._attn_implementation")
@@ -261,7 +264,7 @@ def set_attention_implementation(config: PretrainedConfig, implementation: str |
 def set_experts_implementation(config: PretrainedConfig, implementation: str | None) -> None:
     """Set the experts implementation as stock's ``experts_implementation=`` does; None resets it to the default.
 
-    Checked against 5.22.2–5.24.0: the ``_experts_implementation`` setter of ``PretrainedConfig``.
+    Checked against 5.15.1–5.24.0: the ``_experts_implementation`` setter of ``PretrainedConfig``.
     """
     require("transformers.configuration_utils:PretrainedConfig._experts_implementation")
     config._experts_implementation = implementation
@@ -270,7 +273,7 @@ def set_experts_implementation(config: PretrainedConfig, implementation: str | N
 def patch_registry_module() -> ModuleType:
     """``transformers.monkey_patching``: transformers' own patch registry and ``apply_patches``.
 
-    Checked against 5.22.2–5.24.0: ``apply_patches`` and ``patch_output_recorders`` read the registry through the
+    Checked against 5.15.1–5.24.0: ``apply_patches`` and ``patch_output_recorders`` read the registry through the
     module global ``get_patch_mapping`` at call time (``loading/build.py`` checks this and refuses otherwise).
     """
     require("transformers.monkey_patching:get_patch_mapping")
@@ -284,7 +287,7 @@ def patch_registry_module() -> ModuleType:
 def tied_weight_keys(model: PreTrainedModel) -> dict[str, str]:
     """``{tied parameter: its source}`` by the model's tying rules (empty for a model that ties nothing).
 
-    Checked against 5.22.2–5.24.0: ``PreTrainedModel.all_tied_weights_keys``, set when the model is built.
+    Checked against 5.15.1–5.24.0: ``PreTrainedModel.all_tied_weights_keys``, set when the model is built.
     """
     return dict(getattr(model, "all_tied_weights_keys", None) or {})
 
@@ -292,7 +295,7 @@ def tied_weight_keys(model: PreTrainedModel) -> dict[str, str]:
 def mark_initialized(tensor: torch.Tensor) -> None:
     """Tell transformers' initialisation to leave ``tensor`` alone (it holds loaded data).
 
-    Checked against 5.22.2–5.24.0: the ``_is_hf_initialized`` flag ``_initialize_missing_keys`` honours.
+    Checked against 5.15.1–5.24.0: the ``_is_hf_initialized`` flag ``_initialize_missing_keys`` honours.
     """
     # transformers' marker attribute on tensors, unknown to torch's stubs.
     tensor._is_hf_initialized = True  # type: ignore[attr-defined]
@@ -302,7 +305,7 @@ def initialize_missing(model: PreTrainedModel, missing: set[str], device: torch.
     """Stock's finalisation of a loaded model: what the checkpoint did not fill (non-persistent buffers, new
     parameters) is moved off the meta device onto ``device`` and initialised, then weights are tied.
 
-    Checked against 5.22.2–5.24.0: ``_move_missing_keys_from_meta_to_device(missing, device_map, device_mesh,
+    Checked against 5.15.1–5.24.0: ``_move_missing_keys_from_meta_to_device(missing, device_map, device_mesh,
     hf_quantizer)``, ``_initialize_missing_keys(is_quantized=...)``, ``tie_weights(missing_keys=...,
     recompute_mapping=...)``.
     """
@@ -331,7 +334,7 @@ def _mark_loaded_modules(model: torch.nn.Module) -> None:
     parameter must be drawn from the generator state stock reaches at it. Stock flags every module it walked, so
     the end state is the same.
 
-    Checked against 5.22.2–5.24.0: the module-level ``_is_hf_initialized`` flag ``_initialize_missing_keys`` skips.
+    Checked against 5.15.1–5.24.0: the module-level ``_is_hf_initialized`` flag ``_initialize_missing_keys`` skips.
     """
 
     def loaded(module: torch.nn.Module) -> bool:
@@ -351,7 +354,7 @@ def _mark_loaded_modules(model: torch.nn.Module) -> None:
 def keys_to_ignore_on_load(model: PreTrainedModel, kind: str) -> list[str]:
     """The patterns of keys stock loads without a warning: ``kind`` "missing" or "unexpected".
 
-    Checked against 5.22.2–5.24.0: ``_keys_to_ignore_on_load_missing`` / ``_keys_to_ignore_on_load_unexpected``.
+    Checked against 5.15.1–5.24.0: ``_keys_to_ignore_on_load_missing`` / ``_keys_to_ignore_on_load_unexpected``.
     """
     require(
         "transformers.modeling_utils:PreTrainedModel._keys_to_ignore_on_load_missing"
@@ -364,7 +367,7 @@ def keys_to_ignore_on_load(model: PreTrainedModel, kind: str) -> list[str]:
 def no_split_modules(model: PreTrainedModel) -> list[str]:
     """The class names a device map must keep whole on one device, sorted.
 
-    Checked against 5.22.2–5.24.0: ``PreTrainedModel._no_split_modules`` (the class attribute; sub-models' are merged
+    Checked against 5.15.1–5.24.0: ``PreTrainedModel._no_split_modules`` (the class attribute; sub-models' are merged
     by transformers into the top model's).
     """
     require("transformers.modeling_utils:PreTrainedModel._no_split_modules")
@@ -374,7 +377,7 @@ def no_split_modules(model: PreTrainedModel) -> list[str]:
 def skip_keys_device_placement(model: PreTrainedModel) -> str | list[str] | None:
     """The state keys a dispatch leaves where they are (a cache buffer, say), as stock passes them to accelerate.
 
-    Checked against 5.22.2–5.24.0: ``PreTrainedModel._skip_keys_device_placement`` (a class attribute; its default is
+    Checked against 5.15.1–5.24.0: ``PreTrainedModel._skip_keys_device_placement`` (a class attribute; its default is
     None up to 5.23, ``["cache"]`` from 5.24 on).
     """
     require("transformers.modeling_utils:PreTrainedModel._skip_keys_device_placement")
@@ -384,7 +387,7 @@ def skip_keys_device_placement(model: PreTrainedModel) -> str | list[str] | None
 def has_transformers_adapter(model: PreTrainedModel) -> bool:
     """Whether an adapter was loaded through transformers' own PEFT integration (``model.load_adapter``).
 
-    Checked against 5.22.2–5.24.0: ``_hf_peft_config_loaded``.
+    Checked against 5.15.1–5.24.0: ``_hf_peft_config_loaded``.
     """
     require("transformers.modeling_utils:PreTrainedModel._hf_peft_config_loaded")
     return bool(getattr(model, "_hf_peft_config_loaded", False))
@@ -396,7 +399,7 @@ def has_transformers_adapter(model: PreTrainedModel) -> bool:
 def output_recorder_class() -> type[OutputRecorder]:
     """transformers' ``OutputRecorder`` (the dataclass naming a recorded class and the output index it reads).
 
-    Checked against 5.22.2–5.24.0: ``transformers.utils.output_capturing.OutputRecorder``.
+    Checked against 5.15.1–5.24.0: ``transformers.utils.output_capturing.OutputRecorder``.
     """
     recorder: type[OutputRecorder] = require("transformers.utils.output_capturing:OutputRecorder")
     return recorder
@@ -405,7 +408,7 @@ def output_recorder_class() -> type[OutputRecorder]:
 def recorded_outputs(model_class: type) -> dict[str, Any] | None:
     """The model class's ``{output name: class or OutputRecorder (or a list)}``, the dict itself (None if it has none).
 
-    Checked against 5.22.2–5.24.0: the ``_can_record_outputs`` class attribute; hooks are attached by class at the
+    Checked against 5.15.1–5.24.0: the ``_can_record_outputs`` class attribute; hooks are attached by class at the
     first forward that asks for those outputs.
     """
     require("transformers.modeling_utils:PreTrainedModel._can_record_outputs")
@@ -419,7 +422,7 @@ def recorded_outputs(model_class: type) -> dict[str, Any] | None:
 def is_auto_class(value: object) -> TypeGuard[type[_BaseAutoModelClass]]:
     """Whether ``value`` is one of transformers' Auto model classes (``AutoModelForCausalLM``, ...).
 
-    Checked against 5.22.2–5.24.0: they subclass ``transformers.models.auto.auto_factory._BaseAutoModelClass``.
+    Checked against 5.15.1–5.24.0: they subclass ``transformers.models.auto.auto_factory._BaseAutoModelClass``.
     """
     base = require("transformers.models.auto.auto_factory:_BaseAutoModelClass")
     return isinstance(value, type) and issubclass(value, base)
@@ -429,7 +432,7 @@ def auto_model_class(auto_class: type[_BaseAutoModelClass], config: PretrainedCo
     """The concrete class ``auto_class`` builds for ``config``, as its ``from_config`` picks it; None when it maps no
     class to that config's type.
 
-    Checked against 5.22.2–5.24.0: ``auto_class._model_mapping`` (keyed by config class) and
+    Checked against 5.15.1–5.24.0: ``auto_class._model_mapping`` (keyed by config class) and
     ``auto_factory._get_model_class`` (which chooses among several architectures by ``config.architectures``).
     """
     require("transformers.models.auto.auto_factory:_BaseAutoModelClass._model_mapping")
@@ -445,7 +448,7 @@ def auto_model_class(auto_class: type[_BaseAutoModelClass], config: PretrainedCo
 def model_class_names_for(model_type: str) -> list[str]:
     """Every model class name transformers' Auto mappings give ``model_type`` (base model and task heads), sorted.
 
-    Checked against 5.22.2–5.24.0: the ``MODEL*_MAPPING_NAMES`` dicts of ``transformers.models.auto.modeling_auto``
+    Checked against 5.15.1–5.24.0: the ``MODEL*_MAPPING_NAMES`` dicts of ``transformers.models.auto.modeling_auto``
     (values: a class name, or a tuple of them).
     """
     modeling_auto = require("transformers.models.auto.modeling_auto")
@@ -463,7 +466,7 @@ def model_class_names_for(model_type: str) -> list[str]:
 def conversion_mapping_cache() -> dict[str, list[Any]]:
     """transformers' conversion registry, every key (model types, class names, ``"legacy"``), built if need be.
 
-    Checked against 5.22.2–5.24.0: ``conversion_mapping._checkpoint_conversion_mapping_cache``, filled on the first
+    Checked against 5.15.1–5.24.0: ``conversion_mapping._checkpoint_conversion_mapping_cache``, filled on the first
     ``get_checkpoint_conversion_mapping`` call and by ``register_checkpoint_conversion_mapping``.
     """
     conversion_mapping_of("legacy")
@@ -475,7 +478,7 @@ def conversion_mapping_of(key: str) -> list[Any] | None:
     """transformers' own conversion mapping for ``key`` (a model type, a class name or ``"legacy"``), a copy; None
     when it has none.
 
-    Checked against 5.22.2–5.24.0: ``conversion_mapping.get_checkpoint_conversion_mapping(key)``.
+    Checked against 5.15.1–5.24.0: ``conversion_mapping.get_checkpoint_conversion_mapping(key)``.
     """
     mapping: list[Any] | None = require("transformers.conversion_mapping:get_checkpoint_conversion_mapping")(key)
     return mapping
@@ -484,7 +487,7 @@ def conversion_mapping_of(key: str) -> list[Any] | None:
 def user_registered_in_transformers(key: str) -> bool:
     """Whether ``key`` was registered through transformers' own ``register_checkpoint_conversion_mapping``.
 
-    Checked against 5.22.2–5.24.0: ``conversion_mapping.USER_REGISTERED_MAPPINGS`` (keys registered by users).
+    Checked against 5.15.1–5.24.0: ``conversion_mapping.USER_REGISTERED_MAPPINGS`` (keys registered by users).
     """
     return key in require("transformers.conversion_mapping:USER_REGISTERED_MAPPINGS")
 
@@ -492,7 +495,7 @@ def user_registered_in_transformers(key: str) -> bool:
 def original_patterns(transform: Any) -> tuple[list[str], list[str]]:
     """The source and target patterns a transformers transform was constructed with.
 
-    Checked against 5.22.2–5.24.0: ``WeightTransform._original_source_patterns`` / ``_original_target_patterns``; its
+    Checked against 5.15.1–5.24.0: ``WeightTransform._original_source_patterns`` / ``_original_target_patterns``; its
     public ``source_patterns`` / ``target_patterns`` are rewritten in place (anchors, capture groups).
     """
     require("transformers.core_model_loading:WeightTransform._original_source_patterns")
@@ -506,7 +509,7 @@ def original_patterns(transform: Any) -> tuple[list[str], list[str]]:
 def quantizer_for(config: PretrainedConfig, quantization_config: Any, device_map: Any) -> Any:
     """The ``HfQuantizer`` stock ``from_pretrained`` would use, after its environment checks.
 
-    Checked against 5.22.2–5.24.0: ``get_hf_quantizer(config, quantization_config, device_map, weights_only,
+    Checked against 5.15.1–5.24.0: ``get_hf_quantizer(config, quantization_config, device_map, weights_only,
     user_agent)`` returns ``(quantizer, config, device_map)``.
     """
     get_hf_quantizer = require("transformers.quantizers.auto:get_hf_quantizer")
@@ -517,10 +520,13 @@ def quantizer_for(config: PretrainedConfig, quantization_config: Any, device_map
 def weight_conversions_of(quantizer: Any, model: PreTrainedModel) -> Sequence[Any]:
     """The weight conversions the quantizer adds to a model that has none of its own.
 
-    Checked against 5.22.2–5.24.0: ``HfQuantizer.update_weight_conversions(conversions, model)``.
+    Checked against 5.15.1–5.24.0: ``HfQuantizer.update_weight_conversions(conversions, model)``; before 5.21 it
+    takes the conversions alone (it did not yet look at the model's parameters).
     """
     require("transformers.quantizers:HfQuantizer.update_weight_conversions")
-    return quantizer.update_weight_conversions([], model)
+    if "model" in inspect.signature(quantizer.update_weight_conversions).parameters:
+        return quantizer.update_weight_conversions([], model)
+    return quantizer.update_weight_conversions([])
 
 
 # --- Tensor parallelism -------------------------------------------------------------------------------------------
@@ -529,8 +535,8 @@ def weight_conversions_of(quantizer: Any, model: PreTrainedModel) -> Sequence[An
 def tensor_parallel_supported() -> bool:
     """Whether this transformers has the distributed API modelpatch's tensor-parallel loads drive.
 
-    Checked against 5.22.2–5.24.0: ``PreTrainedModel._resolve_parallel_plans`` and ``prepare_distribute_model`` (5.22
-    has the second only, with another ``DistributedConfig``).
+    Checked against 5.15.1–5.24.0: ``PreTrainedModel._resolve_parallel_plans`` and ``prepare_distribute_model``
+    (5.15-5.22 have the second only, with another ``DistributedConfig``).
     """
     return available("transformers.modeling_utils:PreTrainedModel._resolve_parallel_plans") and available(
         "transformers.modeling_utils:PreTrainedModel.prepare_distribute_model"
@@ -627,8 +633,6 @@ def resolved_tp_plan(model: PreTrainedModel, tp_size: int) -> dict[str, str]:
     Checked against 5.23.0–5.24.0: ``DistributedMixin._resolve_parallel_plans(DistributedConfig)`` returns
     ``(tp_plan, ep_plan, fsdp_plan)``; with ``tp_plan="auto"`` it overrides nothing.
     """
-    from transformers import DistributedConfig
-
     require("transformers.modeling_utils:PreTrainedModel._resolve_parallel_plans")
     tp_plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_plan="auto", tp_size=tp_size))
     return tp_plan

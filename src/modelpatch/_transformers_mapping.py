@@ -152,7 +152,8 @@ def _permute_for_rope(operation: Any, names: Sequence[str]) -> ops.PermuteForRop
 
 
 def _parts(operation: Any) -> dict[str, Any]:
-    attribute = operation.num_shards_attribute
+    # The config attribute naming how many parts a tensor holds (5.16 added it: before, no mapping has one).
+    attribute = getattr(operation, "num_shards_attribute", None)
     return {} if attribute is None else {"indexed": True, "parts_attribute": attribute}
 
 

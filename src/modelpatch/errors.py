@@ -50,6 +50,11 @@ class TransformersVersionError(ModelPatchError, RuntimeError):
     the supported range). The message names the release, the missing name, the feature and the supported range."""
 
 
+class TorchVersionError(ModelPatchError, RuntimeError):
+    """The installed torch lacks what a modelpatch feature needs (an older release than the one that added it). The
+    message names the installed torch, what it lacks, the feature and the torch release it needs."""
+
+
 class ConversionError(ModelPatchError, ValueError):
     """A weight conversion cannot be planned or applied (incompatible shapes, incomplete groups, ...)."""
 

@@ -123,6 +123,8 @@ def test_composite_models_fuse_every_tower_bitwise(written, tmp_path, name, capl
 def test_a_checkpoint_storing_the_projections_fused_loads_unfused_with_the_reason(written, tmp_path, caplog):
     """gte's checkpoint stores q/k/v as one ``qkv_proj`` that transformers' conversion splits: the fusion's converter
     cannot follow it, so the attention stays as it is, said once at INFO, and the load and save are stock's."""
+    if not hasattr(transformers, "GteModel"):
+        pytest.skip(f"transformers {transformers.__version__} has no GteModel")
     path = written("GteModel")
     with caplog.at_level(logging.INFO, logger="modelpatch.fusions.apply"):
         model = modelpatch.from_pretrained(transformers.GteModel, path, fusion_config=FUSIONS)

@@ -10,9 +10,15 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import modelpatch
-from modelpatch.fusions.linear_experts.modules import ExpertMLP, LinearExperts
+from modelpatch.fusions.linear_experts.modules import _GROUPED_MM, ExpertMLP, LinearExperts
 from support.compiled import check_compiled_generation
 from support.process import run_fresh
+
+# The tests of the packed grouped path: a torch without a grouped product (torch._grouped_mm came in 2.9) never packs
+# the experts, and fused experts call each expert instead (what the other tests check against stock).
+NEEDS_GROUPED_PRODUCT = pytest.mark.skipif(
+    _GROUPED_MM is None, reason=f"torch {torch.__version__} has no grouped product (torch >= 2.9): nothing is packed"
+)
 
 
 @pytest.mark.parametrize("name", sorted(EXPERT_NAMES))
@@ -125,6 +131,7 @@ def _linears(experts):
     return [linear for expert in experts for linear in (getattr(expert, n) for n in expert.names)]
 
 
+@NEEDS_GROUPED_PRODUCT
 @pytest.mark.parametrize("name", ["qwen2_moe", "mixtral", "qwen3_moe_3d"])
 def test_loaded_experts_are_packed_and_take_the_grouped_path(tiny, name):
     """After a load every expert's Linear weight is a view of its layer's two 3-D tensors (a 3-D checkpoint's split
@@ -185,6 +192,7 @@ FALLBACKS = {
 }
 
 
+@NEEDS_GROUPED_PRODUCT
 @pytest.mark.parametrize("case", sorted(FALLBACKS))
 def test_anything_between_experts_and_weights_falls_back_to_calling_each_expert(tiny, case):
     ckpt = tiny("qwen2_moe")
@@ -202,6 +210,7 @@ def test_anything_between_experts_and_weights_falls_back_to_calling_each_expert(
         torch.testing.assert_close(experts(hidden, top_k_index, top_k_weights), expected, atol=1e-6, rtol=0)
 
 
+@NEEDS_GROUPED_PRODUCT
 def test_eager_calls_check_every_linear_again_only_after_a_change(monkeypatch):
     """Walking every expert and Linear would be most of what a call of a few tokens costs: eager calls walk them once,
     then again only once something may have changed (a change signalled, a hook registered anywhere, a weight's data
@@ -326,12 +335,14 @@ def _operations(tiny, tokens: int) -> tuple[_Operations, _Operations]:
     return mine, theirs
 
 
+@NEEDS_GROUPED_PRODUCT
 def test_a_call_of_a_few_tokens_issues_fewer_operations_than_stock(tiny):
     """What a decode step costs is the operations the host issues (a GPU waits on them): fewer than stock's."""
     mine, theirs = _operations(tiny, tokens=1)
     assert mine.count < theirs.count
 
 
+@NEEDS_GROUPED_PRODUCT
 def test_a_call_of_many_tokens_passes_over_the_rows_no_more_often_than_stock(tiny):
     """What a prefill costs is each pass over the [slots, hidden] rows: no more than stock's (no masking pass, no
     scatter of the rows back)."""
@@ -416,6 +427,7 @@ def test_experts_without_tokens_get_zero_gradients_as_stock_rows_do(tiny):
     assert calls == []
 
 
+@NEEDS_GROUPED_PRODUCT
 def test_packed_through_to_deepcopy_and_pickle(tiny):
     import copy
     import pickle
@@ -484,6 +496,7 @@ def test_compiled_generation_is_one_graph_with_nothing_replayed_beyond_stock(tin
     check_compiled_generation(model, stock, ckpt.inputs()["input_ids"])
 
 
+@NEEDS_GROUPED_PRODUCT
 def test_live_fuse_adopts_the_stock_3d_tensors_without_a_copy(tiny):
     """``modelpatch.fuse`` splits stock's 3-D experts into views; packing finds them laid out already."""
     ckpt = tiny("qwen3_moe")
@@ -573,6 +586,7 @@ CHANGES = {
 }
 
 
+@NEEDS_GROUPED_PRODUCT
 @pytest.mark.slow
 @pytest.mark.parametrize("change", sorted(CHANGES))
 def test_compiled_experts_run_what_changed_after_compiling(change):
@@ -601,6 +615,7 @@ def test_compiled_experts_run_what_changed_after_compiling(change):
 @pytest.mark.parametrize(
     "change", ["Linear set on an expert", "expert assigned into the list", "weight Parameter assigned"]
 )
+@NEEDS_GROUPED_PRODUCT
 def test_compiled_experts_take_the_grouped_path_again_once_packed(change):
     """``pack()`` after a change lays out what stands there: the compiled code of the first call runs again, on the
     new weights, compiling nothing more."""
@@ -618,6 +633,7 @@ def test_compiled_experts_take_the_grouped_path_again_once_packed(change):
         assert len(graphs.graphs) == compiles and _forward_compiles() == 2
 
 
+@NEEDS_GROUPED_PRODUCT
 @pytest.mark.slow
 def test_an_eager_call_that_finds_the_layout_intact_rearms_the_compiled_path():
     """A change that leaves the layout as packed (a Linear set back in its place) costs compiled code a full check
@@ -650,6 +666,7 @@ SIGNALLED = {
 }
 
 
+@NEEDS_GROUPED_PRODUCT
 @pytest.mark.parametrize("change", sorted(SIGNALLED))
 def test_changes_to_packed_experts_are_signalled(change):
     experts, _ = _tiny_experts()
@@ -657,6 +674,7 @@ def test_changes_to_packed_experts_are_signalled(change):
     assert experts._packed.changed
 
 
+@NEEDS_GROUPED_PRODUCT
 def test_nothing_else_is_signalled():
     """Modules outside the experts, and train() / eval(), leave the signal alone."""
     experts, _ = _tiny_experts()

@@ -12,6 +12,9 @@ patch embeddings, and MuSE Spark, whose experts stay unfused (their per-expert n
 from __future__ import annotations
 
 import pytest
+import transformers
+from packaging.version import Version
+from transformers import CONFIG_MAPPING
 
 from support.zoo import load_zoo
 
@@ -41,18 +44,30 @@ def registry_classes():
     return zoo._registry_classes()
 
 
+# What transformers 5.15-5.17 lack of the slice: Aria's experts were another class then, with no 3-D weights.
+BEFORE_5_18 = {"aria": ("qkv",)}
+
+
+def _skip_absent(model_type: str) -> None:
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no model type {model_type!r}")
+
+
 @pytest.mark.parametrize("model_type", sorted(SLICE))
 def test_zoo_type_fuses_and_stays_exact(model_type, registry_classes):
+    _skip_absent(model_type)
     result = zoo.check_fusions(model_type, registry_classes)
     line = zoo._fusion_line(result)
     assert result.status in ("fused", "partly fused"), line
     assert result.forward in ("bitwise", "close"), line
     assert result.save == "bitwise", line
-    for family in SLICE[model_type]:
+    before = Version(transformers.__version__) < Version("5.18")
+    for family in BEFORE_5_18.get(model_type, SLICE[model_type]) if before else SLICE[model_type]:
         assert result.candidates[family] and result.fused[family] == result.candidates[family], line
 
 
 def test_muse_spark_experts_are_candidates_left_unfused(registry_classes):
+    _skip_absent("muse_spark_text")
     result = zoo.check_fusions("muse_spark_text", registry_classes, ["linear_experts"])
     assert result.candidates == {"linear_experts": 2} and result.fused == {"linear_experts": 0}, zoo._fusion_line(
         result
@@ -66,7 +81,10 @@ def test_the_sweep_notices_a_fused_forward_that_differs(monkeypatch, registry_cl
     from modelpatch.fusions.linear_experts import spec
 
     layouts = dict(spec.KNOWN_FORWARDS)
-    digest = next(d for d, layout in layouts.items() if layout.gate == "chunked")
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Experts
+
+    digest = spec.forward_digest(DeepseekV4Experts)  # this release's (5.15-5.17 wrote it otherwise)
+    assert digest is not None and layouts[digest].gate == "chunked"
     layouts[digest] = spec.ExpertsLayout("DeepSeek-V4's forward read as the plain one")
     monkeypatch.setattr(spec, "KNOWN_FORWARDS", layouts)
     monkeypatch.setitem(zoo._OVERRIDES, "deepseek_v4", {"swiglu_limit": 0.02})

@@ -33,11 +33,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 import modelpatch
 from modelpatch.modes.fsdp import ShardedLoadError
 from support.compare import assert_bitwise_equal
-from support.distributed import run_ranks
+from support.distributed import FSDP2_RUNS_ON_CPU, run_ranks
 from support.files import read_tensors
 
 pytestmark = [
     pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"),
+    FSDP2_RUNS_ON_CPU,
     # DCP loads in this process (another world size) say that they run without a process group.
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
 ]

@@ -20,11 +20,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from modelpatch._transformers import tensor_parallel_supported
 from support.checkpoints import perturb
 from support.compare import assert_bitwise_equal
-from support.distributed import run_ranks
+from support.distributed import FSDP2_RUNS_ON_CPU, run_ranks
 from support.files import read_tensors
 from support.models import TEXT
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+pytestmark = [
+    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"),
+    FSDP2_RUNS_ON_CPU,
+]
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 RANKS = 2

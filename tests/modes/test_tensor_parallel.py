@@ -19,12 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from test_user_defined_fusion import MISDECLARED_LAYOUTS, TENSOR_PARALLEL_FUSIONS
-from transformers import (
-    AutoModelForCausalLM,
-    DistributedConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-)
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers.distributed import DistributedConfig
 
 import modelpatch
 from modelpatch import register_fusion

@@ -8,7 +8,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 import modelpatch
+
+# FSDP2 records events on the stream of the ranks' device, which torch 2.6's CPU stream cannot do (record_event).
+FSDP2_RUNS_ON_CPU = pytest.mark.skipif(
+    not hasattr(torch.cpu.Stream, "record_event"),
+    reason=f"torch {torch.__version__}'s FSDP2 cannot run on the CPU ranks (torch.cpu.Stream has no record_event)",
+)
 
 
 def free_port() -> int:

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import io
 import logging
 import os
 import sys
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr
 
 from .. import __version__
 from ..errors import ModelPatchError
@@ -78,14 +79,15 @@ def _quiet(enabled: bool) -> Iterator[None]:
     """No warnings and no log records below ERROR for the block: importing torch, transformers and the libraries
     they import (torchao's kernels that do not load on this machine, torch's deprecation notes) would print them
     before every command's own output or one-line error. Only around those imports: the ``--import`` modules and
-    what the commands run warn as usual."""
+    what the commands run warn as usual. torch 2.6's C++-extension module prints one line straight to stderr when it
+    finds no CUDA runtime (torchao imports it): what the imports print there is dropped too."""
     if not enabled:
         yield
         return
     previous = logging.root.manager.disable
     logging.disable(logging.WARNING)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
             yield
     finally:

@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import torch
-from transformers import DistributedConfig, GenerationConfig, PretrainedConfig
+from transformers import GenerationConfig, PretrainedConfig
 
+from .._transformers import DistributedConfig
 from ..checkpoint import Checkpoint
 from ..modes.base import LoadMode
 from ..patching.patcher import Patcher

@@ -17,9 +17,8 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from transformers import DistributedConfig
 
-from .._transformers import parallel_style_names, tensor_parallel_supported
+from .._transformers import DistributedConfig, parallel_style_names, tensor_parallel_supported
 from ..errors import TensorParallelError
 
 _AUTO = ("auto", "balanced", "balanced_low_0", "sequential")

@@ -10,6 +10,7 @@ of its mesh must make the same calls in the same order.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 import torch
@@ -18,7 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from ..errors import ModelPatchError, PeftIntegrationError, ShardingError
+from ..errors import ModelPatchError, PeftIntegrationError, ShardingError, TorchVersionError
 from ..loading.record import model_record
 from ..saving.plan import Rows
 
@@ -94,6 +95,12 @@ def shard_like(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     shard, cut locally (no communication; uneven shards as torch cuts them). Any other ``like``: ``tensor`` as it is."""
     if not isinstance(like, DTensor) or isinstance(tensor, DTensor):
         return tensor
+    if "src_data_rank" not in inspect.signature(distribute_tensor).parameters:
+        # Without it distribute_tensor broadcasts rank 0's tensor: a collective the ranks need not reach in step here.
+        raise TorchVersionError(
+            f"torch {torch.__version__} lacks distribute_tensor(src_data_rank=), which loading whole tensors into "
+            "DTensor parameters (FSDP2, tensor parallelism) needs; it needs torch >= 2.7."
+        )
     return distribute_tensor(tensor.detach(), like.device_mesh, like.placements, src_data_rank=None)
 
 

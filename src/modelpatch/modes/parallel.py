@@ -31,10 +31,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
-from transformers import DistributedConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
 from .. import _transformers
 from .._transformers import (
+    DistributedConfig,
     apply_tensor_parallel,
     device_mesh_of,
     generic_module_name,

@@ -118,7 +118,8 @@ class ExpertsLayout:
 # every token's top-k slots to experts (a slot index equal to the number of experts is padding), computes the expert's
 # gated MLP and adds the outputs weighted by the routing weights, in the activations' dtype (Llama 4's: runs each
 # expert's gated MLP over the tokens already dispatched to it). Checked against
-# transformers 5.23's source; any other forward (another release's edits included) is left unfused.
+# transformers 5.23's source, and 5.15's for the two forwards of before 5.18; any other forward (another release's
+# edits included) is left unfused.
 KNOWN_FORWARDS: Mapping[str, ExpertsLayout] = MappingProxyType(
     {
         "b72644b25fa73ab1": ExpertsLayout(
@@ -127,6 +128,13 @@ KNOWN_FORWARDS: Mapping[str, ExpertsLayout] = MappingProxyType(
         "ea43cfd877ba0c93": ExpertsLayout(
             "transformers' experts forward through the class's _apply_gate (DeepseekV4Experts, Glm5NextTextExperts, "
             "HYV4Experts, MiniMaxM3VLExperts, BeamExperts)",
+            gate="chunked",
+        ),
+        # The two above as transformers 5.15-5.17 wrote them: their one-hot mask has no class for a padding slot (an
+        # index equal to the number of experts raises there), otherwise the same computation.
+        "d4395a57ef82f8e6": ExpertsLayout("transformers' experts forward before 5.18 (MixtralExperts and more)"),
+        "0be2624a2d484849": ExpertsLayout(
+            "transformers' experts forward through the class's _apply_gate before 5.18 (DeepseekV4Experts and more)",
             gate="chunked",
         ),
         # the same forward without the experts-implementation dispatcher
