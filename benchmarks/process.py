@@ -282,9 +282,11 @@ def run_case(
             values = [key(s) for s in samples[side]]
             cell = f"{side} {fmt(statistics.median(values))} ({fmt(min(values))}-{fmt(max(values))})"
             if side != base:
-                ratios = [key(s) / key(b) if key(b) else float("nan") for s, b in zip(samples[side], samples[base])]
-                median_ratio = statistics.median(values) / max(statistics.median([key(s) for s in samples[base]]), 1e-9)
-                cell += f" = {median_ratio:.3f}x (per round {statistics.median(ratios):.3f}x, {min(ratios):.2f}-{max(ratios):.2f})"
+                pairs = zip(samples[side], samples[base], strict=True)
+                ratios = [key(s) / key(b) if key(b) else float("nan") for s, b in pairs]
+                median_ratio = statistics.median(values) / max(statistics.median(key(s) for s in samples[base]), 1e-9)
+                spread = f"{min(ratios):.2f}-{max(ratios):.2f}"
+                cell += f" = {median_ratio:.3f}x (per round {statistics.median(ratios):.3f}x, {spread})"
             cells.append(cell)
         lines.append(f"   {label:<38} " + " | ".join(cells))
 
