@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(options.repeats):  # alternating, so that a busy spell of the machine hits every command
             for label in list(runs) if i % 2 == 0 else list(runs)[::-1]:
                 times[label].append(time_run(runs[label], env))
-        print(f"{' '.join(command())} ({options.repeats} fresh processes each; load average {os.getloadavg()})")
+        load = " ".join(f"{v:.2f}" for v in os.getloadavg())
+        print(f"{' '.join(command())} ({options.repeats} fresh processes each; load average {load})")
         print(f"{'command':<36} {'median':>9} {'fastest':>9} {'CPU median':>11}")
         for label, samples in times.items():
             walls, cpus = [w for w, _ in samples], [c for _, c in samples]
