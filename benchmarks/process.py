@@ -1,49 +1,59 @@
-"""Whole-process benchmark: what a user waits for, modelpatch beside stock transformers, in one run.
+"""Whole-process benchmark: what a user waits for, from the exec of ``python`` to the exit of the process.
 
 Each sample is one FRESH Python process running the script a user writes, with only its import line changed::
 
+    import torch
     from transformers import AutoModelForCausalLM      # stock
-    from modelpatch import AutoModelForCausalLM        # modelpatch (optionally fusion_config={"qkv": ..., ...})
-    model = AutoModelForCausalLM.from_pretrained(path)
-    model(input_ids=...)                               # first forward, 16 tokens, under torch.no_grad()
+    from modelpatch import AutoModelForCausalLM        # modelpatch (side "fused": fusion_config qkv + gate_up)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    with torch.no_grad():
+        model(torch.randint(0, vocab, (1, 16)))
 
-The clock starts in this (driver) process just before the child is spawned and stops when the child's first forward
-returns, so interpreter start, every import and the load are in the figure. Figures, each labelled in the output:
+The clock starts in this (driver) process just before the child is spawned and stops when ``os.wait4`` has reaped
+it: interpreter start, every import, the load, the forward, the ``atexit`` handlers and the interpreter's shutdown
+(its garbage collections, the unmapping of the checkpoint, the threads still running) are all in the figure. CPU
+time is the child's user + system time from the same ``wait4`` (every thread of it), less noisy than the wall clock
+on a shared machine. The child also stamps (``time.monotonic``, one clock for every process) its first line, the
+end of its import line, of the load, of its last line, and the end of the ``atexit`` handlers (a handler registered
+first runs last), so each figure splits into:
 
-* ``whole-process warm``: every checkpoint page in the page cache before each sample (read once, checked with
-  ``mincore``); ~380 MB bf16 Llama;
-* ``whole-process fused warm``: the same, modelpatch with ``qkv`` + ``gate_up`` fusions (stock cannot fuse: it
-  loads the same checkpoint unfused);
-* ``whole-process cold``: every checkpoint file evicted from the page cache before each sample
-  (``posix_fadvise(POSIX_FADV_DONTNEED)`` on each file, after an ``fsync``; the resident fraction is then measured
-  with ``mincore`` and printed), then ``--settle`` seconds of waiting (default 15); ~2.2 GB TinyLlama-shaped bf16
-  Llama. A third side, modelpatch with ``MODELPATCH_PREFETCH=0``, shows what the checkpoint prefetch (started first
-  thing in ``from_pretrained``) does. Why the wait: on a virtual machine with virtio-balloon free page reporting,
-  the memory the eviction frees goes back to the host about two seconds later, and the first CPU touch of each page
-  re-allocated from it then costs a host fault, about as much as reading it from disk (measured here: ~3.5 s for
-  2.2 GB). A checkpoint that is really cold (the first load after a boot, or after other work pushed it out) sits
-  in such memory; one evicted just before the sample does not, which makes the figure depend on how fast the child
-  starts. ``--settle 0`` measures that other state. ``cold-floor`` runs stock and modelpatch on the same checkpoint
-  warm: what each costs without the disk, the floor a cold start cannot go below;
-* ``in-process``: measured inside the warm samples: the ``from_pretrained`` call alone, first call in the fresh
-  process (the imports it makes land there), and a second load + forward in the same process.
+* ``start``: spawn -> the script's first line (interpreter start, ``site``);
+* ``script``: first line -> last line, of which the import line, ``from_pretrained`` and the forward;
+* ``exit``: last line -> reaped, of which ``atexit`` (the handlers) and shutdown (the rest); with the CPU time spent
+  after the last line, and the threads still alive at the last line and after the ``atexit`` handlers.
 
-Python modules stay cached in every case (one untimed sample per side first; bytecode cached under a prefix in
-/tmp, as an installed package has it, even where ``PYTHONDONTWRITEBYTECODE`` is set): only the checkpoint is
-evicted. Peak RSS is the child's ``VmHWM`` after
-its first forward. The sides alternate (A B, then B A, ...), medians over the pairs are reported with the median of
-the per-pair ratios, and the load average is printed before and after each case (the machine may be shared: read
-ratios, not absolute times).
+Sides (``--sides``): ``stock``, ``modelpatch``, ``fused`` (modelpatch with ``qkv`` + ``gate_up``; stock cannot
+fuse), ``no-prefetch`` (modelpatch with ``MODELPATCH_PREFETCH=0``). They alternate in rotating order (A B C, C B A,
+...), one untimed sample per side first; medians over the rounds are printed with min-max, and per-round ratios
+to stock (median and range). The load average is printed before and after each case: read ratios, not absolute
+times, on a shared machine.
 
-Checkpoints are built with stock ``save_pretrained`` into ``--out`` (default: a folder under /tmp) and deleted at
-the end unless ``--keep``.
+Cases (``--cases``):
+
+* ``warm``: every checkpoint page in the page cache before each sample (every file read; ``mincore`` checks it);
+* ``cold``: every checkpoint file evicted from the page cache before each sample (``fsync`` then
+  ``posix_fadvise(POSIX_FADV_DONTNEED)`` per file, which needs no privilege; the fraction still resident is measured
+  with ``mincore`` and printed), then ``--settle`` seconds of waiting (default 15: on a virtual machine with
+  virtio-balloon free page reporting, memory freed by the eviction goes back to the host about two seconds later,
+  and the first touch of each page re-allocated from it then costs a host fault: a checkpoint really cold, the first
+  load after a boot, sits in such memory; ``--settle 0`` measures the other state).
+
+The checkpoint is a ~414 MB (383 MiB) bf16 Llama, or with ``--large`` a ~2.2 GB TinyLlama-shaped one, written by
+stock ``save_pretrained`` into ``--out`` (default: a folder under /tmp; deleted at the end unless ``--keep``). Python
+modules stay cached in every case (bytecode under a prefix in /tmp, as an installed package has its ``.pyc`` files,
+even where ``PYTHONDONTWRITEBYTECODE`` is set: a source checkout would otherwise compile modelpatch's ~80 modules
+in every sample while transformers' are cached): only the checkpoint is evicted.
+
+``--external`` runs each sample under GNU ``/usr/bin/time`` as well and prints its medians beside this script's,
+from the same samples: an outside timer of the same processes. ``--print-command SIDE`` prints the exact command of
+one sample (for ``hyperfine`` or any other timer) and exits.
 
 Usage::
 
-    python benchmarks/process.py                    # all cases, 5 pairs each (~10 minutes on 2 cores)
-    python benchmarks/process.py --pairs 7 --cases warm fused
-    python benchmarks/process.py --cases cold cold-floor --settle 0
-    python benchmarks/process.py --quick            # tiny checkpoints: checks the script, not the speed
+    python benchmarks/process.py                                  # warm, stock / modelpatch / fused, 9 rounds
+    python benchmarks/process.py --cases cold --large --sides stock modelpatch no-prefetch --rounds 5
+    python benchmarks/process.py --external --rounds 5
+    python benchmarks/process.py --quick                          # tiny checkpoint: checks the script, not speed
 """
 
 from __future__ import annotations
@@ -51,54 +61,59 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from fuse_live import LLAMA as LLAMA_WARM  # the ~380 MB Llama of the other benchmarks
+from fuse_live import LLAMA as LLAMA_SMALL  # the ~414 MB Llama of the other benchmarks
 from fuse_live import LLAMA_QUICK as QUICK
 
 from modelpatch.checkpoint.prefetch import resident_fraction as file_fraction
 
-# The child: the user's script, plus the timestamps and the in-process figures printed as one JSON line.
+# The user's script (the lines between the two markers), with the stamps around it. The stamps cost nothing
+# measurable: two imports already made by the interpreter's start, a few clock reads and one small write at exit.
 CHILD = r"""
-import json, sys, time
-started = time.time()
-side, path, fused, again = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1"
+import atexit, os, sys, time
+_first = time.monotonic()
+_stamps = {"first": _first}
+def _threads():
+    import threading
+    return sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
+def _after_atexit():  # registered first: runs after every other atexit handler
+    times = os.times()
+    _stamps.update(atexit_done=time.monotonic(), cpu_atexit_done=times.user + times.system,
+                   threads_after_atexit=_threads())
+    with open(os.environ["PROCESS_BENCH_STAMPS"], "w") as out:
+        out.write(__import__("json").dumps(_stamps))
+atexit.register(_after_atexit)
+side, path, vocab = sys.argv[1], sys.argv[2], int(sys.argv[3])  # vocab: 32000 but for --quick
+# ---- the user's script
+import torch
 if side == "stock":
     from transformers import AutoModelForCausalLM
 else:
     from modelpatch import AutoModelForCausalLM
-imported = time.time()
-kwargs = {"fusion_config": {"qkv": True, "gate_up": True}} if fused else {}
-model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-loaded = time.time()
-import torch
-input_ids = torch.arange(16).unsqueeze(0)
+_stamps["imported"] = time.monotonic()
+kwargs = {"fusion_config": {"qkv": True, "gate_up": True}} if side == "fused" else {}
+model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **kwargs)
+_stamps["loaded"] = time.monotonic()
 with torch.no_grad():
-    model(input_ids=input_ids)
-forward = time.time()
-peak = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
-second = None
-if again:
-    del model
-    start = time.time()
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    second_loaded = time.time()
-    with torch.no_grad():
-        model(input_ids=input_ids)
-    second = (second_loaded - start, time.time() - start)
-print(json.dumps({"started": started, "imported": imported, "loaded": loaded, "forward": forward, "peak": peak,
-                  "second": second}))
+    model(torch.randint(0, vocab, (1, 16)))
+# ---- end of the user's script
+_times = os.times()
+_stamps.update(last=time.monotonic(), cpu_last=_times.user + _times.system, threads_at_last=_threads())
 """
 
+SIDES = ("stock", "modelpatch", "fused", "no-prefetch")
 PYCACHE = Path(tempfile.gettempdir()) / "modelpatch-process-bench-pycache"
-LLAMA_COLD = {  # TinyLlama-1.1B's shape
-    **LLAMA_WARM,
+LLAMA_LARGE = {  # TinyLlama-1.1B's shape
+    **LLAMA_SMALL,
     "hidden_size": 2048,
     "intermediate_size": 5632,
     "num_hidden_layers": 22,
@@ -140,7 +155,7 @@ def warm(folder: Path) -> float:
     return resident_fraction(folder)
 
 
-# ------------------------------------------------------------------------------------------------- the driver
+# ------------------------------------------------------------------------------------------------- one sample
 
 
 def build(path: Path, shape: dict) -> None:
@@ -161,122 +176,181 @@ def build(path: Path, shape: dict) -> None:
             json.dumps(shape),
         ],
         check=True,
+        capture_output=True,
     )
 
 
-def sample(side: str, path: Path, fused: bool, again: bool) -> dict:
+def child_env(side: str) -> dict[str, str]:
     env = {**os.environ, "TQDM_DISABLE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    # Bytecode cached as in an installed package (site-packages has its .pyc files): with PYTHONDONTWRITEBYTECODE
-    # set, a source checkout would compile modelpatch's modules in every sample while transformers' are cached.
+    # Bytecode cached as in an installed package (see the module docstring).
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     env["PYTHONPYCACHEPREFIX"] = str(PYCACHE)
-    if side == "modelpatch-no-prefetch":
+    if side == "no-prefetch":
         env["MODELPATCH_PREFETCH"] = "0"
-    spawned = time.time()
-    result = subprocess.run(
-        [sys.executable, "-c", CHILD, side, str(path), "1" if fused else "0", "1" if again else "0"],
-        check=True,
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    out = json.loads(result.stdout.strip().splitlines()[-1])
-    out["total"] = out["forward"] - spawned
-    out["load"] = out["loaded"] - out["imported"]
-    out["import"] = out["imported"] - out["started"]
-    return out
+    return env
+
+
+def child_command(side: str, path: Path) -> list[str]:
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    return [sys.executable, "-c", CHILD, side, str(path), str(vocab)]
+
+
+def sample(side: str, path: Path, scratch: Path, external: bool) -> dict:
+    """One fresh process of ``side``'s script on checkpoint ``path``: its figures (seconds; peak RSS in bytes)."""
+    stamps_file, time_file = scratch / "stamps.json", scratch / "time.txt"
+    env = {**child_env(side), "PROCESS_BENCH_STAMPS": str(stamps_file)}
+    command = child_command(side, path)
+    if external:
+        command = ["/usr/bin/time", "-o", str(time_file), "-f", "%e %U %S", *command]
+    spawned = time.monotonic()
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(process.pid, 0)
+    reaped = time.monotonic()
+    errors = process.stderr.read().decode(errors="replace") if process.stderr else ""
+    if process.stderr:
+        process.stderr.close()
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{side} sample failed ({os.waitstatus_to_exitcode(status)}):\n{errors[-4000:]}")
+    stamps = json.loads(stamps_file.read_text())
+    result = {
+        "wall": reaped - spawned,
+        "cpu": usage.ru_utime + usage.ru_stime,
+        "start": stamps["first"] - spawned,
+        "script": stamps["last"] - stamps["first"],
+        "import": stamps["imported"] - stamps["first"],
+        "load": stamps["loaded"] - stamps["imported"],
+        "forward": stamps["last"] - stamps["loaded"],
+        "exit": reaped - stamps["last"],
+        "atexit": stamps["atexit_done"] - stamps["last"],
+        "shutdown": reaped - stamps["atexit_done"],
+        "exit_cpu": usage.ru_utime + usage.ru_stime - stamps["cpu_last"],
+        "peak": usage.ru_maxrss * 1024,
+        "threads_at_last": stamps["threads_at_last"],
+        "threads_after_atexit": stamps["threads_after_atexit"],
+    }
+    if external:  # /usr/bin/time timed itself (fork + exec of the child); its wall clock has 10 ms steps
+        wall, user, system = (float(v) for v in time_file.read_text().split()[-3:])
+        result.update(external_wall=wall, external_cpu=user + system)
+    return result
+
+
+# ------------------------------------------------------------------------------------------------- the driver
 
 
 def loadavg() -> str:
     return " ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
-EVICTED = "evicted: fsync + posix_fadvise(DONTNEED) per file, then {settle:g} s of waiting"
-WARMED = "warmed: every file read"
-
-
 def run_case(
-    name: str, path: Path, sides: list[str], pairs: int, cold: bool, fused: bool, settle: float = 0.0
+    cold: bool, path: Path, sides: list[str], rounds: int, settle: float, external: bool, scratch: Path
 ) -> list[str]:
-    """Alternate the sides ``pairs`` times; returns the report lines of the case."""
+    """Alternate the sides ``rounds`` times; returns the report lines of the case."""
     samples: dict[str, list[dict]] = {side: [] for side in sides}
     residency: list[float] = []
-    for side in sides:  # untimed: writes the bytecode caches and reads the Python files into the page cache
+    for side in sides:  # untimed: writes the bytecode caches, reads the Python files into the page cache
         warm(path)
-        sample(side, path, fused and side != "stock", again=False)
+        sample(side, path, scratch, external=False)
     before = loadavg()
-    for i in range(pairs):
-        order = sides if i % 2 == 0 else sides[::-1]
-        for side in order:
+    for i in range(rounds):
+        shift = i % len(sides)
+        order = sides[shift:] + sides[:shift]
+        for side in order if i % 2 == 0 else order[::-1]:
             residency.append(evict(path, settle) if cold else warm(path))
-            samples[side].append(sample(side, path, fused and side != "stock", again=not cold))
+            samples[side].append(sample(side, path, scratch, external))
     after = loadavg()
-    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    files = list(path.glob("*.safetensors"))
+    size = sum(f.stat().st_size for f in files)
+    how = (
+        f"evicted (fsync + posix_fadvise DONTNEED per file), then {settle:g} s of waiting"
+        if cold
+        else "every file read"
+    )
     lines = [
-        f"## {name}: {path.name}, {size / 1e6:.0f} MB in {len(list(path.glob('*.safetensors')))} file(s); "
-        f"{pairs} pairs; load average before {before}, after {after}",
-        f"   page cache before each sample ({EVICTED.format(settle=settle) if cold else WARMED}); "
-        f"resident fraction by mincore: min {min(residency):.3f}, max {max(residency):.3f}",
+        f"## {'cold' if cold else 'warm'}: {path.name}, {size / 1e6:.0f} MB in {len(files)} file(s); {rounds} rounds; "
+        f"load average before {before}, after {after}",
+        f"   page cache before each sample: {how}; resident fraction by mincore: "
+        f"min {min(residency):.3f}, max {max(residency):.3f}",
     ]
-    stock = samples["stock"]
+    base = sides[0]
 
-    def row(label: str, key, fmt=lambda v: f"{v:.3f} s") -> None:
-        base = [key(s) for s in stock]
-        cells = [f"stock {fmt(statistics.median(base))}"]
-        for side in sides[1:]:
-            mine = [key(s) for s in samples[side]]
-            ratios = [m / b for m, b in zip(mine, base, strict=True)]
-            cells.append(
-                f"{side} {fmt(statistics.median(mine))}: {statistics.median(mine) / statistics.median(base):.2f}x "
-                f"(per-pair median {statistics.median(ratios):.2f}x, range {min(ratios):.2f}-{max(ratios):.2f}x)"
-            )
-        lines.append(f"   {label:<46} " + " | ".join(cells))
+    def row(label: str, key: Callable[[dict], float], unit: str = "s") -> None:
+        def fmt(value: float) -> str:
+            return f"{value / 2**20:.0f} MiB" if unit == "MiB" else f"{value:.3f} s"
 
-    row("whole process: spawn -> first forward done", lambda s: s["total"])
-    row("  of which: the import line", lambda s: s["import"])
-    row("in-process: from_pretrained, first call", lambda s: s["load"])
-    row("in-process: first forward", lambda s: s["forward"] - s["loaded"])
-    if not cold:
-        row("in-process: second load in the same process", lambda s: s["second"][0])
-        row("in-process: second load + forward", lambda s: s["second"][1])
-    row("peak RSS of the process (VmHWM)", lambda s: s["peak"], fmt=lambda v: f"{v / 2**20:.0f} MiB")
+        cells = []
+        for side in sides:
+            values = [key(s) for s in samples[side]]
+            cell = f"{side} {fmt(statistics.median(values))} ({fmt(min(values))}-{fmt(max(values))})"
+            if side != base:
+                pairs = zip(samples[side], samples[base], strict=True)
+                ratios = [key(s) / key(b) if key(b) else float("nan") for s, b in pairs]
+                median_ratio = statistics.median(values) / max(statistics.median(key(s) for s in samples[base]), 1e-9)
+                spread = f"{min(ratios):.2f}-{max(ratios):.2f}"
+                cell += f" = {median_ratio:.3f}x (per round {statistics.median(ratios):.3f}x, {spread})"
+            cells.append(cell)
+        lines.append(f"   {label:<38} " + " | ".join(cells))
+
+    row("WHOLE PROCESS wall, exec -> exit", lambda s: s["wall"])
+    row("WHOLE PROCESS CPU (user + sys)", lambda s: s["cpu"])
+    if external:
+        row("  /usr/bin/time wall (same samples)", lambda s: s["external_wall"])
+        row("  /usr/bin/time CPU (same samples)", lambda s: s["external_cpu"])
+    row("start: spawn -> first line", lambda s: s["start"])
+    row("script: first -> last line", lambda s: s["script"])
+    row("  the import line", lambda s: s["import"])
+    row("  from_pretrained", lambda s: s["load"])
+    row("  the forward", lambda s: s["forward"])
+    row("exit: last line -> reaped", lambda s: s["exit"])
+    row("  atexit handlers", lambda s: s["atexit"])
+    row("  shutdown after them", lambda s: s["shutdown"])
+    row("  CPU after the last line", lambda s: s["exit_cpu"])
+    row("peak RSS (ru_maxrss)", lambda s: s["peak"], unit="MiB")
+    for side in sides:
+        at_last = sorted({name for s in samples[side] for name in s["threads_at_last"]})
+        after_atexit = sorted({name for s in samples[side] for name in s["threads_after_atexit"]})
+        lines.append(
+            f"   {side}: threads alive at the last line {at_last or 'none'}; after atexit {after_atexit or 'none'}"
+        )
     return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=None, help="where checkpoints are built (default: under /tmp)")
-    parser.add_argument("--pairs", type=int, default=5, help="alternated samples per side (medians reported)")
-    parser.add_argument(
-        "--cases", nargs="+", choices=("warm", "fused", "cold", "cold-floor"), default=["warm", "fused", "cold"]
-    )
-    parser.add_argument(
-        "--settle", type=float, default=15.0, help="seconds waited after each eviction (cold case; see above)"
-    )
-    parser.add_argument("--keep", action="store_true", help="keep the checkpoints (reused by the next run)")
-    parser.add_argument("--quick", action="store_true", help="tiny checkpoints: check the script, not the speed")
+    parser.add_argument("--out", type=Path, default=None, help="where the checkpoint is built (default: under /tmp)")
+    parser.add_argument("--rounds", type=int, default=9, help="alternated samples per side (medians reported)")
+    parser.add_argument("--cases", nargs="+", choices=("warm", "cold"), default=["warm"])
+    parser.add_argument("--sides", nargs="+", choices=SIDES, default=["stock", "modelpatch", "fused"])
+    parser.add_argument("--large", action="store_true", help="the ~2.2 GB checkpoint instead of the ~414 MB one")
+    parser.add_argument("--settle", type=float, default=15.0, help="seconds waited after each eviction (cold)")
+    parser.add_argument("--external", action="store_true", help="time each sample with /usr/bin/time as well")
+    parser.add_argument("--print-command", choices=SIDES, help="print one sample's command line and exit")
+    parser.add_argument("--keep", action="store_true", help="keep the checkpoint (reused by the next run)")
+    parser.add_argument("--quick", action="store_true", help="tiny checkpoint: check the script, not the speed")
     args = parser.parse_args(argv)
 
     out = args.out or Path(tempfile.gettempdir()) / "modelpatch-process-bench"
     out.mkdir(parents=True, exist_ok=True)
-    small, large = out / ("quick" if args.quick else "llama-380mb"), out / ("quick" if args.quick else "llama-2.2gb")
+    name = "quick" if args.quick else ("llama-2.2gb" if args.large else "llama-414mb")
+    path = out / name
     try:
-        build(small, QUICK if args.quick else LLAMA_WARM)
-        if "cold" in args.cases or "cold-floor" in args.cases:
-            build(large, QUICK if args.quick else LLAMA_COLD)
-        report = [f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs; {'QUICK' if args.quick else 'full size'}"]
-        if "warm" in args.cases:
-            report += run_case("whole-process warm", small, ["stock", "modelpatch"], args.pairs, False, False)
-        if "fused" in args.cases:
-            report += run_case(
-                "whole-process fused warm (qkv + gate_up)", small, ["stock", "modelpatch"], args.pairs, False, True
-            )
-        if "cold" in args.cases:
-            sides = ["stock", "modelpatch", "modelpatch-no-prefetch"]
-            report += run_case("whole-process cold", large, sides, args.pairs, True, False, args.settle)
-        if "cold-floor" in args.cases:
-            floor = "whole-process warm, the cold case's checkpoint"
-            report += run_case(floor, large, ["stock", "modelpatch"], args.pairs, False, False)
+        build(path, QUICK if args.quick else (LLAMA_LARGE if args.large else LLAMA_SMALL))
+        if args.print_command:
+            env = {k: v for k, v in child_env(args.print_command).items() if os.environ.get(k) != v}
+            unset = [k for k in os.environ if k not in child_env(args.print_command)]
+            prefix = " ".join([*(f"-u {k}" for k in unset), *(f"{k}={shlex.quote(v)}" for k, v in env.items())])
+            stamps = f"PROCESS_BENCH_STAMPS={out / 'stamps.json'}"
+            print(f"env {prefix} {stamps} {shlex.join(child_command(args.print_command, path))}")
+            args.keep = True
+            return 0
+        report = [
+            f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs; {'QUICK' if args.quick else 'full size'}; "
+            "ratios are to the first side"
+        ]
+        with tempfile.TemporaryDirectory(prefix="modelpatch-process-bench-") as scratch:
+            for case in args.cases:
+                report += run_case(
+                    case == "cold", path, args.sides, args.rounds, args.settle, args.external, Path(scratch)
+                )
         print("\n".join(report))
     finally:
         if not args.keep:

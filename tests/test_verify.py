@@ -11,6 +11,7 @@ from transformers import LlamaForCausalLM, Qwen2VLForConditionalGeneration
 import modelpatch
 from modelpatch.verify import Timing, VerificationReport, default_inputs
 from support.models import tiny_config
+from support.process import run_fresh
 
 
 def _qwen2_vl_checkpoint(path):
@@ -104,3 +105,13 @@ def test_a_timing_whose_rounds_disagree_is_not_measurable():
     assert "forward: not timed" in str(
         _report(Timing(math.nan, math.nan, math.nan, 0), Timing(math.nan, math.nan, math.nan, 0))
     )
+
+
+def test_importing_verify_leaves_torch_s_benchmark_tools_for_the_timing():
+    # Every command of the CLI imports modelpatch.verify at start-up; torch.utils.benchmark (which imports torch's
+    # C++ extension builder and setuptools) is only needed once a timing is asked for.
+    script = (
+        "import sys, modelpatch.verify\n"
+        "print(sorted(m for m in ('torch.utils.benchmark', 'setuptools') if m in sys.modules))"
+    )
+    assert run_fresh(script).stdout.strip() == "[]"

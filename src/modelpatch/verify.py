@@ -10,12 +10,14 @@ import math
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils import benchmark
 from transformers import PreTrainedModel
+
+if TYPE_CHECKING:
+    from torch.utils import benchmark
 
 
 @dataclass(frozen=True)
@@ -184,6 +186,10 @@ def _tensor_outputs(output: Any) -> dict[str, torch.Tensor]:
 
 
 def _timer(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> benchmark.Timer:
+    # Imported here, when a timing is asked for: torch.utils.benchmark imports torch's C++ extension builder and
+    # setuptools (~0.1 s), which every command of the CLI paid at start-up (it imports this module for ``verify``).
+    from torch.utils import benchmark
+
     def forward() -> None:
         with torch.inference_mode():
             model(**inputs)

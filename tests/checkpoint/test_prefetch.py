@@ -298,3 +298,28 @@ def test_the_prefetch_adds_nothing_to_the_process_memory(tmp_path):
     prefetch.join(30)
     assert prefetch.read_bytes >= 32 * 2**20  # 64 MiB file, most of it read
     assert rss() - before < 8 * 2**20
+
+
+def test_a_prefetch_still_reading_stops_when_the_interpreter_exits(tmp_path):
+    # A sparse file (its holes read as zeros, nothing on disk) far larger than what the thread reads before the
+    # script's last line: the thread is still reading when the interpreter starts to exit. The check runs in an atexit
+    # handler registered before modelpatch is imported, so after modelpatch's own.
+    with open(tmp_path / "big.bin", "wb") as f:
+        f.truncate(512 * 2**20)
+    script = (
+        "import atexit, os, sys\n"
+        "def check():\n"
+        "    print('stopped at exit:', prefetch.stopped)\n"
+        "    prefetch.join(10)\n"
+        "    print('alive after:', prefetch.alive())\n"
+        "atexit.register(check)\n"
+        "from modelpatch.checkpoint.file_range import FileRange\n"
+        "from modelpatch.checkpoint.prefetch import Prefetch\n"
+        "fd = os.open(sys.argv[1], os.O_RDONLY)\n"
+        "ranges = [FileRange(sys.argv[1], fd, start, 2**20) for start in range(0, 512 * 2**20, 2**20)]\n"
+        "prefetch = Prefetch.start(ranges, chunk_bytes=2**20)\n"
+        "assert prefetch is not None and prefetch.alive()\n"
+    )
+    out = run_fresh(script, str(tmp_path / "big.bin")).stdout.split("\n")
+    assert "stopped at exit: True" in out
+    assert "alive after: False" in out

@@ -17,13 +17,15 @@ It is a hint, and never more: the thread reads with ``preadv`` into one small bu
 point: see :class:`_Sink`), through its own duplicates of the file descriptors (closing the checkpoint leaves it
 reading a file that is still open, never another file given the same descriptor number); it skips chunks whose pages
 are all resident already (a warm cache costs one ``mincore`` per chunk), reads every byte at most once and at most
-half the memory available, and stops on the first error, which is logged at DEBUG level and never raised, and when
-the load fails. ``MODELPATCH_PREFETCH``: unset (or ``auto``), the Auto classes' early prefetch only; ``1`` every load
-prefetches; ``0`` none does.
+half the memory available, and stops on the first error, which is logged at DEBUG level and never raised, when
+the load fails, and when the interpreter exits (:func:`_stop_all`: a read the user's program no longer waits for
+must not keep the process busy while it shuts down). ``MODELPATCH_PREFETCH``: unset (or ``auto``), the Auto
+classes' early prefetch only; ``1`` every load prefetches; ``0`` none does.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextvars
 import ctypes
@@ -35,6 +37,7 @@ import stat
 import struct
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -239,6 +242,25 @@ def _read(file: _File, start: int, length: int, sink: _Sink) -> None:
     sink.read(file.fd, start, length)
 
 
+# Every prefetch whose threads were started, until they end: stopped at interpreter exit (see _stop_all).
+_live: weakref.WeakSet[Prefetch] = weakref.WeakSet()
+
+
+def _stop_all() -> None:
+    """Stop every prefetch still reading, without waiting: registered with :mod:`atexit` at import.
+
+    A daemon thread is not joined at exit, but it goes on reading (its system calls do not need the interpreter)
+    while the interpreter shuts down, taking a CPU and the disk from that shutdown (about a second of garbage
+    collection for a process that imported torch and transformers), and from whatever else the machine runs. Set
+    here, before the shutdown starts, the stop ends the thread after the chunk being read; the process does not wait
+    for it (``exit`` ends a read in progress)."""
+    for prefetch in list(_live):
+        prefetch._stopped.set()
+
+
+atexit.register(_stop_all)
+
+
 class Prefetch:
     """Background reads of file byte ranges into the page cache, in the order given (see the module docstring).
 
@@ -280,6 +302,7 @@ class Prefetch:
             return None
         try:
             prefetch = cls(ranges, threads, chunk_bytes)
+            _live.add(prefetch)
             started = 0
             try:
                 for thread in prefetch._threads:
@@ -351,6 +374,7 @@ class Prefetch:
             self._running -= threads
             last = self._running == 0
         if last:
+            _live.discard(self)
             self._close_files()
 
     def _close_files(self) -> None:
