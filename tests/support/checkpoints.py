@@ -88,9 +88,15 @@ class CheckpointSpec:
     vision: bool = False
 
 
-def _tiny(model_class: type[PreTrainedModel], model_type: str, **save_kwargs: Any) -> CheckpointSpec:
+def _tiny(
+    model_class: type[PreTrainedModel], model_type: str, config: dict[str, Any] | None = None, **save_kwargs: Any
+) -> CheckpointSpec:
     return CheckpointSpec(
-        model_class, lambda: tiny_config(model_type), save_kwargs, router_scale=1.0, vision=model_type.endswith("_vl")
+        model_class,
+        lambda: tiny_config(model_type, **(config or {})),
+        save_kwargs,
+        router_scale=1.0,
+        vision=model_type.endswith("_vl"),
     )
 
 
@@ -107,6 +113,8 @@ MOE_3D = {f"{name}_3d": name for name in EXPERT_NAMES}
 
 TINY_CHECKPOINTS: dict[str, CheckpointSpec] = {
     "llama": _tiny(LlamaForCausalLM, "llama"),
+    # The head tied to the embeddings, as Llama-3.2-1B's (the docs' model) is.
+    "llama_tied": _tiny(LlamaForCausalLM, "llama", {"tie_word_embeddings": True}),
     "mistral": _tiny(MistralForCausalLM, "mistral"),
     "qwen2": _tiny(Qwen2ForCausalLM, "qwen2"),
     "qwen3": _tiny(Qwen3ForCausalLM, "qwen3"),
