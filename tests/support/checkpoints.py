@@ -115,6 +115,11 @@ TINY_CHECKPOINTS: dict[str, CheckpointSpec] = {
     "llama": _tiny(LlamaForCausalLM, "llama"),
     # The head tied to the embeddings, as Llama-3.2-1B's (the docs' model) is.
     "llama_tied": _tiny(LlamaForCausalLM, "llama", {"tie_word_embeddings": True}),
+    # Head counts that do not divide by two ranks (tensor parallelism refuses them): one key/value head; three heads.
+    "llama_one_kv_head": _tiny(LlamaForCausalLM, "llama", {"num_key_value_heads": 1}),
+    "llama_three_heads": _tiny(
+        LlamaForCausalLM, "llama", {"hidden_size": 24, "num_attention_heads": 3, "num_key_value_heads": 3}
+    ),
     "mistral": _tiny(MistralForCausalLM, "mistral"),
     "qwen2": _tiny(Qwen2ForCausalLM, "qwen2"),
     "qwen3": _tiny(Qwen3ForCausalLM, "qwen3"),
