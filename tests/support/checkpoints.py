@@ -39,6 +39,7 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3MoeForCausalLM,
     Qwen3VLForConditionalGeneration,
+    Qwen3VLMoeForConditionalGeneration,
 )
 
 import modelpatch
@@ -134,6 +135,11 @@ TINY_CHECKPOINTS: dict[str, CheckpointSpec] = {
     "qwen2_vl_runtime": _tiny(Qwen2VLForConditionalGeneration, "qwen2_vl", save_original_format=False),
     "qwen2_5_vl": _tiny(Qwen2_5_VLForConditionalGeneration, "qwen2_5_vl"),
     "qwen3_vl": _tiny(Qwen3VLForConditionalGeneration, "qwen3_vl"),
+    # 3-D experts whose older layout has their shape: gate_up_proj (2 x 16 == 32 == hidden), down_proj (32 == hidden).
+    "qwen3_vl_moe": _tiny(Qwen3VLMoeForConditionalGeneration, "qwen3_vl_moe"),
+    "qwen3_vl_moe_square_down": _tiny(
+        Qwen3VLMoeForConditionalGeneration, "qwen3_vl_moe", {"text": {"moe_intermediate_size": 32}}
+    ),
 }
 TINY_CHECKPOINTS.update(
     {name: _tiny(TINY_CHECKPOINTS[base].model_class, base, save_original_format=False) for name, base in MOE_3D.items()}
