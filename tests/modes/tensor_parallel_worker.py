@@ -88,17 +88,17 @@ def main() -> None:
         torch.save(record, out / f"{case['id']}_rank{rank}.pt")
         model.save_pretrained(out / f"{case['id']}_stock_save")
         modelpatch.save_pretrained(model, out / f"{case['id']}_modelpatch_save")
-    # Loads that must be refused on every rank before anything is read: the message each rank got.
+    # Loads that must be refused on every rank before anything is read (so by the plan): the message each rank got.
     refusals = []
     for refusal in job.get("refusals", []):
         try:
-            modelpatch.from_pretrained(
+            modelpatch.plan_pretrained(
                 transformers.AutoModelForCausalLM,
                 refusal["path"],
-                tp_plan=refusal["tp_plan"],
+                tp_plan=refusal.get("tp_plan", "auto"),
                 fusion_config=refusal.get("fusion_config"),
             )
-            refusals.append("loaded")
+            refusals.append("planned")
         except parallel.TensorParallelError as exc:
             refusals.append(str(exc))
     (out / f"refusals_rank{dist.get_rank()}.json").write_text(json.dumps(refusals))

@@ -19,18 +19,17 @@ import pytest
 import torch
 import torch.distributed as dist
 from test_user_defined_fusion import MISDECLARED_LAYOUTS, TENSOR_PARALLEL_FUSIONS
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 
 import modelpatch
 from modelpatch import register_fusion
 from modelpatch._transformers import tensor_parallel_supported
 from modelpatch.modes.parallel import TensorParallelError
-from support.checkpoints import CheckpointSpec, TinyCheckpoint, perturb
+from support.checkpoints import TinyCheckpoint
 from support.compare import assert_bitwise_equal
 from support.distributed import run_ranks
 from support.files import read_tensors
-from support.models import TEXT
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
@@ -52,6 +51,13 @@ SHARDED_CASES = sorted(set(CASES) - {"llama_user_fusion_whole"})
 
 # A tp_plan rule naming no module (q_proj misspelt): transformers warns and shards without it.
 PLAN_TYPO = "model.layers.*.self_attn.qq_proj"
+# Head counts that do not divide by the ranks, unfused and with q/k/v fused (whose parts' rows do divide: 32/8/8):
+# (checkpoint, fusion_config, the attention class and heads the refusal names, the TP sizes that work).
+HEAD_REFUSALS = [
+    ("llama_one_kv_head", None, "LlamaAttention) has 4 attention heads and 1 key/value heads", [1]),
+    ("llama_one_kv_head", {"qkv": True}, "QKVFusedLlamaAttention) has 4 attention heads and 1 key/value heads", [1]),
+    ("llama_three_heads", None, "LlamaAttention) has 3 attention heads and 3 key/value heads", [1, 3]),
+]
 
 
 @pytest.fixture(autouse=True)
@@ -62,25 +68,13 @@ def user_fusions():
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tiny, tmp_path_factory) -> dict[str, TinyCheckpoint]:
-    """The checkpoints of the cases: the shared tiny ones, and a Llama with tied embeddings saved by stock."""
-    torch.manual_seed(0)
-    config = LlamaConfig(**dict(TEXT, tie_word_embeddings=True))
-    tied = LlamaForCausalLM(config)
-    perturb(tied, 0)
-    path = tmp_path_factory.mktemp("llama_tied")
-    tied.save_pretrained(path)
-    return {
-        "llama": tiny("llama"),
-        "qwen2_moe": tiny("qwen2_moe"),
-        "llama_tied": TinyCheckpoint(
-            "llama_tied", path, LlamaForCausalLM, CheckpointSpec(LlamaForCausalLM, lambda: config), config.vocab_size
-        ),
-    }
+def checkpoints(tiny) -> dict[str, TinyCheckpoint]:
+    """The checkpoints of the cases (the shared tiny ones)."""
+    return {name: tiny(name) for name in ("llama", "llama_tied", "qwen2_moe")}
 
 
 @pytest.fixture(scope="module")
-def tp_run(checkpoints, tmp_path_factory):
+def tp_run(checkpoints, tiny, tmp_path_factory):
     """Runs every case on two ranks once; returns the output directory."""
     if not tensor_parallel_supported():
         pytest.skip("this transformers predates the distributed API tensor-parallel loads drive (5.23)")
@@ -99,10 +93,10 @@ def tp_run(checkpoints, tmp_path_factory):
             )
         )
     job = out / "job.json"
-    refusals = [{"path": str(checkpoints["llama"].path), "tp_plan": {PLAN_TYPO: "colwise"}}]
-    refusals += [
-        {"path": str(checkpoints["llama"].path), "tp_plan": "auto", "fusion_config": {name: True}}
-        for name in MISDECLARED_LAYOUTS
+    refusals = [
+        {"path": str(checkpoints["llama"].path), "tp_plan": {PLAN_TYPO: "colwise"}},
+        *({"path": str(checkpoints["llama"].path), "fusion_config": {name: True}} for name in MISDECLARED_LAYOUTS),
+        *({"path": str(tiny(name).path), "fusion_config": fusion_config} for name, fusion_config, *_ in HEAD_REFUSALS),
     ]
     job.write_text(json.dumps({"out": str(out), "cases": cases, "refusals": refusals}))
     run_ranks(WORKER, job, RANKS)
@@ -202,9 +196,23 @@ def test_a_user_fusions_layout_that_does_not_fit_its_module_is_refused_by_name_o
     """Parts that do not tile w12's rows, a shard naming a module SwiGLU lacks, w12 (gate and up joined) split as one
     block: each loaded silently (the last with logits off by 0.14 at two ranks)."""
     for rank in range(RANKS):
-        messages = json.loads((tp_run / f"refusals_rank{rank}.json").read_text())[1:]
+        messages = json.loads((tp_run / f"refusals_rank{rank}.json").read_text())[1 : 1 + len(MISDECLARED_LAYOUTS)]
         for message, (_, expected) in zip(messages, MISDECLARED_LAYOUTS.values(), strict=True):
             assert "tensor_parallel_layout does not fit its module" in message and expected in message, message
+
+
+def test_head_counts_not_dividing_by_the_ranks_are_refused_on_every_rank(tp_run):
+    """Stock's first forward fails on them (a rank holding half a key/value head); the plan refuses, naming the heads
+    and the TP sizes that work, fused or not."""
+    for rank in range(RANKS):
+        messages = json.loads((tp_run / f"refusals_rank{rank}.json").read_text())[1 + len(MISDECLARED_LAYOUTS) :]
+        assert len(messages) == len(HEAD_REFUSALS)
+        for message, (*_, heads, sizes) in zip(messages, HEAD_REFUSALS, strict=True):
+            assert message == (
+                f"LlamaForCausalLM cannot be sharded over {RANKS} ranks: each rank computes whole attention heads, "
+                f"and model.layers.*.self_attn ({heads}, which do not all divide by {RANKS}. "
+                f"TP sizes that divide every head count: {sizes}."
+            )
 
 
 def test_one_process_loads_unsharded(tiny):

@@ -39,6 +39,7 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3MoeForCausalLM,
     Qwen3VLForConditionalGeneration,
+    Qwen3VLMoeForConditionalGeneration,
 )
 
 import modelpatch
@@ -88,9 +89,15 @@ class CheckpointSpec:
     vision: bool = False
 
 
-def _tiny(model_class: type[PreTrainedModel], model_type: str, **save_kwargs: Any) -> CheckpointSpec:
+def _tiny(
+    model_class: type[PreTrainedModel], model_type: str, config: dict[str, Any] | None = None, **save_kwargs: Any
+) -> CheckpointSpec:
     return CheckpointSpec(
-        model_class, lambda: tiny_config(model_type), save_kwargs, router_scale=1.0, vision=model_type.endswith("_vl")
+        model_class,
+        lambda: tiny_config(model_type, **(config or {})),
+        save_kwargs,
+        router_scale=1.0,
+        vision=model_type.endswith("_vl"),
     )
 
 
@@ -107,6 +114,13 @@ MOE_3D = {f"{name}_3d": name for name in EXPERT_NAMES}
 
 TINY_CHECKPOINTS: dict[str, CheckpointSpec] = {
     "llama": _tiny(LlamaForCausalLM, "llama"),
+    # The head tied to the embeddings, as Llama-3.2-1B's (the docs' model) is.
+    "llama_tied": _tiny(LlamaForCausalLM, "llama", {"tie_word_embeddings": True}),
+    # Head counts that do not divide by two ranks (tensor parallelism refuses them): one key/value head; three heads.
+    "llama_one_kv_head": _tiny(LlamaForCausalLM, "llama", {"num_key_value_heads": 1}),
+    "llama_three_heads": _tiny(
+        LlamaForCausalLM, "llama", {"hidden_size": 24, "num_attention_heads": 3, "num_key_value_heads": 3}
+    ),
     "mistral": _tiny(MistralForCausalLM, "mistral"),
     "qwen2": _tiny(Qwen2ForCausalLM, "qwen2"),
     "qwen3": _tiny(Qwen3ForCausalLM, "qwen3"),
@@ -121,6 +135,11 @@ TINY_CHECKPOINTS: dict[str, CheckpointSpec] = {
     "qwen2_vl_runtime": _tiny(Qwen2VLForConditionalGeneration, "qwen2_vl", save_original_format=False),
     "qwen2_5_vl": _tiny(Qwen2_5_VLForConditionalGeneration, "qwen2_5_vl"),
     "qwen3_vl": _tiny(Qwen3VLForConditionalGeneration, "qwen3_vl"),
+    # 3-D experts whose older layout has their shape: gate_up_proj (2 x 16 == 32 == hidden), down_proj (32 == hidden).
+    "qwen3_vl_moe": _tiny(Qwen3VLMoeForConditionalGeneration, "qwen3_vl_moe"),
+    "qwen3_vl_moe_square_down": _tiny(
+        Qwen3VLMoeForConditionalGeneration, "qwen3_vl_moe", {"text": {"moe_intermediate_size": 32}}
+    ),
 }
 TINY_CHECKPOINTS.update(
     {name: _tiny(TINY_CHECKPOINTS[base].model_class, base, save_original_format=False) for name, base in MOE_3D.items()}

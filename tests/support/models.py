@@ -42,28 +42,27 @@ _TEXT_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 _MROPE = {"type": "mrope", "mrope_section": [1, 1, 2]}
-# The vision tower of the three vision-language types: one block of width 32, 2 heads, RGB patches over 2 frames,
-# merged 2x2. Qwen2.5-VL and Qwen3-VL add an MLP of width 64 and a merger out to the text width.
+# The vision tower of the vision-language types: one block of width 32, 2 heads, RGB patches over 2 frames, merged
+# 2x2. Qwen2.5-VL and Qwen3-VL (-MoE) add an MLP of width 64 and a merger out to the text width.
 _VISION: dict[str, Any] = dict(
     depth=1, hidden_size=32, num_heads=2, in_channels=3, spatial_merge_size=2, temporal_patch_size=2
 )
 _VISION_WITH_MLP: dict[str, Any] = dict(_VISION, intermediate_size=64, out_hidden_size=32)
-# Vision-language types: (text config keywords, vision config keywords). Qwen3-VL: 16x16 patches and a Conv3d *with*
-# bias (the other two have none).
+_MROPE_INTERLEAVED = {"rope_type": "default", "mrope_section": [1, 1, 2], "mrope_interleaved": True}
+# Qwen3-VL's: 16x16 patches and a Conv3d *with* bias (the others have none).
+_QWEN3_VL_VISION: dict[str, Any] = dict(
+    _VISION_WITH_MLP, patch_size=16, num_position_embeddings=64, deepstack_visual_indexes=[0]
+)
+# Vision-language types: (text config keywords, vision config keywords).
 _VISION_LANGUAGE_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "qwen2_vl": (dict(TEXT, rope_scaling=_MROPE), dict(_VISION, embed_dim=32, patch_size=14)),
     "qwen2_5_vl": (
         dict(TEXT, rope_scaling=_MROPE),
         dict(_VISION_WITH_MLP, patch_size=14, fullatt_block_indexes=[0], window_size=56),
     ),
-    "qwen3_vl": (
-        dict(
-            TEXT,
-            head_dim=8,
-            rope_scaling={"rope_type": "default", "mrope_section": [1, 1, 2], "mrope_interleaved": True},
-        ),
-        dict(_VISION_WITH_MLP, patch_size=16, num_position_embeddings=64, deepstack_visual_indexes=[0]),
-    ),
+    "qwen3_vl": (dict(TEXT, head_dim=8, rope_scaling=_MROPE_INTERLEAVED), _QWEN3_VL_VISION),
+    # 3-D experts: gate_up_proj is 32 x 32 per expert at this width (2 x moe_intermediate_size == hidden_size).
+    "qwen3_vl_moe": (dict(MOE, head_dim=8, rope_scaling=_MROPE_INTERLEAVED), _QWEN3_VL_VISION),
 }
 
 

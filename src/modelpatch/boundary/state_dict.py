@@ -42,7 +42,9 @@ def iter_original_state_dict(model: PreTrainedModel) -> Iterator[tuple[str, torc
     (bitwise), one conversion group at a time: a tensor read unchanged is the model's own (a view, not a copy: do not
     write to it), a converted group (one layer's ``q/k/v`` out of ``qkv_proj``, one layer's experts) is computed when
     its turn comes, so the memory added is bounded by the largest group. The pairs fit an inference engine's
-    ``load_weights(iterable)`` (vLLM's shape of weight sync) or any other consumer of a checkpoint's tensors.
+    ``load_weights(iterable)`` (vLLM's shape of weight sync) or any other consumer of a checkpoint's tensors. A tied
+    weight comes once, under the name of its source, as a save writes it: a head tied to the embeddings gives
+    ``model.embed_tokens.weight`` and no ``lm_head.weight``.
 
     On a tensor-parallel or FSDP2-sharded model (``fully_shard``) every rank must iterate, to the end and in step:
     each tensor is gathered from its shards when its turn comes (``DTensor.full_tensor()``, a collective), so a group

@@ -15,7 +15,7 @@ import functools
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from .operations import (
     ConversionOperation,
     DtypeSlot,
     KeySlot,
+    LayoutPick,
     Shape,
     ShapeSlot,
     Slot,
@@ -562,10 +563,54 @@ def plan_load(
     )
     # Groups were built on renamed keys; record the checkpoint's own names as their sources.
     plan.groups = [_rename_sources(group, renamed) for group in plan.groups]
+    _pick_layouts(plan)
     for new, old in renamed.items():
         if new not in consumed:
             _add_direct(plan, new, old, checkpoint[old])
     return plan
+
+
+def _pick_layouts(plan: ConversionPlan) -> None:
+    """Decide the operations whose layout the tensor's shape could not tell, from the checkpoint's other tensors.
+
+    An operation that converts a tensor only when the checkpoint holds it in another layout than the model's, and
+    tells which by its shape (transformers' check-dims ``Transpose``: Qwen3-VL-MoE's experts, stored ``(E, H, 2I)``
+    before transformers 5 and ``(E, 2I, H)`` since), cannot where both layouts have the same shape (``H == 2I``).
+    Stock then reads the tensor as it is, silently transposed if the checkpoint is the older one. A checkpoint is
+    written in one layout, so such an operation takes the one its other tensors of that kind show (there the
+    ``down_proj`` experts, ``(E, I, H)`` against ``(E, H, I)``, which differ since ``H != I``); when none shows one,
+    or they disagree, the group is a problem of the plan, named by key.
+    """
+    picks = [
+        (index, position, pick)
+        for index, group in enumerate(plan.groups)
+        for position, op in enumerate(group.operations)
+        if (pick := op.layout_pick()) is not None
+    ]
+    shown: dict[LayoutPick, str] = {}  # each layout the shapes told -> the first key in it
+    for index, _, pick in picks:
+        if pick is not LayoutPick.UNDECIDED:
+            shown.setdefault(pick, plan.groups[index].source_keys()[0])
+    for index, position, pick in picks:
+        if pick is not LayoutPick.UNDECIDED:
+            continue
+        group = plan.groups[index]
+        if len(shown) == 1:
+            operations = list(group.operations)
+            operations[position] = operations[position].picking(*shown)
+            plan.groups[index] = replace(group, operations=tuple(operations))
+            continue
+        if shown:
+            reason = "the checkpoint's other tensors disagree: " + ", ".join(
+                f"{key!r} is in {layout.value}" for layout, key in shown.items()
+            )
+        else:
+            reason = "no other tensor of the checkpoint shows which layout it is written in"
+        plan.problems["layouts the shapes cannot tell"].append(
+            f"{group.converter!r} on {group.source_keys()[0]!r}: its shape {group.source_shapes[0]} is the model's "
+            f"and that of the other layout the converter reads, so the shape cannot tell which the checkpoint holds, "
+            f"and {reason}."
+        )
 
 
 def _rename_sources(group: ConversionGroup, renamed: Mapping[str, str]) -> ConversionGroup:

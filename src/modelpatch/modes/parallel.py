@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -69,6 +70,12 @@ COLWISE_PARTS = "modelpatch_colwise_parts"
 
 # The attribute holding a module's FusedParts while the COLWISE_PARTS style shards it (set and removed by the mode).
 _PARTS_ATTRIBUTE = "_modelpatch_tensor_parallel_parts"
+
+# The styles that split a projection's output rows over the ranks, each rank computing its rows only (the others,
+# "colwise_gather_output" or "colwise_rep", give every rank the whole output).
+_ROW_SPLITTING_STYLES = frozenset({"colwise", "packed_colwise", COLWISE_PARTS})
+# An attention module's projections whose output rows are heads of its head_dim, and which heads they are.
+_HEAD_PROJECTIONS = {"q_proj": "attention", "k_proj": "key/value", "v_proj": "key/value"}
 
 
 @functools.cache
@@ -180,6 +187,7 @@ class TensorParallelSetup(LoadMode):
         override = self.config.tp_plan if isinstance(self.config.tp_plan, dict) else {}
         _check_plan_names(model, override)
         rules = {**model.tp_plan, **override}
+        _check_head_counts(model, rules, mesh.size())
         fused = _fused_layouts(model, plan.fusions.fused_modules(), rules, mesh.size())
         _check_declared_layouts(model, fused, plan.conversion)
         set_tp_plan(model, _translate_plan(rules, fused))
@@ -229,6 +237,44 @@ def _check_plan_names(model: PreTrainedModel, override: Mapping[str, str]) -> No
             f"tp_plan rules {unknown} name no module or parameter of {type(model).__name__}: rules name them as "
             f"named_modules() does, layer numbers as '*' (e.g. {example!r})."
         )
+
+
+def _check_head_counts(model: PreTrainedModel, rules: Mapping[str, str], ranks: int) -> None:
+    """Refuse to split attention heads over ``ranks`` ranks when a head count does not divide by it.
+
+    An attention module whose ``q_proj`` / ``k_proj`` / ``v_proj`` the plan splits by rows computes, on each rank,
+    that rank's rows reshaped into heads of its ``head_dim``: with more ranks than key/value heads (or any count that
+    does not divide) a rank holds part of a head, and the first forward fails deep in the attention (stock too:
+    ``shape '[2, 16, -1, 16]' is invalid``). The rules checked are those for the stock projections, which a fused
+    ``qkv_proj``'s slices keep the names of, so fused and unfused models are refused alike, before the plan is
+    translated or anything is read.
+    """
+    counts: dict[str, tuple[str, dict[str, int]]] = {}  # generic name -> (class, {kind of heads: count})
+    for name, module in model.named_modules():
+        head_dim = getattr(module, "head_dim", None)
+        if not isinstance(head_dim, int) or head_dim <= 0:
+            continue
+        generic = generic_module_name(name)
+        heads: dict[str, int] = {}
+        for child, kind in _HEAD_PROJECTIONS.items():
+            rows = getattr(getattr(module, child, None), "out_features", None)
+            if isinstance(rows, int) and rules.get(f"{generic}.{child}") in _ROW_SPLITTING_STYLES:
+                heads[kind] = rows // head_dim
+        if heads:
+            counts.setdefault(generic, (type(module).__name__, heads))
+    uneven = {generic: found for generic, found in counts.items() if any(n % ranks for n in found[1].values())}
+    if not uneven:
+        return
+    common = math.gcd(*(n for _, heads in counts.values() for n in heads.values()))
+    sizes = [size for size in range(1, common + 1) if common % size == 0]
+    described = "; ".join(
+        f"{generic} ({cls}) has " + " and ".join(f"{n} {kind} heads" for kind, n in heads.items())
+        for generic, (cls, heads) in uneven.items()
+    )
+    raise TensorParallelError(
+        f"{type(model).__name__} cannot be sharded over {ranks} ranks: each rank computes whole attention heads, "
+        f"and {described}, which do not all divide by {ranks}. TP sizes that divide every head count: {sizes}."
+    )
 
 
 def prepare(distributed_config: DistributedConfig | None) -> TensorParallelSetup | None:

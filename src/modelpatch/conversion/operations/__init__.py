@@ -20,7 +20,7 @@ operations share), :mod:`.shapes` (entries rearranged: concatenations, splits, t
 Every public name is importable from here.
 """
 
-from .base import ConversionOperation, DtypeSlot, KeySlot, Shape, ShapeSlot, Slot, common_dtype
+from .base import ConversionOperation, DtypeSlot, KeySlot, LayoutPick, Shape, ShapeSlot, Slot, common_dtype
 from .chain import bind_operations, concatenates_rows, reverse_operations, run_operations
 from .conv import Conv3dToLinear, LinearToConv3d
 from .experts import FuseExpertGroups, MergeModulelist, SplitExpertGroups, SplitModulelist
@@ -49,6 +49,7 @@ __all__ = [
     "Fp8BlockDequantize",
     "Interleave",
     "KeySlot",
+    "LayoutPick",
     "LinearToConv3d",
     "MergeModulelist",
     "MergeRowGroups",

@@ -3,6 +3,7 @@ argument checks operations share (this package's own helpers, not re-exported)."
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -92,6 +93,15 @@ def check_type(owner: str, name: str, value: object, expected: type) -> None:
         raise TypeError(f"{owner}: {name} must be a {expected.__name__}, got {value!r} ({type(value).__name__}).")
 
 
+class LayoutPick(enum.Enum):
+    """What a bound operation that tells a checkpoint tensor's layout by its shape found
+    (:meth:`ConversionOperation.layout_pick`)."""
+
+    CONVERTS = "another layout than the model's, converted"
+    AS_IS = "the model's layout, read as it is"
+    UNDECIDED = "either layout: both have the tensor's shape"
+
+
 class ConversionOperation(ABC):
     """Base class of conversion operations. Subclasses are frozen dataclasses."""
 
@@ -140,6 +150,19 @@ class ConversionOperation(ABC):
     def for_targets(self, shapes: Sequence[ShapeSlot | None]) -> ConversionOperation:
         """This operation told the model's shapes of the converter's targets (None where the model has no such key)."""
         return self
+
+    def layout_pick(self) -> LayoutPick | None:
+        """For a bound operation that converts a tensor only when the checkpoint holds it in another layout than the
+        model's, telling which by the tensor's shape (transformers' check-dims ``Transpose``): what the shape told,
+        :attr:`LayoutPick.UNDECIDED` where both layouts have that shape. None (the default) for every other
+        operation."""
+        return None
+
+    def picking(self, pick: LayoutPick) -> ConversionOperation:
+        """This bound operation, whose :meth:`layout_pick` is undecided, with the layout decided by other evidence
+        (``CONVERTS`` or ``AS_IS``: what the checkpoint's other tensors showed). Only asked of operations that
+        report a pick."""
+        raise NotImplementedError(f"{self!r} picks no layout.")
 
 
 class PerSlotOperation(ConversionOperation):

@@ -11,6 +11,7 @@ import torch
 from ...errors import ConversionError
 from .base import (
     ConversionOperation,
+    LayoutPick,
     PerSlotOperation,
     Shape,
     check_ints,
@@ -165,7 +166,11 @@ class Transpose(PerSlotOperation):
     ``check_dims=True`` (transformers' option) transposes only when the tensor's shape differs from the model's
     target parameter (given by :meth:`for_targets`), so checkpoints in either layout load. Whether it did is recorded
     (``applied``) and the reverse does the same; with no target shape to compare (saving a model that was never
-    loaded) it does nothing, which is what stock transformers' reverse does too.
+    loaded) it does nothing, which is what stock transformers' reverse does too. What the shapes told is recorded
+    too (``told``, :meth:`layout_pick`): where the two swapped dims are equal, both layouts have the model's shape
+    and the shape cannot tell (``UNDECIDED``); the operation then transposes nothing until the planner decides it
+    from the checkpoint's other tensors (:meth:`picking`), or refuses the group (stock reads such a tensor as it is,
+    transposed or not).
     """
 
     moves_entries: ClassVar[bool] = True
@@ -175,24 +180,39 @@ class Transpose(PerSlotOperation):
     check_dims: bool = False
     expected: Shape | None = None
     applied: bool | None = None
+    told: LayoutPick | None = None
 
     def for_targets(self, shapes):
-        if not self.check_dims or self.applied is not None or not shapes or not isinstance(shapes[0], tuple):
+        if not self.check_dims or self.applied is not None or self.told is not None:
+            return self
+        if not shapes or not isinstance(shapes[0], tuple):
             return self
         return replace(self, expected=shapes[0])
 
     def bind(self, shapes, num_targets):
         if not self.check_dims:
             return super().bind(shapes, num_targets)
-        applied = self.applied
-        if applied is None:
+        bound = self
+        if self.applied is None and self.told is None:
             first = shapes[0] if shapes else None
-            applied = self.expected is not None and isinstance(first, tuple) and first != tuple(self.expected)
-        bound = replace(self, expected=None, applied=applied)
-        return bound, (PerSlotOperation.bind(bound, shapes, num_targets)[1] if applied else list(shapes))
+            applied, told = False, None  # nothing to compare with: as stock, no transpose
+            if self.expected is not None and isinstance(first, tuple):
+                applied = first != tuple(self.expected)
+                square = self._shape(first) == first
+                told = LayoutPick.CONVERTS if applied else LayoutPick.UNDECIDED if square else LayoutPick.AS_IS
+            bound = replace(self, expected=None, applied=None if told is LayoutPick.UNDECIDED else applied, told=told)
+        return bound, (PerSlotOperation.bind(bound, shapes, num_targets)[1] if bound.applied else list(shapes))
 
     def apply(self, slots):
         return super().apply(slots) if not self.check_dims or self.applied else slots
+
+    def layout_pick(self):
+        return self.told
+
+    def picking(self, pick):
+        if self.told is not LayoutPick.UNDECIDED or pick is LayoutPick.UNDECIDED:
+            raise ConversionError(f"{self!r}: only an undecided layout is picked, and as CONVERTS or AS_IS.")
+        return replace(self, applied=pick is LayoutPick.CONVERTS, told=pick)
 
     def _shape(self, shape):
         d0, d1 = norm_dim(self.dim0, len(shape), self), norm_dim(self.dim1, len(shape), self)
