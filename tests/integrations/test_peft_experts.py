@@ -17,6 +17,7 @@ import peft
 import pytest
 import torch
 import transformers
+from packaging.version import Version
 from peft import AdaLoraConfig, IA3Config, LoraConfig
 from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import load_file
@@ -51,6 +52,11 @@ FAMILIES = [
 
 
 def _checkpoint(name: str, root: Path) -> tuple[type, Path]:
+    if not hasattr(transformers, name):
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    if name == "AriaTextForCausalLM" and Version(transformers.__version__) < Version("5.18"):
+        # Before 5.18 Aria's experts are another class, without 3-D weights: linear_experts leaves them as they are.
+        pytest.skip(f"transformers {transformers.__version__}: Aria's experts have no 3-D weights before 5.18")
     cls = getattr(transformers, name)
     torch.manual_seed(0)
     model = cls(zoo.tiny_config(cls.config_class))
