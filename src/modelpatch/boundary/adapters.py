@@ -58,13 +58,18 @@ def install_adapter_guard(model: nn.Module) -> None:
 
 
 def fused_projections(model: nn.Module) -> dict[str, list[str]]:
-    """Each fused layer of ``model`` (its path) -> the original names of its parts, in order."""
+    """Each fused layer of ``model`` (its path) -> the original names of its parts, in order: the fused projections
+    (told by their slices) and every fused module that says which original names it stands for (an
+    ``original_names()`` method of its class: the experts of ``linear_experts``, whose per-expert Linears
+    "all-linear" would adapt one by one where the stock model has two 3-D parameters)."""
     parts: dict[str, dict[int, str]] = defaultdict(dict)
     for name, module in model.named_modules():
         if isinstance(module, ProjectionSlice):
             owner, _, original = name.rpartition(".")
             fused = f"{owner}.{module.fused_name}" if owner else module.fused_name
             parts[fused][module.index] = original
+        elif callable(getattr(type(module), "original_names", None)):
+            parts[name] = dict(enumerate(module.original_names()))
     return {fused: [names[i] for i in sorted(names)] for fused, names in parts.items()}
 
 
