@@ -3,8 +3,9 @@
 On a fused model PEFT's "all-linear" finds the fused layers (``qkv_proj``, ``gate_up_proj``: ``nn.Linear``
 subclasses) and adapts them. Its adapter then names modules that only the fused model has while it names the original
 checkpoint as its base model, and stock PEFT loading it there adapts the other layers and drops the fused layers'
-weights without a word. (An adapter of the fused layers alone loads nowhere but on a fused model: there stock PEFT
-says so, as it finds none of its target modules.)
+weights without a word. The experts of ``linear_experts`` are the same case: "all-linear" finds their per-expert
+Linears, which the stock model (two 3-D parameters per experts module) does not have. (An adapter of the fused
+layers alone loads nowhere but on a fused model: there stock PEFT says so, as it finds none of its target modules.)
 
 Saving that adapter in the original names instead (one LoRA of the same rank per part: the same A, B's rows split) is
 not done: PEFT resolves "all-linear" in the config itself and writes that config as it is, and no call of PEFT's
