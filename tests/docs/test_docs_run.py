@@ -28,6 +28,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 HUB_IDS = {
     "meta-llama/Llama-3.2-1B": "llama_tied",
     "Qwen/Qwen1.5-MoE-A2.7B": "qwen2_moe",
+    "Qwen/Qwen3-30B-A3B": "qwen3_moe",
 }
 CONTINUES = "# (continues the example above)"
 # The sentence, wrapped anywhere.
