@@ -232,6 +232,26 @@ def test_adalora_on_fused_projections_is_refused_without_pointing_back(tiny):
     assert _no_adapter_layers(model)
 
 
+# Only linear_experts (no fused projection): the experts are the one fused thing "all-linear" finds. qwen3_moe: PEFT
+# resolves "all-linear" inside its transformers-v5 target rewrite, before injecting.
+@pytest.mark.parametrize("name", ["qwen2_moe", "qwen3_moe", "mixtral"])
+def test_stock_all_linear_on_a_linear_experts_model_is_refused_before_any_adapter_layer(tiny, name):
+    """Stock PEFT's "all-linear" (what TRL's SFTTrainer runs) would adapt every per-expert Linear, which the stock
+    model (two 3-D parameters per experts module) drops on load without a word: refused while PEFT resolves the
+    targets, naming the experts modules and the remedy, with no adapter layer made; the remedy takes the same model
+    and config."""
+    model = tiny(name).load(EXPERTS)
+    with pytest.raises(
+        PeftIntegrationError,
+        match=r"fused layers model\.layers\.0\.mlp\.experts \(gate_up_proj, "
+        r"down_proj\).*modelpatch\.get_peft_model.*modelpatch\.load_adapter",
+    ):
+        peft.get_peft_model(model, _lora(target_modules="all-linear"))
+    assert _no_adapter_layers(model)
+    adapted = modelpatch.get_peft_model(model, _lora(target_modules="all-linear"))
+    assert any(isinstance(module, BaseTunerLayer) for module in adapted.modules())
+
+
 def test_per_expert_adapter_weights_are_refused_by_name(tiny, tmp_path):
     """Per-expert LoRA (stock PEFT on the linear_experts Linears): the stock model has no such modules, so it is not
     read silently, partly or as something else."""

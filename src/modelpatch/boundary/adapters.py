@@ -3,8 +3,9 @@
 On a fused model PEFT's "all-linear" finds the fused layers (``qkv_proj``, ``gate_up_proj``: ``nn.Linear``
 subclasses) and adapts them. Its adapter then names modules that only the fused model has while it names the original
 checkpoint as its base model, and stock PEFT loading it there adapts the other layers and drops the fused layers'
-weights without a word. (An adapter of the fused layers alone loads nowhere but on a fused model: there stock PEFT
-says so, as it finds none of its target modules.)
+weights without a word. The experts of ``linear_experts`` are the same case: "all-linear" finds their per-expert
+Linears, which the stock model (two 3-D parameters per experts module) does not have. (An adapter of the fused
+layers alone loads nowhere but on a fused model: there stock PEFT says so, as it finds none of its target modules.)
 
 Saving that adapter in the original names instead (one LoRA of the same rank per part: the same A, B's rows split) is
 not done: PEFT resolves "all-linear" in the config itself and writes that config as it is, and no call of PEFT's
@@ -58,13 +59,18 @@ def install_adapter_guard(model: nn.Module) -> None:
 
 
 def fused_projections(model: nn.Module) -> dict[str, list[str]]:
-    """Each fused layer of ``model`` (its path) -> the original names of its parts, in order."""
+    """Each fused layer of ``model`` (its path) -> the original names of its parts, in order: the fused projections
+    (told by their slices) and every fused module that says which original names it stands for (an
+    ``original_names()`` method of its class: the experts of ``linear_experts``, whose per-expert Linears
+    "all-linear" would adapt one by one where the stock model has two 3-D parameters)."""
     parts: dict[str, dict[int, str]] = defaultdict(dict)
     for name, module in model.named_modules():
         if isinstance(module, ProjectionSlice):
             owner, _, original = name.rpartition(".")
             fused = f"{owner}.{module.fused_name}" if owner else module.fused_name
             parts[fused][module.index] = original
+        elif callable(getattr(type(module), "original_names", None)):
+            parts[name] = dict(enumerate(module.original_names()))
     return {fused: [names[i] for i in sorted(names)] for fused, names in parts.items()}
 
 

@@ -314,6 +314,15 @@ class LinearExperts(nn.ModuleList):
     top-k expert outputs by its routing weights, as the fused experts of transformers do. A ``top_k_index`` equal to
     ``num_experts`` marks an unused slot (some routers pad with it): it contributes nothing."""
 
+    # The stock experts module's 3-D parameters this module stands for, in the order the stock classes register them
+    # (every experts class linear_experts fuses names them so).
+    ORIGINAL_PARAMETERS = ("gate_up_proj", "down_proj")
+
+    def original_names(self) -> tuple[str, ...]:
+        """The names, on the stock model, of what this module stands for (its stock experts module's parameters):
+        what an adapter saved for the stock model must name instead of this module's per-expert Linears."""
+        return self.ORIGINAL_PARAMETERS
+
     def __init__(
         self,
         num_experts: int,

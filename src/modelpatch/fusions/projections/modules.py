@@ -203,10 +203,17 @@ def fuse_linears(
             fused.weight.copy_(torch.cat([lin.weight for lin in linears]))
             if fused.bias is not None:
                 fused.bias.copy_(torch.cat([lin.bias for lin in linears]))
+    # The fused layer and its slices take the place of the first original Linear among the module's children, so
+    # that whatever walks the children in order (PEFT creating its adapter layers, drawing each one's random initial
+    # weights) meets the parts where it meets the originals on the stock model.
+    children = list(module._modules)
+    after = [child for child in children[children.index(names[0]) :] if child not in names]
     for name in names:
         delattr(module, name)
     setattr(module, fused_name, fused)
     for index, name in enumerate(names):
         slice_ = ProjectionSlice(module, fused_name, sizes, index, first.in_features, apart_from_rows)
         setattr(module, name, slice_)
+    for name in after:
+        module._modules[name] = module._modules.pop(name)
     return fused
