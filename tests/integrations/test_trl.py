@@ -5,18 +5,17 @@ the remedy (the model ``modelpatch.get_peft_model`` adapted, given to the traine
 
 from __future__ import annotations
 
+import datasets
 import pytest
+import tokenizers
 import torch
+import trl
 from peft import LoraConfig
 from peft.tuners.tuners_utils import BaseTunerLayer
 
 import modelpatch
 from modelpatch.errors import PeftIntegrationError
 from support.models import VOCAB
-
-trl = pytest.importorskip("trl", reason="trl is not installed (not in the test extra yet)")
-datasets = pytest.importorskip("datasets", reason="datasets is not installed (the test extra installs it)")
-tokenizers = pytest.importorskip("tokenizers", reason="tokenizers is not installed (transformers installs it)")
 
 REFUSED = r"'all-linear' would adapt the fused layers .*modelpatch\.get_peft_model.*modelpatch\.load_adapter"
 
