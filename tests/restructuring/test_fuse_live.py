@@ -7,7 +7,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import transformers
 from fusion_models import assert_outputs_close, assert_same_files, module_types
+from packaging.version import Version
+from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 import modelpatch
@@ -16,6 +19,8 @@ from modelpatch.conversion import ConversionOperation
 from modelpatch.fusions.projections import FusedLinear
 from support.compare import assert_bitwise_equal
 from support.fusions import assert_refused_unchanged
+from support.models import tiny_config
+from support.zoo import load_zoo
 
 CASES = {
     "llama": {"qkv": True, "gate_up": True},
@@ -324,3 +329,34 @@ def test_a_part_the_fused_class_has_no_place_for_is_named_first_in_the_refusal(t
         lambda m: modelpatch.fuse(m, {"qkv": True}),
         "do not convert to those of QKVFusedLlamaAttention (['model.layers.0.self_attn.q_proj.bias'] match",
     )
+
+
+def _gpt_oss():
+    if Version(transformers.__version__) < Version("5.18"):
+        pytest.skip(f"transformers {transformers.__version__}: GPT-OSS's experts have no 3-D weights before 5.18")
+    return load_zoo()._build(transformers.GptOssForCausalLM)
+
+
+def test_a_setting_changed_on_the_live_module_is_refused_by_name():
+    """The fused modules are built from the config: GPT-OSS's gate limit set on the live experts alone (or a Llama's
+    attention scaling) would be lost without a word, so ``fuse`` names it and changes nothing. (Set in the config
+    too, it fuses: tests/fusions/test_linear_experts_layouts.py.)"""
+    model = _gpt_oss()
+    model.model.layers[0].mlp.experts.limit = 1.0
+    assert_refused_unchanged(
+        model,
+        lambda m: modelpatch.fuse(m, {"linear_experts": True}),
+        "model.layers.0.mlp.experts.limit is 1.0 (its config builds 7.0)",
+    )
+    llama = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    llama.model.layers[1].self_attn.scaling = 0.5
+    assert_refused_unchanged(
+        llama, lambda m: modelpatch.fuse(m, {"qkv": True}), "model.layers.1.self_attn.scaling is 0.5"
+    )
+
+
+def test_unfuse_refuses_a_setting_changed_on_the_fused_module():
+    model = modelpatch.fuse(_gpt_oss(), {"linear_experts": True})
+    for expert in model.model.layers[0].mlp.experts:
+        expert.gate_fn.state.limit = 2.0
+    assert_refused_unchanged(model, modelpatch.unfuse, "model.layers.0.mlp.experts.limit is 2.0")

@@ -44,6 +44,7 @@ from ..errors import FusionError
 from ..fusions.apply import normalize_fusion_config, prepare_fusions, resolve_fusion_config, spec_transforms
 from ..fusions.generated import finish_fused_modules, fused_origin
 from ..fusions.projections import ProjectionSlice
+from ..fusions.settings import settings_differences
 from ..loading.build import build_empty_model
 from ..loading.materialize import fill, return_freed_memory
 from ..loading.plan import model_expectations
@@ -168,6 +169,7 @@ def _plan(
     training_problems: list[str] = []
     tensor_problems: list[str] = []
     owners, reported = _tensor_names(model), set[int]()
+    setting_problems: list[str] = []
     for name in names:
         state = _module_state(model, name)
         metas = {key: TensorMeta(tuple(t.shape), t.dtype) for key, t in state.items()}
@@ -181,6 +183,7 @@ def _plan(
             metas = plan.outputs
             passed = {out: passed[source] for out, source in plan.direct.items() if source in passed}
         new = target.get_submodule(name)
+        setting_problems += settings_differences(name, model.get_submodule(name), new)
         moves, hooked = plan_hook_moves(model.get_submodule(name), new, name, verb)
         hook_moves += moves
         hook_problems += hooked + tensor_hook_problems(state, set(passed.values()), verb)
@@ -202,6 +205,14 @@ def _plan(
         converted = set(state) - set(passed.values())
         tensor_problems += _unreadable(state, module_plans[0]) + _shared(state, converted, owners, reported, verb)
         modules.append((name, tuple(module_plans)))
+    if setting_problems:
+        # The new modules are built from the config, as a load builds them: they would compute with its values.
+        raise FusionError(
+            f"Cannot {verb} {type(model).__name__}: settings were changed on the live modules after they were built, "
+            f"and the {verb}d modules, built from the model's config, would compute without them: "
+            f"{'; '.join(setting_problems)}. Set them in model.config too (the new modules read them there), or leave "
+            "the model as it is. The model was left unchanged."
+        )
     if tensor_problems:
         raise FusionError(
             f"Cannot {verb} {type(model).__name__}: {'; '.join(tensor_problems)}. The model was left unchanged."

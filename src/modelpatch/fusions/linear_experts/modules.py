@@ -43,6 +43,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ...checkpoint.pages import release_pages
 from ..hooks import global_hooks, hooked
+from ..settings import plain_settings
 
 # torch.nn.functional.grouped_mm (torch >= 2.10) else torch._grouped_mm (2.9); None: no grouped path at all.
 _GROUPED_MM: Callable[..., torch.Tensor] | None = getattr(
@@ -322,6 +323,17 @@ class LinearExperts(nn.ModuleList):
         """The names, on the stock model, of what this module stands for (its stock experts module's parameters):
         what an adapter saved for the stock model must name instead of this module's per-expert Linears."""
         return self.ORIGINAL_PARAMETERS
+
+    def computing_settings(self) -> dict[str, object]:
+        """The plain attributes this module computes with, under the names the stock experts module gives them: its
+        own, and those its experts' gate read from the stock module it was built from (GPT-OSS's ``limit`` and
+        ``alpha``). A live ``fuse`` checks them against the module it replaces (see
+        :func:`modelpatch.restructuring.restructure.fuse`)."""
+        settings = plain_settings(self)
+        gate = next((expert.gate_fn for expert in self if isinstance(expert, ExpertMLP)), None)
+        if gate is not None:
+            settings.update(plain_settings(gate.state))
+        return settings
 
     def __init__(
         self,
