@@ -6,7 +6,8 @@ Both sides hold the same adapter (made by stock PEFT with ``target_parameters=["
 every expert's update ``B_e @ A_e`` to its weight at each forward (materialising an ``[E, out, in]`` delta per
 parameter); modelpatch computes ``B_e (A_e x)`` at each expert's Linears on the tokens routed to it. The two are called
 alternately (``compare`` of ``benchmarks/fusions.py``); the table gives the median seconds of one forward + backward,
-the ratio (stock / ours: above 1 is faster), and on CUDA the peak memory of one step.
+the ratio (stock / ours: above 1 is faster), and the peak memory one step adds (CUDA's allocator peak on a GPU;
+on the CPU, how far resident memory rises above where it stood).
 
 Usage::
 
@@ -18,6 +19,8 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import tempfile
 from pathlib import Path
 
@@ -66,9 +69,32 @@ def _step(model: torch.nn.Module, input_ids: torch.Tensor):
     return run
 
 
-def _peak(run, device: torch.device) -> str:
-    if device.type != "cuda":
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _cpu_peak(run) -> str:
+    """How far the process's resident memory rose above where it stood during one step: glibc's free lists are
+    returned first (``malloc_trim``), then Linux's peak-RSS mark is reset (``clear_refs`` 5) and read after the step
+    (``VmHWM``). Linux only; ``-`` elsewhere."""
+    try:
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        Path("/proc/self/clear_refs").write_text("5")
+        before = _status_kib("VmRSS")
+        run()
+        return f"{(_status_kib('VmHWM') - before) / 1024:.0f} MiB"
+    except OSError:
         return "-"
+
+
+def _peak(run, device: torch.device) -> str:
+    """The memory one step adds at its peak: CUDA's allocator peak on a GPU, the rise of resident memory on the CPU."""
+    if device.type != "cuda":
+        return _cpu_peak(run)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     run()
