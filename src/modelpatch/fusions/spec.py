@@ -181,6 +181,12 @@ class ModuleFusionSpec(ABC):
         """Called on each fused module once it holds its final tensors (after a load or a live fuse); default:
         nothing. For modules that lay their loaded tensors out for speed."""
 
+    def runtime_key_parts(self) -> Sequence[tuple[tuple[str, ...], str]]:
+        """``(part names, fused name)`` for each way this family renames checkpoint keys in its runtime layout
+        (``(("q_proj", "k_proj", "v_proj"), "qkv_proj")``): how the load's diagnostics recognise a checkpoint saved
+        in that layout (``save_original_format=False``) and name the fusion to load it with. Default: none."""
+        return ()
+
     def tensor_parallel_layout(
         self, module: nn.Module, rules: Mapping[str, str], ranks: int
     ) -> TensorParallelLayout | None:

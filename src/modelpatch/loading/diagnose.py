@@ -14,7 +14,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..fusions import available_fusions, get_fusion
-from ..fusions.projections import FusedProjectionsSpec
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
 _QUOTED_LIST = re.compile(r"\['[^'\]]*'(?:, '[^'\]]*')+\]")
@@ -170,10 +169,7 @@ def _runtime_layout(missing: set[str], unexpected: Sequence[str]) -> tuple[str |
     fusions: dict[str, str] = {}
     explained: set[str] = set()
     for name in available_fusions():
-        spec = get_fusion(name)
-        if not isinstance(spec, FusedProjectionsSpec):
-            continue
-        for parts, fused in spec.groups:
+        for parts, fused in get_fusion(name).runtime_key_parts():
             for key in unexpected:
                 match = re.fullmatch(rf"(?P<owner>.+)\.{re.escape(fused)}\.(?P<leaf>\w+)", key)
                 if match is None:

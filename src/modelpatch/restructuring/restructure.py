@@ -43,7 +43,6 @@ from ..conversion.transforms import WeightConverter, WeightTransform
 from ..errors import FusionError
 from ..fusions.apply import normalize_fusion_config, prepare_fusions, resolve_fusion_config, spec_transforms
 from ..fusions.generated import finish_fused_modules, fused_origin
-from ..fusions.projections import ProjectionSlice
 from ..fusions.settings import settings_differences
 from ..loading.build import build_empty_model
 from ..loading.materialize import fill, return_freed_memory
@@ -334,11 +333,13 @@ def _bound(transforms: Sequence[WeightTransform], groups: Sequence[ConversionGro
 
 
 def _dismantle(module: nn.Module) -> None:
-    """Break the owner <-> slice reference cycles of a replaced fused module, so that reference counting frees its
-    tensors at once rather than at the next garbage collection (a forward still running on it finishes)."""
+    """Break the reference cycles of a replaced fused module (a projection slice's reference to its owner), so that
+    reference counting frees its tensors at once rather than at the next garbage collection (a forward still running
+    on it finishes). A family's module with such a cycle says how to break it: ``release_owner()``."""
     for child in module.modules():
-        if isinstance(child, ProjectionSlice):
-            child.release_owner()
+        release = getattr(type(child), "release_owner", None)
+        if callable(release):
+            release(child)
 
 
 def _record(model: PreTrainedModel, fusion_config: Mapping[str, Any], transforms: Sequence[WeightTransform]) -> None:

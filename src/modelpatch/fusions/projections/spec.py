@@ -124,6 +124,9 @@ class FusedProjectionsSpec(ModuleFusionSpec):
     per_instance = True
     reads_runtime_names = True
 
+    def runtime_key_parts(self) -> Sequence[tuple[tuple[str, ...], str]]:
+        return self.groups
+
     def _candidate_groups(self, module: nn.Module) -> list[tuple[tuple[str, ...], str]]:
         return [g for g in self.groups if all(name in module._modules for name in g[0])]
 
