@@ -202,3 +202,17 @@ def test_quantize_after_the_load_of_a_fused_model_is_refused_by_name(tiny, tmp_p
     with pytest.raises(SaveError, match=r"qkv_proj"):
         model.save_pretrained(tmp_path / "out")
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").glob("*.safetensors"))
+
+
+@needs_quantizer_api
+def test_an_unfused_moe_quantized_at_load_saves_what_stock_saves(tiny, tmp_path):
+    """Qwen3-MoE unfused: its 3-D experts (stacked at load, left in full precision by torchao) go back to per-expert
+    weights, its quantized attention as it is: stock's folder."""
+    checkpoint = tiny("qwen3_moe").path
+    stock = AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=_int8())
+    stock.save_pretrained(tmp_path / "stock")
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, checkpoint, quantization_config=_int8())
+    assert torch.equal(_logits(model), _logits(stock))
+    modelpatch.save_pretrained(model, tmp_path / "ours")
+    _assert_what_stock_writes(tmp_path / "ours", tmp_path / "stock")
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in read_tensors(tmp_path / "ours")

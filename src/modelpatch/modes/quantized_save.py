@@ -140,13 +140,14 @@ def _torchao_original_layout(
             + "\n  - ".join(problems)
             + "\nSave with save_original_format=False (modelpatch loads that back), or load without the fusion."
         )
+    _refuse_what_stock_would_combine(model, layout, kept, parts)
     with torch.no_grad():
         converted = {**plain.run(kept.__getitem__), **parts}
     # In the model's order, each fused tensor's parts where it stands (stock's order: q_proj, k_proj, v_proj, o_proj).
     position = {key: index for index, key in enumerate(kept)}
     sources = layout.sources_of()
     original = {key: converted[key] for key in sorted(converted, key=lambda k: position[sources[k][0]])}
-    _refuse_what_stock_would_combine(model, original)
+    # torchao is imported only here: a torchao model was loaded, so it is installed.
     from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
 
     # What transformers' torchao quantizer writes (its get_state_dict_and_metadata flattens the model's state dict).
@@ -154,16 +155,25 @@ def _torchao_original_layout(
     return tensors, metadata
 
 
-def _refuse_what_stock_would_combine(model: PreTrainedModel, original: Mapping[str, torch.Tensor]) -> None:
-    """Refuse, naming them, torchao tensors of the original layout that stock transformers' load would convert.
+def _refuse_what_stock_would_combine(
+    model: PreTrainedModel,
+    layout: ConversionPlan,
+    state: Mapping[str, torch.Tensor],
+    parts: Mapping[str, torch.Tensor],
+) -> None:
+    """Refuse, naming them, torchao tensors of the original layout (``layout`` of ``state``, torchao ``parts`` cut
+    from its fused tensors) that stock transformers' load would convert. Reads shapes only.
 
     Stock's torchao quantizer quantizes ``nn.Linear`` weights only, so a stock model's converted parameters (3-D
     experts stacked from per-expert weights) are never torchao tensors, and its load cannot stack torchao tensors into
     them: it leaves those parameters at their random initialisation. A model that quantized its experts one Linear at
     a time (``linear_experts``) writes such tensors.
     """
-    quantized = {key for key, tensor in original.items() if type(tensor.detach()) is not torch.Tensor}
-    metas = {key: TensorMeta(tuple(tensor.shape), tensor.dtype) for key, tensor in original.items()}
+    metas = {key: TensorMeta(tuple(state[source].shape), state[source].dtype) for key, source in layout.direct.items()}
+    for group in layout.groups:
+        metas.update(group.target_metas())
+    quantized = {key for key, source in layout.direct.items() if type(state[source].detach()) is not torch.Tensor}
+    quantized |= set(parts)
     combined = [
         f"{sorted(set(group.source_keys()) & quantized)} -> {group.target_keys()} "
         f"({', '.join(type(op).__name__ for op in group.operations)})"

@@ -114,17 +114,6 @@ def planned_save(
     return plan_model_save(model, save_modes(model), original_format=original_format, state_dict=state_dict)
 
 
-def checkpoint_tensors(
-    model: PreTrainedModel, state_dict: Mapping[str, torch.Tensor] | None = None, *, original_format: bool = True
-) -> dict[str, torch.Tensor]:
-    """The tensors a save of ``model`` writes, validated: original layout by default, else the runtime layout.
-
-    ``state_dict`` defaults to ``model.state_dict()`` (Trainer passes its own). Raises :class:`SaveError` naming every
-    module whose state cannot be written correctly.
-    """
-    return planned_save(model, original_format=original_format, state_dict=state_dict).tensors()
-
-
 def original_format_save(model: PreTrainedModel, save_directory: str | Path, *args: Any, **kwargs: Any) -> Any:
     """``model.save_pretrained`` of a model modelpatch built: stock transformers' method, fed the original layout.
 
