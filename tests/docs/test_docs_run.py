@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from modelpatch.modes.quantization import quantizer_api_supported
+
 ROOT = Path(__file__).parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Hub ids the docs use -> the tiny checkpoint standing in for them.
@@ -110,6 +112,11 @@ def _missing_tool(program: list[Block]) -> str | None:
                 importlib.import_module(tool)
             except ImportError as exc:
                 return f"{tool} does not import here ({exc})"
+    # A quantized load needs transformers' quantizer API of 5.23 (the lowest set's 5.15 is refused by name).
+    if any("quantization_config=" in block.source for block in program) and not quantizer_api_supported():
+        import transformers
+
+        return f"transformers {transformers.__version__}'s quantizer API predates 5.23's: quantized loads are refused"
     return None
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,7 @@ from modelpatch.modes.quantization import quantizer_api_supported
 from support.compare import assert_bitwise_equal, bits
 from support.files import read_tensors
 from support.models import sized_config
+from support.quantized import BLOCK, FP8_MAX, declare_quantization, quantize_projections, write_fp8_checkpoint
 
 # The oldest transformers releases of the supported range have another quantizer API: there modelpatch refuses
 # quantized checkpoints by name (tests/loading/test_load_errors.py checks that).
@@ -39,9 +39,6 @@ pytestmark = pytest.mark.skipif(
 torchao = pytest.importorskip("torchao")
 from torchao.quantization import Int8WeightOnlyConfig  # noqa: E402
 from transformers import TorchAoConfig  # noqa: E402
-
-BLOCK = 128
-FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 
 def _config(model_type: str, **overrides):
@@ -62,65 +59,6 @@ FP8_MODELS = {
         shared_expert_intermediate_size=256,
     ),
 }
-
-
-def quantize_fp8_blockwise(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float8_e4m3fn weight and its ``weight_scale_inv`` (one float32 scale per 128x128 block: amax / 448)."""
-    rows, cols = weight.shape
-    blocks = weight.float().reshape(rows // BLOCK, BLOCK, cols // BLOCK, BLOCK)
-    scale = blocks.abs().amax(dim=(1, 3)) / FP8_MAX
-    quantized = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return quantized.reshape(rows, cols), scale
-
-
-def _is_quantized_projection(key: str) -> bool:
-    # Like the published checkpoints: linear projections only (no embeddings, head, norms, routers or gates).
-    return key.endswith("_proj.weight")
-
-
-def write_fp8_checkpoint(config, path: Path) -> Path:
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param, dtype=torch.float32).to(param.dtype) * 0.05)
-    model.save_pretrained(path)
-    settings = {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [BLOCK, BLOCK],
-    }
-    return _quantize_projections(path, _fp8_blockwise, settings)
-
-
-def _fp8_blockwise(weight: torch.Tensor) -> dict[str, torch.Tensor]:
-    """:func:`quantize_fp8_blockwise`'s weight and scale, by name suffix."""
-    quantized, scale_inv = quantize_fp8_blockwise(weight)
-    return {"weight": quantized, "weight_scale_inv": scale_inv}
-
-
-def _quantize_projections(
-    path: Path, quantize: Callable[[torch.Tensor], dict[str, torch.Tensor]], settings: dict
-) -> Path:
-    """Replace each projection weight of ``path``'s single-file checkpoint by what ``quantize`` makes of it (name
-    suffix -> tensor: the weight and its scale), and declare ``settings`` as its quantization_config."""
-    tensors = {}
-    for key, tensor in load_file(str(path / "model.safetensors")).items():
-        if _is_quantized_projection(key):
-            tensors.update({key.removesuffix("weight") + suffix: part for suffix, part in quantize(tensor).items()})
-        else:
-            tensors[key] = tensor
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    return _declare_quantization(path, settings)
-
-
-def _declare_quantization(path: Path, settings: dict) -> Path:
-    """``settings`` as the quantization_config of ``path``'s config.json."""
-    raw = json.loads((path / "config.json").read_text())
-    raw["quantization_config"] = settings
-    (path / "config.json").write_text(json.dumps(raw))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -324,7 +262,7 @@ def test_torchao_checkpoint_with_a_fusion_that_would_concatenate_it_is_refused(t
 
 def _with_quantization_config(source: Path, path: Path, settings: dict) -> Path:
     shutil.copytree(source, path)
-    return _declare_quantization(path, settings)
+    return declare_quantization(path, settings)
 
 
 def test_torchao_settings_on_a_full_precision_checkpoint_are_refused_naming_them(
@@ -370,9 +308,10 @@ def test_torchao_quantization_at_load_quantizes_the_fused_projection(plain_llama
             assert torch.equal(getattr(fused, name), torch.cat(parts)), name
     assert torch.equal(logits(model), logits(stock))
 
-    with pytest.raises(SaveError, match=r"torchao tensors and its layout differs.*save_original_format=False"):
-        modelpatch.save_pretrained(model, tmp_path / "original")
-    assert not (tmp_path / "original").exists()
+    # The original layout: the fused tensors cut back into their parts by rows (tests/quantization/
+    # test_torchao_routes.py compares the folder with stock's).
+    modelpatch.save_pretrained(model, tmp_path / "original")
+    assert_bitwise_equal(flat_state(AutoModelForCausalLM.from_pretrained(tmp_path / "original")), flat_state(stock))
     modelpatch.save_pretrained(model, tmp_path / "runtime", save_original_format=False)
     reloaded = modelpatch.from_pretrained(AutoModelForCausalLM, tmp_path / "runtime")
     assert type(reloaded.model.layers[0].self_attn.qkv_proj.weight).__name__ == "Int8Tensor"
@@ -471,7 +410,7 @@ def compressed_tensors_checkpoint(plain_llama, tmp_path_factory) -> Path:
             }
         },
     }
-    return _quantize_projections(path, _fp8_channelwise, settings)
+    return quantize_projections(path, _fp8_channelwise, settings)
 
 
 def _fp8_channelwise(weight: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -24,7 +24,8 @@ so that stock code paths â€” ``model.save_pretrained``, ``Trainer.save_model`` â
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -70,8 +71,10 @@ def save_pretrained(
     of the same model saved unsharded.
 
     A model loaded with a quantizer (torchao) is written as stock writes it: the quantizer's flattened tensors and
-    their safetensors metadata, with the ``quantization_config``. Where its layout differs from the checkpoint's, or
-    where the quantized weights were dequantized at load (fp8), the original layout is refused by name.
+    their safetensors metadata, with the ``quantization_config``; a fused torchao layer is cut back into its parts by
+    rows where that is exact (``modes/quantized_save.py``). What cannot be written so that stock loads it (a split
+    that is not exact, torchao experts stock would stack, other methods' fused tensors, weights dequantized at load)
+    is refused by name in the original layout.
 
     Raises:
         SaveError: A module was substituted since the model was built (a quantizer's module, a quantized tensor
@@ -111,17 +114,6 @@ def planned_save(
     return plan_model_save(model, save_modes(model), original_format=original_format, state_dict=state_dict)
 
 
-def checkpoint_tensors(
-    model: PreTrainedModel, state_dict: Mapping[str, torch.Tensor] | None = None, *, original_format: bool = True
-) -> dict[str, torch.Tensor]:
-    """The tensors a save of ``model`` writes, validated: original layout by default, else the runtime layout.
-
-    ``state_dict`` defaults to ``model.state_dict()`` (Trainer passes its own). Raises :class:`SaveError` naming every
-    module whose state cannot be written correctly.
-    """
-    return planned_save(model, original_format=original_format, state_dict=state_dict).tensors()
-
-
 def original_format_save(model: PreTrainedModel, save_directory: str | Path, *args: Any, **kwargs: Any) -> Any:
     """``model.save_pretrained`` of a model modelpatch built: stock transformers' method, fed the original layout.
 
@@ -152,24 +144,26 @@ class OriginalFormatSave:
                 config_json = config_files(model, original_format=False)["config.json"]
                 (Path(save_directory) / "config.json").write_bytes(config_json)
             return result
-        kwargs["state_dict"] = self._original_tensors(save_directory, kwargs.get("state_dict"))
+        plan = self._original_plan(save_directory, kwargs.get("state_dict"))
+        kwargs["state_dict"] = plan.tensors()
         kwargs["save_original_format"] = False  # already in the original layout: stock must not convert again
         tie = getattr(model.config, "tie_word_embeddings", None)
         if untied_pairs(model, model.state_dict()) and tie:
             model.config.tie_word_embeddings = False
         try:
-            return self._stock_save(save_directory, args, kwargs)
+            with _quantizer_writes(model, plan, kwargs["state_dict"]):
+                return self._stock_save(save_directory, args, kwargs)
         finally:
             if tie is not None:
                 model.config.tie_word_embeddings = tie
 
-    def _original_tensors(self, save_directory: str | Path, state_dict: Mapping[str, Any] | None) -> dict[str, Any]:
-        """The original-layout tensors stock writes. For a sharded model, gathering them is collective: the ranks
-        first agree that each runs this save (``sharded.agree``: a rank refusing, running another save or none is
-        named at once, or within the join timeout), so that none waits in a gather the others never enter."""
+    def _original_plan(self, save_directory: str | Path, state_dict: Mapping[str, Any] | None) -> SavePlan:
+        """The plan of the original-layout tensors stock writes. For a sharded model, gathering them is collective:
+        the ranks first agree that each runs this save (``sharded.agree``: a rank refusing, running another save or
+        none is named at once, or within the join timeout), so that none waits in a gather the others never enter."""
         if not (in_process_group() and is_fully_sharded(self.model)):
             lone_save(Path(save_directory), "model.save_pretrained")
-            return checkpoint_tensors(self.model, state_dict)
+            return planned_save(self.model, state_dict=state_dict)
         plan, failure = None, None
         try:
             plan = planned_save(self.model, state_dict=state_dict)
@@ -177,7 +171,7 @@ class OriginalFormatSave:
             failure = exc
         agree(Path(save_directory).absolute(), STOCK_SAVE, [], failure)
         assert plan is not None  # agree raised the failure
-        return plan.tensors()
+        return plan
 
     def _stock_save(self, save_directory: str | Path, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Stock ``save_pretrained``, then the previous version it left beside its own removed.
@@ -192,3 +186,25 @@ class OriginalFormatSave:
         if writes:
             remove_replaced_versions(save_directory, before)
         return result
+
+
+@contextmanager
+def _quantizer_writes(model: PreTrainedModel, plan: SavePlan, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Within the block, the serialisation stock ``save_pretrained`` asks ``model``'s quantizer for is ``plan``'s.
+
+    Stock replaces the state dict it is given by ``hf_quantizer.get_state_dict_and_metadata(model)`` (the quantizer's
+    flattening of the model's own, runtime-layout state): for a fused torchao model it would write ``qkv_proj`` under
+    a config stock loads as ``q_proj`` / ``k_proj`` / ``v_proj``. Where the plan is a quantizer's serialisation, the
+    quantizer answers with it (the original layout, ``tensors``, and its metadata), on this one instance, until the
+    block ends.
+    """
+    quantizer = getattr(model, "hf_quantizer", None)
+    if plan.serialised is None or quantizer is None:
+        yield
+        return
+    metadata = dict(plan.metadata or {})
+    quantizer.get_state_dict_and_metadata = lambda _model: (tensors, dict(metadata))
+    try:
+        yield
+    finally:
+        del quantizer.get_state_dict_and_metadata
