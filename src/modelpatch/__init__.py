@@ -22,6 +22,7 @@ import importlib
 import sys
 import types
 
+from . import _border
 from .errors import (
     CheckpointError,
     CheckpointPermissionError,
@@ -178,3 +179,12 @@ class _Package(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _Package
+
+
+def _import_border() -> None:
+    # The border module registers itself as the conversion registry's provider of built-in mappings when imported;
+    # the registry, below it, calls this at its first lookup that needs them (_border.py says why from here).
+    from . import _transformers_mapping  # noqa: F401
+
+
+_border.set_border_import(_import_border)
