@@ -172,8 +172,8 @@ class _Strings:
 
     def imported(self, call: ast.Call) -> set[str]:
         """The modules an ``import_module(name, package)`` call can import (none when the name is unknown)."""
-        package_arg = call.args[1] if len(call.args) > 1 else next(
-            (k.value for k in call.keywords if k.arg == "package"), None
+        package_arg = (
+            call.args[1] if len(call.args) > 1 else next((k.value for k in call.keywords if k.arg == "package"), None)
         )
         names = self.values(call.args[0]) if call.args else None
         packages = {None} if package_arg is None else self.values(package_arg)

@@ -102,6 +102,7 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(["load_sharded"], ".modes.fsdp"),
     **dict.fromkeys(["get_peft_model", "load_adapter"], ".integrations.peft"),  # peft itself only when called
     **dict.fromkeys(["VerificationReport", "verify"], ".verify"),
+    **dict.fromkeys(["Install", "installs"], "._installs"),  # what modelpatch changed process-wide
     **dict.fromkeys(
         [
             "Patcher",

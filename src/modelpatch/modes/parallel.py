@@ -31,10 +31,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import _StridedShard
 from transformers import PreTrainedModel
 
-from .. import _transformers
+from .. import _installs, _transformers
+from .._torch import strided_split_factor
 from .._transformers import (
     DistributedConfig,
     apply_tensor_parallel,
@@ -112,6 +112,7 @@ def _register_colwise_parts() -> None:
             )
 
     register_parallel_style(COLWISE_PARTS, ColwisePartsParallel())
+    _installs.made("tensor_parallel_style")
 
 
 @dataclass
@@ -444,10 +445,11 @@ def _stacks_experts(group: ConversionGroup, placeholders: Mapping[str, DTensor])
         if not hasattr(placement, "dim"):
             continue
         dim = placement.dim % placeholder.ndim
-        strided = isinstance(placement, _StridedShard)
+        factor = strided_split_factor(placement)
+        strided = factor is not None
         if dim == 0 or (dim in concatenated) != strided:
             return False
-        if isinstance(placement, _StridedShard) and placement.split_factor != len(group.sources):
+        if strided and factor != len(group.sources):
             return False
     return True
 
