@@ -157,7 +157,7 @@ class TensorParallelSetup(LoadMode):
         for key, tensor in plan.state.items():
             if key in parts and not isinstance(tensor, DTensor):
                 full = torch.empty((sum(parts[key]), *tensor.shape[1:]), dtype=tensor.dtype, device="meta")
-                plan.stand_in(key, full, spread=f"tensor-parallel parts {list(parts[key])}")
+                plan.take(key, full, spread=f"tensor-parallel parts {list(parts[key])}")
 
     def save_tensor(self, plan: SavePlan, key: str, tensor: torch.Tensor, rows: Rows | None) -> torch.Tensor:
         """A fused parameter sharded part by part, gathered whole on every rank (a collective)."""
