@@ -12,8 +12,10 @@ another torch release means auditing this one file.
 :data:`PRIVATE_API` lists every module-level or class-level name (where it lives, the first torch release that has it,
 the feature that needs it); :data:`INSTANCE_ATTRIBUTES` those torch sets on instances only (no class declares them).
 The floor is torch 2.6 (pyproject.toml): a first release of "2.6" means "in 2.6 already". Each function resolves its
-names when called (:func:`require`), so on a release that lacks one only the feature needing it is refused, with a
-:class:`~modelpatch.errors.TorchVersionError` naming the release, the name and the feature.
+names when called, through :func:`require` where it is not on a module's call path, so on a release that lacks one
+only the feature needing it is refused, with a :class:`~modelpatch.errors.TorchVersionError` naming the release, the
+name and the feature. (Those read on every call of a fused module, the hook dicts, are plain attribute reads, which
+compiled code traces.)
 
 :data:`MODULE_INTERNALS` are the exception, read directly by module code everywhere: ``nn.Module``'s own storage
 (``_parameters``, ``_buffers``, ``_modules``: what ``__getattr__`` / ``__setattr__`` are built on, and what replacing a
