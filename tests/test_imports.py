@@ -4,8 +4,8 @@ Every module of ``src/modelpatch`` is parsed with ``ast``; each import of the pa
 module level, under ``TYPE_CHECKING`` or inside a function) is resolved to the module it names and checked against
 the layers, bottom-up:
 
-* ``errors.py``, ``state.py``, ``registry.py``, ``_transformers.py``, ``_peft.py`` and ``_installs.py`` sit beside
-  the layers: every layer may import them, they import only each other;
+* ``errors.py``, ``state.py``, ``registry.py``, ``_transformers.py``, ``_peft.py``, ``_torch.py``, ``_installs.py``
+  and ``_border.py`` sit beside the layers: every layer may import them, they import only each other;
 * ``checkpoint/`` (file I/O), then ``conversion/`` (tensors; it may read checkpoints, never the reverse), then
   ``_transformers_mapping.py`` (transformers' conversion objects, translated);
 * ``patching/``, then ``fusions/`` (a fusion is a class patch with transforms);
@@ -14,13 +14,16 @@ the layers, bottom-up:
 * the user API: ``__init__.py``, ``auto.py``, ``verify.py``, ``cli/``, ``integrations/`` (importing each other).
 
 No module imports another that imports it back, directly or through others, by any import: at module level, inside
-a function (which runs when called) or under ``if TYPE_CHECKING:``. A type-checking import never runs, but it ties
+a function (which runs when called), under ``if TYPE_CHECKING:``, or through ``importlib.import_module`` of a name
+written in the module (a literal, a module-level constant, a loop over one; what a user names at run time is not
+followed). A type-checking import never runs, but it ties
 the two modules together all the same: neither can be read, moved or type-checked without the other.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import os
 import subprocess
 import sys
@@ -39,6 +42,8 @@ LAYERS: dict[str, float] = {
     "_transformers": 0,
     "_installs": 0,
     "_peft": 0,
+    "_torch": 0,
+    "_border": 0,
     "checkpoint": 1,
     "conversion": 2,
     # The border where transformers' conversion objects enter: above conversion/, which never imports it (and
@@ -82,8 +87,11 @@ def imported_modules(path: Path, name: str, known: set[str]) -> set[str]:
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
     tree = ast.parse(path.read_text(), filename=str(path))
+    strings = _Strings(tree, name, package)
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
+        if isinstance(node, ast.Call) and _is_import_module(node.func):
+            found.update(strings.imported(node))
+        elif isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
@@ -95,6 +103,83 @@ def imported_modules(path: Path, name: str, known: set[str]) -> set[str]:
                 candidate = f"{base}.{alias.name}"
                 found.add(candidate if candidate in known else base)
     return {module for module in found if module == PACKAGE or module.startswith(PACKAGE + ".")}
+
+
+def _is_import_module(func: ast.expr) -> bool:
+    """``importlib.import_module`` or ``import_module`` (imported from ``importlib``)."""
+    if isinstance(func, ast.Attribute):
+        return func.attr == "import_module" and isinstance(func.value, ast.Name) and func.value.id == "importlib"
+    return isinstance(func, ast.Name) and func.id == "import_module"
+
+
+class _Strings:
+    """The strings an expression of one module can be, where they are written in that module: literals, module-level
+    constants (a name, a tuple, list or dict of them, ``dict.fromkeys``, an item of one), the variable of a ``for``
+    loop over such a constant, ``__name__`` / ``__package__``, and f-strings or sums of these. Anything else (a
+    name a user typed, read at run time) is unknown: None."""
+
+    def __init__(self, tree: ast.Module, name: str, package: str):
+        self.special = {"__name__": name, "__package__": package}
+        self.constants: dict[str, ast.expr] = {}
+        for statement in tree.body:
+            if isinstance(statement, ast.Assign) and len(statement.targets) == 1:
+                target, value = statement.targets[0], statement.value
+            elif isinstance(statement, ast.AnnAssign) and statement.value is not None:
+                target, value = statement.target, statement.value
+            else:
+                continue
+            if isinstance(target, ast.Name):
+                self.constants[target.id] = value
+        self.loops: dict[str, list[ast.expr]] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.For | ast.comprehension) and isinstance(node.target, ast.Name):
+                self.loops.setdefault(node.target.id, []).append(node.iter)
+
+    def values(self, node: ast.expr | None, seen: frozenset[str] = frozenset()) -> set[str] | None:
+        if isinstance(node, ast.Constant):
+            return {node.value} if isinstance(node.value, str) else None
+        if isinstance(node, ast.Name):
+            if node.id in self.special:
+                return {self.special[node.id]}
+            if node.id in seen:
+                return None
+            sources = self.loops.get(node.id) or ([self.constants[node.id]] if node.id in self.constants else [])
+            return self._union([self.values(source, seen | {node.id}) for source in sources])
+        if isinstance(node, ast.Tuple | ast.List | ast.Set):
+            return self._union([self.values(element, seen) for element in node.elts])
+        if isinstance(node, ast.Dict):  # the values (an item read by key); {**other} adds the other's
+            return self._union([self.values(value, seen) for value in node.values])
+        if isinstance(node, ast.Subscript):
+            return self.values(node.value, seen)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "fromkeys":
+            return self.values(node.args[1], seen) if len(node.args) == 2 else None
+        if isinstance(node, ast.JoinedStr | ast.BinOp):
+            parts = node.values if isinstance(node, ast.JoinedStr) else [node.left, node.right]
+            if isinstance(node, ast.BinOp) and not isinstance(node.op, ast.Add):
+                return None
+            results: set[str] | None = {""}
+            for part in parts:
+                value = self.values(part.value if isinstance(part, ast.FormattedValue) else part, seen)
+                results = None if value is None or results is None else {a + b for a in results for b in value}
+            return results
+        return None
+
+    @staticmethod
+    def _union(groups: list[set[str] | None]) -> set[str] | None:
+        if not groups or any(group is None for group in groups):
+            return None
+        return set().union(*groups)  # type: ignore[arg-type]
+
+    def imported(self, call: ast.Call) -> set[str]:
+        """The modules an ``import_module(name, package)`` call can import (none when the name is unknown)."""
+        package_arg = (
+            call.args[1] if len(call.args) > 1 else next((k.value for k in call.keywords if k.arg == "package"), None)
+        )
+        names = self.values(call.args[0]) if call.args else None
+        packages = {None} if package_arg is None else self.values(package_arg)
+        if names is None or packages is None:
+            return set()
+        return {importlib.util.resolve_name(n, p) if n.startswith(".") else n for n in names for p in packages}
 
 
 def layer(module: str) -> float:
@@ -266,3 +351,32 @@ def test_every_module_imports_first_in_a_fresh_process():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "", "modules that fail when imported first:\n" + result.stdout
+
+
+def test_import_module_of_a_name_written_in_the_module_is_followed(tmp_path):
+    """``importlib.import_module`` is an import too: of a literal, a module-level constant (relative to
+    ``__name__``, an item of a dict, a loop over a tuple, an f-string) it is an edge like any other, so the circle
+    it closes is found; a name read at run time is not followed."""
+    root = tmp_path / PACKAGE
+    (root / "conversion").mkdir(parents=True)
+    files = {
+        "__init__.py": "import importlib\n_LAZY = {**dict.fromkeys(['x'], '.a')}\n"
+        "def __getattr__(name):\n    return importlib.import_module(_LAZY[name], __name__)\n",
+        "a.py": "",
+        "conversion/__init__.py": "",
+        # registry -> border through a constant, border -> registry: the circle of the border's provider hook.
+        "conversion/registry.py": "import importlib\n_BORDER = 'modelpatch.border'\n"
+        "def lookup():\n    importlib.import_module(_BORDER)\n",
+        "border.py": "from .conversion import registry\n",
+        "b.py": "from importlib import import_module\nNAMES = ('c', 'd')\n"
+        "for n in NAMES:\n    import_module(f'{__package__}.{n}')\n",
+        "c.py": "",
+        "d.py": "import importlib, sys\nimportlib.import_module(sys.argv[1])\n",
+    }
+    for name, text in files.items():
+        (root / name).write_text(text)
+    modules = package_modules(root)
+    assert imported_modules(root / "__init__.py", "modelpatch", set(modules)) == {"modelpatch.a"}
+    assert imported_modules(root / "b.py", "modelpatch.b", set(modules)) == {"modelpatch.c", "modelpatch.d"}
+    assert imported_modules(root / "d.py", "modelpatch.d", set(modules)) == set()
+    assert import_circles(root) == [["modelpatch.border", "modelpatch.conversion.registry"]]

@@ -22,6 +22,7 @@ import importlib
 import sys
 import types
 
+from . import _border
 from .errors import (
     CheckpointError,
     CheckpointPermissionError,
@@ -101,6 +102,7 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(["load_sharded"], ".modes.fsdp"),
     **dict.fromkeys(["get_peft_model", "load_adapter"], ".integrations.peft"),  # peft itself only when called
     **dict.fromkeys(["VerificationReport", "verify"], ".verify"),
+    **dict.fromkeys(["Install", "installs"], "._installs"),  # what modelpatch changed process-wide
     **dict.fromkeys(
         [
             "Patcher",
@@ -178,3 +180,12 @@ class _Package(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _Package
+
+
+def _import_border() -> None:
+    # The border module registers itself as the conversion registry's provider of built-in mappings when imported;
+    # the registry, below it, calls this at its first lookup that needs them (_border.py says why from here).
+    from . import _transformers_mapping  # noqa: F401
+
+
+_border.set_border_import(_import_border)

@@ -1,7 +1,10 @@
-"""The process-wide installs of modelpatch's bottom layer: the places where it replaces an attribute of torch or of
-transformers for the whole process, rather than per model or per scope. Three more live with the concept that needs
-them, in higher layers (the output recorders' specs, a tensor-parallel style, the ``linear_experts`` custom
-operator); docs/ARCHITECTURE.md names each and why.
+"""Every process-wide install of modelpatch: the places where it replaces or adds to an attribute of torch or of
+transformers for the whole process, rather than per model or per scope. :func:`installs` lists all seven at run time
+(``modelpatch.installs()``, ``modelpatch inspect --installs``), with whether each is made yet in this process.
+
+Four are made here, in the bottom layer. Three live with the concept that needs them, in higher layers, and tell this
+module when they are made (:func:`made`): the output recorders' specs, a tensor-parallel style, the ``linear_experts``
+custom operator; docs/ARCHITECTURE.md says why each lives there.
 
 Each install is idempotent (a second call, from any thread, changes nothing), made on first need (never at import),
 and leaves every caller outside modelpatch's own scopes and builds exactly what the original gives:
@@ -31,6 +34,15 @@ install                                    replaces, why, and how it is undone
                                            init contexts swap these attributes and put back what they found
                                            (torch's originals, possibly); never undone otherwise (the wrappers
                                            call the original for every real tensor and every other context).
+:func:`watch_module_registrations`         adds one hook to torch's global registration hooks for child modules
+                                           and for parameters (``register_module_module_registration_hook``,
+                                           ``register_module_parameter_registration_hook``), when the first
+                                           ``linear_experts`` module packs its experts: how PEFT, quantizers and
+                                           parametrizations put their modules and weights in place, which that
+                                           module must notice (``fusions/linear_experts/modules.py`` says why).
+                                           The hook returns None, so torch registers what it was given; it acts
+                                           on packed experts' modules only. Never undone (it costs one dict
+                                           lookup per registration).
 =========================================  =====================================================================
 
 This module sits beside the layers, below all of them, like :mod:`modelpatch._transformers` (the door it reads
@@ -44,6 +56,7 @@ import contextvars
 import functools
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -112,6 +125,7 @@ def isolate_from_transformers_patches() -> None:
 
         get_patch_mapping.__dict__[_ISOLATING] = True
         monkey_patching.get_patch_mapping = get_patch_mapping
+        _made.add("transformers_patch_registry")
 
 
 # torch.nn.init's functions that fill a tensor in place (what module constructors call to initialise parameters).
@@ -160,3 +174,124 @@ def skip_meta_initialisation() -> None:
             fill = getattr(init, name, None)
             if fill is not None and not getattr(fill, _SKIPS_META, False):
                 setattr(init, name, _skipping_meta(fill))
+
+
+_registration_hook: Callable[..., None] | None = None
+
+
+def watch_module_registrations(hook: Callable[..., None]) -> None:
+    """Add ``hook`` to torch's global registration hooks for child modules and parameters (once; see the table).
+
+    torch calls it as ``hook(module, name, value)`` for every module or parameter assigned to any module of the
+    process; it must return None (torch then registers ``value`` itself) and act on modelpatch's modules only.
+
+    Raises:
+        RuntimeError: another hook was installed already (there is one watcher per process).
+    """
+    global _registration_hook
+    if _registration_hook is hook:
+        return
+    with _lock:
+        if _registration_hook is hook:
+            return
+        if _registration_hook is not None:
+            raise RuntimeError(f"torch's registration hooks already watch for {_registration_hook!r}, not {hook!r}.")
+        from torch.nn.modules import module as torch_module
+
+        torch_module.register_module_module_registration_hook(hook)
+        torch_module.register_module_parameter_registration_hook(hook)
+        _registration_hook = hook
+
+
+# --- the list of installs ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Install:
+    """One process-wide install of modelpatch, as :func:`installs` reports it.
+
+    Attributes:
+        name: Its short name (``"module_new"``, ``"registration_hooks"``, ...).
+        patches: What it replaces or adds to, in torch or transformers.
+        by: The function of modelpatch that makes it.
+        when: When modelpatch makes it (never at import).
+        installed: Whether it is made in this process (for the init wrappers, which transformers may swap back
+            between builds: whether they are in place now).
+    """
+
+    name: str
+    patches: str
+    by: str
+    when: str
+    installed: bool
+
+
+# name -> (what it patches, the function making it, when).
+_TABLE: dict[str, tuple[str, str, str]] = {
+    "module_new": (
+        "torch.nn.Module.__new__",
+        "modelpatch._installs.install_module_new",
+        "the first patch scope",
+    ),
+    "transformers_patch_registry": (
+        "transformers.monkey_patching.get_patch_mapping",
+        "modelpatch._installs.isolate_from_transformers_patches",
+        "the first build",
+    ),
+    "meta_initialisation": (
+        "torch.nn.init's 14 filling functions (uniform_, normal_, ...)",
+        "modelpatch._installs.skip_meta_initialisation",
+        "every build",
+    ),
+    "registration_hooks": (
+        "torch's global module and parameter registration hooks",
+        "modelpatch._installs.watch_module_registrations",
+        "the first linear_experts module packed",
+    ),
+    "output_recorders": (
+        "the _can_record_outputs specs of transformers' modeling modules (a replacement class added)",
+        "modelpatch.patching.recorders.register_replacement_for_recorders",
+        "the first patch or fusion replacing a recorded class",
+    ),
+    "tensor_parallel_style": (
+        "transformers' registry of tensor-parallel styles (modelpatch_colwise_parts)",
+        "modelpatch.modes.parallel._register_colwise_parts",
+        "the first tensor-parallel load",
+    ),
+    "grouped_linear_operator": (
+        "torch.library (the custom operator modelpatch::grouped_linear)",
+        "modelpatch.fusions.linear_experts.modules._register_opaque_grouped_linear",
+        "the first LinearExperts built",
+    ),
+}
+_made: set[str] = set()
+
+
+def made(name: str) -> None:
+    """Record that the install ``name`` of the list is made (what the installs of higher layers call once done).
+
+    Raises:
+        ValueError: ``name`` is not in the list (a new install must be listed, here and in docs/ARCHITECTURE.md).
+    """
+    if name not in _TABLE:
+        raise ValueError(f"{name!r} is no install of modelpatch's list: add it to modelpatch/_installs.py.")
+    _made.add(name)
+
+
+def _installed(name: str) -> bool:
+    if name == "module_new":
+        return nn.Module.__dict__.get("__new__") is not ORIGINAL_MODULE_NEW
+    if name == "meta_initialisation":
+        from torch.nn import init
+
+        return all(getattr(getattr(init, fill, None), _SKIPS_META, False) for fill in FILLING_FUNCTIONS)
+    if name == "registration_hooks":
+        return _registration_hook is not None
+    return name in _made
+
+
+def installs() -> list[Install]:
+    """Every process-wide install of modelpatch, in the order of the module docstring's table, with whether each is
+    made in this process yet: what modelpatch changed outside the models it builds (``modelpatch inspect
+    --installs`` prints it)."""
+    return [Install(name, *row, installed=_installed(name)) for name, row in _TABLE.items()]

@@ -56,6 +56,23 @@ def test_inspect_describes_model_fusions_and_layout(cli, moe_checkpoint):
     assert "55 tensors in 1 file(s)" in out
 
 
+def test_inspect_installs_lists_every_process_wide_install(cli, moe_checkpoint):
+    cli("inspect", moe_checkpoint)  # a checkpoint inspected first: the build's installs are made
+    code, out, err = cli("inspect", "--installs")
+    assert code == 0, err
+    expected = []
+    for install in modelpatch.installs():
+        state = "installed" if install.installed else "not installed"
+        expected += [f"{install.name}: {state}", f"  patches: {install.patches}", f"  by:      {install.by}, at "]
+    lines = out.splitlines()
+    assert len(lines) == 3 * 7
+    assert all(line.startswith(prefix) for line, prefix in zip(lines, expected, strict=True))
+    assert "meta_initialisation: installed" in lines or "transformers_patch_registry: installed" in lines
+    # a checkpoint or the installs, not both
+    code, out, err = cli("inspect", moe_checkpoint, "--installs")
+    assert code == 2 and out == "" and "not allowed with argument" in err
+
+
 def test_plan_lists_every_parameter_with_operations(cli, llama_checkpoint):
     code, out, err = cli("plan", llama_checkpoint, "--fusion", "qkv,gate_up")
     assert code == 0, err

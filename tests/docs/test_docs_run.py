@@ -5,10 +5,10 @@ name it never defines fails here as it would for a reader who copies it. A block
 says so in its first line, ``# (continues the example above)``, and is run joined to it: in the namespace the
 blocks it continues left, right after them. A page whose examples read a ``path`` they do not define says so in
 its text, in the sentence "In the examples of this page, `path` is a checkpoint directory or hub id, such as
-`"<hub id>"`."; each of its blocks then starts with ``path`` bound to the stand-in of that hub id.
+`"<hub id>"`."; each of its blocks then starts with ``path`` bound to the tiny checkpoint of that hub id.
 
 Hub repository ids in the text are replaced by tiny local checkpoints of the same architecture, written by stock
-``save_pretrained`` (``HUB_IDS``; the stand-in of Llama-3.2-1B ties its head to its embeddings, as the real one
+``save_pretrained`` (``HUB_IDS``; the tiny checkpoint of Llama-3.2-1B ties its head to its embeddings, as the real one
 does). Blocks run in a temporary working directory, one page after another; nothing touches a network. No block
 is skipped: the blocks written for ``torchrun`` say how they run as one plain process (unsharded), and run so here.
 """
@@ -88,8 +88,8 @@ def page_path(page: Path) -> str | None:
     return found.group(1) if found else None
 
 
-def with_stand_ins(source: str, tiny) -> str:
-    """``source`` with each hub id it names replaced by the path of its stand-in (built on first use)."""
+def with_tiny_checkpoints(source: str, tiny) -> str:
+    """``source`` with each hub id it names replaced by the path of its tiny checkpoint (built on first use)."""
     for hub_id, name in HUB_IDS.items():
         if f'"{hub_id}"' in source:
             source = source.replace(f'"{hub_id}"', repr(str(tiny(name).path)))
@@ -134,7 +134,7 @@ def test_python_blocks_run(page, index, tiny, tmp_path, monkeypatch):
         namespace["path"] = str(tiny(HUB_IDS[hub_id]).path)
     for block in program:
         # Blank lines in front, so that a traceback names the page's own line numbers.
-        source = "\n" * (block.line - 1) + with_stand_ins(block.source, tiny)
+        source = "\n" * (block.line - 1) + with_tiny_checkpoints(block.source, tiny)
         exec(compile(source, str(page.relative_to(ROOT)), "exec"), namespace)  # noqa: S102
 
 
@@ -148,8 +148,8 @@ def test_every_block_is_checked():
                 assert not re.match(r"\s*(import |from \w+ import )", block.source), f"{where}: Python not run"
 
 
-def test_hub_ids_and_path_have_stand_ins():
-    """Each hub id (``"owner/name"``) a Python block names, and each page's ``path``, has a tiny stand-in."""
+def test_hub_ids_and_path_have_tiny_checkpoints():
+    """Each hub id (``"owner/name"``) a Python block names, and each page's ``path``, has a tiny checkpoint."""
     for page in PAGES_WITH_CODE:
         assert page_path(page) in {None, *HUB_IDS}, f"{page.name}: path stands for {page_path(page)}"
         for program in programs(page):
@@ -157,4 +157,4 @@ def test_hub_ids_and_path_have_stand_ins():
                 for repo_id in re.findall(r'"([\w.-]+/[\w.-]+)"', block.source):
                     if re.search(r"\.(safetensors|json|bin|py)$", repo_id):
                         continue  # a file path, not a repository
-                    assert repo_id in HUB_IDS, f"{page.name}, line {block.line}: no stand-in for {repo_id}"
+                    assert repo_id in HUB_IDS, f"{page.name}, line {block.line}: no tiny checkpoint for {repo_id}"

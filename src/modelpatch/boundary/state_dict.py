@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from .._torch import copy_state_dict_metadata
 from ..conversion.planner import ConversionGroup, TensorMeta
 from ..loading.plan import plan_checkpoint_keys
 from ..modes.distributed import full_tensor, is_fsdp, refuse_two_shardings, shard_like
@@ -67,10 +68,8 @@ def iter_original_state_dict(model: PreTrainedModel) -> Iterator[tuple[str, torc
 def _keeping_metadata(
     target: collections.OrderedDict[str, Any], source: Mapping[str, Any]
 ) -> collections.OrderedDict[str, Any]:
-    """``target`` carrying ``source``'s ``_metadata`` (torch reads module versions from it), if it has one."""
-    metadata = getattr(source, "_metadata", None)
-    if metadata is not None:
-        target._metadata = metadata  # type: ignore[attr-defined]
+    """``target`` carrying ``source``'s metadata (torch reads module versions from it), if it has one."""
+    copy_state_dict_metadata(target, source)
     return target
 
 

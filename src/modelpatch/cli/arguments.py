@@ -50,9 +50,18 @@ def add_common_options(parser: argparse.ArgumentParser, *, per_command: bool) ->
     )
 
 
-def add_source_arguments(parser: argparse.ArgumentParser, name: str = "path") -> None:
-    """The checkpoint argument ``name`` (a local directory or a hub repo id) and the options of reading it."""
-    parser.add_argument(name, help="checkpoint directory, or hub repo id (org/name) resolved through the hub cache")
+def add_source_arguments(
+    parser: argparse.ArgumentParser, name: str = "path", alternatives: argparse._MutuallyExclusiveGroup | None = None
+) -> None:
+    """The checkpoint argument ``name`` (a local directory or a hub repo id) and the options of reading it.
+
+    ``alternatives``: a required group of options the checkpoint is one of (then it may be left out for another).
+    """
+    source_help = "checkpoint directory, or hub repo id (org/name) resolved through the hub cache"
+    if alternatives is None:
+        parser.add_argument(name, help=source_help)
+    else:
+        alternatives.add_argument(name, nargs="?", help=source_help)
     parser.add_argument("--revision", help="hub branch, tag or commit (default: main)")
     parser.add_argument("--subfolder", default="", help="the checkpoint's folder inside the directory or repository")
     parser.add_argument("--cache-dir", help="huggingface_hub cache to use instead of HF_HUB_CACHE")

@@ -1,4 +1,5 @@
-"""``modelpatch inspect PATH``: what a checkpoint holds and what modelpatch could do with it."""
+"""``modelpatch inspect PATH``: what a checkpoint holds and what modelpatch could do with it; ``modelpatch inspect
+--installs``: what modelpatch changes in torch and transformers for the whole process."""
 
 from __future__ import annotations
 
@@ -19,7 +20,14 @@ DESCRIPTION = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_source_arguments(parser)
+    subject = parser.add_mutually_exclusive_group(required=True)
+    add_source_arguments(parser, alternatives=subject)
+    subject.add_argument(
+        "--installs",
+        action="store_true",
+        help="instead of a checkpoint: modelpatch's process-wide installs (what each patches in torch or "
+        "transformers, when it is made, whether it is made in this process)",
+    )
 
 
 def _size(num_bytes: float) -> str:
@@ -31,9 +39,23 @@ def _size(num_bytes: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    for line in _describe(args):
+    for line in _installs() if args.installs else _describe(args):
         print(line)
     return 0
+
+
+def _installs() -> list[str]:
+    """The lines ``inspect --installs`` prints: one block per install, in the order modelpatch lists them."""
+    from .._installs import installs
+
+    lines = []
+    for install in installs():
+        lines += [
+            f"{install.name}: {'installed' if install.installed else 'not installed'}",
+            f"  patches: {install.patches}",
+            f"  by:      {install.by}, at {install.when}",
+        ]
+    return lines
 
 
 def _describe(args: argparse.Namespace) -> list[str]:

@@ -4,19 +4,20 @@ Mappings are keyed by model type (``config.model_type``) or by class name, as in
 transformers' own registry, read live and translated by the border module :mod:`modelpatch._transformers_mapping`;
 what is registered here takes precedence over it, key by key.
 
-This layer imports no transformers: the border module, when imported, registers itself here as the
+This layer imports no transformers, nor the border module: the border, when imported, registers itself here as the
 :class:`BuiltinMappings` provider (:func:`set_builtin_mappings`); a lookup that needs the built-in mappings before
-anything imported it imports it then (:func:`_builtins`, the one lazy hook), so ``import modelpatch.conversion``
-stays free of transformers and a lookup answers the same either way.
+anything imported it has it imported then (:func:`_builtins`, the one lazy hook) through :mod:`modelpatch._border`,
+to which the package's ``__init__`` handed that import down. So ``import modelpatch.conversion`` stays free of
+transformers, a lookup answers the same either way, and no import points back up.
 """
 
 from __future__ import annotations
 
 import copy
-import importlib
 from collections.abc import Iterable
 from typing import Protocol
 
+from .._border import import_border
 from ..errors import ConversionError, ConversionRegistryError
 from ..registry import Registry
 from .transforms import WeightTransform
@@ -48,7 +49,6 @@ class BuiltinMappings(Protocol):
         ...
 
 
-_BUILTIN_PROVIDER = "modelpatch._transformers_mapping"
 _provider: BuiltinMappings | None = None
 
 
@@ -62,9 +62,9 @@ def _builtins() -> BuiltinMappings:
     if _provider is None:
         # The lazy hook: importing the border module registers it (set_builtin_mappings). Done here, at the first
         # lookup, rather than at import, so that this layer's import never pulls transformers in.
-        importlib.import_module(_BUILTIN_PROVIDER)
+        import_border()
     if _provider is None:
-        raise RuntimeError(f"{_BUILTIN_PROVIDER} did not register the built-in conversion mappings.")
+        raise RuntimeError("modelpatch's border module did not register the built-in conversion mappings.")
     return _provider
 
 

@@ -8,25 +8,15 @@ no hook on them or on every module, no ``forward`` wrapped on the instance (acce
 from __future__ import annotations
 
 from torch import nn
-from torch.nn.modules import module as torch_module
+
+from .._torch import has_call_hooks, has_global_call_hooks
 
 
 def hooked(module: nn.Module) -> bool:
     """Whether calling ``module`` does more than its ``forward``: hooks, or a forward wrapped on the instance."""
-    return bool(
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or module._backward_hooks
-        or module._backward_pre_hooks
-        or "forward" in module.__dict__
-    )
+    return has_call_hooks(module) or "forward" in module.__dict__
 
 
 def global_hooks() -> bool:
     """Whether hooks registered for every module are in place."""
-    return bool(
-        torch_module._global_forward_hooks
-        or torch_module._global_forward_pre_hooks
-        or torch_module._global_backward_hooks
-        or torch_module._global_backward_pre_hooks
-    )
+    return has_global_call_hooks()

@@ -104,7 +104,7 @@ class Dispatch(LoadMode):
         weights = offloaded_weights(plan.model)
         for key in meta_tensors(plan.state):
             if weights is not None and key in weights:
-                plan.stand_in(key, plan.state[key])
+                plan.take(key, plan.state[key])
 
     def save_tensor(self, plan: SavePlan, key: str, tensor: torch.Tensor, rows: Rows | None) -> torch.Tensor:
         """An offloaded weight read from its file, as a forward reads it (checked against the file's identity;

@@ -31,10 +31,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import _StridedShard
 from transformers import PreTrainedModel
 
-from .. import _transformers
+from .. import _installs, _transformers
+from .._torch import strided_split_factor
 from .._transformers import (
     DistributedConfig,
     apply_tensor_parallel,
@@ -112,6 +112,7 @@ def _register_colwise_parts() -> None:
             )
 
     register_parallel_style(COLWISE_PARTS, ColwisePartsParallel())
+    _installs.made("tensor_parallel_style")
 
 
 @dataclass
@@ -156,7 +157,7 @@ class TensorParallelSetup(LoadMode):
         for key, tensor in plan.state.items():
             if key in parts and not isinstance(tensor, DTensor):
                 full = torch.empty((sum(parts[key]), *tensor.shape[1:]), dtype=tensor.dtype, device="meta")
-                plan.stand_in(key, full, spread=f"tensor-parallel parts {list(parts[key])}")
+                plan.take(key, full, spread=f"tensor-parallel parts {list(parts[key])}")
 
     def save_tensor(self, plan: SavePlan, key: str, tensor: torch.Tensor, rows: Rows | None) -> torch.Tensor:
         """A fused parameter sharded part by part, gathered whole on every rank (a collective)."""
@@ -444,10 +445,11 @@ def _stacks_experts(group: ConversionGroup, placeholders: Mapping[str, DTensor])
         if not hasattr(placement, "dim"):
             continue
         dim = placement.dim % placeholder.ndim
-        strided = isinstance(placement, _StridedShard)
+        factor = strided_split_factor(placement)
+        strided = factor is not None
         if dim == 0 or (dim in concatenated) != strided:
             return False
-        if isinstance(placement, _StridedShard) and placement.split_factor != len(group.sources):
+        if strided and factor != len(group.sources):
             return False
     return True
 

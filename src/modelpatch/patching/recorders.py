@@ -20,6 +20,8 @@ import threading
 
 from torch import nn
 
+from .. import _installs
+
 _lock = threading.Lock()
 _done: set[tuple[type, type]] = set()
 
@@ -92,3 +94,4 @@ def register_replacement_for_recorders(
             for key, spec in list(specs.items()):
                 specs[key] = _with_replacement(spec, original, replacement)
         _done.add((original, replacement))
+        _installs.made("output_recorders")

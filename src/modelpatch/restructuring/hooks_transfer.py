@@ -12,33 +12,14 @@ moving gives the new module those very dicts, so the handles keep working.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
 from torch import nn
-from torch.nn.modules.module import _WrappedHook
 
+from .._torch import call_hook_kinds, share_hooks, state_hook_kinds, tensor_has_hooks
 from ..fusions.generated import fused_class_origin
-
-# torch's per-module hook dicts, with what the error messages call them: those run around a call, and those run
-# around state-dict saves and loads. The ``_with_kwargs`` / ``_always_called`` dicts are flags of forward hooks.
-_CALL_HOOKS = {
-    "_forward_pre_hooks": "forward pre-hook",
-    "_forward_pre_hooks_with_kwargs": "",
-    "_forward_hooks": "forward hook",
-    "_forward_hooks_with_kwargs": "",
-    "_forward_hooks_always_called": "",
-    "_backward_pre_hooks": "backward pre-hook",
-    "_backward_hooks": "backward hook",
-}
-_STATE_HOOKS = {
-    "_state_dict_pre_hooks": "state-dict pre-hook",
-    "_state_dict_hooks": "state-dict hook",
-    "_load_state_dict_pre_hooks": "load-state-dict pre-hook",
-    "_load_state_dict_post_hooks": "load-state-dict post-hook",
-}
 
 
 class HookMove(NamedTuple):
@@ -46,10 +27,6 @@ class HookMove(NamedTuple):
 
     live: nn.Module
     new: nn.Module
-
-
-def _hook_kinds(module: nn.Module, table: Mapping[str, str]) -> list[str]:
-    return [label for attribute, label in table.items() if label and getattr(module, attribute)]
 
 
 def _same_constructor(a: type, b: type) -> bool:
@@ -83,7 +60,7 @@ def plan_hook_moves(live: nn.Module, new: nn.Module, name: str, verb: str) -> tu
     moves: list[HookMove] = []
     problems: list[str] = []
     for path, module in live.named_modules():
-        call, state = _hook_kinds(module, _CALL_HOOKS), _hook_kinds(module, _STATE_HOOKS)
+        call, state = call_hook_kinds(module), state_hook_kinds(module)
         forward = "forward" in module.__dict__
         if not (call or state or forward):
             continue
@@ -110,7 +87,7 @@ def tensor_hook_problems(tensors: Mapping[str, torch.Tensor], kept: set[str], ve
     return [
         f"{key} (a tensor hook): {verb} converts it into a new tensor"
         for key, tensor in tensors.items()
-        if key not in kept and (tensor._backward_hooks or getattr(tensor, "_post_accumulate_grad_hooks", None))
+        if key not in kept and tensor_has_hooks(tensor)
     ]
 
 
@@ -120,18 +97,4 @@ def move_hooks(move: HookMove) -> None:
     module registered itself when built are kept unless the live one was built by the same code (then it holds their
     twins)."""
     live, new = move
-    same = _same_constructor(type(live), type(new))
-    for attribute in (*_CALL_HOOKS, *_STATE_HOOKS):
-        hooks, own = getattr(live, attribute), getattr(new, attribute)
-        if not hooks:
-            continue
-        if not same:
-            for key, hook in own.items():
-                hooks.setdefault(key, hook)
-        new.__dict__[attribute] = hooks
-    for hook in new._load_state_dict_pre_hooks.values():
-        # register_load_state_dict_pre_hook binds its hook to the module by weak reference.
-        if isinstance(hook, _WrappedHook) and hook.with_module and hook.module() is live:
-            hook.module = weakref.ref(new)
-    if live._backward_hooks or live._backward_pre_hooks:
-        new._is_full_backward_hook = live._is_full_backward_hook
+    share_hooks(live, new, keep_own=not _same_constructor(type(live), type(new)))

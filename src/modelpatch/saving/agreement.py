@@ -86,11 +86,10 @@ def in_process_group() -> bool:
 
 
 def _store() -> dist.Store:
-    # torch has no public accessor of the default group's store (torch.distributed.distributed_c10d has it since
-    # 1.x; present in 2.13 to 2.15).
-    from torch.distributed.distributed_c10d import _get_default_store
+    # torch has no public accessor of the default group's store: the torch door reads it.
+    from .._torch import default_store
 
-    return _get_default_store()
+    return default_store()
 
 
 def _key(save: int, what: str) -> str:

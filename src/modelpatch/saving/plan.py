@@ -54,13 +54,13 @@ class SaveMode:
 
     def plan_save(self, plan: SavePlan) -> None:
         """Check and prepare this mode's part of the save: raise here, before anything is written. A mode that gives
-        tensors' values on their way out (gathered, read back) says so with :meth:`SavePlan.stand_in`; one that
+        tensors' values on their way out (gathered, read back) takes them with :meth:`SavePlan.take`; one that
         writes the model its own way with :meth:`SavePlan.serialise`."""
 
     def save_tensor(self, plan: SavePlan, key: str, tensor: torch.Tensor, rows: Rows | None) -> torch.Tensor:
         """Runtime tensor ``key`` (given the previous mode's ``tensor``) as the save writes it.
 
-        ``rows``: the writer asks for this rank's rows only (those :meth:`SavePlan.stand_in` gave), which a mode
+        ``rows``: the writer asks for this rank's rows only (those :meth:`SavePlan.take` gave), which a mode
         holding the tensor sharded returns as its local part; None: the whole tensor (a collective, on every rank,
         for a sharded one).
         """
@@ -69,7 +69,7 @@ class SaveMode:
 
 @dataclass(frozen=True)
 class _Taken:
-    """A runtime tensor a mode gives on the way out: its stand-in for the plan (full shape, dtype), the rows of it
+    """A runtime tensor a mode gives on the way out: what the plan sees of it (full shape, dtype), the rows of it
     this rank writes (None: not row by row: the whole tensor, written by one rank) and how it is spread, in words."""
 
     full: torch.Tensor
@@ -105,11 +105,11 @@ class SavePlan:
     rank: int = 0
     _taken: dict[str, _Taken] = field(default_factory=dict)
 
-    def stand_in(self, key: str, full: torch.Tensor, *, rows: Rows | None = None, spread: str = WHOLE) -> None:
-        """A mode gives runtime tensor ``key``'s values on the way out (:meth:`SaveMode.save_tensor`): ``full`` stands
-        in for it in the plan (its full shape and dtype: a meta tensor will do); ``rows``: the rows of it this rank
-        writes in a collective save (None: the whole tensor, gathered and written by one rank); ``spread``: how it is
-        spread over the ranks, in words that are the same on every rank."""
+    def take(self, key: str, full: torch.Tensor, *, rows: Rows | None = None, spread: str = WHOLE) -> None:
+        """A mode takes runtime tensor ``key``: it gives its values on the way out (:meth:`SaveMode.save_tensor`),
+        and the plan sees ``full`` in its place (its full shape and dtype: a meta tensor will do); ``rows``: the rows
+        of it this rank writes in a collective save (None: the whole tensor, gathered and written by one rank);
+        ``spread``: how it is spread over the ranks, in words that are the same on every rank."""
         self._taken[key] = _Taken(full, rows, spread)
 
     def serialise(self, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None) -> None:
@@ -123,16 +123,16 @@ class SavePlan:
         return self.state if self.serialised is None else self.serialised
 
     def full(self, key: str) -> torch.Tensor:
-        """What the plan sees of runtime tensor ``key``: a mode's stand-in, else the tensor itself."""
+        """What the plan sees of runtime tensor ``key``: what a mode took it as, else the tensor itself."""
         taken = None if self.serialised is not None else self._taken.get(key)
         return self.written()[key] if taken is None else taken.full
 
-    def stand_ins(self) -> dict[str, Any]:
-        """The model's state as the plan sees it: each tensor a mode took (:meth:`stand_in`) as its stand-in."""
+    def planned_state(self) -> dict[str, Any]:
+        """The model's state as the plan sees it: each tensor a mode took (:meth:`take`) as what it took it as."""
         return {key: self._taken[key].full if key in self._taken else tensor for key, tensor in self.state.items()}
 
     def taken(self, key: str) -> bool:
-        """Whether a mode gives runtime tensor ``key``'s values on the way out (:meth:`stand_in`)."""
+        """Whether a mode gives runtime tensor ``key``'s values on the way out (:meth:`take`)."""
         return key in self._taken
 
     def rows(self, key: str) -> Rows | None:

@@ -5,7 +5,7 @@ module's writer (:class:`CollectiveWriter`) for a model that holds them; the sta
 (``stages.py``). ``modelpatch.save_pretrained(model, directory)``, called on every rank of such a model, writes
 the same files as the save of the same model unsharded, byte for byte, without gathering the model anywhere:
 
-1. every rank plans the save from the full shapes alone (the modes' stand-ins: the load's recorded groups reversed,
+1. every rank plans the save from the full shapes alone (the tensors modes take: the load's recorded groups reversed,
    as an unsharded save plans it) and runs the same checks as an unsharded save (a PEFT model refused among them);
    the ranks then compare what they would write (every key, dtype, shape and source, the fusions, the config files:
    a digest, met in the process group's store before any collective, ``agreement.py``), and refuse together, before
@@ -147,7 +147,7 @@ class ShardedTensors(SaveMode):
     """The save's own mode for ``DTensor`` parameters (FSDP2's ``fully_shard``, tensor parallelism once loaded, a
     model sharded by hand), whatever loaded the model: the last of every save's modes.
 
-    Such a model is written collectively (:class:`CollectiveWriter`); each ``DTensor`` stands in with its full shape
+    Such a model is written collectively (:class:`CollectiveWriter`); each ``DTensor`` is taken with its full shape
     and the rows this rank holds, and goes out as its local rows or, where the writer asks for it whole, gathered.
     """
 
@@ -159,7 +159,7 @@ class ShardedTensors(SaveMode):
             if isinstance(tensor, DTensor):
                 spread = f"{', '.join(map(str, tensor.placements))} over a mesh of {tuple(tensor.device_mesh.shape)}"
                 full = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
-                plan.stand_in(key, full, rows=local_rows(tensor), spread=spread)
+                plan.take(key, full, rows=local_rows(tensor), spread=spread)
 
     def save_tensor(self, plan: SavePlan, key: str, tensor: torch.Tensor, rows: Rows | None) -> torch.Tensor:
         if not isinstance(tensor, DTensor):

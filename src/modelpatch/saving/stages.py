@@ -10,8 +10,8 @@ stock ``save_pretrained`` or to torch's distributed checkpoint:
    none: :class:`WholeFiles`), chosen before anything can be refused, so that every rank of a collective save
    refuses together;
 3. plan (:func:`plan_model_save`, no tensor data): the modes' :meth:`SaveMode.plan_save` (a mode refuses here, before
-   any byte is written; it stands in for the tensors it gives on the way out, with their full shapes, or hands over a
-   serialisation of its own), then the save's own checks on those stand-ins (modules substituted since the build,
+   any byte is written; it takes the tensors it gives on the way out, with their full shapes, or hands over a
+   serialisation of its own), then the save's own checks on the state so planned (modules substituted since the build,
    tensors on the meta device that no mode reads back), tied parameters dropped, and the checkpoint layout: which
    runtime tensors become which original keys (:attr:`SavePlan.layout`);
 4. per-tensor transform (:meth:`SavePlan.fetch`): each runtime tensor the writer reads goes through the modes'
@@ -79,7 +79,7 @@ def plan_model_save(
     unread = [key for key in meta_tensors(state) if not plan.taken(key)]  # no mode reads them back: no values
     if unread:
         raise unreadable_meta_tensors(model, unread)
-    check_saveable(model, plan.stand_ins(), quantized=plan.serialised is not None)
+    check_saveable(model, plan.planned_state(), quantized=plan.serialised is not None)
     if not original_format:
         refuse_runtime_layout(model, fused=stored_fusion_config(model.config) is not None)
     kept = state_to_save(model, plan.written(), get_load_report(model))

@@ -38,17 +38,16 @@ from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.nn.modules import module as torch_module
 from torch.utils.hooks import RemovableHandle
 
+from ... import _installs
+from ..._torch import grouped_mm
 from ...checkpoint.pages import release_pages
 from ..hooks import global_hooks, hooked
 from ..settings import plain_settings
 
-# torch.nn.functional.grouped_mm (torch >= 2.10) else torch._grouped_mm (2.9); None: no grouped path at all.
-_GROUPED_MM: Callable[..., torch.Tensor] | None = getattr(
-    torch.nn.functional, "grouped_mm", getattr(torch, "_grouped_mm", None)
-)
+# torch.nn.functional.grouped_mm (torch >= 2.10) else torch._grouped_mm (2.8, 2.9); None: no grouped path at all.
+_GROUPED_MM: Callable[..., torch.Tensor] | None = grouped_mm()
 _TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 
 
@@ -114,8 +113,7 @@ def _changed(module: nn.Module, *_: object) -> None:
 def _watch_registrations() -> None:
     """Route torch's global hooks for child modules and parameters assigned to any module to :func:`_changed` (once
     per process, from the first packed experts on: they cover the Linears, which are torch's own class)."""
-    torch_module.register_module_module_registration_hook(_changed)
-    torch_module.register_module_parameter_registration_hook(_changed)
+    _installs.watch_module_registrations(_changed)
 
 
 class ExpertGate:
@@ -301,6 +299,7 @@ def _register_opaque_grouped_linear() -> None:
         op = torch.library.custom_op("modelpatch::grouped_linear", _grouped_linear, mutates_args=())
         op.register_fake(_grouped_linear_shape)
         _opaque_grouped_linear = op
+        _installs.made("grouped_linear_operator")
 
 
 def _grouped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
