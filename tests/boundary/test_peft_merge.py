@@ -10,21 +10,37 @@ not at all shows in the bits.
 from __future__ import annotations
 
 import copy
-import gc
 import weakref
 
 import peft
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 from peft import IA3Config, LoraConfig
 
 import modelpatch
 from modelpatch.errors import PeftIntegrationError
 from support.compare import assert_bitwise_equal
+from support.files import read_tensors
+from support.zoo import load_zoo
 
 FUSED = {"qkv": True, "gate_up": True}
 MOE_FUSED = {**FUSED, "linear_experts": True}
 STOCK_EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
+# Every experts layout linear_experts fuses (transposed weights, with is_transposed and Llama 4's without, interleaved
+# gate/up with biases, other checkpoint names, a vision-language model), as tests/integrations/test_peft_experts.py.
+EXPERT_FAMILIES = [
+    "AriaTextForCausalLM",
+    "DeepseekV4ForCausalLM",
+    "GptOssForCausalLM",
+    "GraniteMoeForCausalLM",
+    "HYV4ForCausalLM",
+    "InklingForConditionalGeneration",
+    "Llama4ForCausalLM",
+    "MiniMaxM3VLForCausalLM",
+    "MixtralForCausalLM",
+]
 
 
 def _lora(**kwargs) -> LoraConfig:
@@ -99,6 +115,34 @@ def test_stock_target_parameters_on_an_unfused_moe_model_stream_merged(tiny):
         assert any(part in key for key in changed), part
 
 
+@pytest.mark.parametrize("name", EXPERT_FAMILIES)
+def test_every_experts_layout_streams_what_stock_merges(tmp_path, name):
+    """Stock's target_parameters adapter of the 3-D experts loaded onto linear_experts: the stream is the merged
+    copy's, and the files stock writes of the stock model with that adapter merged, bitwise."""
+    if not hasattr(transformers, name):
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    if name == "AriaTextForCausalLM" and Version(transformers.__version__) < Version("5.18"):
+        pytest.skip(f"transformers {transformers.__version__}: Aria's experts have no 3-D weights before 5.18")
+    zoo, cls = load_zoo(), getattr(transformers, name)
+    torch.manual_seed(0)
+    model = cls(zoo.tiny_config(cls.config_class))
+    zoo._perturb(model)
+    model.save_pretrained(tmp_path / "base")
+    torch.manual_seed(1)
+    stock = peft.get_peft_model(
+        cls.from_pretrained(tmp_path / "base"), _lora(target_modules=[], target_parameters=STOCK_EXPERTS)
+    )
+    stock.save_pretrained(tmp_path / "adapter")
+    fused = modelpatch.from_pretrained(cls, tmp_path / "base", fusion_config={"linear_experts": True})
+    peft_model = modelpatch.load_adapter(fused, tmp_path / "adapter")
+    streamed = _stream(peft_model)
+    assert_bitwise_equal(streamed, _merged_copy(peft_model))
+    stock.merge_and_unload().save_pretrained(tmp_path / "merged")
+    assert_bitwise_equal(streamed, read_tensors(tmp_path / "merged"))
+    base = read_tensors(tmp_path / "base")
+    assert any(not torch.equal(streamed[key], base[key]) for key in streamed)  # the adapter adapts the experts only
+
+
 @pytest.mark.parametrize(("name", "fusion_config"), [("llama", FUSED), ("qwen3_moe", MOE_FUSED)])
 def test_after_merge_adapter_the_merged_weights_come_once(tiny, name, fusion_config):
     """TRL's GRPO merges (merge_adapter) before it reads the weights: the stream then adds nothing twice, and after
@@ -134,14 +178,13 @@ def test_only_the_active_adapters_are_merged(tiny, name, fusion_config):
 
 def test_one_merged_tensor_is_held_at_a_time(tiny):
     """Each merged tensor is computed when its turn comes and dropped by the stream once yielded: none outlives the
-    consumer's reference (no dict of merged tensors is built)."""
+    consumer's reference (no dict of merged tensors is built; tensors are freed by reference count, no collection)."""
     _, peft_model = _adapted(tiny, "llama", None, torch.float32, target_modules="all-linear")
     own = {parameter.data_ptr() for parameter in peft_model.parameters()}
     stream = modelpatch.iter_original_state_dict(peft_model)
     previous: weakref.ref[torch.Tensor] | None = None
     merged = 0
     for _, tensor in stream:
-        gc.collect()
         assert previous is None or previous() is None, "a merged tensor outlived its turn"
         previous = None
         if tensor.data_ptr() not in own:
