@@ -99,6 +99,29 @@ def test_a_lora_model_streams_its_merged_weights_as_stock_merges_them(tiny, tmp_
     assert any("q_proj" in key for key in changed) and any("down_proj" in key for key in changed)
 
 
+@pytest.mark.parametrize("fusion_config", [None, FUSED])
+@pytest.mark.parametrize(
+    ("name", "lora"),
+    [
+        ("llama", {"target_modules": ["embed_tokens", "q_proj", "up_proj"]}),  # PEFT's Embedding LoRA adds otherwise
+        ("qwen2", {"target_modules": ["q_proj", "v_proj"], "lora_bias": True}),  # into the fused bias's rows too
+    ],
+)
+def test_embedding_lora_and_lora_bias_stream_merged(tiny, name, lora, fusion_config):
+    # bfloat16 with float32 LoRA weights: each layer kind's add (cast first, or in the common dtype) shows in the bits.
+    checkpoint, peft_model = _adapted(tiny, name, fusion_config, torch.bfloat16, **lora)
+    with torch.no_grad():
+        for key, parameter in peft_model.named_parameters():
+            if ".lora_B." in key and key.endswith(".bias"):
+                parameter.normal_()  # PEFT starts the LoRA bias at zero
+    streamed = _stream(peft_model)
+    assert_bitwise_equal(streamed, _merged_copy(peft_model))
+    base = _stream(checkpoint.load(fusion_config, dtype=torch.bfloat16))
+    changed = {key for key in streamed if not torch.equal(streamed[key], base[key])}
+    expected = "model.embed_tokens.weight" if name == "llama" else "model.layers.1.self_attn.v_proj.bias"
+    assert expected in changed and "model.layers.0.self_attn.q_proj.weight" in changed
+
+
 def test_stock_target_parameters_on_an_unfused_moe_model_stream_merged(tiny):
     """Stock PEFT's LoRA of the 3-D experts (ParamWrapper, nested: one per parameter) on a stock-layout MoE model."""
     checkpoint = tiny("qwen3_moe")
