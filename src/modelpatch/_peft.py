@@ -26,7 +26,7 @@ import importlib
 import inspect
 from collections.abc import Callable, Iterator, Mapping
 from types import FrameType
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import nn
 
@@ -65,6 +65,10 @@ PRIVATE_API: dict[str, tuple[str, str]] = {
     "peft.tuners.lora:LoraLayer": ("0.21", "LoRA on a linear_experts model (the experts' layer)"),
     "peft.tuners.lora:LoraLayer.reset_lora_parameters": ("0.21", "LoRA on a linear_experts model (the experts' layer)"),
     "peft.tuners.lora:LoraLayer._get_in_out_features": ("0.21", "LoRA on a linear_experts model (the experts' layer)"),
+    "peft.tuners.tuners_utils:BaseTunerLayer": ("0.21", "the merged weights of a LoRA model streamed"),
+    "peft.tuners.lora:Embedding": ("0.21", "the merged weights of a LoRA model streamed"),
+    "peft.tuners.lora:ParamWrapper": ("0.21", "the merged weights of a LoRA model streamed"),
+    "peft.utils.other:AuxiliaryTrainingWrapper": ("0.21", "the merged weights of a LoRA model streamed"),
 }
 
 
@@ -331,3 +335,30 @@ def lora_layer() -> Any:
             return features if features is not None else super()._get_in_out_features(module)
 
     return LoraLayer
+
+
+class LoraMergeLayers(NamedTuple):
+    """The classes of PEFT's layers a stream of merged weights tells apart (:mod:`modelpatch.boundary.peft_merge`)."""
+
+    tuner: type  # every adapter layer of every PEFT method (BaseTunerLayer)
+    linear: type  # LoRA of a Linear: merged as ``weight += delta`` (the add in the two dtypes' common one)
+    embedding: type  # LoRA of an Embedding: merged as ``weight += delta.to(weight.dtype)``
+    parameter: type  # LoRA of a parameter (target_parameters, ParamWrapper): ``parameter += delta``
+    auxiliary: type  # modules_to_save / trainable tokens wrappers (AuxiliaryTrainingWrapper)
+
+
+@functools.cache
+def lora_merge_layers() -> LoraMergeLayers:
+    """PEFT's layer classes whose merge a stream of merged weights reproduces, and those it refuses.
+
+    Checked against 0.21.2: ``peft.tuners.tuners_utils.BaseTunerLayer``, ``peft.tuners.lora.Linear`` / ``Embedding`` /
+    ``ParamWrapper`` (each ``merge`` adds ``get_delta_weight(adapter)`` to its base tensor in place, the adapters
+    listed in ``merged_adapters`` skipped), ``peft.utils.other.AuxiliaryTrainingWrapper``.
+    """
+    return LoraMergeLayers(
+        require("peft.tuners.tuners_utils:BaseTunerLayer"),
+        require("peft.tuners.lora:Linear"),
+        require("peft.tuners.lora:Embedding"),
+        require("peft.tuners.lora:ParamWrapper"),
+        require("peft.utils.other:AuxiliaryTrainingWrapper"),
+    )

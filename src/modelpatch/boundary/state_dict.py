@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -29,9 +29,11 @@ from ..conversion.planner import ConversionGroup, TensorMeta
 from ..loading.plan import plan_checkpoint_keys
 from ..modes.distributed import full_tensor, is_fsdp, refuse_two_shardings, shard_like
 from ..saving.contents import model_layout, model_transforms
-from ..saving.save import original_format_save, planned_save
+from ..saving.save import original_format_save, planned_save, save_modes
+from ..saving.stages import plan_model_save
 from .adapters import install_adapter_guard
 from .methods import bind_method
+from .peft_merge import merged_model
 
 __all__ = ["OriginalLayoutLoad", "install_state_dict_boundary", "iter_original_state_dict", "original_layout_load"]
 
@@ -52,17 +54,33 @@ def iter_original_state_dict(model: PreTrainedModel) -> Iterator[tuple[str, torc
     is gathered only while it is converted and yielded, and every rank receives the full tensors. Weights of modules
     offloaded to disk are read from their files when their turn comes.
 
+    A LoRA model (a ``PeftModel``, or the model it adapts, also after ``merge_adapter()``) yields its merged weights:
+    bitwise what ``copy.deepcopy(peft_model).merge_and_unload()`` then this stream would yield, without that copy and
+    without changing the model. Each tensor an active adapter touches is computed when its turn comes (the model's
+    tensor copied, each layer's ``W + scale · B @ A`` added as PEFT's merge adds it), so one merged tensor (or one
+    conversion group's) is added at a time; the names are the original model's, with no ``lora_*`` tensor and no
+    ``base_layer.``. Adapters already merged (``merge_adapter()``) are not added twice. See
+    :mod:`modelpatch.boundary.peft_merge` for what is refused.
+
     Raises:
-        SaveError: As :func:`modelpatch.save_pretrained`, before anything is yielded: a PEFT model or adapter layers,
-            quantized tensor subclasses, modules substituted since the build.
+        SaveError: As :func:`modelpatch.save_pretrained`, before anything is yielded: quantized tensor subclasses,
+            modules substituted since the build.
+        PeftIntegrationError: An adapter with no exact merge here (another PEFT method, DoRA, modules_to_save, ...;
+            named), or a sharded LoRA model, before anything is yielded.
         ShardingError: ``model`` is both tensor-parallel and FSDP2-sharded (a 2-D mesh).
     """
     refuse_two_shardings(model, "iter_original_state_dict()")
-    plan = planned_save(model)  # the stages of a save, but the tensors are yielded instead of written
+    merged = merged_model(model)
+    if merged is None:
+        plan = planned_save(model)  # the stages of a save, but the tensors are yielded instead of written
+        fetch: Callable[[str], torch.Tensor] = plan.fetch
+    else:  # the save of the merged model's state, each merged tensor computed when fetched
+        plan = plan_model_save(merged.model, save_modes(merged.model), original_format=True, state_dict=merged.state)
+        fetch = merged.fetch(plan.fetch)
     for checkpoint_key, runtime_key in plan.layout.direct.items():
-        yield checkpoint_key, plan.fetch(runtime_key)
+        yield checkpoint_key, fetch(runtime_key)
     for group in plan.layout.groups:
-        yield from group.run(plan.fetch).items()
+        yield from group.run(fetch).items()
 
 
 def _keeping_metadata(

@@ -21,7 +21,7 @@ they reach stock's. Expert ``e``'s factors in the Linears' orientation are index
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 
 import torch
@@ -192,22 +192,25 @@ def experts_lora_class() -> type[nn.Module]:
             experts = _experts_below(self)
             return per_expert_factors(experts, self.lora_A[adapter_name].weight, self.lora_B[adapter_name].weight)
 
-        def _deltas(self, adapter_name: str) -> list[tuple[nn.Linear, torch.Tensor]]:
+        def delta_weights(self, adapter_name: str) -> Iterator[tuple[nn.Linear, Callable[[], torch.Tensor]]]:
+            """Each expert Linear this LoRA acts on, with what merging ``adapter_name`` adds to its weight (as
+            ``weight + update.to(weight.dtype)``), computed when called: a stream of merged weights holds one."""
             experts = _experts_below(self)
             b, a = self.factors(adapter_name)
             scale = self.scaling[adapter_name]
-            return [
-                (getattr(experts[index], child), (b[index, rows] @ a[index]) * scale)
-                for index, child, rows in _lora_linear_rows(experts, self.parameter_name)
-            ]
+            for index, child, rows in _lora_linear_rows(experts, self.parameter_name):
+                yield (
+                    getattr(experts[index], child),
+                    functools.partial(_scaled_product, b[index, rows], a[index], scale),
+                )
 
         def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
             for adapter in adapter_names if adapter_names is not None else self.active_adapters:
                 if adapter not in self.lora_A or adapter in self.merged_adapters:
                     continue
                 with torch.no_grad():
-                    for linear, delta in self._deltas(adapter):
-                        merged = linear.weight.data + delta.to(linear.weight.dtype)
+                    for linear, delta in self.delta_weights(adapter):
+                        merged = linear.weight.data + delta().to(linear.weight.dtype)
                         if safe_merge and not torch.isfinite(merged).all():
                             raise ValueError(f"NaNs detected in the merged weights of adapter {adapter!r}.")
                         linear.weight.data.copy_(merged)
@@ -217,8 +220,8 @@ def experts_lora_class() -> type[nn.Module]:
             while self.merged_adapters:
                 adapter = self.merged_adapters.pop()
                 with torch.no_grad():
-                    for linear, delta in self._deltas(adapter):
-                        linear.weight.data -= delta.to(linear.weight.dtype)
+                    for linear, delta in self.delta_weights(adapter):
+                        linear.weight.data -= delta().to(linear.weight.dtype)
 
         def unload_and_optionally_merge_module(
             self, merge: bool, safe_merge: bool, adapter_names: list[str] | None
@@ -253,6 +256,10 @@ def __getattr__(name: str) -> Any:
     if name == "ExpertsLora":
         return experts_lora_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _scaled_product(b: torch.Tensor, a: torch.Tensor, scale: float) -> torch.Tensor:
+    return (b @ a) * scale
 
 
 def _experts_below(layer: nn.Module) -> LinearExperts:
