@@ -23,9 +23,12 @@ from transformers import AutoModelForCausalLM
 import modelpatch
 from support.files import read_tensors
 from support.models import VOCAB, sized_config
+from support.process import run_fresh
 
 try:  # a release outside the range it was checked on may fail at import with more than an ImportError
     from llmcompressor import oneshot
+    from llmcompressor.modeling.moe.context import moe_calibration_context
+    from llmcompressor.modeling.moe.linearize import linearize_moe
     from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
@@ -109,17 +112,98 @@ def _w8a8(mappings=None):
     ]
 
 
-@pytest.mark.parametrize("fusion_config", [FUSED, None], ids=["fused", "unfused"])
-def test_smoothquant_w8a8_saves_what_stock_saves(tiny, tmp_path, fusion_config):
+@pytest.mark.parametrize(
+    ("fusion_config", "mappings"),
+    [(FUSED, None), (FUSED, FUSED_SMOOTHQUANT_MAPPINGS), (None, None)],
+    ids=["fused-inferred-mappings", "fused-mappings-for-fused-names", "unfused"],
+)
+def test_smoothquant_w8a8_saves_what_stock_saves(tiny, tmp_path, fusion_config, mappings):
     """SmoothQuant smooths q/k/v (gate/up) by one shared layernorm, so on the fused layer it is the same algorithm:
-    the smoothed, int8-quantized weights and their per-channel scales are stock's, written under stock's names."""
+    the smoothed, int8-quantized weights and their per-channel scales are stock's, written under stock's names. The
+    mappings llm-compressor infers for Llama name q_proj, k_proj, v_proj (and match qkv_proj itself: ``re:.*v_proj``
+    is unanchored): they smooth the fused layer, once."""
     checkpoint = tiny("llama").path
-    mappings = FUSED_SMOOTHQUANT_MAPPINGS if fusion_config else None
     stock, ours, model = _stock_and_ours(checkpoint, tmp_path, fusion_config, _w8a8(), _w8a8(mappings))
     _assert_same_checkpoint(ours, stock)
     assert _config(ours)["quantization_config"]["ignore"] == ["lm_head"]
     reloaded = AutoModelForCausalLM.from_pretrained(ours)
     torch.testing.assert_close(_logits(reloaded), _logits(model), rtol=0, atol=1e-5)
+
+
+def test_a_smoothquant_mapping_naming_some_parts_of_a_fused_layer_is_refused_by_name(tiny):
+    """Balancing q_proj alone would, on the fused layer, scale k_proj's and v_proj's rows too: refused, naming the
+    mapping and the fused layer, before any weight changes."""
+    model = tiny("llama").load(FUSED)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    recipe = [SmoothQuantModifier(mappings=[[["re:.*q_proj$"], "re:.*input_layernorm$"]])]
+    with pytest.raises(modelpatch.FusionError, match=r"input_layernorm balances part\(s\) \[0\] of the fused qkv_proj"):
+        _quantize(model, recipe)
+    assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items())
+
+
+def test_smoothquant_imported_after_the_fused_model_is_built_folds_its_mappings(tiny):
+    """The order of the imports does not matter: llm-compressor's SmoothQuant imported after the fused model is built
+    (a fresh interpreter) resolves mappings naming the parts to the fused layers all the same."""
+    script = f"""
+import sys
+from transformers import AutoModelForCausalLM
+import modelpatch
+model = modelpatch.from_pretrained(AutoModelForCausalLM, {str(tiny("llama").path)!r}, fusion_config={FUSED!r})
+assert "llmcompressor.modifiers.transform.smoothquant.base" not in sys.modules
+from llmcompressor.modifiers.transform.smoothquant.base import SmoothQuantModifier
+print(getattr(SmoothQuantModifier._resolve_mappings, "_modelpatch_folds_fused_projections", False))
+"""
+    assert run_fresh(script).stdout.strip().splitlines()[-1] == "True"
+
+
+def test_moe_calibration_runs_every_expert_on_every_token(tiny):
+    """Inside llm-compressor's MoE calibration context (oneshot enters it unless moe_calibrate_all_experts=False),
+    every expert's Linears see every token and the layer keeps the routed tokens' results: the logits are those of
+    stock's experts linearized by llm-compressor in that context, bit for bit, and the routed logits up to rounding
+    (a product over all the tokens rounds some rows otherwise than one over the routed ones)."""
+    checkpoint = tiny("qwen3_moe")
+    model = checkpoint.load({"linear_experts": True})
+    stock = AutoModelForCausalLM.from_pretrained(checkpoint.path)
+    linearize_moe(stock)
+    rows: dict[int, int] = {}
+    experts = model.model.layers[0].mlp.experts
+    for index, expert in enumerate(experts):
+        expert.gate_proj.register_forward_pre_hook(
+            lambda module, args, index=index: rows.__setitem__(index, rows.get(index, 0) + args[0].shape[0])
+        )
+    input_ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        routed = model(input_ids=input_ids).logits
+        assert sum(rows.values()) == input_ids.numel() * model.config.num_experts_per_tok
+        rows.clear()
+        with moe_calibration_context():
+            every, stock_every = model(input_ids=input_ids).logits, stock(input_ids=input_ids).logits
+    assert rows == dict.fromkeys(range(len(experts)), input_ids.numel())
+    assert torch.equal(every, stock_every)
+    torch.testing.assert_close(every, routed, rtol=0, atol=1e-6)
+
+
+def _static_fp8_moe():
+    return [QuantizationModifier(targets="Linear", scheme="FP8", ignore=["lm_head", "re:.*mlp.gate$"])]
+
+
+def _gptq_w8a8_moe():
+    return [GPTQModifier(targets="Linear", scheme="W8A8", ignore=["lm_head", "re:.*mlp.gate$"])]
+
+
+@pytest.mark.parametrize("recipe", [_static_fp8_moe, _gptq_w8a8_moe], ids=["static-fp8", "gptq-w8a8"])
+def test_calibrated_recipes_on_linear_experts_save_what_stock_saves(tiny, tmp_path, recipe):
+    """Calibrated recipes on Qwen3-MoE: stock's experts, linearized by llm-compressor, calibrate every expert on
+    every token (its default); modelpatch's linear_experts do the same, so the static input scales and GPTQ's
+    Hessians are stock's, and so is the checkpoint, bit for bit."""
+    checkpoint = tiny("qwen3_moe").path
+    stock, ours, _ = _stock_and_ours(checkpoint, tmp_path, {"linear_experts": True}, recipe, recipe)
+    _assert_same_checkpoint(ours, stock)
+    if recipe is _static_fp8_moe:  # every expert of a layer saw the same tokens: one input scale
+        tensors = read_tensors(ours)
+        for layer in range(2):
+            scales = [tensors[f"model.layers.{layer}.mlp.experts.{e}.gate_proj.input_scale"] for e in range(4)]
+            assert all(torch.equal(scale, scales[0]) for scale in scales)
 
 
 def test_fp8_dynamic_on_linear_experts_saves_per_expert_names_as_stock(tiny, tmp_path):

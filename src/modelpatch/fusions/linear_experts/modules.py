@@ -28,6 +28,7 @@ the hook scan's look for it).
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -60,6 +61,27 @@ def _grouped_runs_on(*weights: torch.Tensor) -> bool:
     if device.type == "cpu":
         return _TORCH_VERSION >= (2, 11) or (_TORCH_VERSION >= (2, 9) and all(w.data_ptr() % 16 == 0 for w in weights))
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+# --- calibrating every expert ---------------------------------------------------------------------------------------
+
+# llm-compressor's module holding its "calibrate all experts" switch (checked against llmcompressor 0.14.0.1: its
+# ``get_calibrate_all_experts_flag()``, set inside ``moe_calibration_context()``, which ``oneshot`` enters for the whole
+# calibration unless ``moe_calibrate_all_experts=False``). Read from ``sys.modules``, never imported: a process that
+# has not imported it cannot have set the switch.
+_LLMCOMPRESSOR_MOE_CONTEXT = "llmcompressor.modeling.moe.context"
+
+
+def calibrating_all_experts() -> bool:
+    """Whether a calibration asks every expert to see every token (llm-compressor's MoE calibration): each expert's
+    Linears then run over all tokens, so that their observers and Hessians gather statistics of all of them, while the
+    layer's output keeps only the routed tokens' results, as llm-compressor's own linearized experts do. Never inside
+    compiled code (calibration runs eagerly, and a lookup in ``sys.modules`` is nothing to trace)."""
+    if torch.compiler.is_compiling():
+        return False
+    context = sys.modules.get(_LLMCOMPRESSOR_MOE_CONTEXT)
+    read_flag = getattr(context, "get_calibrate_all_experts_flag", None)
+    return read_flag is not None and bool(read_flag())
 
 
 # --- the change signal ---------------------------------------------------------------------------------------------
@@ -174,7 +196,11 @@ class ExpertMLP(nn.Module):
         if self.gate_fn is not None:
             return down(self.gate_fn(gate(x), up(x)))
         act_fn = cast(Callable[[torch.Tensor], torch.Tensor], self.act_fn)  # set whenever gate_fn is not
-        return down(act_fn(gate(x)) * up(x))
+        # The activation reads the gate half of one joined product, as stock's experts read their gate_up product's:
+        # on a CPU an activation over such a strided view runs torch's scalar kernel, over a contiguous tensor its
+        # vectorised one, and the two round differently (a tiny Qwen3-MoE's float32 MLP output moved by 4e-9).
+        gate_out, up_out = torch.cat((gate(x), up(x)), dim=-1).chunk(2, dim=-1)
+        return down(act_fn(gate_out) * up_out)
 
     # Attributes that are neither modules nor parameters (a plain-function activation, ``names``, an instance-level
     # ``forward``) take no registration hook: the expert signals them itself, as it does deletions.
@@ -557,7 +583,9 @@ class LinearExperts(nn.ModuleList):
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         num_tokens, top_k = top_k_index.shape
-        packed = self._grouped_weights(hidden_states)
+        every_token = calibrating_all_experts()
+        # Calibrating every expert on every token: each expert module is called (the grouped path calls none).
+        packed = None if every_token else self._grouped_weights(hidden_states)
         # Every (token, slot) pair sorted by expert, as stock sorts them; unused slots (index num_experts) sort last.
         keys = _sort_keys(top_k_index.reshape(-1), self.num_experts)
         sorted_keys, order = torch.sort(keys)
@@ -574,7 +602,7 @@ class LinearExperts(nn.ModuleList):
             # The grouped products leave the rows of unused slots unwritten: _weighted_sum never reads them.
             out = self._grouped_forward(packed, hidden_states[tokens], offsets)
         else:
-            out = self._expert_by_expert(hidden_states, tokens, offsets)
+            out = self._expert_by_expert(hidden_states, tokens, offsets, every_token=every_token)
         summed = _weighted_sum(out, order, sorted_keys, top_k_index, top_k_weights, self.num_experts)
         return summed if summed.dtype == hidden_states.dtype else summed.to(hidden_states.dtype)
 
@@ -582,6 +610,9 @@ class LinearExperts(nn.ModuleList):
         """Every expert over its own slice of ``hidden_states`` (``[E * T, H]``: the tokens already dispatched to
         each expert and weighted by their router scores, as Llama 4's experts take them), ``[E * T, H]`` out."""
         x = hidden_states.view(self.num_experts, -1, self.hidden_dim)
+        if calibrating_all_experts():
+            # Every expert over every expert's slice (llm-compressor's MoE calibration), keeping its own slice's rows.
+            return torch.cat([expert(hidden_states).view_as(x)[index] for index, expert in enumerate(self)])
         packed = self._grouped_weights(hidden_states)
         if packed is not None and packed.gate_fn is None:
             # One batched product per projection, as stock's: the packed weights are [E, out, in].
@@ -601,9 +632,12 @@ class LinearExperts(nn.ModuleList):
         return _grouped(packed.act_fn(gate) * up, packed.down, offsets)
 
     def _expert_by_expert(
-        self, hidden_states: torch.Tensor, tokens: torch.Tensor, offsets: torch.Tensor
+        self, hidden_states: torch.Tensor, tokens: torch.Tensor, offsets: torch.Tensor, *, every_token: bool = False
     ) -> torch.Tensor:
         """Each routed expert module called on its tokens (rows in sorted order; unused slots stay zero).
+
+        ``every_token`` (:func:`calibrating_all_experts`): every expert is called on all of ``hidden_states`` and
+        only its routed tokens' rows are kept, so the output is the routed one while each expert sees every token.
 
         With gradients wanted, an expert no token was routed to is called too, on no rows: its weights then get a
         gradient of zeros, as the rows of stock's 3-D parameter do, so that an optimizer treats them alike (weight
@@ -614,8 +648,10 @@ class LinearExperts(nn.ModuleList):
         grad = torch.is_grad_enabled()
         start = 0
         for expert, end in zip(self, offsets.tolist(), strict=False):
-            if end > start or (grad and any(p.requires_grad for p in expert.parameters())):
-                rows = slice(start, end)
+            rows = slice(start, end)
+            if every_token:
+                out[rows] = expert(hidden_states)[tokens[rows]].to(out.dtype)
+            elif end > start or (grad and any(p.requires_grad for p in expert.parameters())):
                 out[rows] = expert(hidden_states[tokens[rows]]).to(out.dtype)
             start = end
         return out
