@@ -3,6 +3,7 @@ modelpatch's scopes and builds what the original gives."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -99,12 +100,12 @@ print(json.dumps(steps))
 
 
 def test_every_install_is_listed_and_says_whether_it_is_made_once_its_first_need_came():
-    """The one list: seven installs in a fixed order, none made at import, each reported made once the first load
+    """The one list: eight installs in a fixed order, none made at import, each reported made once the first load
     that needs it ran (in a fresh process, where nothing was installed before)."""
     import modelpatch
 
     listed = modelpatch.installs()
-    assert [install.name for install in listed] == list(_installs._TABLE) and len(listed) == 7
+    assert [install.name for install in listed] == list(_installs._TABLE) and len(listed) == 8
     assert all(isinstance(install, modelpatch.Install) and install.patches and install.by for install in listed)
     support = Path(__file__).resolve().parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(support), *sys.path])}
@@ -112,7 +113,9 @@ def test_every_install_is_listed_and_says_whether_it_is_made_once_its_first_need
     assert result.returncode == 0, result.stderr[-3000:]
     steps = json.loads(result.stdout.strip().splitlines()[-1])
     assert steps["import"] == []
-    assert set(steps["qkv"]) == {"module_new", "transformers_patch_registry", "meta_initialisation"}
+    # Fused projections fold llm-compressor's SmoothQuant mappings where llm-compressor is installed (CI installs it).
+    folds = ["smoothquant_mappings"] if importlib.util.find_spec("llmcompressor") is not None else []
+    assert set(steps["qkv"]) == {"module_new", "transformers_patch_registry", "meta_initialisation", *folds}
     # linear_experts replaces a class qwen2_moe records (its experts) by one that is no subclass of it; its experts
     # watch torch's registrations once packed (not on a torch without a grouped product: 2.6).
     assert set(steps["linear_experts"]) - set(steps["qkv"]) == {

@@ -1,10 +1,11 @@
 """Every process-wide install of modelpatch: the places where it replaces or adds to an attribute of torch or of
-transformers for the whole process, rather than per model or per scope. :func:`installs` lists all seven at run time
+transformers for the whole process, rather than per model or per scope. :func:`installs` lists all eight at run time
 (``modelpatch.installs()``, ``modelpatch inspect --installs``), with whether each is made yet in this process.
 
-Four are made here, in the bottom layer. Three live with the concept that needs them, in higher layers, and tell this
+Four are made here, in the bottom layer. Four live with the concept that needs them, in higher layers, and tell this
 module when they are made (:func:`made`): the output recorders' specs, a tensor-parallel style, the ``linear_experts``
-custom operator; docs/ARCHITECTURE.md says why each lives there.
+custom operator, llm-compressor's SmoothQuant mappings folded for fused projections; docs/ARCHITECTURE.md says why
+each lives there.
 
 Each install is idempotent (a second call, from any thread, changes nothing), made on first need (never at import),
 and leaves every caller outside modelpatch's own scopes and builds exactly what the original gives:
@@ -262,6 +263,12 @@ _TABLE: dict[str, tuple[str, str, str]] = {
         "torch.library (the custom operator modelpatch::grouped_linear)",
         "modelpatch.fusions.linear_experts.modules._register_opaque_grouped_linear",
         "the first LinearExperts built",
+    ),
+    "smoothquant_mappings": (
+        "llm-compressor's SmoothQuantModifier._resolve_mappings (wrapped; before llm-compressor is imported, a finder "
+        "on sys.meta_path waiting for that one module)",
+        "modelpatch.fusions.projections.smoothing.fold_smoothquant_mappings",
+        "the first module with fused projections built, where llm-compressor is installed",
     ),
 }
 _made: set[str] = set()

@@ -65,7 +65,7 @@ def test_inspect_installs_lists_every_process_wide_install(cli, moe_checkpoint):
         state = "installed" if install.installed else "not installed"
         expected += [f"{install.name}: {state}", f"  patches: {install.patches}", f"  by:      {install.by}, at "]
     lines = out.splitlines()
-    assert len(lines) == 3 * 7
+    assert len(lines) == len(expected) == 3 * 8
     assert all(line.startswith(prefix) for line, prefix in zip(lines, expected, strict=True))
     assert "meta_initialisation: installed" in lines or "transformers_patch_registry: installed" in lines
     # a checkpoint or the installs, not both

@@ -34,6 +34,7 @@ from typing import Any
 
 from torch import nn
 
+from ..._installs import made
 from ...errors import FusionError
 from .modules import ProjectionSlice
 
@@ -131,8 +132,10 @@ def fold_smoothquant_mappings() -> None:
     if module is not None:
         _fold_in(module)
         _remove_finder()
+        made("smoothquant_mappings")
     elif _llmcompressor_installed() and not any(isinstance(finder, _FoldAtImport) for finder in sys.meta_path):
         sys.meta_path.insert(0, _FoldAtImport())
+        made("smoothquant_mappings")
 
 
 @functools.cache
