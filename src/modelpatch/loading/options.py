@@ -165,7 +165,8 @@ class LoadOptions:
         )
         if distributed is not None and (device is not None or device_map is not None):
             raise ValueError(
-                "Tensor parallelism places each rank's shards on its own device: pass no device or device_map."
+                "A sharded load (tensor parallelism, FSDP2) places each rank's shards on its own device: pass no device "
+                "or device_map."
             )
         if device_map is not None and (one_device := single_device(device_map)) is not None:
             device, device_map = one_device, None
