@@ -645,7 +645,7 @@ def resolved_fsdp_plan(model: PreTrainedModel, config: DistributedConfig) -> dic
     (``fully_shard`` unit) to its style, innermost first, tied embeddings folded and float32 modules in their own
     units, as stock's ``maybe_distribute_model`` applies it.
 
-    Checked against 5.24.0: ``DistributedMixin._resolve_parallel_plans(DistributedConfig)`` returns
+    Checked against 5.24.0–5.24.0 (read in that release only): ``DistributedMixin._resolve_parallel_plans`` returns
     ``(tp_plan, ep_plan, fsdp_plan)``; its errors (a model without an FSDP plan) are ``ValueError``.
     """
     require("transformers.modeling_utils:PreTrainedModel._resolve_parallel_plans")
@@ -658,7 +658,7 @@ def apply_fully_sharded(model: PreTrainedModel, mesh_manager: Any, fsdp_plan: di
     (reshard after forward or not, by its style; the final norm and head as one unit), then the root, over the
     ``fsdp`` mesh, or ``("dp_replicate", "fsdp")`` for HSDP; with the policies of ``model.config.distributed_config``.
 
-    Checked against 5.24.0: ``transformers.distributed.fsdp.apply_fully_sharded_data_parallelism(model,
+    Checked against 5.24.0–5.24.0 (read in that release only): ``apply_fully_sharded_data_parallelism(model,
     mesh_manager, fsdp_plan, ep_plan)``, which reads ``model.config.distributed_config`` (``mark_distributed``).
     """
     require("transformers.distributed.fsdp:apply_fully_sharded_data_parallelism")(model, mesh_manager, fsdp_plan, {})

@@ -1,11 +1,11 @@
 """One rank of the ``distributed_config`` FSDP2 / HSDP test (tests/modes/test_fsdp_config.py), under ``torchrun``.
 
-For each mesh of the job file (``DistributedConfig`` keywords): stock transformers' ``from_pretrained`` with that
-``distributed_config``, then modelpatch's with each fusion config of the job. Each model: how it is sharded (every
-parameter's placements, mesh and local shape; every ``fully_shard`` unit and the parameters it owns), the bytes this
-rank's load copied into its shards, a few AdamW steps on this rank's own batch (the losses), the trained weights in
-the checkpoint's original layout, and its saves (stock's ``save_pretrained``; modelpatch's collective
-``save_pretrained`` and ``model.save_pretrained``).
+For each run of the job file (a checkpoint, a mesh as ``DistributedConfig`` keywords, fusion configs): stock
+transformers' ``from_pretrained`` with that ``distributed_config``, then modelpatch's with each fusion config. Each
+model: how it is sharded (every parameter's placements, mesh and local shape; every ``fully_shard`` unit and the
+parameters it owns), the bytes this rank's load copied into its shards, a few AdamW steps on this rank's own batch
+(the losses), the trained weights in the checkpoint's original layout, and its saves (stock's ``save_pretrained``;
+modelpatch's collective ``save_pretrained`` and ``model.save_pretrained``).
 """
 
 from __future__ import annotations
@@ -57,9 +57,9 @@ def layout(model: torch.nn.Module) -> dict:
 
 
 def local_bytes(model: torch.nn.Module) -> int:
-    return sum(
-        (p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in model.state_dict().values()
-    )
+    """The bytes of this rank's part of every tensor of the model's state (a tied parameter once)."""
+    unique = {id(t): t for t in model.state_dict(keep_vars=True).values()}
+    return sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in unique.values())
 
 
 def train(model: torch.nn.Module, rank: int) -> torch.Tensor:
@@ -80,7 +80,7 @@ def train(model: torch.nn.Module, rank: int) -> torch.Tensor:
 
 def main() -> None:
     job = json.loads(Path(sys.argv[1]).read_text())
-    out, path = Path(job["out"]), Path(job["path"])
+    out = Path(job["out"])
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     placed: list[int] = []
@@ -92,14 +92,14 @@ def main() -> None:
 
     # The bytes each rank's load hands over to be copied into its shards (what it reads of the files).
     fsdp.FullyShardedLoad.place = counting_place
-    for mesh_id, mesh in job["meshes"].items():
-        config = DistributedConfig(**mesh)
+    for run in job["runs"]:
+        mesh_id, path, config = run["id"], Path(run["path"]), DistributedConfig(**run["mesh"])
         stock = transformers.AutoModelForCausalLM.from_pretrained(path, distributed_config=config)
         record = {"layout": layout(stock), "losses": train(stock, rank)}
         torch.save(record, out / f"{mesh_id}_stock_rank{rank}.pt")
         stock.save_pretrained(out / f"{mesh_id}_stock_save")
         del stock
-        for case_id, fusion_config in job["fusions"].items():
+        for case_id, fusion_config in run["fusions"].items():
             placed.clear()
             model = modelpatch.from_pretrained(
                 transformers.AutoModelForCausalLM, path, fusion_config=fusion_config, distributed_config=config

@@ -2,18 +2,18 @@
 processes under ``torchrun`` (gloo), against stock transformers' own ``distributed_config`` load on the same mesh.
 
 One launch (fsdp_config_worker.py) runs both meshes, ``fsdp_size=4`` and ``dp_replicate_size=2, fsdp_size=2``
-(HSDP), on a Llama of 8 attention heads to 2 key/value heads, unfused and with fused ``qkv`` + ``gate_up``. Checked
-here: the modules a fusion leaves alone are sharded exactly as stock shards them (every parameter's placements,
-mesh and local shape; the same ``fully_shard`` units, owning the same parameters), fused ones ``Shard(0)`` over the
-same mesh; each rank copies into its shards only the bytes of its shards; a few AdamW steps give stock's losses;
-after training, modelpatch's collective ``save_pretrained`` and ``model.save_pretrained`` write the checkpoint's
-original layout, equal to stock's save of its own trained model.
+(HSDP), on a Llama of 8 attention heads to 2 key/value heads, unfused and with fused ``qkv`` + ``gate_up``, and the
+fused model with tied embeddings on ``fsdp_size=4``. Checked here: the modules a fusion leaves alone are sharded
+exactly as stock shards them (every parameter's placements, mesh and local shape; the same ``fully_shard`` units,
+owning the same parameters), fused ones ``Shard(0)`` over the same mesh; each rank copies into its shards only the
+bytes of its shards; a few AdamW steps give stock's losses; after training, modelpatch's collective
+``save_pretrained`` and ``model.save_pretrained`` write the checkpoint's original layout, equal to stock's save of
+its own trained model.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -40,34 +40,50 @@ NEEDS_DISTRIBUTED_API = pytest.mark.skipif(
 
 WORKER = Path(__file__).with_name("fsdp_config_worker.py")
 RANKS = 4
-MESHES = {"fsdp4": {"fsdp_size": 4}, "hsdp": {"dp_replicate_size": 2, "fsdp_size": 2}}
 FUSIONS = {"unfused": None, "fused": {"qkv": True, "gate_up": True}}
+# run id: (checkpoint, DistributedConfig's keywords, the fusion configs loaded beside stock's load)
+RUNS = {
+    "fsdp4": ("llama", {"fsdp_size": 4}, FUSIONS),
+    "hsdp": ("llama", {"dp_replicate_size": 2, "fsdp_size": 2}, FUSIONS),
+    # Input and output embeddings tied (as Llama-3.2-1B's): one parameter, in the embeddings' unit.
+    "fsdp4_tied": ("llama_tied", {"fsdp_size": 4}, {"fused": FUSIONS["fused"]}),
+}
+CASES = [(run, case) for run, (_, _, fusions) in RUNS.items() for case in fusions]
 # A fused parameter -> the stock parameters it is made of.
 FUSED = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj")}
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    """A Llama of 8 attention heads to 2 key/value heads (fused q/k/v rows: 64 + 16 + 16), saved by stock."""
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**dict(TEXT, hidden_size=64, num_attention_heads=8, num_key_value_heads=2)))
-    perturb(model, 0)
-    path = tmp_path_factory.mktemp("llama_8_heads")
-    model.save_pretrained(path)
-    return path
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """Llamas of 8 attention heads to 2 key/value heads (fused q/k/v rows: 64 + 16 + 16), one with tied embeddings,
+    saved by stock."""
+    paths = {}
+    for name, tied in (("llama", False), ("llama_tied", True)):
+        torch.manual_seed(0)
+        config = dict(TEXT, hidden_size=64, num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=tied)
+        model = LlamaForCausalLM(LlamaConfig(**config))
+        perturb(model, 0)
+        paths[name] = tmp_path_factory.mktemp(name)
+        model.save_pretrained(paths[name])
+    return paths
 
 
 @pytest.fixture(scope="module")
-def mesh_run(checkpoint, tmp_path_factory) -> Path:
+def mesh_run(checkpoints, tmp_path_factory) -> Path:
+    """Runs every run of RUNS on four ranks once; returns the output directory."""
     out = tmp_path_factory.mktemp("fsdp_config")
+    runs = [
+        dict(id=run, path=str(checkpoints[name]), mesh=mesh, fusions=fusions)
+        for run, (name, mesh, fusions) in RUNS.items()
+    ]
     job = out / "job.json"
-    job.write_text(json.dumps({"out": str(out), "path": str(checkpoint), "meshes": MESHES, "fusions": FUSIONS}))
+    job.write_text(json.dumps({"out": str(out), "runs": runs}))
     run_ranks(WORKER, job, RANKS)
     return out
 
 
-def _records(out: Path, mesh: str, case: str) -> list[dict]:
-    return [torch.load(out / f"{mesh}_{case}_rank{rank}.pt", weights_only=False) for rank in range(RANKS)]
+def _records(out: Path, run: str, case: str) -> list[dict]:
+    return [torch.load(out / f"{run}_{case}_rank{rank}.pt", weights_only=False) for rank in range(RANKS)]
 
 
 def _stock_names(name: str) -> list[str]:
@@ -80,12 +96,12 @@ def _stock_names(name: str) -> list[str]:
     return [name]
 
 
-@pytest.mark.parametrize("mesh", sorted(MESHES))
-@pytest.mark.parametrize("case", sorted(FUSIONS))
 @NEEDS_DISTRIBUTED_API
 @FSDP2_RUNS_ON_CPU
-def test_sharded_as_stock_shards(mesh_run, mesh, case):
-    for record, stock in zip(_records(mesh_run, mesh, case), _records(mesh_run, mesh, "stock"), strict=True):
+@pytest.mark.parametrize(("run", "case"), CASES)
+def test_sharded_as_stock_shards(mesh_run, run, case):
+    shards = RUNS[run][1]["fsdp_size"]
+    for record, stock in zip(_records(mesh_run, run, case), _records(mesh_run, run, "stock"), strict=True):
         ours, theirs = record["layout"], stock["layout"]
         assert ours["plain"] == theirs["plain"] == []  # every parameter is a DTensor
         assert sorted(ours["units"]) == sorted(theirs["units"])
@@ -99,54 +115,55 @@ def test_sharded_as_stock_shards(mesh_run, mesh, case):
                 continue
             # A fused parameter: the parts' rows, Shard(0) as torch cuts any dim 0 (here into equal blocks).
             assert shape == (sum(part[2][0] for part in parts), *parts[0][2][1:]), name
-            blocks = torch.arange(shape[0]).chunk(MESHES[mesh]["fsdp_size"])
+            blocks = torch.arange(shape[0]).chunk(shards)
             assert local == (len(blocks[coordinate[-1]]), *shape[1:]), name
-        assert "Shard(dim=0)" in placements and ("Replicate()" in placements) == (mesh == "hsdp")
+        assert "Shard(dim=0)" in placements and ("Replicate()" in placements) == (run == "hsdp")
 
 
-@pytest.mark.parametrize("mesh", sorted(MESHES))
-@pytest.mark.parametrize("case", sorted(FUSIONS))
 @NEEDS_DISTRIBUTED_API
 @FSDP2_RUNS_ON_CPU
-def test_each_rank_copies_only_its_shards(mesh_run, checkpoint, mesh, case):
-    whole = sum(t.numel() * t.element_size() for t in read_tensors(checkpoint).values())
-    for record in _records(mesh_run, mesh, case):
-        assert record["placed"] == record["local"] == whole // MESHES[mesh]["fsdp_size"]
+@pytest.mark.parametrize(("run", "case"), CASES)
+def test_each_rank_copies_only_its_shards(mesh_run, checkpoints, run, case):
+    whole = sum(t.numel() * t.element_size() for t in read_tensors(checkpoints[RUNS[run][0]]).values())
+    for record in _records(mesh_run, run, case):
+        assert record["placed"] == record["local"] == whole // RUNS[run][1]["fsdp_size"]
 
 
-@pytest.mark.parametrize("mesh", sorted(MESHES))
-@pytest.mark.parametrize("case", sorted(FUSIONS))
 @NEEDS_DISTRIBUTED_API
 @FSDP2_RUNS_ON_CPU
-def test_training_gives_stock_losses(mesh_run, mesh, case):
-    for record, stock in zip(_records(mesh_run, mesh, case), _records(mesh_run, mesh, "stock"), strict=True):
+@pytest.mark.parametrize(("run", "case"), CASES)
+def test_training_gives_stock_losses(mesh_run, run, case):
+    for record, stock in zip(_records(mesh_run, run, case), _records(mesh_run, run, "stock"), strict=True):
         # Bitwise for the unfused model; fused products round their last bits otherwise than the separate ones.
         atol = 0 if case == "unfused" else 1e-5
         torch.testing.assert_close(record["losses"], stock["losses"], atol=atol, rtol=0)
 
 
-@pytest.mark.parametrize("mesh", sorted(MESHES))
-@pytest.mark.parametrize("case", sorted(FUSIONS))
-@pytest.mark.parametrize("save", ["modelpatch", "method"])
 @NEEDS_DISTRIBUTED_API
 @FSDP2_RUNS_ON_CPU
-def test_saves_after_training_are_stocks_save_of_its_trained_model(mesh_run, mesh, case, save):
-    """Bitwise for the unfused model (the same files); fused q/k/v and gate/up products round their last bits
-    otherwise than the separate ones, so trained weights agree within 1e-5."""
-    stock = read_tensors(mesh_run / f"{mesh}_stock_save")
-    saved = read_tensors(mesh_run / f"{mesh}_{case}_{save}_save")
-    assert sorted(saved) == sorted(stock)
+@pytest.mark.parametrize(("run", "case"), CASES)
+@pytest.mark.parametrize("save", ["modelpatch", "method"])
+def test_saves_after_training_are_stocks_save_of_its_trained_model(mesh_run, checkpoints, run, case, save):
+    """The checkpoint's original keys; bitwise stock's save for the unfused model (the same file), within 1e-5 for
+    the fused one (fused q/k/v and gate/up products round their last bits otherwise than the separate ones)."""
+    stock = read_tensors(mesh_run / f"{run}_stock_save")
+    saved = read_tensors(mesh_run / f"{run}_{case}_{save}_save")
+    assert sorted(saved) == sorted(read_tensors(checkpoints[RUNS[run][0]]))
+    if run == "fsdp4_tied":
+        # Stock's save of its FSDP2 model writes the tied head too (its gathered state no longer shares storage),
+        # equal to the embeddings; an unsharded save, stock's or modelpatch's, writes the embeddings alone.
+        assert_bitwise_equal({"tied": stock.pop("lm_head.weight")}, {"tied": stock["model.embed_tokens.weight"]})
     if case == "unfused":
         assert_bitwise_equal(saved, stock)
-        stock_file = (mesh_run / f"{mesh}_stock_save" / "model.safetensors").read_bytes()
-        assert (mesh_run / f"{mesh}_{case}_{save}_save" / "model.safetensors").read_bytes() == stock_file
+        stock_file = (mesh_run / f"{run}_stock_save" / "model.safetensors").read_bytes()
+        assert (mesh_run / f"{run}_{case}_{save}_save" / "model.safetensors").read_bytes() == stock_file
     else:
         torch.testing.assert_close(saved, stock, atol=1e-5, rtol=0)
-    # Every rank's stream of the trained model is what was saved.
-    for record in _records(mesh_run, mesh, case):
+    # Every rank's stream of the trained model is what was saved; stock loads the save.
+    for record in _records(mesh_run, run, case):
         assert_bitwise_equal(record["trained"], saved)
-    reloaded = LlamaForCausalLM.from_pretrained(mesh_run / f"{mesh}_{case}_{save}_save")
-    assert_bitwise_equal(dict(reloaded.state_dict()), saved)
+    reloaded = LlamaForCausalLM.from_pretrained(mesh_run / f"{run}_{case}_{save}_save")
+    assert_bitwise_equal({k: v for k, v in reloaded.state_dict().items() if k in saved}, saved)
 
 
 @NEEDS_DISTRIBUTED_API  # DistributedConfig has these fields from 5.23 on
@@ -161,13 +178,15 @@ def test_saves_after_training_are_stocks_save_of_its_trained_model(mesh_run, mes
         ({"fsdp_size": 2, "fsdp_mixed_precision": True}, "FSDP mixed precision"),
     ],
 )
-def test_what_is_not_supported_is_refused_naming_what_is(checkpoint, fields, message):
+def test_what_is_not_supported_is_refused_naming_what_is(checkpoints, fields, message):
     with pytest.raises(TensorParallelError, match=message) as raised:
-        modelpatch.from_pretrained(LlamaForCausalLM, checkpoint, distributed_config=DistributedConfig(**fields))
+        modelpatch.from_pretrained(
+            LlamaForCausalLM, checkpoints["llama"], distributed_config=DistributedConfig(**fields)
+        )
     assert "tensor parallelism alone (tp_plan / tp_size), FSDP2 alone (fsdp_size) or HSDP" in str(raised.value)
 
 
-def test_an_fsdp_load_this_process_cannot_do_is_refused_by_name(checkpoint):
+def test_an_fsdp_load_this_process_cannot_do_is_refused_by_name(checkpoints):
     """One process: a mesh of 4 ranks is refused by its size; a transformers without the distributed API (the
     lowest set) refuses every FSDP2 load by name."""
     if tensor_parallel_supported():
@@ -175,4 +194,4 @@ def test_an_fsdp_load_this_process_cannot_do_is_refused_by_name(checkpoint):
     else:
         message = r"FSDP2 loading \(fsdp_size=4\) drives the distributed API of transformers 5\.23; .* predates it"
     with pytest.raises(TensorParallelError, match=message):
-        modelpatch.from_pretrained(LlamaForCausalLM, checkpoint, distributed_config={"fsdp_size": 4})
+        modelpatch.from_pretrained(LlamaForCausalLM, checkpoints["llama"], distributed_config={"fsdp_size": 4})

@@ -3,9 +3,9 @@ and the distributed keywords ``tp_plan`` / ``tp_size`` / ``distributed_config`` 
 
 They are read while the options are made (:meth:`LoadOptions.from_keywords
 <modelpatch.loading.options.LoadOptions.from_keywords>`), so a bad value is refused before any file is looked at;
-the modes they ask for (``dispatch.py``, ``parallel.py``, ``fsdp.py``) are made from the options later. Kept out of those modes'
-modules so that ``options.py`` imports none of them: a mode's hooks receive the load plan, which holds the options,
-so an import of a mode by the options would close a circle.
+the modes they ask for (``dispatch.py``, ``parallel.py``, ``fsdp.py``) are made from the options later. Kept out of
+those modes' modules so that ``options.py`` imports none of them: a mode's hooks receive the load plan, which holds
+the options, so an import of a mode by the options would close a circle.
 """
 
 from __future__ import annotations
