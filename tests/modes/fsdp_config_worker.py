@@ -5,7 +5,8 @@ transformers' ``from_pretrained`` with that ``distributed_config``, then modelpa
 model: how it is sharded (every parameter's placements, mesh and local shape; every ``fully_shard`` unit and the
 parameters it owns), the bytes this rank's load copied into its shards, a few AdamW steps on this rank's own batch
 (the losses), the trained weights in the checkpoint's original layout, and its saves (stock's ``save_pretrained``;
-modelpatch's collective ``save_pretrained`` and ``model.save_pretrained``).
+modelpatch's collective ``save_pretrained`` and ``model.save_pretrained``). Then the messages of loads whose
+``fsdp_plan`` names a module the fused model lacks, or one it holds no parameters in.
 """
 
 from __future__ import annotations
@@ -110,6 +111,19 @@ def main() -> None:
             torch.save(record, out / f"{mesh_id}_{case_id}_rank{rank}.pt")
             modelpatch.save_pretrained(model, out / f"{mesh_id}_{case_id}_modelpatch_save")
             model.save_pretrained(out / f"{mesh_id}_{case_id}_method_save")
+    messages = []
+    for refusal in job["plan_refusals"]:
+        try:
+            modelpatch.from_pretrained(
+                transformers.AutoModelForCausalLM,
+                refusal["path"],
+                fusion_config=refusal["fusion"],
+                distributed_config=DistributedConfig(**refusal["mesh"]),
+            )
+            messages.append("loaded")
+        except modelpatch.TensorParallelError as exc:
+            messages.append(str(exc))
+    (out / f"plan_refusals_rank{rank}.json").write_text(json.dumps(messages))
     dist.destroy_process_group()
 
 

@@ -48,9 +48,18 @@ RUNS = {
     "hsdp": ("llama", {"dp_replicate_size": 2, "fsdp_size": 2}, FUSIONS),
     # Input and output embeddings tied (as Llama-3.2-1B's): one parameter, in the embeddings' unit.
     "fsdp4_tied": ("llama_tied", {"fsdp_size": 4}, {"fused": FUSIONS["fused"]}),
+    # An fsdp_plan overriding the model's (decoder layers keep their gathered weights after forward), and FSDP's mixed
+    # precision (bfloat16 compute; fused products round otherwise than the separate ones in bfloat16: not compared).
+    "fsdp4_plan": ("llama", {"fsdp_size": 4, "fsdp_plan": {"model.layers.*": "keep_full_weight"}}, FUSIONS),
+    "fsdp4_mixed": ("llama", {"fsdp_size": 4, "fsdp_mixed_precision": True}, {"unfused": None}),
     # Per-expert Linears where stock holds each layer's experts as two 3-D parameters.
     "fsdp4_moe": ("qwen2_moe", {"fsdp_size": 4}, {"unfused": None, "linear_experts": {"linear_experts": True}}),
 }
+# fsdp_plan rules the fused model cannot take: a module it lacks; q_proj, a slice of qkv_proj holding no parameters.
+PLAN_REFUSALS = [
+    {"model.layers.*.self_attn.attn": "free_full_weight"},
+    {"model.layers.*.self_attn.q_proj": "free_full_weight"},
+]
 CASES = [(run, case) for run, (_, _, fusions) in RUNS.items() for case in fusions]
 # A fused parameter -> the stock parameters it is made of.
 FUSED = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj")}
@@ -89,7 +98,11 @@ def mesh_run(checkpoints, tmp_path_factory) -> Path:
         for run, (name, mesh, fusions) in RUNS.items()
     ]
     job = out / "job.json"
-    job.write_text(json.dumps({"out": str(out), "runs": runs}))
+    refusals = [
+        dict(path=str(checkpoints["llama"]), mesh={"fsdp_size": 4, "fsdp_plan": plan}, fusion=FUSIONS["fused"])
+        for plan in PLAN_REFUSALS
+    ]
+    job.write_text(json.dumps({"out": str(out), "runs": runs, "plan_refusals": refusals}))
     run_ranks(WORKER, job, RANKS)
     return out
 
@@ -200,9 +213,7 @@ def test_saves_after_training_are_stocks_save_of_its_trained_model(mesh_run, che
         ({"tp_size": 2, "fsdp_size": 2}, r"asks for \{'tp_size': 2, 'fsdp_size': 2\}.*together with FSDP"),
         ({"fsdp_size": 2, "ep_size": 2}, r"asks for expert parallelism \({'enable_expert_parallel': True}\)"),
         ({"pp_size": 2}, r"asks for \{'pp_size': 2\}"),
-        ({"fsdp_size": 2, "fsdp_plan": {"model.layers.*": "free_full_weight"}}, r"an FSDP plan of its own"),
         ({"fsdp_size": 2, "fsdp_cpu_offload": True}, "FSDP CPU offload"),
-        ({"fsdp_size": 2, "fsdp_mixed_precision": True}, "FSDP mixed precision"),
     ],
 )
 def test_what_is_not_supported_is_refused_naming_what_is(checkpoints, fields, message):
@@ -211,6 +222,20 @@ def test_what_is_not_supported_is_refused_naming_what_is(checkpoints, fields, me
             LlamaForCausalLM, checkpoints["llama"], distributed_config=DistributedConfig(**fields)
         )
     assert "tensor parallelism alone (tp_plan / tp_size), FSDP2 alone (fsdp_size) or HSDP" in str(raised.value)
+    assert "with fsdp_plan and fsdp_mixed_precision" in str(raised.value)
+
+
+@NEEDS_DISTRIBUTED_API
+@FSDP2_RUNS_ON_CPU
+def test_fsdp_plans_the_fused_model_cannot_take_are_refused_by_name(mesh_run):
+    """On every rank, before anything is read: transformers' refusal of a rule naming nothing, and modelpatch's of a
+    rule naming a module the fusion left without parameters (stock would make it a unit of its own)."""
+    for rank in range(RANKS):
+        unknown, empty = json.loads((mesh_run / f"plan_refusals_rank{rank}.json").read_text())
+        assert unknown.startswith("LlamaForCausalLM cannot be sharded with FSDP2: `fsdp_plan` keys"), unknown
+        assert "model.layers.*.self_attn.attn" in unknown
+        assert "shards ['model.layers.0.self_attn.q_proj', 'model.layers.1.self_attn.q_proj']" in empty, empty
+        assert "which hold no parameters in this model" in empty
 
 
 def test_an_fsdp_load_this_process_cannot_do_is_refused_by_name(checkpoints):

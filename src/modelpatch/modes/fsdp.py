@@ -218,8 +218,9 @@ class FullyShardedSetup(FullyShardedLoad):
     sharded model.
 
     Stock's own resolution and application are used, so every module a fusion leaves alone is placed exactly as
-    stock places it: the same ``fully_shard`` units (the model's ``base_model_fsdp_plan`` and ``_fsdp_plan``, tied
-    embeddings folded, float32 modules in their own units), the same mesh and ``DTensor`` placements. A fused module
+    stock places it: the same ``fully_shard`` units (the model's ``base_model_fsdp_plan`` and ``_fsdp_plan`` with the
+    config's ``fsdp_plan`` rules over them, tied embeddings folded, float32 modules in their own units), the same mesh
+    and ``DTensor`` placements, the same policies (``fsdp_mixed_precision``). A fused module
     lies inside one of those units (a decoder layer), so its parameters are ``Shard(0)`` over the same mesh.
     """
 
@@ -253,6 +254,14 @@ class FullyShardedSetup(FullyShardedLoad):
             fsdp_plan = resolved_fsdp_plan(model, self.config)
         except ValueError as exc:  # transformers' refusal of the plan: a model without one, a rule naming nothing
             raise TensorParallelError(f"{type(model).__name__} cannot be sharded with FSDP2: {exc}") from None
+        # A rule of a caller's fsdp_plan can name a module a fusion left without parameters of its own (q_proj, now a
+        # slice of qkv_proj): stock would make it a unit of its own; here it would shard nothing.
+        if empty := sorted(name for name in fsdp_plan if not any(True for _ in model.get_submodule(name).parameters())):
+            raise TensorParallelError(
+                f"The fsdp_plan of {type(model).__name__} shards {empty[:3]}{' and more' if len(empty) > 3 else ''}, "
+                "which hold no parameters in this model (a fusion made them slices of a fused module): name the "
+                "fused module (qkv_proj, gate_up_proj) or the decoder layer instead."
+            )
         apply_fully_sharded(model, self.mesh_manager, fsdp_plan)
 
     def after_load(self, model: PreTrainedModel, plan: LoadPlan, checkpoint: Checkpoint) -> None:
