@@ -99,7 +99,7 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(["fuse", "patch_model", "unfuse"], ".restructuring.restructure"),
     **dict.fromkeys(["iter_original_state_dict"], ".boundary.state_dict"),
     **dict.fromkeys(["get_original_state_dict", "set_original_state_dict"], ".boundary.distributed_checkpoint"),
-    **dict.fromkeys(["load_sharded"], ".modes.fsdp"),
+    **dict.fromkeys(["load_sharded"], ".loading.sharded"),
     **dict.fromkeys(["get_peft_model", "load_adapter"], ".integrations.peft"),  # peft itself only when called
     **dict.fromkeys(["VerificationReport", "verify"], ".verify"),
     **dict.fromkeys(["Install", "installs"], "._installs"),  # what modelpatch changed process-wide

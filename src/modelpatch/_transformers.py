@@ -122,6 +122,8 @@ PRIVATE_API: dict[str, tuple[str, str]] = {
     "transformers.distributed.tensor_parallel:apply_tensor_parallelism": ("5.16", "tensor-parallel loads"),
     "transformers.distributed.tensor_parallel:PackedColwiseParallel": ("5.16", "tensor-parallel loads"),
     "transformers.distributed.sharding_utils:DtensorShardOperation": ("5.15", "tensor-parallel loads"),
+    # FSDP2 / HSDP loads (distributed_config with fsdp_size / dp_replicate_size), on the same distributed API
+    "transformers.distributed.fsdp:apply_fully_sharded_data_parallelism": ("5.15", "FSDP2 loads"),
 }
 # Markers transformers sets on instances (no class declares them), exercised by the suite rather than looked up.
 INSTANCE_ATTRIBUTES = ("all_tied_weights_keys", "_is_hf_initialized")
@@ -636,6 +638,30 @@ def resolved_tp_plan(model: PreTrainedModel, tp_size: int) -> dict[str, str]:
     require("transformers.modeling_utils:PreTrainedModel._resolve_parallel_plans")
     tp_plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_plan="auto", tp_size=tp_size))
     return tp_plan
+
+
+def resolved_fsdp_plan(model: PreTrainedModel, config: DistributedConfig) -> dict[str, str]:
+    """The model's FSDP plan as stock resolves it for ``config`` (FSDP2 or HSDP): one entry per concrete module
+    (``fully_shard`` unit) to its style, innermost first, tied embeddings folded and float32 modules in their own
+    units, as stock's ``maybe_distribute_model`` applies it.
+
+    Checked against 5.24.0–5.24.0 (read in that release only): ``DistributedMixin._resolve_parallel_plans`` returns
+    ``(tp_plan, ep_plan, fsdp_plan)``; its errors (a model without an FSDP plan) are ``ValueError``.
+    """
+    require("transformers.modeling_utils:PreTrainedModel._resolve_parallel_plans")
+    _, _, fsdp_plan = model._resolve_parallel_plans(config)
+    return fsdp_plan
+
+
+def apply_fully_sharded(model: PreTrainedModel, mesh_manager: Any, fsdp_plan: dict[str, str]) -> None:
+    """``fully_shard`` the meta-device ``model`` as stock does at load: each module of the resolved ``fsdp_plan``
+    (reshard after forward or not, by its style; the final norm and head as one unit), then the root, over the
+    ``fsdp`` mesh, or ``("dp_replicate", "fsdp")`` for HSDP; with the policies of ``model.config.distributed_config``.
+
+    Checked against 5.24.0–5.24.0 (read in that release only): ``apply_fully_sharded_data_parallelism(model,
+    mesh_manager, fsdp_plan, ep_plan)``, which reads ``model.config.distributed_config`` (``mark_distributed``).
+    """
+    require("transformers.distributed.fsdp:apply_fully_sharded_data_parallelism")(model, mesh_manager, fsdp_plan, {})
 
 
 def apply_tensor_parallel(model: PreTrainedModel, mesh: DeviceMesh, tp_plan: dict[str, str]) -> None:

@@ -260,7 +260,7 @@ NEEDS_DISTRIBUTED_API = pytest.mark.skipif(
     [
         ({"tp_size": 2}, "tp_size=2 needs tp_plan"),
         ({"tp_plan": "auto", "distributed_config": DistributedConfig(tp_size=2)}, "not both"),
-        ({"distributed_config": DistributedConfig(tp_size=1, fsdp_size=2)}, "'fsdp_size': 2"),
+        ({"distributed_config": DistributedConfig(tp_size=1, fsdp_size=2)}, r"\(fsdp_size=2\)"),
         ({"distributed_config": "tp"}, "must be a transformers DistributedConfig"),
         ({"tp_plan": 123}, r"tp_plan must be 'auto' or a dict of \{module pattern: parallel style\}, got 123 \(int\)"),
         ({"tp_plan": ["colwise"]}, r"tp_plan must be 'auto' or a dict .*\(list\)"),

@@ -34,7 +34,12 @@ from typing import Any, Literal, overload
 import torch
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 
-from .._transformers import initialize_missing, set_attention_implementation, set_experts_implementation
+from .._transformers import (
+    DistributedConfig,
+    initialize_missing,
+    set_attention_implementation,
+    set_experts_implementation,
+)
 from .._transformers_mapping import model_conversions
 from ..boundary.state_dict import install_state_dict_boundary
 from ..checkpoint import Checkpoint
@@ -47,7 +52,8 @@ from ..fusions.apply import PreparedFusions, has_enabled_fusions, prepare_fusion
 from ..fusions.generated import finish_fused_modules
 from ..modes.base import LoadMode, TensorSource
 from ..modes.dispatch import Dispatch
-from ..modes.parallel import TensorParallelSetup, UnshardedPlan
+from ..modes.fsdp import prepare as prepare_fully_sharded
+from ..modes.parallel import UnshardedPlan
 from ..modes.parallel import prepare as prepare_tensor_parallel
 from ..modes.quantization import load_quantization
 from ..patching import registry
@@ -69,6 +75,7 @@ from .diagnose import Replacement
 from .hub import CONFIG_NAME, GENERATION_CONFIG_NAME, HubOptions, resolve_checkpoint
 from .materialize import load_into_model
 from .options import FusionConfig, LoadOptions
+from .placement import is_fully_sharded_config
 from .plan import LoadPlan, model_expectations, plan_model_load
 from .record import ensure_model_record, get_load_report, record_report
 from .report import LoadReport
@@ -163,7 +170,8 @@ class _FusionsStepAside(Exception):
 @dataclass
 class _Request:
     """A load as asked for, resolved as its checkpoint is opened: the options, the checkpoint's directory, the config
-    to build from (keywords applied), the generation config, tensor parallelism's mesh (made once), and the bytes of
+    to build from (keywords applied), the generation config, the sharded load's mode (tensor parallelism or FSDP2: its
+    mesh made once), and the bytes of
     the checkpoint's config files those were read from (``config.json``, ``generation_config.json``; None: absent)."""
 
     model_class: type
@@ -172,7 +180,7 @@ class _Request:
     directory: Path
     config: PretrainedConfig
     generation_config: GenerationConfig | None
-    tensor_parallel: TensorParallelSetup | None
+    sharding: LoadMode | None
     config_files: dict[str, bytes | None]
 
     @classmethod
@@ -183,7 +191,7 @@ class _Request:
         """The request and its checkpoint, open while the caller uses it: the config files it was read from and the
         weights are those of one saved version, whatever saves replace the directory meanwhile."""
         # The mesh first (torch.distributed initialised), as transformers makes it before looking at any file.
-        tensor_parallel = prepare_tensor_parallel(options.distributed)
+        sharding = _sharding(options.distributed)
         directory = resolve_checkpoint(
             path, options.hub, allow_pickle=options.allow_pickle, safetensors_only=bool(options.use_safetensors)
         )
@@ -201,7 +209,7 @@ class _Request:
                 generation_config = _load_generation_config(directory)
             read_here = [name for name, passed in _CONFIG_FILES.items() if getattr(options, passed) is None]
             config_files = _config_files(directory, read_here)
-            return cls(model_class, path, options, directory, config, generation_config, tensor_parallel, config_files)
+            return cls(model_class, path, options, directory, config, generation_config, sharding, config_files)
 
         checkpoint, request = options.open_checkpoint(directory, read)
         with checkpoint:
@@ -209,13 +217,14 @@ class _Request:
 
     def modes(self, config: PretrainedConfig, options: LoadOptions) -> list[LoadMode]:
         """The load modes of one planning of the load, in the order their hooks run: quantization (refused by name
-        here, before anything is built or read, when unsupported), tensor parallelism, device-map dispatch."""
+        here, before anything is built or read, when unsupported), the sharding (tensor parallelism or FSDP2),
+        device-map dispatch."""
         modes: list[LoadMode] = []
         quantization = load_quantization(config, options.quantization_config, device_map=options.device_map)
         if quantization is not None:
             modes.append(quantization)
-        if self.tensor_parallel is not None:
-            modes.append(self.tensor_parallel)
+        if self.sharding is not None:
+            modes.append(self.sharding)
         elif options.unsharded_tp_plan:
             modes.append(UnshardedPlan(options.unsharded_tp_plan))
         if options.device_map is not None:
@@ -231,7 +240,17 @@ class _Request:
 
     def prefetches(self) -> bool:
         """Whether reading the checkpoint ahead helps: not for placements that read part of it."""
-        return self.options.device_map is None and self.tensor_parallel is None
+        return self.options.device_map is None and self.sharding is None
+
+
+def _sharding(distributed: DistributedConfig | None) -> LoadMode | None:
+    """The mode of a sharded load: FSDP2 / HSDP for a config whose data-parallel mesh has more than one rank (the
+    options refused it combined with tensor parallelism), else tensor parallelism; None for no sharding."""
+    if distributed is None:
+        return None
+    if is_fully_sharded_config(distributed):
+        return prepare_fully_sharded(distributed)
+    return prepare_tensor_parallel(distributed)
 
 
 def _plan(request: _Request, checkpoint: Checkpoint) -> LoadPlan:

@@ -69,8 +69,9 @@ class LoadOptions:
         offload_buffers: Offload buffers with the parameters of modules on ``"disk"``.
         distributed: The tensor-parallel layout asked for with the keywords ``tp_plan`` (``"auto"``: the model's own
             TP plan; a dict overrides some of its rules), ``tp_size`` (default: the world size) or
-            ``distributed_config`` (a transformers ``DistributedConfig`` or dict, tensor parallelism only): each
-            ``torchrun`` rank reads only its shards (docs/loading_and_saving.md). None: no sharding.
+            ``distributed_config`` (a transformers ``DistributedConfig`` or dict: tensor parallelism, or FSDP2 with
+            ``fsdp_size`` / HSDP with ``dp_replicate_size``): each ``torchrun`` rank reads only its shards
+            (docs/loading_and_saving.md). None: no sharding.
         unsharded_tp_plan: The rules of a ``tp_plan`` dict given to a load that shards nothing (one process, or
             ``tp_size=1``; set from those keywords, never by itself): the model is loaded whole, as in transformers,
             and a rule naming no module of it is refused, as every rank of a sharded load refuses it.
@@ -165,7 +166,8 @@ class LoadOptions:
         )
         if distributed is not None and (device is not None or device_map is not None):
             raise ValueError(
-                "Tensor parallelism places each rank's shards on its own device: pass no device or device_map."
+                "A sharded load (tensor parallelism, FSDP2) places each rank's shards on its own device: pass no "
+                "device or device_map."
             )
         if device_map is not None and (one_device := single_device(device_map)) is not None:
             device, device_map = one_device, None

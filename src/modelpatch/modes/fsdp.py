@@ -1,7 +1,10 @@
 """Fully sharded models (FSDP2, DTensor): each rank loads only its own shard of every parameter from the checkpoint.
 
-The user shards the model first (``fully_shard`` per decoder layer and on the root of a model built on the meta
-device, then ``model.to_empty(device=...)``); :func:`load_sharded` then fills every rank's shards:
+Two ways in, one load mode. ``from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=...))`` under
+``torchrun`` (:class:`FullyShardedSetup`; HSDP with ``dp_replicate_size``) shards the meta model as stock
+transformers does (its mesh, its resolved FSDP plan, its ``fully_shard`` units and policies) before any data is read;
+or the user shards the model first (``fully_shard`` per decoder layer and on the root of a model built on the meta
+device, then ``model.to_empty(device=...)``) and :func:`~modelpatch.load_sharded` fills it. Either way:
 
 * the load is planned as :func:`modelpatch.from_pretrained` plans it (:func:`~modelpatch.plan_pretrained`: the same
   transforms, groups and bound operations), from the safetensors headers alone;
@@ -13,15 +16,18 @@ device, then ``model.to_empty(device=...)``); :func:`load_sharded` then fills ev
 * the checkpoint's file pages a rank read are released once copied, so they do not stay resident.
 
 :class:`FullyShardedLoad` is this as a :class:`~modelpatch.modes.base.LoadMode` (its ``plan``, ``wrap_source``,
-``device``, ``run_group``, ``place`` and ``after_load`` hooks): :func:`load_sharded` plans the load with it and runs
-the loader's execute stage into the sharded model, so the tensors go through the one materialize loop of every
-load; the collective save (``saving/sharded.py``) reads the same row layout back.
+``device``, ``run_group``, ``place`` and ``after_load`` hooks): ``load_sharded`` plans the load with it and runs
+the loader's execute stage into the sharded model, :class:`FullyShardedSetup` is the same mode sharding the load's
+own model first, so the tensors go through the one materialize loop of every load; the collective save
+(``saving/sharded.py``) reads the same row layout back.
+
+A fused parameter (``qkv_proj``, ``gate_up_proj``) is sharded like any other: FSDP2 gathers every parameter whole
+before its module's forward, so its ``Shard(0)`` rows need not align with the parts it was fused from, and any size
+works (4 key/value heads over 8 ranks included); a rank's rows are read from the matching rows of the parts.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -30,21 +36,25 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-from .._transformers import initialize_missing, mark_initialized
+from .._transformers import (
+    DistributedConfig,
+    apply_fully_sharded,
+    initialize_missing,
+    mark_distributed,
+    mark_initialized,
+    prepare_distributed,
+    resolved_fsdp_plan,
+)
 from ..checkpoint import Checkpoint
 from ..conversion.operations import Concatenate, MergeModulelist, run_operations
 from ..conversion.planner import ConversionGroup
-from ..errors import ModelPatchError
+from ..errors import ModelPatchError, TensorParallelError
 from ..fusions.sharding import FusedParts
-from ..loading.load import execute_plan, plan_pretrained
 from ..loading.plan import LoadPlan
 from ..loading.record import record_report
 from ..loading.report import LoadReport
-from ..state import stored_fusion_config
 from .base import LoadMode, TensorSource
-from .distributed import Rows, current_rank, local_part, local_rows, shard_of
-
-logger = logging.getLogger(__name__)
+from .distributed import Rows, local_part, local_rows, shard_of
 
 
 class ShardedLoadError(ModelPatchError, ValueError):
@@ -79,6 +89,10 @@ class FullyShardedLoad(LoadMode):
     name = "fully sharded data parallelism"
 
     def __init__(self, model: nn.Module):
+        self._bind(model)
+
+    def _bind(self, model: nn.Module) -> None:
+        """Make the sharded ``model`` the one this mode fills."""
         self.model = model
         self.targets: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
         self.rows: dict[str, Rows | None] = {}
@@ -197,74 +211,71 @@ def _concatenated(pieces: list[torch.Tensor], group: ConversionGroup) -> torch.T
     return torch.empty((0, *shape[1:]), dtype=group.dtype)
 
 
-# from_pretrained's keywords that place tensors: a sharded model has placed them already.
-_PLACING_KEYWORDS = frozenset(
-    {
-        "dtype",
-        "torch_dtype",
-        "device",
-        "device_map",
-        "max_memory",
-        "offload_folder",
-        "offload_buffers",
-        "tp_plan",
-        "tp_size",
-        "distributed_config",
-        "quantization_config",
-        "load_modes",
-    }
-)
+class FullyShardedSetup(FullyShardedLoad):
+    """The load mode of ``distributed_config=DistributedConfig(fsdp_size=...)`` (FSDP2; HSDP with
+    ``dp_replicate_size``): the mesh and device of this rank, made by transformers before anything is built; once the
+    load is planned, the meta model sharded as stock shards it, then filled as :class:`FullyShardedLoad` fills a
+    sharded model.
 
-
-def load_sharded(model: PreTrainedModel, path: str | os.PathLike[str], **keywords: Any) -> PreTrainedModel:
-    """Fill ``model``, whose parameters are already sharded (FSDP2 ``fully_shard``, DTensors), from the checkpoint at
-    ``path``: each rank reads and keeps only its own shard of every parameter, with the load's conversions applied.
-
-    Call it on every rank, after sharding and materialising the model::
-
-        with torch.device("meta"):
-            model = modelpatch.from_config(AutoModelForCausalLM, config, fusion_config={"qkv": True})
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        model.to_empty(device="cpu")
-        modelpatch.load_sharded(model, "path/or/org/name")
-
-    The load is planned exactly as :func:`modelpatch.from_pretrained` plans it (the model's fusion config, recorded in
-    its config by :func:`modelpatch.from_config`, unless ``fusion_config`` is given; the model's dtype), from the
-    safetensors headers alone, and must give the sharded model's keys and full shapes. A rank's parameter sharded
-    along dim 0 reads only its rows: a view of the memory-mapped file for a tensor read unchanged, the matching rows
-    of the ``q``/``k``/``v`` (``gate``/``up``) sources of a fused projection, the experts it holds of stacked experts;
-    other conversions run on the whole group, of which the rank keeps its shard. The model's non-persistent buffers
-    (rotary ``inv_freq``) are recomputed, and the load is recorded on the model (what
-    :func:`modelpatch.save_pretrained` reverses).
-
-    ``keywords`` are :func:`modelpatch.from_pretrained`'s that plan a load (``patcher``, ``fusion_config``,
-    ``new_parameters``, ``unexpected_keys``, the hub and file options: ``revision``, ``subfolder``, ``cache_dir``,
-    ``token``, ``local_files_only``, ``allow_external_symlinks``, ...), with their meanings. Those that place tensors
-    (``dtype``, ``device``, ``device_map``, ``tp_plan``, ``quantization_config``, ...) are refused: the sharded model
-    already decides where its shards live and in which dtype.
-
-    Returns:
-        ``model``, filled.
-
-    Raises:
-        ShardedLoadError: The checkpoint does not plan into the sharded model (every differing key is named).
-        LoadPlanError: The checkpoint does not match the model class (as ``from_pretrained`` raises it).
+    Stock's own resolution and application are used, so every module a fusion leaves alone is placed exactly as
+    stock places it: the same ``fully_shard`` units (the model's ``base_model_fsdp_plan`` and ``_fsdp_plan`` with the
+    config's ``fsdp_plan`` rules over them, tied embeddings folded, float32 modules in their own units), the same mesh
+    and ``DTensor`` placements, the same policies (``fsdp_mixed_precision``). A fused module
+    lies inside one of those units (a decoder layer), so its parameters are ``Shard(0)`` over the same mesh.
     """
-    if not isinstance(model, PreTrainedModel):
-        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}.")
-    if placing := sorted(keywords.keys() & _PLACING_KEYWORDS):
-        raise TypeError(
-            f"load_sharded() got {', '.join(placing)}: the sharded model already decides where each rank's shards "
-            "live and in which dtype; shard (and cast) the model before loading."
-        )
-    keywords.setdefault("unexpected_keys", "warn")  # as from_pretrained (plan_pretrained's default is "ignore")
-    if keywords.get("fusion_config") is None:
-        keywords["fusion_config"] = stored_fusion_config(model.config)
-    mode = FullyShardedLoad(model)
-    plan = plan_pretrained(type(model), path, **keywords, dtype=model.dtype, load_modes=[mode])
-    # The loader's execute stage, into the sharded model: the mode's hooks read and place each rank's part.
-    execute_plan(plan, model)
-    logger.info("Loaded the shards of rank %d of %s from %s", current_rank(), type(model).__name__, plan.directory)
-    return mode.finish(model)
+
+    name = "fully sharded data parallelism (distributed_config)"
+
+    def __init__(self, config: DistributedConfig, mesh_manager: Any, local_device: torch.device):
+        self.config = config
+        self.mesh_manager = mesh_manager
+        self.local_device = local_device
+
+    def device(self) -> torch.device:
+        return self.local_device
+
+    def plan(self, model: PreTrainedModel, plan: LoadPlan, checkpoint: Checkpoint) -> None:
+        """Refuse a quantized load; shard the meta ``model`` (:meth:`shard`) and give it this rank's empty shards,
+        then check and plan as :class:`FullyShardedLoad` does, before any tensor data is read."""
+        if quantizing := [mode.name for mode in plan.modes if mode.quantizes]:
+            raise TensorParallelError(
+                f"An FSDP2 load (distributed_config) cannot also be a load with {', '.join(quantizing)}: modelpatch "
+                "does not shard quantized models; load it unsharded, or with transformers."
+            )
+        self.shard(model)
+        model.to_empty(device=self.local_device)
+        self._bind(model)
+        super().plan(model, plan, checkpoint)
+
+    def shard(self, model: PreTrainedModel) -> None:
+        """``fully_shard`` the meta ``model`` by its FSDP plan, as stock transformers resolves and applies it."""
+        mark_distributed(model, self.config, self.mesh_manager)
+        try:
+            fsdp_plan = resolved_fsdp_plan(model, self.config)
+        except ValueError as exc:  # transformers' refusal of the plan: a model without one, a rule naming nothing
+            raise TensorParallelError(f"{type(model).__name__} cannot be sharded with FSDP2: {exc}") from None
+        # A rule of a caller's fsdp_plan can name a module a fusion left without parameters of its own (q_proj, now a
+        # slice of qkv_proj): stock would make it a unit of its own; here it would shard nothing.
+        if empty := sorted(name for name in fsdp_plan if not any(True for _ in model.get_submodule(name).parameters())):
+            raise TensorParallelError(
+                f"The fsdp_plan of {type(model).__name__} shards {empty[:3]}{' and more' if len(empty) > 3 else ''}, "
+                "which hold no parameters in this model (a fusion made them slices of a fused module): name the "
+                "fused module (qkv_proj, gate_up_proj) or the decoder layer instead."
+            )
+        apply_fully_sharded(model, self.mesh_manager, fsdp_plan)
+
+    def after_load(self, model: PreTrainedModel, plan: LoadPlan, checkpoint: Checkpoint) -> None:
+        """Mark the loaded shards as loaded; the loader's finalisation then makes the non-persistent buffers (which
+        ``to_empty`` left uninitialised) and records the load, as for every load."""
+        for tensor in self.targets.values():
+            mark_initialized(tensor)
+
+
+def prepare(distributed_config: DistributedConfig) -> FullyShardedSetup | None:
+    """The mesh of an FSDP2 / HSDP load, made by transformers' own ``prepare_distribute_model`` (``torch.distributed``
+    initialised if need be); None where it shards nothing."""
+    prepared = prepare_distributed(distributed_config)
+    if prepared is None:
+        return None
+    mesh_manager, device = prepared
+    return FullyShardedSetup(distributed_config, mesh_manager, device)

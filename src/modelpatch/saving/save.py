@@ -30,10 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from transformers import PreTrainedModel
 
 from .._transformers import has_transformers_adapter
 from ..checkpoint.writer import entry_files, remove_replaced_versions
+from ..loading.placement import is_fully_sharded_config
 from ..loading.record import model_record
 from ..modes.distributed import is_fully_sharded
 from ..state import stored_fusion_config
@@ -43,6 +45,30 @@ from .contents import config_files, reject_wrapped, untied_pairs
 from .plan import SaveMode, SavePlan
 from .sharded import STOCK_SAVE, ShardedTensors, agree
 from .stages import plan_model_save, save_writer
+
+
+@contextmanager
+def _writing_given_tensors(model: PreTrainedModel) -> Iterator[None]:
+    """Stock ``save_pretrained`` writing the state dict it is given, of a model loaded with FSDP2 / HSDP through
+    ``distributed_config``.
+
+    For such a model (``config.distributed_config`` asking for a data-parallel mesh) stock ignores the state dict it
+    is given and gathers the model's own, in the runtime layout: a fused model's tensors under fused names. The
+    original-layout tensors handed to it are whole on every rank already, so the config is hidden from it for the
+    call (rank 0 writes them, as it does any save in a process group), and the ranks then wait for rank 0's write, as
+    stock makes them wait after its own gathered write.
+    """
+    config = model.config
+    distributed = getattr(config, "distributed_config", None)
+    if distributed is None or not is_fully_sharded_config(distributed):
+        yield
+        return
+    config.distributed_config = None
+    try:
+        yield
+    finally:
+        config.distributed_config = distributed
+    dist.barrier()
 
 
 def save_pretrained(
@@ -151,7 +177,7 @@ class OriginalFormatSave:
         if untied_pairs(model, model.state_dict()) and tie:
             model.config.tie_word_embeddings = False
         try:
-            with _quantizer_writes(model, plan, kwargs["state_dict"]):
+            with _quantizer_writes(model, plan, kwargs["state_dict"]), _writing_given_tensors(model):
                 return self._stock_save(save_directory, args, kwargs)
         finally:
             if tie is not None:
