@@ -195,6 +195,20 @@ def resolves_all_linear(frame: FrameType) -> bool:
     return frame.f_code is resolve.__code__
 
 
+def saves_adapter(frame: FrameType | None) -> bool:
+    """Whether ``frame`` or one of its callers is PEFT collecting an adapter's weights to save them. PEFT is not
+    imported for a call stack that runs no PEFT code.
+
+    Checked against 0.21.2: ``PeftModel.save_pretrained`` (and every other save of PEFT's) takes the weights from
+    ``peft.get_peft_model_state_dict(model)``, which calls ``model.state_dict()``.
+    """
+    while frame is not None:
+        if runs_peft(frame) and frame.f_code is import_peft().get_peft_model_state_dict.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def targets_module(config: Any, name: str) -> bool:
     """Whether PEFT adapts the module named ``name`` with ``config``.
 

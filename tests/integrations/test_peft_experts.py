@@ -283,8 +283,10 @@ def test_stock_all_linear_on_a_linear_experts_model_is_refused_before_any_adapte
 def _save_per_expert_adapter(peft_model: peft.PeftModel, directory: Path) -> None:
     """What PEFT's save_pretrained writes (on transformers 4, or of stock PEFT's LoRA on per-expert Linears): the
     config and the per-expert weights under their module names."""
+    # PEFT's own save of these is refused (see test_stock_peft_saving_per_expert_lora_is_refused_by_name).
     peft_model.peft_config["default"].save_pretrained(directory)
-    save_file(peft.get_peft_model_state_dict(peft_model), directory / "adapter_model.safetensors")
+    state = {k.replace(".default.", "."): v for k, v in peft_model.state_dict().items() if ".lora_" in k}
+    save_file(state, directory / "adapter_model.safetensors")
 
 
 def _per_expert_targets(model: torch.nn.Module, children: str = "gate|up|down") -> str:
@@ -389,3 +391,28 @@ def test_per_expert_adapter_without_an_exact_stock_form_is_refused_by_name(tiny,
     with pytest.raises(PeftIntegrationError, match=words):
         modelpatch.load_adapter(model, tmp_path)
     assert _no_adapter_layers(model)
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "GraniteMoeForCausalLM"])
+def test_stock_peft_saving_per_expert_lora_is_refused_by_name(tiny, tmp_path, name):
+    """Stock PEFT given the expert Linears by name (model types PEFT does not rewrite) adapts each one; its adapter
+    would be silently partial on the stock model, so saving it is refused, naming the experts and the remedy, which
+    saves the stock adapter from the same model and config."""
+    if name == "qwen2_moe":
+        ckpt = tiny(name)
+        cls, path = ckpt.model_class, ckpt.path
+    else:
+        cls, path = _checkpoint(name, tmp_path)
+    model = modelpatch.from_pretrained(cls, path, fusion_config=EXPERTS)
+    names = list(next(m for m in model.modules() if isinstance(m, LinearExperts))[0].names)
+    made = peft.get_peft_model(model, _lora(target_modules=names))
+    with pytest.raises(
+        PeftIntegrationError, match=r"per-expert Linears of .*layers\.0\..*experts .*modelpatch\.get_peft_model"
+    ):
+        made.save_pretrained(tmp_path / "adapter")
+    assert not (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+    remedy = modelpatch.get_peft_model(
+        modelpatch.from_pretrained(cls, path, fusion_config=EXPERTS), _lora(target_modules=names)
+    )
+    remedy.save_pretrained(tmp_path / "remedy")
+    assert json.loads((tmp_path / "remedy" / "adapter_config.json").read_text())["target_parameters"]
