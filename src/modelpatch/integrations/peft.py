@@ -212,12 +212,13 @@ def _resolve_all_linear(config: PeftConfig, model: nn.Module, slices: dict[str, 
 
 @dataclass
 class _Plan:
-    """What to hand PEFT for a model, and what to add after it.
+    """What to hand PEFT for a model, which experts stand in stock form while it runs, and the config saved.
 
     Attributes:
         runtime: The config PEFT injects the adapter with.
-        stock: The adapter's config on the stock model (saved with it), where it differs from ``runtime``: the
-            expert targets are ``target_parameters`` there and per-expert Linears here (None: no difference).
+        stock: The adapter's config on the stock model (saved with it), where it differs from ``runtime``, whose
+            target modules are names of the fused model resolved without the per-expert Linears (None: no
+            difference).
         experts: Path of each experts module -> the stock parameters (``gate_up_proj``, ``down_proj``) whose LoRA
             its per-expert Linears get (PEFT makes it on the stock module's stand-in:
             :func:`modelpatch.integrations.peft_experts.stock_experts_for_peft`).
