@@ -4,10 +4,9 @@ each (the same shape as :mod:`modelpatch._transformers`, the door to transformer
 ``integrations/peft.py`` runs stock PEFT on fused models, which takes a few of PEFT's internals: names that live
 only in its submodules (``peft.tuners.lora.Linear``, ``peft.tuners.tuners_utils``, ``peft.utils.constants``,
 ``peft.mapping``, ``peft.utils.transformers_weight_conversion``) and underscore members
-(``LoraConfig._register_custom_module``, ``Linear._get_in_out_features``, a tuner's ``_prepare_adapter_config``
-and ``_remap_adapter_state_dict_for_load``, ``_maybe_include_all_linear_layers`` (called, and recognised as the caller
-of ``get_output_embeddings``), ``_move_adapter_to_device_of_base_layer``). They are all reached through this module,
-so moving to another PEFT release means auditing this one file.
+(``LoraConfig._register_custom_module``, ``Linear._get_in_out_features``, a tuner's ``_prepare_adapter_config``,
+``_maybe_include_all_linear_layers`` (called, and recognised as the caller of ``get_output_embeddings``)). They
+are all reached through this module, so moving to another PEFT release means auditing this one file.
 
 :data:`PRIVATE_API` lists every such name, where it lives, the first release that has it and the feature that needs
 it. Each function resolves the names it needs when it is called (:func:`require`): PEFT is imported only then (it is
@@ -24,7 +23,7 @@ import copy
 import functools
 import importlib
 import inspect
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from types import FrameType
 from typing import Any, NamedTuple
 
@@ -52,18 +51,9 @@ PRIVATE_API: dict[str, tuple[str, str]] = {
     ),
     "peft.mapping:PEFT_TYPE_TO_PREFIX_MAPPING": ("0.21", "load_adapter on a linear_experts model"),
     "peft.utils.constants:SAFETENSORS_WEIGHTS_NAME": ("0.21", "load_adapter on a linear_experts model"),
-    "peft.tuners.tuners_utils:BaseTuner._remap_adapter_state_dict_for_load": (
-        "0.21",
-        "load_adapter on a linear_experts model",
-    ),
-    "peft.tuners.lora:LoraLayer._move_adapter_to_device_of_base_layer": (
-        "0.21",
-        "load_adapter on a linear_experts model (low_cpu_mem_usage)",
-    ),
     "peft.utils.other:get_pattern_key": ("0.21", "LoRA on a linear_experts model (ranks of the experts)"),
     "peft.utils.constants:DUMMY_TARGET_MODULES": ("0.21", "LoRA on a linear_experts model (experts only)"),
     "peft.tuners.lora:LoraLayer": ("0.21", "LoRA on a linear_experts model (the experts' layer)"),
-    "peft.tuners.lora:LoraLayer.reset_lora_parameters": ("0.21", "LoRA on a linear_experts model (the experts' layer)"),
     "peft.tuners.lora:LoraLayer._get_in_out_features": ("0.21", "LoRA on a linear_experts model (the experts' layer)"),
     "peft.tuners.tuners_utils:BaseTunerLayer": ("0.21", "the merged weights of a LoRA model streamed"),
     "peft.tuners.lora:Embedding": ("0.21", "the merged weights of a LoRA model streamed"),
@@ -209,6 +199,20 @@ def resolves_all_linear(frame: FrameType) -> bool:
     return frame.f_code is resolve.__code__
 
 
+def saves_adapter(frame: FrameType | None) -> bool:
+    """Whether ``frame`` or one of its callers is PEFT collecting an adapter's weights to save them. PEFT is not
+    imported for a call stack that runs no PEFT code.
+
+    Checked against 0.21.2: ``PeftModel.save_pretrained`` (and every other save of PEFT's) takes the weights from
+    ``peft.get_peft_model_state_dict(model)``, which calls ``model.state_dict()``.
+    """
+    while frame is not None:
+        if runs_peft(frame) and frame.f_code is import_peft().get_peft_model_state_dict.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def targets_module(config: Any, name: str) -> bool:
     """Whether PEFT adapts the module named ``name`` with ``config``.
 
@@ -266,35 +270,6 @@ def adapter_weights_name() -> str:
     return str(require("peft.utils.constants:SAFETENSORS_WEIGHTS_NAME"))
 
 
-def adapter_state_remapper(peft_model: Any, adapter_name: str) -> Callable[..., dict[str, Any]]:
-    """PEFT's mapping of a saved adapter's keys to ``peft_model``'s parameters (the reverse of how it saves them):
-    call it with ``state_dict=``.
-
-    Checked against 0.21.2: ``<tuner>._remap_adapter_state_dict_for_load(state_dict=, model=, config=,
-    adapter_name=)``.
-    """
-    peft = import_peft()
-    require("peft.tuners.tuners_utils:BaseTuner._remap_adapter_state_dict_for_load")
-    config = peft_model.peft_config[adapter_name]
-    tuner = peft.PEFT_TYPE_TO_TUNER_MAPPING[peft.PeftType(config.peft_type)]
-    return functools.partial(
-        tuner._remap_adapter_state_dict_for_load, model=peft_model, config=config, adapter_name=adapter_name
-    )
-
-
-def move_adapters_to_their_base_layers(model: nn.Module, adapter_name: str) -> None:
-    """Move the ``adapter_name`` weights of every adapter layer of ``model`` to its base layer's device, as PEFT does
-    after assigning them.
-
-    Checked against 0.21.2: ``LoraLayer._move_adapter_to_device_of_base_layer(adapter_name)``.
-    """
-    require("peft.tuners.lora:LoraLayer._move_adapter_to_device_of_base_layer")
-    for module in model.modules():
-        move = getattr(module, "_move_adapter_to_device_of_base_layer", None)
-        if move is not None:
-            move(adapter_name)
-
-
 def pattern_key(patterns: Any, key: str) -> str:
     """The key of ``patterns`` (a ``rank_pattern`` / ``alpha_pattern``) that PEFT applies to the module or parameter
     named ``key``, or ``key`` itself when none does.
@@ -319,11 +294,9 @@ def lora_layer() -> Any:
     the base layer (``(in_features, out_features)``, or None for PEFT's own answer), as in :func:`lora_linear`.
 
     Checked against 0.21.2: ``peft.tuners.lora.LoraLayer(base_layer)`` sets up the adapter dicts and reads the sizes
-    through ``_get_in_out_features``; ``reset_lora_parameters(adapter_name, init_lora_weights)`` initialises
-    ``lora_A`` / ``lora_B`` as PEFT's layers do.
+    through ``_get_in_out_features``.
     """
     base = require("peft.tuners.lora:LoraLayer")
-    require("peft.tuners.lora:LoraLayer.reset_lora_parameters")
     require("peft.tuners.lora:LoraLayer._get_in_out_features")
 
     class LoraLayer(base):  # type: ignore[misc, valid-type]  # a class of the installed PEFT

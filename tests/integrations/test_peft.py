@@ -299,15 +299,9 @@ def test_modelpatch_imports_without_peft():
         ("llama", FUSED, "all-linear", True),
         ("llama", FUSED, ALL_PROJECTIONS, False),
         ("llama", FUSED, ["v_proj", "up_proj"], True),
-        pytest.param(
-            "qwen3_moe",
-            FUSED_EXPERTS,
-            "all-linear",
-            False,
-            marks=pytest.mark.xfail(
-                strict=True, reason="the experts' LoRA (ExpertsLora) draws its initial weights in another order"
-            ),
-        ),
+        ("qwen3_moe", FUSED_EXPERTS, "all-linear", False),
+        ("qwen3_moe", FUSED_EXPERTS, "all-linear", True),
+        ("qwen3_moe", FUSED_EXPERTS, ALL_PROJECTIONS, False),
     ],
 )
 def test_initial_adapter_under_one_seed_is_stocks_bitwise(tiny, tmp_path, name, fusion_config, target_modules, init):

@@ -20,7 +20,7 @@ import transformers
 from packaging.version import Version
 from peft import AdaLoraConfig, IA3Config, LoraConfig
 from peft.tuners.tuners_utils import BaseTunerLayer
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import modelpatch
 from modelpatch.errors import PeftIntegrationError
@@ -133,6 +133,34 @@ def test_adapter_made_on_the_fused_model_is_the_stock_adapter(tmp_path, name):
     stock = peft.PeftModel.from_pretrained(cls.from_pretrained(path), tmp_path / "fused")
     assert_outputs_close(_outputs(fused), _outputs(stock), **TOLERANCE)
     assert_outputs_close(_outputs(fused.merge_and_unload()), _outputs(stock.merge_and_unload()), **TOLERANCE)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_one_seed_draws_stocks_initial_expert_adapter_bitwise(tmp_path, name):
+    """Under one seed, modelpatch.get_peft_model on the fused model draws the initial LoRA weights stock PEFT draws
+    on the stock model with the stock config (what the fused side saves): PEFT itself makes the experts' layers, on a
+    stand-in of the stock experts, in stock's order among the attention's."""
+    cls, path = _checkpoint(name, tmp_path)
+    fused_model = modelpatch.from_pretrained(cls, path, fusion_config=EXPERTS)
+    experts_path, experts = next((n, m) for n, m in fused_model.named_modules() if isinstance(m, LinearExperts))
+    gate, up, down = experts[0].names
+    # The router's 2-D weight (a stock target parameter too, beside the experts in every MoE layer), so that stock's
+    # order interleaves the two kinds layer by layer.
+    block = experts_path.rpartition(".")[0]
+    routers = [
+        n.removeprefix(block.rpartition(".")[0] + ".")
+        for n, param in fused_model.named_parameters()
+        if n.startswith(f"{block}.") and n.count(".") == block.count(".") + 2 and param.dim() == 2
+    ]
+    torch.manual_seed(0)
+    config = _lora(target_modules=["q_proj", gate, up, down], target_parameters=routers[:1] or None)
+    made = modelpatch.get_peft_model(fused_model, config)
+    made.save_pretrained(tmp_path / "fused")
+    stock_config = LoraConfig.from_pretrained(tmp_path / "fused")
+    stock_model = cls.from_pretrained(path)
+    torch.manual_seed(0)
+    peft.get_peft_model(stock_model, stock_config).save_pretrained(tmp_path / "stock")
+    _assert_same_tensors(_saved(tmp_path / "fused"), _saved(tmp_path / "stock"))
 
 
 # qwen2_moe: not in PEFT's v5 conversion table, with a shared expert (slices with gate_up); the others: PEFT rewrites
@@ -252,16 +280,139 @@ def test_stock_all_linear_on_a_linear_experts_model_is_refused_before_any_adapte
     assert any(isinstance(module, BaseTunerLayer) for module in adapted.modules())
 
 
-def test_per_expert_adapter_weights_are_refused_by_name(tiny, tmp_path):
-    """Per-expert LoRA (stock PEFT on the linear_experts Linears): the stock model has no such modules, so it is not
-    read silently, partly or as something else."""
+def _save_per_expert_adapter(peft_model: peft.PeftModel, directory: Path) -> None:
+    """What PEFT's save_pretrained writes (on transformers 4, or of stock PEFT's LoRA on per-expert Linears): the
+    config and the per-expert weights under their module names."""
+    # PEFT's own save of these is refused (see test_stock_peft_saving_per_expert_lora_is_refused_by_name).
+    peft_model.peft_config["default"].save_pretrained(directory)
+    state = {k.replace(".default.", "."): v for k, v in peft_model.state_dict().items() if ".lora_" in k}
+    save_file(state, directory / "adapter_model.safetensors")
+
+
+def _per_expert_targets(model: torch.nn.Module, children: str = "gate|up|down") -> str:
+    """A regex for every expert's Linears of ``model`` (``children``: which of gate / up / down)."""
+    gate, up, down = next(m for m in model.modules() if isinstance(m, LinearExperts))[0].names
+    names = dict(zip(("gate", "up", "down"), (gate, up, down), strict=True))
+    return rf".*\.experts\.\d+\.({'|'.join(names[c] for c in children.split('|'))})"
+
+
+# Mixtral: stock PEFT rewrites per-expert targets into target_parameters for it (its transformers-v5 table), so it makes
+# no per-expert LoRA there; its transformers-4 adapters are the next test's.
+@pytest.mark.parametrize("name", [name for name in FAMILIES if name != "MixtralForCausalLM"])
+def test_per_expert_adapter_converts_to_the_stock_adapter_exactly(tmp_path, name):
+    """A transformers-4-era adapter (per-expert LoRA, here made by stock PEFT on the linear_experts Linears, which
+    compute it) loaded by modelpatch: the same outputs as its source; saved, the stock target_parameters adapter
+    (gate and up as one LoRA of rank 2r with a block-diagonal B), which stock PEFT loads on the stock model to the
+    same outputs; loaded and saved again, the same tensors bitwise."""
+    cls, path = _checkpoint(name, tmp_path)
+    source_model = modelpatch.from_pretrained(cls, path, fusion_config=EXPERTS)
+    torch.manual_seed(1)
+    source = peft.get_peft_model(source_model, _lora(target_modules=_per_expert_targets(source_model)))
+    _save_per_expert_adapter(source, tmp_path / "per_expert")
+    assert any(".experts.1." in key for key in _saved(tmp_path / "per_expert"))
+    expected = _outputs(source)
+
+    fused = modelpatch.load_adapter(
+        modelpatch.from_pretrained(cls, path, fusion_config=EXPERTS), tmp_path / "per_expert"
+    )
+    assert_outputs_close(_outputs(fused), expected, **TOLERANCE)
+    fused.save_pretrained(tmp_path / "stock_form")
+    saved_config = json.loads((tmp_path / "stock_form" / "adapter_config.json").read_text())
+    assert {target.rpartition(".")[2] for target in saved_config["target_parameters"]} == {"down_proj", "gate_up_proj"}
+    assert saved_config["rank_pattern"] == {r".*\.gate_up_proj": 4}
+    assert saved_config["alpha_pattern"] == {r".*\.gate_up_proj": 8}
+    assert not any(".experts.1." in key for key in _saved(tmp_path / "stock_form"))
+
+    stock = peft.PeftModel.from_pretrained(cls.from_pretrained(path), tmp_path / "stock_form")
+    assert_outputs_close(_outputs(stock), expected, **TOLERANCE)
+    again = modelpatch.load_adapter(
+        modelpatch.from_pretrained(cls, path, fusion_config=EXPERTS), tmp_path / "stock_form"
+    )
+    again.save_pretrained(tmp_path / "again")
+    _assert_same_tensors(_saved(tmp_path / "again"), _saved(tmp_path / "stock_form"))
+
+
+@pytest.mark.parametrize("name", ["MixtralForCausalLM", "qwen3_moe"])
+def test_transformers_4_adapter_converts_as_stock_peft_converts_it(tiny, tmp_path, name):
+    """A transformers-4 adapter of a model type stock PEFT converts itself (per-expert w1 / w3 / w2 LoRA, written here
+    as PEFT on transformers 4 writes it): modelpatch's load computes what stock PEFT's load computes on the stock
+    model, and saves the tensors stock PEFT converted them into, bitwise."""
+    if name == "qwen3_moe":
+        ckpt = tiny(name)
+        cls, path = ckpt.model_class, ckpt.path
+    else:
+        cls, path = _checkpoint(name, tmp_path)
+    fused_model = modelpatch.from_pretrained(cls, path, fusion_config=EXPERTS)
+    experts = {n: m for n, m in fused_model.named_modules() if isinstance(m, LinearExperts)}
+    names = next(iter(experts.values()))[0].names
+    generator = torch.Generator().manual_seed(3)
+    state = {}
+    for path_, module in experts.items():
+        for index in range(len(module)):
+            for child in names:
+                linear = getattr(module[index], child)
+                key = f"base_model.model.{path_}.{index}.{child}"
+                state[f"{key}.lora_A.weight"] = torch.randn(2, linear.in_features, generator=generator) / 10
+                state[f"{key}.lora_B.weight"] = torch.randn(linear.out_features, 2, generator=generator) / 10
+    directory = tmp_path / "transformers4"
+    _lora(target_modules=list(names)).save_pretrained(directory)
+    save_file(state, directory / "adapter_model.safetensors")
+
+    stock = peft.PeftModel.from_pretrained(cls.from_pretrained(path), directory)
+    fused = modelpatch.load_adapter(fused_model, directory)
+    expected, base = _outputs(stock), _outputs(cls.from_pretrained(path))
+    assert any((expected[k] - base[k]).abs().max() > 1e-3 for k in base), "stock PEFT converted and applied it"
+    assert_outputs_close(_outputs(fused), expected, **TOLERANCE)
+    stock.save_pretrained(tmp_path / "stock")
+    fused.save_pretrained(tmp_path / "fused")
+    _assert_same_tensors(_saved(tmp_path / "fused"), _saved(tmp_path / "stock"))
+
+
+@pytest.mark.parametrize(
+    "children, config, words",
+    [
+        ("gate|up|down", {"target_modules": r".*experts\.0\.(gate_proj|up_proj|down_proj)"}, "not of every expert"),
+        ("gate", {}, "without their up_proj"),
+        ("down", {"rank_pattern": {"experts.0.down_proj": 4}}, "ranks / alphas"),
+        ("gate|up|down", {"lora_dropout": 0.1}, "lora_dropout=0.1"),
+        ("gate|up|down", {"use_dora": True}, "no DoRA"),
+        ("gate|up", {"use_rslora": True}, "rsLoRA"),
+    ],
+)
+def test_per_expert_adapter_without_an_exact_stock_form_is_refused_by_name(tiny, tmp_path, children, config, words):
     ckpt = tiny("qwen2_moe")
+    source_model = ckpt.load(EXPERTS)
     torch.manual_seed(0)
     made = peft.get_peft_model(
-        ckpt.load(EXPERTS), _lora(target_modules=[r"experts.0.down_proj", "experts.1.down_proj"])
+        source_model, _lora(**{"target_modules": _per_expert_targets(source_model, children), **config})
     )
-    made.save_pretrained(tmp_path)
+    _save_per_expert_adapter(made, tmp_path)
     model = ckpt.load(EXPERTS)
-    with pytest.raises(PeftIntegrationError, match=r"per-expert Linears \(\['model\.layers\.0\.mlp\.experts\.0"):
+    with pytest.raises(PeftIntegrationError, match=words):
         modelpatch.load_adapter(model, tmp_path)
     assert _no_adapter_layers(model)
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "GraniteMoeForCausalLM"])
+def test_stock_peft_saving_per_expert_lora_is_refused_by_name(tiny, tmp_path, name):
+    """Stock PEFT given the expert Linears by name (model types PEFT does not rewrite) adapts each one; its adapter
+    would be silently partial on the stock model, so saving it is refused, naming the experts and the remedy, which
+    saves the stock adapter from the same model and config."""
+    if name == "qwen2_moe":
+        ckpt = tiny(name)
+        cls, path = ckpt.model_class, ckpt.path
+    else:
+        cls, path = _checkpoint(name, tmp_path)
+    model = modelpatch.from_pretrained(cls, path, fusion_config=EXPERTS)
+    names = list(next(m for m in model.modules() if isinstance(m, LinearExperts))[0].names)
+    made = peft.get_peft_model(model, _lora(target_modules=names))
+    with pytest.raises(
+        PeftIntegrationError, match=r"per-expert Linears of .*layers\.0\..*experts .*modelpatch\.get_peft_model"
+    ):
+        made.save_pretrained(tmp_path / "adapter")
+    assert not (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+    remedy = modelpatch.get_peft_model(
+        modelpatch.from_pretrained(cls, path, fusion_config=EXPERTS), _lora(target_modules=names)
+    )
+    remedy.save_pretrained(tmp_path / "remedy")
+    assert json.loads((tmp_path / "remedy" / "adapter_config.json").read_text())["target_parameters"]

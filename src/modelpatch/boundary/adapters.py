@@ -19,12 +19,17 @@ restructures therefore gets that method as an instance attribute (transformers' 
 
 PEFT asks for the output embedding of transformers models only: "all-linear" on a module that is none (a wrapper of a
 fused model) is not seen here.
+
+Stock PEFT given the per-expert Linears by name is refused later, when it saves their LoRA
+(:func:`refuse_per_expert_lora_save`): no earlier call of PEFT's reaches modelpatch.
 """
 
 from __future__ import annotations
 
 import sys
 from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any
 
 from torch import nn
 from transformers import PreTrainedModel
@@ -34,7 +39,7 @@ from ..errors import PeftIntegrationError
 from ..fusions.projections.modules import ProjectionSlice
 from .methods import bind_method
 
-__all__ = ["install_adapter_guard", "output_embeddings"]
+__all__ = ["install_adapter_guard", "output_embeddings", "refuse_per_expert_lora_save"]
 
 
 def output_embeddings(model: PreTrainedModel) -> nn.Module | None:
@@ -52,10 +57,38 @@ def output_embeddings(model: PreTrainedModel) -> nn.Module | None:
 
 def install_adapter_guard(model: nn.Module) -> None:
     """Give each transformers model within ``model`` (itself included) :func:`output_embeddings` as its
-    ``get_output_embeddings``."""
+    ``get_output_embeddings``, and each fused experts module :func:`refuse_per_expert_lora_save` as a state-dict
+    hook."""
     for module in model.modules():
         if isinstance(module, PreTrainedModel):
             bind_method(module, "get_output_embeddings", output_embeddings)
+        elif callable(getattr(type(module), "original_names", None)):
+            module.register_state_dict_post_hook(refuse_per_expert_lora_save)
+
+
+def refuse_per_expert_lora_save(module: nn.Module, state_dict: Mapping[str, Any], prefix: str, metadata: Any) -> None:
+    """The state-dict hook of a fused experts module: PEFT saving LoRA of its per-expert Linears is refused.
+
+    Stock PEFT given those Linears by name (``LoraConfig(target_modules=["gate_proj", "up_proj", "down_proj"])``,
+    for model types PEFT does not rewrite into ``target_parameters``) adapts each Linear: its adapter names modules
+    the original checkpoint does not have (two 3-D parameters per experts module), and stock PEFT loading it there
+    drops their LoRA without a word. PEFT calls nothing of the model's between resolving those targets and making the
+    layers (the names are matched by PEFT's own code), so nothing is refused before the layers exist; what does reach
+    modelpatch is the save (``peft.get_peft_model_state_dict`` collects the weights through ``state_dict``), and its
+    config (names, no ``target_parameters``) is PEFT's, so that save cannot be made the stock adapter here.
+    """
+    if not door.saves_adapter(sys._getframe(1)):
+        return
+    held = [key for key in state_dict if key.startswith(prefix) and ".lora_" in key]
+    if held:
+        raise PeftIntegrationError(
+            f"PEFT is saving LoRA of the per-expert Linears of {prefix.rstrip('.')} ({held[:2]}, ...), which stock "
+            "PEFT made on modelpatch's linear_experts: the original checkpoint holds these experts as 3-D parameters, "
+            "so stock PEFT loading this adapter there would drop their LoRA without a word. Make the adapter with "
+            "modelpatch.get_peft_model(model, config) (the same config), which saves stock PEFT's target_parameters "
+            "form; an adapter already saved per expert (PEFT on transformers 4) loads exactly with "
+            "modelpatch.load_adapter."
+        )
 
 
 def fused_projections(model: nn.Module) -> dict[str, list[str]]:

@@ -21,8 +21,8 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-import warnings
-from collections.abc import Iterable, Iterator, Mapping
+import tempfile
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from .. import _peft as door
@@ -43,10 +44,11 @@ from .peft_experts import (
     DOWN,
     GATE_UP,
     STOCK_PARAMETERS,
-    add_expert_layers,
     child_names,
     expert_linear_names,
     experts_modules,
+    stock_experts_for_peft,
+    stock_from_per_expert,
 )
 
 if TYPE_CHECKING:
@@ -210,14 +212,16 @@ def _resolve_all_linear(config: PeftConfig, model: nn.Module, slices: dict[str, 
 
 @dataclass
 class _Plan:
-    """What to hand PEFT for a model, and what to add after it.
+    """What to hand PEFT for a model, which experts stand in stock form while it runs, and the config saved.
 
     Attributes:
         runtime: The config PEFT injects the adapter with.
-        stock: The adapter's config on the stock model (saved with it), where it differs from ``runtime``: the
-            expert targets are ``target_parameters`` there and per-expert Linears here (None: no difference).
+        stock: The adapter's config on the stock model (saved with it), where it differs from ``runtime``, whose
+            target modules are names of the fused model resolved without the per-expert Linears (None: no
+            difference).
         experts: Path of each experts module -> the stock parameters (``gate_up_proj``, ``down_proj``) whose LoRA
-            its per-expert Linears get (:func:`modelpatch.integrations.peft_experts.add_expert_layers`).
+            its per-expert Linears get (PEFT makes it on the stock module's stand-in:
+            :func:`modelpatch.integrations.peft_experts.stock_experts_for_peft`).
     """
 
     runtime: PeftConfig
@@ -267,29 +271,14 @@ def _config_for(config: PeftConfig, model: nn.Module, *, creating: bool) -> _Pla
     names = [name for name, _ in model.named_modules() if name not in linears]
     modules = _targeted_modules(lora, model, names)
     parameters = [name for name, _ in model.named_parameters()]
-    kept = [t for t in lora.target_parameters or () if any(p == t or p.endswith(f".{t}") for p in parameters)]
+    stock_parameters = [*parameters, *(f"{path}.{p}" for path in experts for p in STOCK_PARAMETERS)]
     lost = sorted(
-        t
-        for t in set(lora.target_parameters or ()) - set(kept)
-        if not any(f"{path}.{p}" == t or f"{path}.{p}".endswith(f".{t}") for path in experts for p in STOCK_PARAMETERS)
+        t for t in lora.target_parameters or () if not any(p == t or p.endswith(f".{t}") for p in stock_parameters)
     )
     if lost:
         raise PeftIntegrationError(
             f"target_parameters {lost} name parameters of the stock model that this fused model does not hold: "
             "their LoRA would be dropped. Target the modules instead, or load the model without the fusions."
-        )
-    runtime.target_parameters = kept or None
-    # Patterns for the experts alone have nothing to match among the runtime targets (PEFT would warn so).
-    runtime_names = [*modules, *(p for p in parameters if any(p == t or p.endswith(f".{t}") for t in kept))]
-    for patterns in ("rank_pattern", "alpha_pattern"):
-        setattr(
-            runtime,
-            patterns,
-            {
-                key: value
-                for key, value in (getattr(lora, patterns) or {}).items()
-                if any(door.pattern_key([key], name) == key for name in runtime_names)
-            },
         )
     runtime.target_modules = modules or (door.dummy_target_modules() if targets else lora.target_modules)
     runtime.exclude_modules = None
@@ -450,19 +439,18 @@ def get_peft_model(model: nn.Module, peft_config: PeftConfig, *args: Any, **kwar
     peft = door.import_peft()
     refuse_adapters(model, "modelpatch.get_peft_model()")
     plan = _config_for(peft_config, model, creating=True)
-    peft_model = peft.get_peft_model(model, plan.runtime, *args, **kwargs)
-    _finish(peft_model, plan, kwargs.get("adapter_name", args[0] if args else "default"), kwargs)
+    with stock_experts_for_peft(model, plan.experts):
+        peft_model = peft.get_peft_model(model, plan.runtime, *args, **kwargs)
+    _finish(peft_model, plan, kwargs.get("adapter_name", args[0] if args else "default"))
     return peft_model
 
 
-def _finish(peft_model: Any, plan: _Plan, adapter_name: str, kwargs: Mapping[str, Any]) -> None:
-    """The expert layers of ``plan`` added (stock's creation order: after the target modules), and the stock config
-    put where PEFT saves it from."""
+def _finish(peft_model: Any, plan: _Plan, adapter_name: str) -> None:
+    """The stock config put where PEFT saves it from."""
     if plan.stock is None:
         return
     stock = copy.deepcopy(plan.stock)
-    stock.inference_mode = plan.runtime.inference_mode
-    add_expert_layers(peft_model, stock, adapter_name, plan.experts, kwargs.get("autocast_adapter_dtype", True))
+    stock.inference_mode = peft_model.peft_config[adapter_name].inference_mode
     peft_model.peft_config[adapter_name] = stock
 
 
@@ -482,63 +470,81 @@ def load_adapter(
     :func:`get_peft_model` saves) become LoRA layers of the experts' Linears in the same parameterization, holding
     the saved tensors cut per expert; saved again, they are the same tensors. Target modules naming ``gate_proj``
     and the like adapt, as on the stock model, the modules the stock model has under that name, not the per-expert
-    Linears.
+    Linears. An adapter of per-expert Linears (PEFT on transformers 4, or stock PEFT on these Linears) is first
+    converted exactly into the stock form (gate and up as one LoRA of twice the rank with a block-diagonal B: see
+    :func:`~modelpatch.integrations.peft_experts.stock_from_per_expert`), so that it computes what it computed per
+    expert and saves as the stock adapter.
 
     Raises:
-        PeftIntegrationError: see :func:`get_peft_model`; also an adapter holding LoRA weights of per-expert Linears
-            (``experts.0.gate_proj``), which stock PEFT does not load on the stock model's 3-D experts.
+        PeftIntegrationError: see :func:`get_peft_model`; also an adapter of per-expert Linears that has no exact
+            stock form (see :func:`~modelpatch.integrations.peft_experts.stock_from_per_expert`), or holds them with
+            another method than LoRA.
         ImportError: PEFT is not installed.
     """
     peft = door.import_peft()
     refuse_adapters(model, "modelpatch.load_adapter()")
     directory = Path(adapter_dir, kwargs.get("subfolder") or "")
-    plan = _config_for(_saved_config(peft, adapter_dir, directory, kwargs), model, creating=False)
+    config = _saved_config(peft, adapter_dir, directory, kwargs)
     experts = experts_modules(model)
-    if experts:
-        _refuse_per_expert_weights(directory, plan.runtime, experts)
-    with warnings.catch_warnings():
-        if plan.experts:
-            # The experts' weights fit no layer PEFT makes: they are loaded below, once the layers exist.
-            warnings.filterwarnings("ignore", message="Found missing adapter keys")
-            warnings.filterwarnings("ignore", message=".*unexpected", category=UserWarning)
-        peft_model = peft.PeftModel.from_pretrained(
-            model, str(adapter_dir), adapter_name=adapter_name, is_trainable=is_trainable, config=plan.runtime, **kwargs
-        )
-    if plan.experts:
-        _finish(peft_model, plan, adapter_name, kwargs)
-        _load_expert_weights(peft_model, directory, adapter_name, set(plan.experts))
+    held = _per_expert_modules(directory, config, experts)
+    with tempfile.TemporaryDirectory(prefix="modelpatch-adapter-") as converted:
+        if held:
+            config, adapter_dir = _converted_to_stock_form(peft, config, directory, model, experts, held, converted)
+            kwargs = {key: value for key, value in kwargs.items() if key != "subfolder"}
+        plan = _config_for(config, model, creating=False)
+        with stock_experts_for_peft(model, plan.experts):
+            peft_model = peft.PeftModel.from_pretrained(
+                model,
+                str(adapter_dir),
+                adapter_name=adapter_name,
+                is_trainable=is_trainable,
+                config=plan.runtime,
+                **kwargs,
+            )
+    _finish(peft_model, plan, adapter_name)
     return peft_model
 
 
-def _refuse_per_expert_weights(directory: Path, config: PeftConfig, experts: dict[str, LinearExperts]) -> None:
-    prefix = door.adapter_parameter_prefix(config)
+def _per_expert_modules(directory: Path, config: PeftConfig, experts: dict[str, LinearExperts]) -> list[str]:
+    """The per-expert Linears the adapter in ``directory`` has weights for (transformers-4-era expert LoRA)."""
+    if not experts:
+        return []
     linears = {name for path, module in experts.items() for name in expert_linear_names(path, module)}
-    held = sorted(_saved_modules(directory, config) & linears)
-    if held:
+    return sorted(_saved_modules(directory, config) & linears)
+
+
+def _converted_to_stock_form(
+    peft: ModuleType,
+    config: PeftConfig,
+    directory: Path,
+    model: nn.Module,
+    experts: dict[str, LinearExperts],
+    held: list[str],
+    into: str,
+) -> tuple[PeftConfig, str]:
+    """The adapter in ``directory``, whose LoRA of per-expert Linears (``held``) the stock model has no modules for,
+    converted exactly into the stock form (:func:`~modelpatch.integrations.peft_experts.stock_from_per_expert`):
+    its config, and the directory ``into`` where its weights are now written."""
+    if not isinstance(config, peft.LoraConfig) or config.peft_type != peft.PeftType.LORA:
+        prefix = door.adapter_parameter_prefix(config)
         raise PeftIntegrationError(
-            f"The adapter in {directory} holds {prefix} weights of per-expert Linears ({held[:2]}, ...): modules "
-            "the stock model does not have (its experts are 3-D parameters), so stock PEFT would not load them there. "
-            "modelpatch reads expert LoRA in stock PEFT's target_parameters form only (what modelpatch.get_peft_model "
-            "saves); convert the adapter to that form, or load the model without linear_experts."
+            f"The adapter in {directory} ({type(config).__name__}) holds {prefix} weights of per-expert Linears "
+            f"({held[:2]}, ...): modules the stock model does not have (its experts are 3-D parameters), and only "
+            "plain LoRA has a stock form there. Load the model without linear_experts."
         )
-
-
-def _load_expert_weights(peft_model: PeftModel, directory: Path, adapter_name: str, paths: set[str]) -> None:
-    """Load the saved LoRA weights of the experts at ``paths`` (stock keys: the experts' hooks cut them per expert),
-    by PEFT's own mapping of saved keys to parameters; warn about any of their weights missing, as PEFT does."""
-    prefix = door.adapter_parameter_prefix(peft_model.peft_config[adapter_name])
-    remap = door.adapter_state_remapper(peft_model, adapter_name)
-    keys = [k for k in _saved_keys(directory) if _module_of(k, prefix).removesuffix(".base_layer") in paths]
-    state = remap(state_dict=_saved_tensors(directory, keys))
-    result = peft_model.load_state_dict(state, strict=False)
-    if result.unexpected_keys:
-        raise PeftIntegrationError(f"Adapter weights {result.unexpected_keys[:3]} in {directory} fit no LoRA layer.")
-    missing = [k for k in result.missing_keys if f".{prefix}" in k and adapter_name in k and ".experts." in k]
-    expected = {f"{_SAVED_KEY_PREFIX}{path}." for path in paths}
-    missing = [k for k in missing if any(k.startswith(e) for e in expected)]
-    if missing:
-        # stacklevel 3: the warning points at the caller of load_adapter.
-        warnings.warn(f"Found missing adapter keys while loading the checkpoint: {missing}.", stacklevel=3)
+    saved = _saved_tensors(directory, _saved_keys(directory))
+    linears = {name for path, module in experts.items() for name in expert_linear_names(path, module)}
+    modules = [name for name, _ in model.named_modules() if name not in linears]
+    parameters = [name for name, _ in model.named_parameters() if name.rpartition(".")[0] not in linears]
+    state = {key.removeprefix(_SAVED_KEY_PREFIX): value for key, value in saved.items()}
+    stock, converted = stock_from_per_expert(config, state, experts, modules, parameters)
+    save_file(
+        {f"{_SAVED_KEY_PREFIX}{key}": value.contiguous() for key, value in converted.items()},
+        str(Path(into, door.adapter_weights_name())),
+        metadata={"format": "pt"},
+    )
+    logger.info("%s: per-expert LoRA of %d Linears converted to the stock target_parameters form", directory, len(held))
+    return stock, into
 
 
 def _saved_config(peft: ModuleType, adapter_dir: str | Path, directory: Path, kwargs: dict[str, Any]) -> PeftConfig:

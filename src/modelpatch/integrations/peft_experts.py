@@ -20,8 +20,10 @@ they reach stock's. Expert ``e``'s factors in the Linears' orientation are index
 
 from __future__ import annotations
 
+import copy
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, cast
 
 import torch
@@ -29,6 +31,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .. import _peft as door
+from ..errors import PeftIntegrationError
 from ..fusions.linear_experts.modules import ExpertMLP, LinearExperts
 from ..fusions.linear_experts.spec import ExpertsLayout
 
@@ -141,51 +144,35 @@ def experts_lora_class() -> type[nn.Module]:
         """LoRA of one stock 3-D expert parameter (``parameter_name``) on ``linear_experts``: stock ``ParamWrapper``'s
         tensors and keys, computed at the experts' Linears.
 
-        ``base_layer`` is the experts module, or the ``ExpertsLora`` of its other parameter (nested as stock PEFT
-        nests its wrappers). Merging adds each expert's update to its Linears' weights.
+        Made from the ``ParamWrapper`` stock PEFT made (or loaded) for the stock parameter (see
+        :func:`stock_experts_for_peft`): it takes over that layer's adapters, the very tensors, so that what PEFT
+        drew or read is what this layer holds. ``base_layer`` is the experts module, or the ``ExpertsLora`` of its
+        other parameter (nested as stock PEFT nests its wrappers). Merging adds each expert's update to its Linears'
+        weights.
         """
 
-        def __init__(
-            self, base_layer: nn.Module, adapter_name: str, parameter_name: str, config: Any, r: int, lora_alpha: float
-        ):
+        def __init__(self, base_layer: nn.Module, wrapper: Any):
             nn.Module.__init__(self)
-            self.parameter_name = parameter_name
-            experts = _experts_below(base_layer)
-            count, hidden, intermediate = experts.num_experts, experts.hidden_dim, experts.intermediate_dim
-            out_features, in_features = (
-                (2 * intermediate, hidden) if parameter_name == GATE_UP else (hidden, intermediate)
-            )
-            if not _reads_as_linear(experts):
-                out_features, in_features = in_features, out_features
-            self._features = (in_features, out_features)
-            self.num_experts = count
+            self.parameter_name = wrapper.parameter_name
+            self.num_experts = wrapper.num_experts
+            self._features = (wrapper.in_features, wrapper.out_features)
             door.lora_layer().__init__(self, base_layer)
-            self.set_adapter(adapter_name)  # as PEFT's layers start: the adapter they are made for is active
-            self._handles: list[RemovableHandle] = []
-            self.update_layer(adapter_name, r, lora_alpha, config)
-            for index, child, rows in _lora_linear_rows(experts, parameter_name):
-                linear = getattr(experts[index], child)
-                self._handles.append(linear.register_forward_hook(_ExpertHook(self, index, rows)))
+            for name in (*self.adapter_layer_names, *self.other_param_names, "lora_variant", "merged_adapters"):
+                setattr(self, name, getattr(wrapper, name))
+            # PEFT freezes or trains an adapter's factors all alike; set_adapter keeps that state.
+            active = [a for a in wrapper.active_adapters if a in self.lora_A]
+            trainable = any(
+                p.requires_grad for a in active for p in (*self.lora_A[a].parameters(), *self.lora_B[a].parameters())
+            )
+            self.set_adapter(wrapper.active_adapters, inference_mode=not trainable)
+            experts = _experts_below(base_layer)
+            self._handles: list[RemovableHandle] = [
+                getattr(experts[index], child).register_forward_hook(_ExpertHook(self, index, rows))
+                for index, child, rows in _lora_linear_rows(experts, self.parameter_name)
+            ]
 
         def base_features(self, module: nn.Module) -> tuple[int, int]:
             return self._features
-
-        def update_layer(self, adapter_name: str, r: int, lora_alpha: float, config: Any, **kwargs: Any) -> None:
-            # As stock's ParamWrapper makes them: lora_A (r·E, in), lora_B (out, r·E), initialised alike.
-            self.r[adapter_name] = r
-            self.lora_alpha[adapter_name] = lora_alpha
-            self.lora_dropout[adapter_name] = nn.Identity()
-            self.lora_A[adapter_name] = nn.Linear(self.in_features, r * self.num_experts, bias=False)
-            self.lora_B[adapter_name] = nn.Linear(r * self.num_experts, self.out_features, bias=False)
-            self.lora_bias[adapter_name] = False
-            self.scaling[adapter_name] = lora_alpha / (r**0.5 if config.use_rslora else r)
-            self.use_rslora[adapter_name] = config.use_rslora
-            self.use_dora[adapter_name] = False
-            self.reset_lora_parameters(adapter_name, config.init_lora_weights)
-            weight = _experts_below(self).parameters().__next__()
-            for factor in (self.lora_A, self.lora_B):
-                factor[adapter_name] = factor[adapter_name].to(weight.device, dtype=weight.dtype)
-            self.set_adapter(self.active_adapters, inference_mode=config.inference_mode)
 
         def factors(self, adapter_name: str) -> tuple[torch.Tensor, torch.Tensor]:
             """Every expert's ``(B_e, A_e)`` in the Linears' orientation (views)."""
@@ -268,36 +255,218 @@ def _experts_below(layer: nn.Module) -> LinearExperts:
     return layer
 
 
-def add_expert_layers(
-    peft_model: Any, config: Any, adapter_name: str, targets: Mapping[str, tuple[str, ...]], autocast: bool = True
-) -> None:
-    """Wrap the experts at each path of ``targets`` (below ``peft_model``'s base model) in an :class:`ExpertsLora` per
-    stock parameter listed, in stock's order (the first innermost), for the stock adapter ``config``.
+class StockExperts(nn.Module):
+    """What stock PEFT sees of a fused experts module while it makes or loads an adapter (see
+    :func:`stock_experts_for_peft`): the stock experts module's 3-D parameters, in its order and shapes (views of one
+    element: they hold no memory and are never read), and its ``is_transposed``. The fused module itself is the child
+    ``fused``, so that PEFT's freezing of the base model's weights (by name) reaches its Linears as it reaches stock's
+    weights."""
 
-    Ranks and alphas are those PEFT gives the stock parameter (``rank_pattern`` / ``alpha_pattern`` looked up for
-    ``<experts>.gate_up_proj``, as PEFT does). Float16 / bfloat16 LoRA weights become float32 as PEFT's
-    ``autocast_adapter_dtype`` makes its own; in inference mode they are frozen.
-    """
-    model = peft_model.base_model.model
-    layer_class: Any = experts_lora_class()
-    for path, parameters in targets.items():
-        parent_name, _, child = path.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        for parameter in parameters:
-            key = f"{path}.{parameter}"
-            ranks, alphas = config.rank_pattern or {}, config.alpha_pattern or {}
-            rank = ranks.get(door.pattern_key(ranks, key), config.r)
-            alpha = alphas.get(door.pattern_key(alphas, key), config.lora_alpha)
-            current: Any = getattr(parent, child)
-            layer = current
-            while isinstance(layer, layer_class) and layer.parameter_name != parameter:
+    def __init__(self, experts: LinearExperts):
+        super().__init__()
+        weight = next(experts.parameters())
+        count, hidden, intermediate = experts.num_experts, experts.hidden_dim, experts.intermediate_dim
+        transposed = _stock_layout(experts).transposed
+        shapes = {
+            GATE_UP: (hidden, 2 * intermediate) if transposed else (2 * intermediate, hidden),
+            DOWN: (intermediate, hidden) if transposed else (hidden, intermediate),
+        }
+        for name in STOCK_PARAMETERS:
+            placeholder = torch.empty((), dtype=weight.dtype, device=weight.device).expand(count, *shapes[name])
+            self.register_parameter(name, nn.Parameter(placeholder, requires_grad=False))
+        self.is_transposed = bool(experts.__dict__["stock_is_transposed"])
+        self.fused = experts
+
+
+@contextmanager
+def stock_experts_for_peft(model: nn.Module, paths: Iterable[str]) -> Iterator[None]:
+    """While stock PEFT makes or loads an adapter on ``model``: the experts at ``paths`` stand there as the stock
+    module (:class:`StockExperts`), so that PEFT itself makes their ``ParamWrapper`` layers, in stock's order among
+    all its layers (under one seed: stock's initial weights), with stock's ranks, and reads their saved weights.
+    Afterwards each ``ParamWrapper`` becomes an :class:`ExpertsLora` of the fused experts holding the very tensors;
+    if PEFT raised, the fused experts are put back as they were."""
+    stand_ins: dict[str, StockExperts] = {}
+    for path in paths:
+        parent, _, child = path.rpartition(".")
+        stand_ins[path] = StockExperts(cast(LinearExperts, model.get_submodule(path)))
+        setattr(model.get_submodule(parent), child, stand_ins[path])
+    done = False
+    try:
+        yield
+        done = True
+    finally:
+        layer_class: Any = experts_lora_class()
+        for path, stand_in in stand_ins.items():
+            parent, _, child = path.rpartition(".")
+            owner = model.get_submodule(parent)
+            wrappers = []
+            layer = getattr(owner, child)
+            while layer is not stand_in:
+                wrappers.append(layer)
                 layer = layer.base_layer
-            if isinstance(layer, layer_class):  # another adapter on the same parameter
-                layer.update_layer(adapter_name, rank, alpha, config)
-            else:
-                setattr(parent, child, layer_class(current, adapter_name, parameter, config, rank, alpha))
-        for name, weight in cast(nn.Module, getattr(parent, child)).named_parameters():
-            if f"lora_A.{adapter_name}." in name or f"lora_B.{adapter_name}." in name:
-                if autocast and weight.dtype in (torch.float16, torch.bfloat16):
-                    weight.data = weight.data.float()
-                weight.requires_grad_(not config.inference_mode)
+            restored: nn.Module = stand_in.fused
+            for wrapper in reversed(wrappers) if done else ():
+                restored = layer_class(restored, wrapper)
+            setattr(owner, child, restored)
+
+
+def stock_from_per_expert(
+    config: Any,
+    state: Mapping[str, torch.Tensor],
+    experts: Mapping[str, LinearExperts],
+    module_names: Iterable[str],
+    parameter_names: Iterable[str],
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """An adapter holding per-expert LoRA (``<experts>.3.gate_proj.lora_A.weight``: PEFT on transformers 4, or stock
+    PEFT on the per-expert Linears), converted exactly into stock PEFT's ``target_parameters`` form: ``(config,
+    state)`` of the stock adapter, both new (``config``, a ``LoraConfig``, and ``state`` are not modified).
+
+    ``state`` is keyed by module path (``<module>.lora_A.weight``, without PEFT's ``base_model.model.`` prefix);
+    ``module_names`` and ``parameter_names`` are the model's others (not the per-expert Linears' nor theirs): the
+    rewritten ranks must leave theirs as they were, and a target parameter named by its name alone must name the
+    experts' parameter and none of them.
+    Per experts module, the experts' ``down_proj`` LoRA of rank ``r`` is stock's ``down_proj`` LoRA as it is
+    (expert ``e``'s ``A_e`` and ``B_e`` placed as :func:`stock_factors` places them); gate and up, each of rank
+    ``r``, are one ``gate_up_proj`` LoRA of rank ``2r``: ``A_e`` the gate's rows then the up's, ``B_e``
+    block-diagonal (the gate's rows of the update read the first ``r``, the up's the last ``r``), alpha doubled
+    with the rank so that ``alpha / r`` stays. The ranks are written as PEFT writes them for a converted
+    transformers-4 adapter (``rank_pattern`` / ``alpha_pattern`` keyed ``.*\\.gate_up_proj``).
+
+    Raises:
+        PeftIntegrationError: what has no exact stock form: some experts of a module without the others, gate
+            without up, ranks or alphas differing between experts or between gate and up, weights other than
+            ``lora_A`` / ``lora_B`` (DoRA, a LoRA bias), rsLoRA on gate and up (its scale does not follow the
+            rank), or a rewritten rank that would change another module's.
+    """
+    modules, parameters = list(module_names), list(parameter_names)
+    names = [*modules, *parameters]
+    stock = copy.deepcopy(config)
+    converted = {key: value for key, value in state.items()}
+    ranks = dict(config.rank_pattern or {})
+    alphas = dict(config.alpha_pattern or {})
+    targets: dict[str, list[str]] = {GATE_UP: [], DOWN: []}
+    needs: dict[str, tuple[int, float]] = {}
+
+    def rank_and_alpha(
+        name: str, patterns: tuple[dict[str, Any], dict[str, Any]] = (ranks, alphas)
+    ) -> tuple[int, float]:
+        """The rank and alpha PEFT gives the module or parameter ``name`` (the rewritten patterns, by default)."""
+        return (
+            patterns[0].get(door.pattern_key(patterns[0], name), config.r),
+            patterns[1].get(door.pattern_key(patterns[1], name), config.lora_alpha),
+        )
+
+    for path, module in experts.items():
+        gate, up, down = child_names(module)
+        factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for child in (gate, up, down):
+            linears = [f"{path}.{index}.{child}" for index in range(len(module))]
+            held = [name for name in linears if any(key.startswith(f"{name}.") for key in state)]
+            if not held:
+                continue
+            if len(held) != len(linears):
+                raise PeftIntegrationError(
+                    f"The adapter holds LoRA of {held[:2]}... but not of every expert's {child} of {path}: the stock "
+                    "model adapts all experts of a 3-D parameter or none, so it has no exact stock form."
+                )
+            stacked = []
+            for name in linears:
+                keys = sorted(key for key in state if key.startswith(f"{name}."))
+                if keys != [f"{name}.lora_A.weight", f"{name}.lora_B.weight"]:
+                    raise PeftIntegrationError(
+                        f"The adapter holds {keys} for {name}: per-expert LoRA converts to stock's 3-D experts' form "
+                        "with lora_A and lora_B weights alone (no DoRA, no LoRA bias)."
+                    )
+                stacked.append((state[f"{name}.lora_B.weight"], state[f"{name}.lora_A.weight"]))
+                for key in keys:
+                    del converted[key]
+            found = {(b.shape[1], rank_and_alpha(name)) for (b, _), name in zip(stacked, linears, strict=True)}
+            if len(found) != 1 or any(rank != r for r, (rank, _) in found):
+                raise PeftIntegrationError(
+                    f"The experts' {child} LoRA of {path} has ranks / alphas {sorted(found)} (the tensors' rank, then "
+                    "the config's rank and alpha): stock's LoRA of a 3-D parameter has one rank and alpha for all "
+                    "experts, so this adapter has no exact stock form."
+                )
+            factors[child] = (torch.stack([b for b, _ in stacked]), torch.stack([a for _, a in stacked]))
+            needs[f"{path}.{child}"] = next(iter(found))[1]
+        if (gate in factors) != (up in factors):
+            present, absent = (gate, up) if gate in factors else (up, gate)
+            raise PeftIntegrationError(
+                f"The adapter holds LoRA of the experts' {present} of {path} without their {absent}: the stock model "
+                f"holds both in one 3-D {GATE_UP}, adapted as one, so it has no exact stock form."
+            )
+        nested = gate in factors and down in factors  # stock nests down_proj's wrapper around gate_up_proj's
+        if gate in factors:
+            if needs[f"{path}.{gate}"] != needs[f"{path}.{up}"]:
+                raise PeftIntegrationError(
+                    f"The experts' {gate} and {up} LoRA of {path} have other ranks / alphas "
+                    f"({needs[f'{path}.{gate}']}, {needs[f'{path}.{up}']}): stock's {GATE_UP} LoRA has one."
+                )
+            if config.use_rslora:
+                raise PeftIntegrationError(
+                    f"The adapter uses rsLoRA on the experts' {gate} and {up} of {path}: their stock form is one LoRA "
+                    "of twice the rank, whose rsLoRA scale (alpha / sqrt(rank)) is not theirs. Convert it without "
+                    "rsLoRA, or load the model without linear_experts."
+                )
+            (b_gate, a_gate), (b_up, a_up) = factors[gate], factors[up]
+            rank = a_gate.shape[1]
+            gate_rows, up_rows = _gate_up_rows(module)
+            b = b_gate.new_zeros(b_gate.shape[0], 2 * b_gate.shape[1], 2 * rank)
+            b[:, gate_rows, :rank] = b_gate
+            b[:, up_rows, rank:] = b_up
+            lora_a, lora_b = stock_factors(module, b, torch.cat([a_gate, a_up], dim=1))
+            prefix = f"{path}.base_layer" if nested else path
+            converted[f"{prefix}.lora_A.weight"], converted[f"{prefix}.lora_B.weight"] = lora_a, lora_b
+            targets[GATE_UP].append(path)
+            rank_alpha = needs[f"{path}.{gate}"]
+            needs[f"{path}.{GATE_UP}"] = (2 * rank_alpha[0], 2 * rank_alpha[1])
+        if down in factors:
+            lora_a, lora_b = stock_factors(module, *factors[down])
+            converted[f"{path}.lora_A.weight"], converted[f"{path}.lora_B.weight"] = lora_a, lora_b
+            targets[DOWN].append(path)
+            needs[f"{path}.{DOWN}"] = needs[f"{path}.{down}"]
+
+    for parameter, paths in targets.items():
+        if not paths:
+            continue
+        key = rf".*\.{parameter}"
+        rank, alpha = needs[f"{paths[0]}.{parameter}"]
+        if parameter == GATE_UP or any(rank_and_alpha(f"{p}.{parameter}") != needs[f"{p}.{parameter}"] for p in paths):
+            ranks[key], alphas[key] = rank, alpha
+        # The parameter's name alone (as PEFT writes its conversion) where it names these parameters and no other.
+        adapted = {f"{p}.{parameter}" for p in paths}
+        matched = {
+            n for n in (*parameters, *(f"{p}.{parameter}" for p in experts)) if n.rpartition(".")[2] == parameter
+        }
+        stock.target_parameters = sorted(
+            {*(stock.target_parameters or ()), *([parameter] if matched == adapted else adapted)}
+        )
+    stock.rank_pattern, stock.alpha_pattern = ranks, alphas
+    # The other targets of the adapter keep their ranks and alphas under the rewritten patterns.
+    kept_parameters = set(config.target_parameters or ())
+    targeted = [
+        *(name for name in modules if door.targets_module(config, name)),
+        *(name for name in parameters if any(name == t or name.endswith(f".{t}") for t in kept_parameters)),
+    ]
+    original = (config.rank_pattern or {}, config.alpha_pattern or {})
+    changed = [name for name in targeted if rank_and_alpha(name) != rank_and_alpha(name, original)]
+    wrong = [
+        name
+        for name, need in needs.items()
+        if name.rpartition(".")[2] in STOCK_PARAMETERS and rank_and_alpha(name) != need
+    ]
+    if changed or wrong:
+        raise PeftIntegrationError(
+            f"Converting the adapter's per-expert LoRA to stock's 3-D experts' form needs rank_pattern / alpha_pattern "
+            f"keys that would also change {(changed or wrong)[:2]}: it has no exact stock form with these patterns."
+        )
+    # Target modules that name per-expert Linears alone (the stock model has no such modules) are dropped; a name
+    # or pattern that matches other modules too stays, for those.
+    if isinstance(stock.target_modules, str):
+        if not any(door.targets_module(config, name) for name in names):
+            stock.target_modules = []
+    elif stock.target_modules:
+        stock.target_modules = [
+            t for t in sorted(stock.target_modules) if any(n == t or n.endswith(f".{t}") for n in names)
+        ]
+    return stock, converted
