@@ -57,7 +57,12 @@ PRIVATE_API: dict[str, tuple[str, str]] = {
     "peft.tuners.lora:LoraLayer._get_in_out_features": ("0.21", "LoRA on a linear_experts model (the experts' layer)"),
     "peft.tuners.tuners_utils:BaseTunerLayer": ("0.21", "the merged weights of a LoRA model streamed"),
     "peft.tuners.lora:Embedding": ("0.21", "the merged weights of a LoRA model streamed"),
-    "peft.tuners.lora:ParamWrapper": ("0.21", "the merged weights of a LoRA model streamed"),
+    "peft.tuners.lora:ParamWrapper": ("0.21", "the merged weights of a LoRA model streamed; a further expert adapter"),
+    "peft.tuners.tuners_utils:BaseTunerLayer._active_adapter": ("0.21", "a further adapter on a linear_experts model"),
+    "peft.tuners.tuners_utils:BaseTunerLayer._disable_adapters": (
+        "0.21",
+        "a further adapter on a linear_experts model",
+    ),
     "peft.utils.other:AuxiliaryTrainingWrapper": ("0.21", "the merged weights of a LoRA model streamed"),
 }
 
@@ -206,8 +211,23 @@ def saves_adapter(frame: FrameType | None) -> bool:
     Checked against 0.21.2: ``PeftModel.save_pretrained`` (and every other save of PEFT's) takes the weights from
     ``peft.get_peft_model_state_dict(model)``, which calls ``model.state_dict()``.
     """
+    return _runs_within(frame, "get_peft_model_state_dict")
+
+
+def loads_adapter(frame: FrameType | None) -> bool:
+    """Whether ``frame`` or one of its callers is PEFT putting an adapter's saved weights into a model. PEFT is not
+    imported for a call stack that runs no PEFT code.
+
+    Checked against 0.21.2: ``PeftModel.from_pretrained`` and ``PeftModel.load_adapter`` load the weights with
+    ``peft.set_peft_model_state_dict(model, weights)``, which calls ``model.load_state_dict(..., strict=False)``.
+    """
+    return _runs_within(frame, "set_peft_model_state_dict")
+
+
+def _runs_within(frame: FrameType | None, function: str) -> bool:
+    """Whether ``frame`` or one of its callers runs the public PEFT function ``peft.<function>``."""
     while frame is not None:
-        if runs_peft(frame) and frame.f_code is import_peft().get_peft_model_state_dict.__code__:
+        if runs_peft(frame) and frame.f_code is getattr(import_peft(), function).__code__:
             return True
         frame = frame.f_back
     return False
@@ -335,3 +355,33 @@ def lora_merge_layers() -> LoraMergeLayers:
         require("peft.tuners.lora:ParamWrapper"),
         require("peft.utils.other:AuxiliaryTrainingWrapper"),
     )
+
+
+def param_wrapper_holding(base_layer: nn.Module, layer: Any) -> Any:
+    """A PEFT ``ParamWrapper`` of ``layer.parameter_name`` over ``base_layer`` (a stand-in holding the stock 3-D
+    parameter) that holds ``layer``'s adapters, the very modules and settings, nothing drawn: what stock PEFT finds
+    when it adds a further adapter to a parameter it already adapts, and extends with its own ``update_layer``.
+    ``layer`` is a LoRA layer of that parameter with ``ParamWrapper``'s sizes (``in_features`` / ``out_features``
+    as PEFT's wrapper holds them once made).
+
+    Checked against 0.21.2: ``ParamWrapper.__init__`` sets ``parameter_name``, runs ``LoraLayer.__init__(base_layer)``
+    (its sizes read from the parameter), sets ``fan_in_fan_out`` and the instance flag ``_did_swap_in_out_features``
+    (the sizes swapped once for a 3-D parameter PEFT reads as ``[E, out, in]``; ``update_layer`` reads it), then draws
+    its first adapter; the adapter switching state is ``BaseTunerLayer._active_adapter`` / ``_disable_adapters``.
+    """
+    wrapper_class = require("peft.tuners.lora:ParamWrapper")
+    lora_base = require("peft.tuners.lora:LoraLayer")
+    require("peft.tuners.tuners_utils:BaseTunerLayer._active_adapter")
+    require("peft.tuners.tuners_utils:BaseTunerLayer._disable_adapters")
+    wrapper = wrapper_class.__new__(wrapper_class)
+    wrapper.parameter_name = layer.parameter_name
+    nn.Module.__init__(wrapper)
+    lora_base.__init__(wrapper, base_layer)
+    wrapper.fan_in_fan_out = False
+    wrapper.in_features, wrapper.out_features = layer.in_features, layer.out_features
+    wrapper._did_swap_in_out_features = True  # the sizes are already the wrapper's
+    for name in (*layer.adapter_layer_names, *layer.other_param_names, "lora_variant", "merged_adapters"):
+        setattr(wrapper, name, getattr(layer, name))
+    wrapper._active_adapter = layer._active_adapter
+    wrapper._disable_adapters = layer._disable_adapters
+    return wrapper

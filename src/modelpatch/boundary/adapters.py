@@ -39,7 +39,12 @@ from ..errors import PeftIntegrationError
 from ..fusions.projections.modules import ProjectionSlice
 from .methods import bind_method
 
-__all__ = ["install_adapter_guard", "output_embeddings", "refuse_per_expert_lora_save"]
+__all__ = [
+    "install_adapter_guard",
+    "output_embeddings",
+    "refuse_per_expert_lora_save",
+    "refuse_stock_expert_lora_load",
+]
 
 
 def output_embeddings(model: PreTrainedModel) -> nn.Module | None:
@@ -64,6 +69,32 @@ def install_adapter_guard(model: nn.Module) -> None:
             bind_method(module, "get_output_embeddings", output_embeddings)
         elif callable(getattr(type(module), "original_names", None)):
             module.register_state_dict_post_hook(refuse_per_expert_lora_save)
+            module.register_load_state_dict_pre_hook(refuse_stock_expert_lora_load)
+
+
+def refuse_stock_expert_lora_load(module: nn.Module, state_dict: Mapping[str, Any], prefix: str, *args: Any) -> None:
+    """The load pre-hook of a fused experts module: PEFT loading LoRA that the module has no layer for is refused.
+
+    Stock ``PeftModel.from_pretrained(fused_model, dir)`` (or ``load_adapter`` on a PeftModel stock PEFT made) of an
+    adapter with ``target_parameters`` of the stock 3-D experts finds no such parameter on the fused experts (they
+    are per-expert Linears) and only warns; the adapter's other layers are made, and its expert LoRA would be left
+    out. PEFT matches the targets by its own code, so the first call that reaches modelpatch is the weights' load
+    (``peft.set_peft_model_state_dict``), where the experts' keys (``<experts>.lora_A.<adapter>.weight``, nested
+    ``base_layer.`` for the second parameter) arrive at a module that has nothing of that name.
+    """
+    if not door.loads_adapter(sys._getframe(1)):
+        return
+    own = {name for name, _ in module.named_children()} | set(module._parameters) | set(module._buffers)
+    relative = [key[len(prefix) :] for key in state_dict if key.startswith(prefix)]
+    lost = [f"{prefix}{key}" for key in relative if ".lora_" in f".{key}" and key.split(".")[0] not in own]
+    if lost:
+        raise PeftIntegrationError(
+            f"PEFT is loading LoRA of the stock 3-D experts of {prefix.rstrip('.')} ({lost[:2]}, ...) onto "
+            "modelpatch's linear_experts, whose experts are per-expert Linears: stock PEFT made no layer for it and "
+            "would drop it without a word (its target_parameters matched nothing). Load the adapter with "
+            "modelpatch.load_adapter(model, dir), and further adapters with load_adapter of the PeftModel it returns, "
+            "which carry the experts' LoRA exactly."
+        )
 
 
 def refuse_per_expert_lora_save(module: nn.Module, state_dict: Mapping[str, Any], prefix: str, metadata: Any) -> None:

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import functools
 import logging
@@ -35,6 +36,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from .. import _peft as door
+from ..boundary.methods import bind_method
 from ..checkpoint.json_file import MAX_CONFIG_BYTES, read_json
 from ..errors import PeftIntegrationError
 from ..fusions.linear_experts.modules import LinearExperts
@@ -442,6 +444,7 @@ def get_peft_model(model: nn.Module, peft_config: PeftConfig, *args: Any, **kwar
     with stock_experts_for_peft(model, plan.experts):
         peft_model = peft.get_peft_model(model, plan.runtime, *args, **kwargs)
     _finish(peft_model, plan, kwargs.get("adapter_name", args[0] if args else "default"))
+    _bind_further_adapters(peft, peft_model)
     return peft_model
 
 
@@ -502,7 +505,111 @@ def load_adapter(
                 **kwargs,
             )
     _finish(peft_model, plan, adapter_name)
+    _bind_further_adapters(peft, peft_model)
     return peft_model
+
+
+# Set while a PeftModel's own load_adapter (bound by _bind_further_adapters) runs: the adapter it adds is a saved one,
+# planned as load_adapter plans it.
+_LOADING: contextvars.ContextVar[bool] = contextvars.ContextVar("modelpatch_loading_adapter", default=False)
+
+
+def _bind_further_adapters(peft: ModuleType, peft_model: Any) -> None:
+    """Give a PeftModel of a ``linear_experts`` model :func:`add_further_adapter` and :func:`load_further_adapter`
+    as its ``add_adapter`` / ``load_adapter`` (bound methods; PEFT's class is untouched).
+
+    PEFT adds a second adapter by its own matching, which finds no stock 3-D experts on this model: the second
+    adapter's expert LoRA would be dropped with a warning (``target_parameters``), or made per expert Linear (names,
+    ``"all-linear"``), which the stock model cannot load. Bound here, both go through the plan and the stock experts'
+    stand-in as the first adapter did. (PEFT's ``load_adapter`` adds the adapter through ``self.add_adapter``.)
+    """
+    if isinstance(peft_model, peft.PeftModel) and experts_modules(peft_model.base_model.model):
+        bind_method(peft_model, "add_adapter", add_further_adapter)
+        bind_method(peft_model, "load_adapter", load_further_adapter)
+
+
+@contextmanager
+def _as_before_peft(model: nn.Module) -> Iterator[None]:
+    """``model`` as it was before PEFT adapted it while the context runs: each outermost adapter layer replaced by the
+    layer it wraps (so that a plan reads the names and experts :func:`_config_for` read for the first adapter), put
+    back after."""
+    tuner = door.lora_merge_layers().tuner
+    replaced: list[tuple[nn.Module, str, nn.Module]] = []
+    outer: list[str] = []
+    for name, module in list(model.named_modules()):
+        if isinstance(module, tuner) and not any(name.startswith(f"{done}.") for done in outer):
+            layer: Any = module  # a PEFT adapter layer (and a module)
+            parent, _, child = name.rpartition(".")
+            owner = model.get_submodule(parent)
+            replaced.append((owner, child, layer))
+            outer.append(name)
+            setattr(owner, child, layer.get_base_layer())
+    try:
+        yield
+    finally:
+        for owner, child, module in reversed(replaced):
+            setattr(owner, child, module)
+
+
+def add_further_adapter(
+    peft_model: PeftModel,
+    adapter_name: str,
+    peft_config: PeftConfig,
+    low_cpu_mem_usage: bool = False,
+    autocast_adapter_dtype: bool = True,
+) -> None:
+    """``peft_model.add_adapter`` of a PeftModel that :func:`get_peft_model` or :func:`load_adapter` made on a
+    ``linear_experts`` model (bound to it): PEFT's ``PeftModel.add_adapter``, with the adapter planned as
+    :func:`get_peft_model` plans one (:func:`load_adapter`'s plan inside ``peft_model.load_adapter``), so that its
+    expert LoRA is made in stock's ``target_parameters`` form beside the adapters there, and saved as stock's.
+
+    Raises:
+        PeftIntegrationError: see :func:`get_peft_model`, before any layer of the new adapter is made.
+    """
+    model = cast(nn.Module, peft_model.base_model.model)
+    with _as_before_peft(model):
+        plan = _config_for(peft_config, model, creating=not _LOADING.get())
+    with stock_experts_for_peft(model, plan.experts):
+        type(peft_model).add_adapter(
+            peft_model,
+            adapter_name,
+            plan.runtime,
+            low_cpu_mem_usage=low_cpu_mem_usage,
+            autocast_adapter_dtype=autocast_adapter_dtype,
+        )
+    _finish(peft_model, plan, adapter_name)
+
+
+def load_further_adapter(
+    peft_model: PeftModel, model_id: str | Path, adapter_name: str, *args: Any, **kwargs: Any
+) -> Any:
+    """``peft_model.load_adapter`` of a PeftModel that :func:`get_peft_model` or :func:`load_adapter` made on a
+    ``linear_experts`` model (bound to it): PEFT's ``PeftModel.load_adapter`` (same arguments), whose adapter is added
+    by :func:`add_further_adapter` as :func:`load_adapter` adds one, so that a stock ``target_parameters`` adapter's
+    expert LoRA is there. An adapter of per-expert Linears (PEFT on transformers 4) is first converted exactly into
+    the stock form, as :func:`load_adapter` converts one.
+
+    Raises:
+        PeftIntegrationError: see :func:`load_adapter`, before any layer of the new adapter is made.
+    """
+    peft = door.import_peft()
+    model = cast(nn.Module, peft_model.base_model.model)
+    directory = Path(model_id, kwargs.get("subfolder") or "")
+    with tempfile.TemporaryDirectory(prefix="modelpatch-adapter-") as converted:
+        if directory.is_dir():
+            config = _saved_config(peft, model_id, directory, {k: v for k, v in kwargs.items() if k == "subfolder"})
+            with _as_before_peft(model):
+                experts = experts_modules(model)
+                held = _per_expert_modules(directory, config, experts)
+                if held:
+                    stock, model_id = _converted_to_stock_form(peft, config, directory, model, experts, held, converted)
+                    stock.save_pretrained(converted)  # PEFT's load_adapter reads the config from the directory
+                    kwargs = {key: value for key, value in kwargs.items() if key != "subfolder"}
+        token = _LOADING.set(True)
+        try:
+            return type(peft_model).load_adapter(peft_model, model_id, adapter_name, *args, **kwargs)
+        finally:
+            _LOADING.reset(token)
 
 
 def _per_expert_modules(directory: Path, config: PeftConfig, experts: dict[str, LinearExperts]) -> list[str]:

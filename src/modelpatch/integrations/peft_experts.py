@@ -217,10 +217,15 @@ def experts_lora_class() -> type[nn.Module]:
             while isinstance(layer, ExpertsLora):
                 if merge:
                     layer.merge(safe_merge=safe_merge, adapter_names=adapter_names)
-                for handle in layer._handles:
-                    handle.remove()
+                layer.detach()
                 layer = layer.base_layer
             return layer
+
+        def detach(self) -> None:
+            """Take this layer's hooks off the experts' Linears (it no longer computes their LoRA)."""
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
 
         def forward(self, *args: Any, **kwargs: Any) -> Any:
             return self.base_layer(*args, **kwargs)
@@ -283,13 +288,17 @@ def stock_experts_for_peft(model: nn.Module, paths: Iterable[str]) -> Iterator[N
     """While stock PEFT makes or loads an adapter on ``model``: the experts at ``paths`` stand there as the stock
     module (:class:`StockExperts`), so that PEFT itself makes their ``ParamWrapper`` layers, in stock's order among
     all its layers (under one seed: stock's initial weights), with stock's ranks, and reads their saved weights.
+    Experts already adapted stand there as stock's wrappers of the stock module holding their adapters
+    (:func:`_stock_wrappers`), which PEFT extends with a further adapter as it extends its own.
     Afterwards each ``ParamWrapper`` becomes an :class:`ExpertsLora` of the fused experts holding the very tensors;
-    if PEFT raised, the fused experts are put back as they were."""
+    if PEFT raised, the experts are put back with the adapters they had (the new adapter's wrappers dropped)."""
     stand_ins: dict[str, StockExperts] = {}
+    views: set[int] = set()  # the wrappers standing for existing ExpertsLora layers
     for path in paths:
         parent, _, child = path.rpartition(".")
-        stand_ins[path] = StockExperts(cast(LinearExperts, model.get_submodule(path)))
-        setattr(model.get_submodule(parent), child, stand_ins[path])
+        current = model.get_submodule(path)
+        stand_ins[path] = StockExperts(_experts_below(current))
+        setattr(model.get_submodule(parent), child, _stock_wrappers(current, stand_ins[path], views))
     done = False
     try:
         yield
@@ -305,9 +314,23 @@ def stock_experts_for_peft(model: nn.Module, paths: Iterable[str]) -> Iterator[N
                 wrappers.append(layer)
                 layer = layer.base_layer
             restored: nn.Module = stand_in.fused
-            for wrapper in reversed(wrappers) if done else ():
-                restored = layer_class(restored, wrapper)
+            for wrapper in reversed(wrappers):
+                if done or id(wrapper) in views:
+                    restored = layer_class(restored, wrapper)
             setattr(owner, child, restored)
+
+
+def _stock_wrappers(layer: nn.Module, stand_in: StockExperts, views: set[int]) -> nn.Module:
+    """``layer`` (fused experts, or the :class:`ExpertsLora` layers over them) as stock PEFT has it: the stand-in,
+    or stock ``ParamWrapper`` layers over it, nested alike, holding the same adapters (their ids added to
+    ``views``). The ``ExpertsLora`` layers' hooks are taken off: the layers made afterwards compute the LoRA."""
+    if isinstance(layer, LinearExperts):
+        return stand_in
+    held: Any = layer
+    held.detach()
+    wrapper = door.param_wrapper_holding(_stock_wrappers(held.base_layer, stand_in, views), held)
+    views.add(id(wrapper))
+    return cast(nn.Module, wrapper)
 
 
 def stock_from_per_expert(
