@@ -21,7 +21,10 @@ PEFT asks for the output embedding of transformers models only: "all-linear" on 
 fused model) is not seen here.
 
 Stock PEFT given the per-expert Linears by name is refused later, when it saves their LoRA
-(:func:`refuse_per_expert_lora_save`): no earlier call of PEFT's reaches modelpatch.
+(:func:`refuse_per_expert_lora_save`): no earlier call of PEFT's reaches modelpatch. Stock PEFT loading an adapter
+with ``target_parameters`` of the stock 3-D experts onto fused experts (``PeftModel.from_pretrained(fused, dir)``),
+which matches nothing there and only warns, is refused when it loads their weights
+(:func:`refuse_stock_expert_lora_load`), for the same reason.
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@
   The adapter then has the modules and state-dict keys it has on the stock model, so adapters move between both.
 * An adapter saved from the stock model: :func:`load_adapter`.
 * ``linear_experts``: the experts get LoRA in stock PEFT's ``target_parameters`` form (:mod:`.peft_experts`), so
-  adapters move between the fused and the stock model both ways; what cannot be carried exactly is refused.
+  adapters move between the fused and the stock model both ways; what cannot be carried exactly is refused. The
+  PeftModel returned there gets ``add_adapter`` / ``load_adapter`` of its own (:func:`add_further_adapter`,
+  :func:`load_further_adapter`), so that further adapters added through PEFT's methods take the same route.
 * Stock PEFT's own ``"all-linear"`` on a fused model is refused (:mod:`modelpatch.boundary.adapters`): it would adapt
   the fused layers, names the original checkpoint lacks; the resolution here is let through.
 
