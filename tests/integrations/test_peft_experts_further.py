@@ -188,3 +188,20 @@ def test_a_transformers_4_adapter_as_the_second_converts_as_a_first_one(tiny, tm
             torch.testing.assert_close(_logits(fused), _logits(stock), **TOLERANCE)
         stock.save_pretrained(tmp_path / "stock")
         _assert_same_tensors(_saved(tmp_path / "fused" / "second"), _saved(tmp_path / "stock" / "second"))
+
+
+def test_after_peft_refuses_a_second_adapter_the_first_computes_as_before(tiny):
+    """PEFT's own refusal (adapters with target_parameters must all target the same parameters) while the experts
+    stand in stock form: they are put back with the first adapter, which computes as before and saves as before."""
+    ckpt = tiny("qwen3_moe")
+    first = _lora(target_modules=["q_proj"], target_parameters=STOCK_TARGETS)
+    torch.manual_seed(0)
+    fused = modelpatch.get_peft_model(ckpt.load(FUSED), first)
+    before = _logits(fused)
+    with pytest.raises(ValueError, match="must target the same set of parameters"):
+        fused.add_adapter("second", _lora(target_parameters=["experts.gate_up_proj"]))
+    torch.testing.assert_close(_logits(fused), before, atol=0, rtol=0)
+    torch.manual_seed(0)
+    stock = peft.get_peft_model(ckpt.model_class.from_pretrained(ckpt.path), first)
+    torch.testing.assert_close(_logits(fused), _logits(stock), **TOLERANCE)
+    assert {k for k in fused.state_dict() if ".lora_" in k} == {k for k in stock.state_dict() if ".lora_" in k}
