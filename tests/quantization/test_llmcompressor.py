@@ -258,12 +258,19 @@ def test_llmcompressors_save_wrapper_on_a_modelpatch_model(tiny, tmp_path):
     torch.testing.assert_close(_logits(reloaded), _logits(model), rtol=0, atol=1e-6)
 
 
-def _wide_checkpoint(directory: Path, family: str = "llama", kv_heads: int = 2) -> Path:
+def _wide_checkpoint(directory: Path, family: str = "llama", kv_heads: int = 2, *, uneven_norms: bool = False) -> Path:
     """A Llama (or ``family``) whose projections read 128 features: one group (and one block) of 128 columns per
-    row."""
+    row. ``uneven_norms``: layernorm weights drawn log-normal instead of ones, so that the input channels of the
+    projections differ in size (AWQ then scales every mapping instead of finding the identity best)."""
     config = sized_config(family, vocab=VOCAB, hidden=128, intermediate=128, layers=1, heads=4, kv_heads=kv_heads)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    model = AutoModelForCausalLM.from_config(config)
+    if uneven_norms:
+        with torch.no_grad():
+            for name, weight in model.named_parameters():
+                if name.endswith("layernorm.weight"):
+                    weight.copy_(torch.randn(weight.shape).mul(0.8).exp())
+    model.save_pretrained(directory)
     return directory
 
 
@@ -310,9 +317,12 @@ def test_awq_w4a16_on_fused_layers_saves_what_stock_saves(tmp_path, kv_heads):
     weights and their scales are stock's. v_proj and up_proj smooth as the last rows of their fused layers; with
     grouped-query attention (v_proj narrower than o_proj's input) stock skips v_proj -> o_proj, and so does the fused
     model."""
-    checkpoint = _wide_checkpoint(tmp_path / "source", kv_heads=kv_heads)
+    checkpoint = _wide_checkpoint(tmp_path / "source", kv_heads=kv_heads, uneven_norms=True)
     stock, ours, model = _stock_and_ours(checkpoint, tmp_path, FUSED, _awq_w4a16(), _awq_w4a16())
     _assert_same_checkpoint(ours, stock)
+    source, saved = read_tensors(checkpoint), read_tensors(ours)
+    norms = ["model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight"]
+    assert not any(torch.equal(saved[name], source[name]) for name in norms)  # both layernorms smoothed
     reloaded = AutoModelForCausalLM.from_pretrained(ours)
     torch.testing.assert_close(_logits(reloaded), _logits(model), rtol=0, atol=1e-5)
 
