@@ -265,8 +265,8 @@ _TABLE: dict[str, tuple[str, str, str]] = {
         "the first LinearExperts built",
     ),
     "smoothing_mappings": (
-        "llm-compressor's SmoothQuantModifier._resolve_mappings, AWQModifier._set_resolved_mappings and "
-        "_compute_layer_means, and the AWQ module's match_modules_set (wrapped; before llm-compressor is imported, a "
+        "llm-compressor's SmoothQuantModifier._resolve_mappings, AWQModifier._set_resolved_mappings and the "
+        "AWQ module's match_modules_set (wrapped; before llm-compressor is imported, a "
         "finder on sys.meta_path waiting for those two modules)",
         "modelpatch.fusions.projections.smoothing.fold_smoothing_mappings",
         "the first module with fused projections built, where llm-compressor is installed",

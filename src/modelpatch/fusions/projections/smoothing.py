@@ -12,9 +12,11 @@ layer is the same computation:
   parts'), their weights scaled and fake-quantized (per row, per group of a row or per channel: the fused layer's rows
   quantize as the parts' do), and the error of the mapping's parent module's output, the parent being the common
   ancestor of the names the mapping matched (the parts' attention block or MLP, as on the stock model), resolved
-  before the rewrite below. Its weight means for ``duo_scaling`` add each part's sum of normalised rows in float64,
-  in the parts' order (stock's order where the mapping names the parts in that order, as llm-compressor's own
-  mappings do).
+  before the rewrite below. Its weight means for ``duo_scaling`` sum the fused layer's normalised rows in
+  one float64 reduction where stock sums each part's and adds the sums: the same unless a float64 sum of float32
+  values at most 1 rounds (a row's value under about 2**-20 of the sum, with low bits set), a difference in
+  float64's last bits, which reaches the float32 weights only where a scaled weight lies that close to a float32
+  rounding boundary.
 
 Resolved mappings (llm-compressor keeps each mapping's Linears as module objects) are rewritten once resolved: every
 projection slice becomes its fused layer, and each fused layer is balanced once. That matters beyond the slices,
@@ -23,9 +25,9 @@ which hold no parameters for llm-compressor's offloaded updates to write: llm-co
 layer and its parts would scale each row twice.
 
 A mapping naming only some parts of a fused layer cannot be folded (scaling the fused layer would scale the other
-parts too): refused by name, before any weight changes. A mapping smoothing a slice's output (AWQ's ``v_proj`` ->
-``o_proj`` and ``up_proj`` -> ``down_proj``) is left to SmoothQuant refused; AWQ smooths the fused layer, whose last
-rows llm-compressor divides when a fused smooth layer has more rows than the balanced Linear reads (its own rule for
+parts too): refused by name, before any weight changes. SmoothQuant refuses a mapping smoothing a slice's output
+too. AWQ's own mappings smooth slices (``v_proj`` -> ``o_proj``, ``up_proj`` -> ``down_proj``); it smooths the fused
+layer instead, whose last rows llm-compressor divides when a fused smooth layer has more rows than the balanced Linear reads (its own rule for
 fused ``qkv_proj`` layers). Those are the slice's rows, and the very division of stock's, when the slice is its fused
 layer's last part; otherwise refused by name, as is (among the mappings llm-compressor goes on to smooth) a fused
 smooth layer with a bias, whose whole bias llm-compressor would divide.
@@ -40,7 +42,7 @@ itself off again once every module is rewritten). Checked against llmcompressor 
 ``SmoothQuantMapping`` objects whose ``balance_layers`` (a list of modules) and ``smooth_layer`` are what its smoothing
 reads; ``llmcompressor.modifiers.transform.awq.base``: ``AWQModifier._set_resolved_mappings(model)`` storing
 ``ResolvedMapping`` objects in ``_resolved_mappings``, each mapping's modules matched by the module's
-``match_modules_set`` (the smooth layers first), and ``AWQModifier._compute_layer_means(layers)``.
+``match_modules_set`` (the smooth layers first).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ import importlib.abc
 import importlib.util
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from types import ModuleType, SimpleNamespace
+from types import ModuleType
 from typing import Any
 
 from torch import nn
@@ -181,36 +183,15 @@ def _folded_awq_resolution(resolve: Callable[..., Any]) -> Callable[..., Any]:
     return _marked(set_resolved_mappings)
 
 
-def _parts_layer_means(means: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
-    @functools.wraps(means)
-    def compute_layer_means(layers: list[Any]) -> Any:
-        # Stock's mean sums each part's normalised rows and then adds the parts' sums: a fused layer's parts are
-        # passed as its rows, so that the float64 sums are added in stock's order.
-        return means([part for layer in layers for part in _rows_of_parts(layer)])
-
-    return _marked(compute_layer_means)
-
-
-def _rows_of_parts(layer: Any) -> list[Any]:
-    sizes = getattr(layer, "part_sizes", None)
-    if sizes is None or not isinstance(layer, nn.Linear):
-        return [layer]
-    scheme = getattr(layer, "quantization_scheme", None)
-    parts = layer.weight.split(list(sizes))
-    return [SimpleNamespace(weight=rows, quantization_scheme=scheme) for rows in parts]
-
-
 def _marked(function: Callable[..., Any]) -> Callable[..., Any]:
     setattr(function, _FOLDED_MARK, True)
     return function
 
 
-def _wrap_once(owner: Any, attribute: str, wrap: Callable[[Any], Callable[..., Any]], *, static: bool = False) -> None:
+def _wrap_once(owner: Any, attribute: str, wrap: Callable[[Any], Callable[..., Any]]) -> None:
     function = getattr(owner, attribute, None)
-    if function is None or getattr(function, _FOLDED_MARK, False):
-        return
-    wrapped = wrap(function)
-    setattr(owner, attribute, staticmethod(wrapped) if static else wrapped)
+    if function is not None and not getattr(function, _FOLDED_MARK, False):
+        setattr(owner, attribute, wrap(function))
 
 
 def _fold_smoothquant(module: ModuleType) -> None:
@@ -221,14 +202,13 @@ def _fold_smoothquant(module: ModuleType) -> None:
 
 
 def _fold_awq(module: ModuleType) -> None:
-    """Give ``module``'s AWQ modifier the folding resolution and weight means, and its matching the folding of smooth
-    layers (once each)."""
+    """Give ``module``'s AWQ modifier the folding resolution, and its matching the folding of smooth layers (once
+    each)."""
     modifier = getattr(module, "AWQModifier", None)
     if modifier is None:
         return
     _wrap_once(module, "match_modules_set", _folded_awq_matches)
     _wrap_once(modifier, "_set_resolved_mappings", _folded_awq_resolution)
-    _wrap_once(modifier, "_compute_layer_means", _parts_layer_means, static=True)
 
 
 _FOLDS: dict[str, Callable[[ModuleType], None]] = {_SMOOTHQUANT_MODULE: _fold_smoothquant, _AWQ_MODULE: _fold_awq}
