@@ -24,16 +24,15 @@ which hold no parameters for llm-compressor's offloaded updates to write: llm-co
 (``re:.*v_proj$``, ``re:.*up_proj$``) also match ``qkv_proj`` and ``gate_up_proj`` themselves, and balancing a fused
 layer and its parts would scale each row twice.
 
-A mapping naming only some parts of a fused layer cannot be folded (scaling the fused layer would scale the other
-parts too): refused by name, before any weight changes. SmoothQuant refuses a mapping smoothing a slice's output
-too. AWQ's own mappings smooth slices (``v_proj`` -> ``o_proj``, ``up_proj`` -> ``down_proj``); it smooths the fused
-layer instead, whose last rows llm-compressor divides when a fused smooth layer has more rows than the balanced Linear reads (its own rule for
-fused ``qkv_proj`` layers). Those are the slice's rows, and the very division of stock's, when the slice is its fused
-layer's last part; otherwise refused by name, as is (among the mappings llm-compressor goes on to smooth) a fused
-smooth layer with a bias, whose whole bias llm-compressor would divide.
-Its shape check for ``qkv_proj`` -> ``o_proj`` (``3 * o_proj.in_features`` rows) then decides as stock's for
-``v_proj`` does (``o_proj.in_features`` rows), since ``q_proj`` has ``o_proj.in_features`` rows and ``k_proj`` as many
-as ``v_proj``.
+A mapping naming only some parts of a fused layer cannot be folded (scaling the fused layer would scale the other parts
+too): refused by name, before any weight changes. SmoothQuant refuses a mapping smoothing a slice's output too. AWQ's
+own mappings smooth slices (``v_proj`` -> ``o_proj``, ``up_proj`` -> ``down_proj``); modelpatch has it smooth the fused
+layer, whose last rows llm-compressor divides when a fused smooth layer has more rows than the balanced Linear reads
+(its own rule for fused ``qkv_proj`` layers). Those are the slice's rows, and the very division of stock's, when the
+slice is its fused layer's last part; otherwise refused by name, as is (among the mappings llm-compressor goes on to
+smooth) a fused smooth layer with a bias, whose whole bias llm-compressor would divide. Its shape check for ``qkv_proj``
+-> ``o_proj`` (``3 * o_proj.in_features`` rows) then decides as stock's for ``v_proj`` does (``o_proj.in_features``
+rows), since ``q_proj`` has ``o_proj.in_features`` rows and ``k_proj`` as many as ``v_proj``.
 
 llm-compressor is never imported here. Its modules get the rewrite when a model with fused projections is built: at
 once where a module is already imported, else at its import (a finder placed first on ``sys.meta_path``, which takes
