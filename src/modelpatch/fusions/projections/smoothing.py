@@ -166,9 +166,12 @@ def _folded_awq_resolution(resolve: Callable[..., Any]) -> Callable[..., Any]:
         # The parents are resolved from the names matched, the parts' among them: the rewrite comes after.
         resolve(modifier, model)
         for mapping in modifier._resolved_mappings:
-            smooth, rows = mapping.smooth_layer, mapping.balance_layers[0].in_features
+            smooth = mapping.smooth_layer
             # Decided on the mappings that passed llm-compressor's shape checks: those it would smooth.
-            if isinstance(smooth, FusedLinear) and smooth.bias is not None and smooth.out_features != rows:
+            if not isinstance(smooth, FusedLinear) or smooth.bias is None:
+                continue
+            rows = mapping.balance_layers[0].in_features
+            if smooth.out_features != rows:
                 raise FusionError(
                     f"AWQ's mapping smooths {mapping.smooth_name}, a fused layer with a bias, by {rows} scales: "
                     "llm-compressor divides its last rows but the whole bias. Load the model without this fusion to "
