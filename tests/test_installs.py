@@ -114,7 +114,7 @@ def test_every_install_is_listed_and_says_whether_it_is_made_once_its_first_need
     steps = json.loads(result.stdout.strip().splitlines()[-1])
     assert steps["import"] == []
     # Fused projections fold llm-compressor's SmoothQuant mappings where llm-compressor is installed (CI installs it).
-    folds = ["smoothquant_mappings"] if importlib.util.find_spec("llmcompressor") is not None else []
+    folds = ["smoothing_mappings"] if importlib.util.find_spec("llmcompressor") is not None else []
     assert set(steps["qkv"]) == {"module_new", "transformers_patch_registry", "meta_initialisation", *folds}
     # linear_experts replaces a class qwen2_moe records (its experts) by one that is no subclass of it; its experts
     # watch torch's registrations once packed (not on a torch without a grouped product: 2.6).

@@ -264,10 +264,11 @@ _TABLE: dict[str, tuple[str, str, str]] = {
         "modelpatch.fusions.linear_experts.modules._register_opaque_grouped_linear",
         "the first LinearExperts built",
     ),
-    "smoothquant_mappings": (
-        "llm-compressor's SmoothQuantModifier._resolve_mappings (wrapped; before llm-compressor is imported, a finder "
-        "on sys.meta_path waiting for that one module)",
-        "modelpatch.fusions.projections.smoothing.fold_smoothquant_mappings",
+    "smoothing_mappings": (
+        "llm-compressor's SmoothQuantModifier._resolve_mappings, AWQModifier._set_resolved_mappings and the "
+        "AWQ module's match_modules_set (wrapped; before llm-compressor is imported, a "
+        "finder on sys.meta_path waiting for those two modules)",
+        "modelpatch.fusions.projections.smoothing.fold_smoothing_mappings",
         "the first module with fused projections built, where llm-compressor is installed",
     ),
 }

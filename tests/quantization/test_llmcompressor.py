@@ -31,7 +31,9 @@ try:  # a release outside the range it was checked on may fail at import with mo
     from llmcompressor.modeling.moe.linearize import linearize_moe
     from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.modifiers.transform.awq import AWQMapping, AWQModifier
     from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
+    from llmcompressor.pipelines.cache import IntermediatesCache
     from llmcompressor.transformers.compression.compressed_tensors_utils import modify_save_pretrained
 except Exception as error:  # noqa: BLE001
     pytest.skip(f"llm-compressor does not import here: {error!r}", allow_module_level=True)
@@ -141,19 +143,23 @@ def test_a_smoothquant_mapping_naming_some_parts_of_a_fused_layer_is_refused_by_
     assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items())
 
 
-def test_smoothquant_imported_after_the_fused_model_is_built_folds_its_mappings(tiny):
-    """The order of the imports does not matter: llm-compressor's SmoothQuant imported after the fused model is built
-    (a fresh interpreter) resolves mappings naming the parts to the fused layers all the same."""
+def test_smoothing_modifiers_imported_after_the_fused_model_is_built_fold_their_mappings(tiny):
+    """The order of the imports does not matter: llm-compressor's SmoothQuant and AWQ imported after the fused model
+    is built (a fresh interpreter) resolve mappings naming the parts to the fused layers all the same."""
     script = f"""
 import sys
 from transformers import AutoModelForCausalLM
 import modelpatch
 model = modelpatch.from_pretrained(AutoModelForCausalLM, {str(tiny("llama").path)!r}, fusion_config={FUSED!r})
-assert "llmcompressor.modifiers.transform.smoothquant.base" not in sys.modules
+assert not any(name.startswith("llmcompressor.modifiers.transform") for name in sys.modules)
 from llmcompressor.modifiers.transform.smoothquant.base import SmoothQuantModifier
-print(getattr(SmoothQuantModifier._resolve_mappings, "_modelpatch_folds_fused_projections", False))
+from llmcompressor.modifiers.transform.awq import base
+mark = "_modelpatch_folds_fused_projections"
+wrapped = [SmoothQuantModifier._resolve_mappings, base.AWQModifier._set_resolved_mappings, base.match_modules_set]
+waiting = any(type(finder).__name__ == "_FoldAtImport" for finder in sys.meta_path)
+print(all(getattr(function, mark, False) for function in wrapped), waiting)
 """
-    assert run_fresh(script).stdout.strip().splitlines()[-1] == "True"
+    assert run_fresh(script).stdout.strip().splitlines()[-1] == "True False"
 
 
 def test_moe_calibration_runs_every_expert_on_every_token(tiny):
@@ -251,11 +257,19 @@ def test_llmcompressors_save_wrapper_on_a_modelpatch_model(tiny, tmp_path):
     torch.testing.assert_close(_logits(reloaded), _logits(model), rtol=0, atol=1e-6)
 
 
-def _wide_checkpoint(directory: Path) -> Path:
-    """A Llama whose projections read 128 features: one group (and one block) of 128 columns per row."""
-    config = sized_config("llama", vocab=VOCAB, hidden=128, intermediate=128, layers=1, heads=4, kv_heads=2)
+def _wide_checkpoint(directory: Path, family: str = "llama", kv_heads: int = 2, *, uneven_norms: bool = False) -> Path:
+    """A Llama (or ``family``) whose projections read 128 features: one group (and one block) of 128 columns per
+    row. ``uneven_norms``: layernorm weights drawn log-normal instead of ones, so that the input channels of the
+    projections differ in size (AWQ then scales every mapping instead of finding the identity best)."""
+    config = sized_config(family, vocab=VOCAB, hidden=128, intermediate=128, layers=1, heads=4, kv_heads=kv_heads)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    model = AutoModelForCausalLM.from_config(config)
+    if uneven_norms:
+        with torch.no_grad():
+            for name, weight in model.named_parameters():
+                if name.endswith("layernorm.weight"):
+                    weight.copy_(torch.randn(weight.shape).mul(0.8).exp())
+    model.save_pretrained(directory)
     return directory
 
 
@@ -276,6 +290,70 @@ def test_w4a16_packed_weights_of_fused_layers_save_what_stock_saves(tmp_path, mo
     assert read_tensors(ours)["model.layers.0.self_attn.k_proj.weight_shape"].tolist() == [64, 128]
     reloaded = AutoModelForCausalLM.from_pretrained(ours)
     torch.testing.assert_close(_logits(reloaded), _logits(model), rtol=0, atol=1e-5)
+
+
+@pytest.fixture
+def _unpinned(monkeypatch):
+    """llm-compressor 0.14's AWQ pins its cached calibration inputs in memory, which needs a CUDA driver: on a machine
+    without one, the cache is left unpinned (pinning speeds host-to-device copies and changes no value)."""
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(IntermediatesCache, "pin_memory", lambda self, batch_index, input_names=None: None)
+
+
+def _awq_w4a16(mappings=None):
+    return lambda: [
+        AWQModifier(mappings=mappings),
+        QuantizationModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"]),
+    ]
+
+
+@pytest.mark.usefixtures("_unpinned")
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha-four-mappings", "gqa-v-to-o-skipped"])
+def test_awq_w4a16_on_fused_layers_saves_what_stock_saves(tmp_path, kv_heads):
+    """AWQ with the mappings llm-compressor infers for Llama (q/k/v by input_layernorm, v_proj -> o_proj, gate/up by
+    post_attention_layernorm, up_proj -> down_proj): the same grid search on the fused layers (the same inputs, the
+    rows quantized per group as the parts', the loss over the same parent modules), so the scaled, 4-bit packed
+    weights and their scales are stock's. v_proj and up_proj smooth as the last rows of their fused layers; with
+    grouped-query attention (v_proj narrower than o_proj's input) stock skips v_proj -> o_proj, and so does the fused
+    model."""
+    checkpoint = _wide_checkpoint(tmp_path / "source", kv_heads=kv_heads, uneven_norms=True)
+    stock, ours, model = _stock_and_ours(checkpoint, tmp_path, FUSED, _awq_w4a16(), _awq_w4a16())
+    _assert_same_checkpoint(ours, stock)
+    source, saved = read_tensors(checkpoint), read_tensors(ours)
+    norms = ["model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight"]
+    assert not any(torch.equal(saved[name], source[name]) for name in norms)  # both layernorms smoothed
+    reloaded = AutoModelForCausalLM.from_pretrained(ours)
+    torch.testing.assert_close(_logits(reloaded), _logits(model), rtol=0, atol=1e-5)
+
+
+@pytest.mark.usefixtures("_unpinned")
+@pytest.mark.parametrize(
+    ("family", "mapping", "message"),
+    [
+        (
+            "llama",
+            AWQMapping("re:.*input_layernorm$", ["re:.*q_proj$"]),
+            r"input_layernorm balances part\(s\) \[0\] of the fused qkv_proj",
+        ),
+        ("llama", AWQMapping("re:.*gate_proj$", ["re:.*down_proj$"]), r"mlp\.gate_proj, part 0 of the fused gate_up"),
+        (
+            "qwen2",
+            AWQMapping("re:.*v_proj$", ["re:.*o_proj$"]),
+            r"self_attn\.qkv_proj, a fused layer with a bias, by 128 scales",
+        ),
+    ],
+    ids=["some-parts-balanced", "first-part-smoothed", "fused-smooth-layer-with-bias"],
+)
+def test_an_awq_mapping_the_fused_layer_cannot_follow_is_refused_by_name(tmp_path, family, mapping, message):
+    """Balancing q_proj alone would scale k_proj's and v_proj's rows too; llm-compressor smooths a fused layer's last
+    rows (gate_proj's are its first) and would divide Qwen2's whole qkv bias by v_proj's scales: each refused, naming
+    the mapping and the fused layer, before any weight changes."""
+    checkpoint = _wide_checkpoint(tmp_path / "source", family=family, kv_heads=4)
+    model = modelpatch.from_pretrained(AutoModelForCausalLM, checkpoint, fusion_config=FUSED)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with pytest.raises(modelpatch.FusionError, match=message):
+        _quantize(model, _awq_w4a16([mapping])())
+    assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in before.items())
 
 
 def test_a_layout_that_cannot_be_split_is_refused_by_name_before_anything_is_written(tmp_path):

@@ -31,7 +31,7 @@ from ..hooks import hooked
 from ..sharding import FusedParts, TensorParallelLayout, TensorParallelShard
 from ..spec import ModuleFusionSpec, ModulesToFuse
 from .modules import FusedLinear, ProjectionSlice, fuse_linears
-from .smoothing import fold_smoothquant_mappings
+from .smoothing import fold_smoothing_mappings
 
 # Attributes a module's forward may read from a projection (what a slice provides besides being called).
 _SLICE_ATTRIBUTES = ("weight", "bias", "in_features", "out_features")
@@ -160,7 +160,7 @@ class FusedProjectionsSpec(ModuleFusionSpec):
                 self.__class__ = original_cls
                 return
             fuse_linears(self, *group, apart_from_rows=spec.apart_from_rows)
-            fold_smoothquant_mappings()
+            fold_smoothing_mappings()
 
         return make_class(self.prefix, original_cls, {"__init__": __init__}, spec=self)
 
