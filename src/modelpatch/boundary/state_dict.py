@@ -80,7 +80,8 @@ def iter_original_state_dict(model: PreTrainedModel) -> Iterator[tuple[str, torc
     for checkpoint_key, runtime_key in plan.layout.direct.items():
         yield checkpoint_key, fetch(runtime_key)
     for group in plan.layout.groups:
-        yield from group.run(fetch).items()
+        # A sharded model's groups as its save mode computes them (a fused tensor gathered part by part).
+        yield from (plan.group_tensors(group) if merged is None else group.run(fetch)).items()
 
 
 def _keeping_metadata(
