@@ -342,3 +342,16 @@ def test_from_config_with_a_distributed_config_is_refused_by_name_as_stock_canno
         for ours in (refused["function"], refused["auto"]):
             assert ours.startswith("TensorParallelError: from_config takes no distributed_config"), ours
             assert "from_pretrained(..., distributed_config=...)" in ours and "load_sharded" in ours
+
+
+@pytest.mark.parametrize(
+    "keywords", [{"distributed_config": {"fsdp_size": 4}}, {"tp_plan": "auto"}, {"tp_plan": "auto", "tp_size": 2}]
+)
+def test_from_config_refuses_sharding_keywords_in_one_process_too(keywords):
+    """The refusal is the keyword's, before anything is built, whatever the process (and the transformers) is."""
+    config = LlamaConfig(**TEXT)
+    given = " / ".join(keywords)
+    with pytest.raises(TensorParallelError, match=f"^from_config takes no {given}: stock transformers' from_config"):
+        modelpatch.from_config(LlamaForCausalLM, config, **keywords)
+    # Without them, the same call builds.
+    assert isinstance(modelpatch.from_config(LlamaForCausalLM, config), LlamaForCausalLM)
