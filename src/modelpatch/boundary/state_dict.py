@@ -50,9 +50,10 @@ def iter_original_state_dict(model: PreTrainedModel) -> Iterator[tuple[str, torc
     ``model.embed_tokens.weight`` and no ``lm_head.weight``.
 
     On a tensor-parallel or FSDP2-sharded model (``fully_shard``) every rank must iterate, to the end and in step:
-    each tensor is gathered from its shards when its turn comes (``DTensor.full_tensor()``, a collective), so a group
-    is gathered only while it is converted and yielded, and every rank receives the full tensors. Weights of modules
-    offloaded to disk are read from their files when their turn comes.
+    each tensor is gathered from its shards when its turn comes (``DTensor.full_tensor()``, a collective; a fused
+    ``qkv_proj`` / ``gate_up_proj`` sharded by rows part by part, never whole: ``ShardedTensors.save_group``), so a
+    group is gathered only while it is converted and yielded, and every rank receives the full tensors. Weights of
+    modules offloaded to disk are read from their files when their turn comes.
 
     A LoRA model (a ``PeftModel``, or the model it adapts, also after ``merge_adapter()``) yields its merged weights:
     bitwise what ``copy.deepcopy(peft_model).merge_and_unload()`` then this stream would yield, without that copy and
