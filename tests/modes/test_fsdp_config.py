@@ -2,18 +2,21 @@
 processes under ``torchrun`` (gloo), against stock transformers' own ``distributed_config`` load on the same mesh.
 
 One launch (fsdp_config_worker.py) runs both meshes, ``fsdp_size=4`` and ``dp_replicate_size=2, fsdp_size=2``
-(HSDP), on a Llama of 8 attention heads to 2 key/value heads, unfused and with fused ``qkv`` + ``gate_up``; and on
-``fsdp_size=4`` the fused model with tied embeddings and a Qwen2-MoE (unfused, ``linear_experts``). Checked here:
+(HSDP), on a Llama of 8 attention heads to 2 key/value heads, unfused and with fused ``qkv`` + ``gate_up``, the fused
+model with tied embeddings and a Qwen2-MoE (unfused, ``linear_experts``). Checked here:
 the modules a fusion leaves alone are sharded exactly as stock shards them (every parameter's placements, mesh and
 local shape; the same ``fully_shard`` units, owning the same parameters), restructured ones ``Shard(0)`` over the
 same mesh; each rank copies into its shards only the bytes of its shards; a few AdamW steps give stock's losses;
 after training, modelpatch's collective ``save_pretrained`` and ``model.save_pretrained`` write the checkpoint's
-original layout, equal to stock's save of its own trained model.
+original layout, equal to stock's save of its own trained model; the collectives of the load and of the collective
+save (``torch.distributed``'s functions wrapped) move no fused tensor whole; ``from_config`` refuses a
+``distributed_config`` by name, as stock's cannot take one.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -54,6 +57,13 @@ RUNS = {
     "fsdp4_mixed": ("llama", {"fsdp_size": 4, "fsdp_mixed_precision": True}, {"unfused": None}),
     # Per-expert Linears where stock holds each layer's experts as two 3-D parameters.
     "fsdp4_moe": ("qwen2_moe", {"fsdp_size": 4}, {"unfused": None, "linear_experts": {"linear_experts": True}}),
+    # The tied embeddings and the experts on the HSDP mesh too.
+    "hsdp_tied": ("llama_tied", {"dp_replicate_size": 2, "fsdp_size": 2}, {"fused": FUSIONS["fused"]}),
+    "hsdp_moe": (
+        "qwen2_moe",
+        {"dp_replicate_size": 2, "fsdp_size": 2},
+        {"unfused": None, "linear_experts": {"linear_experts": True}},
+    ),
 }
 # fsdp_plan rules the fused model cannot take: a module it lacks; q_proj, a slice of qkv_proj holding no parameters.
 PLAN_REFUSALS = [
@@ -102,13 +112,18 @@ def mesh_run(checkpoints, tmp_path_factory) -> Path:
         dict(path=str(checkpoints["llama"]), mesh={"fsdp_size": 4, "fsdp_plan": plan}, fusion=FUSIONS["fused"])
         for plan in PLAN_REFUSALS
     ]
-    job.write_text(json.dumps({"out": str(out), "runs": runs, "plan_refusals": refusals}))
+    from_config = dict(path=str(checkpoints["llama"]), mesh={"fsdp_size": 4}, fusion=FUSIONS["fused"])
+    job.write_text(json.dumps({"out": str(out), "runs": runs, "plan_refusals": refusals, "from_config": from_config}))
     run_ranks(WORKER, job, RANKS)
     return out
 
 
 def _records(out: Path, run: str, case: str) -> list[dict]:
     return [torch.load(out / f"{run}_{case}_rank{rank}.pt", weights_only=False) for rank in range(RANKS)]
+
+
+def _hsdp(run: str) -> bool:
+    return "dp_replicate_size" in RUNS[run][1]
 
 
 def _stock_names(name: str) -> list[str]:
@@ -145,7 +160,7 @@ def test_sharded_as_stock_shards(mesh_run, run, case):
             assert local == (len(blocks[coordinate[-1]]), *shape[1:]), name
             if len(parts) > 1:  # a fused one holds the parts' rows
                 assert shape == (sum(part[2][0] for part in parts), *parts[0][2][1:]), name
-        assert "Shard(dim=0)" in placements and ("Replicate()" in placements) == (run == "hsdp")
+        assert "Shard(dim=0)" in placements and ("Replicate()" in placements) == _hsdp(run)
 
 
 @NEEDS_DISTRIBUTED_API
@@ -157,6 +172,72 @@ def test_each_rank_copies_only_its_shards(mesh_run, checkpoints, run, case):
     records = _records(mesh_run, run, case)
     assert all(record["placed"] == record["local"] for record in records)
     assert sum(record["placed"] for record in records) == whole * RUNS[run][1].get("dp_replicate_size", 1)
+
+
+def _moved_shapes(record: dict, call: str) -> list[tuple[int, ...]]:
+    """The shapes of the tensors the collectives of ``call`` moved on one rank (the worker's ``Collectives``)."""
+    return [shape for _, shape in record["collectives"][call] if shape is not None]
+
+
+def _restructured_shapes(record: dict, checkpoint: Path) -> set[tuple[int, ...]]:
+    """The full shapes of the parameters the checkpoint holds under no key of its own: fused ``qkv_proj`` /
+    ``gate_up_proj``, stock's 3-D experts."""
+    keys = set(read_tensors(checkpoint))
+    return {params[2] for name, params in record["layout"]["params"].items() if name not in keys}
+
+
+@NEEDS_DISTRIBUTED_API
+@FSDP2_RUNS_ON_CPU
+@pytest.mark.parametrize(("run", "case"), CASES)
+def test_no_collective_of_the_load_or_the_collective_save_moves_a_restructured_tensor(mesh_run, checkpoints, run, case):
+    """Counted by wrapping torch.distributed's collectives (c10d's and the functional ones DTensor's full_tensor
+    ends in): the load moves no tensor between ranks (each reads its own rows from the files); the collective
+    ``modelpatch.save_pretrained`` moves none either (each rank writes its own rows), only its small agreement
+    objects: a fused ``qkv_proj`` / ``gate_up_proj`` (or stock's 3-D experts) is never gathered whole."""
+    checkpoint = checkpoints[RUNS[run][0]]
+    originals = {tuple(t.shape) for t in read_tensors(checkpoint).values()}
+    for record in _records(mesh_run, run, case):
+        restructured = _restructured_shapes(record, checkpoint)
+        assert _moved_shapes(record, "load") == []
+        # An original tensor gathered whole would be allowed (the stream's rule); none of the checkpoint's is.
+        moved = _moved_shapes(record, "save")
+        assert not [shape for shape in moved if shape in restructured or shape not in originals], moved
+        assert sorted(name for name, _ in record["collectives"]["save"]) == sorted(
+            ["distributed_c10d.broadcast_object_list"] * 2 + ["distributed_c10d.all_gather_object"]
+        )
+
+
+@NEEDS_DISTRIBUTED_API
+@FSDP2_RUNS_ON_CPU
+@pytest.mark.parametrize("run", ["fsdp4", "hsdp", "hsdp_tied"])
+@pytest.mark.parametrize("call", ["stream", "method"])
+def test_the_stream_and_the_method_save_gather_fused_tensors_part_by_part(mesh_run, checkpoints, run, call):
+    """``iter_original_state_dict`` and ``model.save_pretrained`` give every rank whole original tensors: a fused
+    ``qkv_proj`` / ``gate_up_proj`` comes as ``q``, ``k``, ``v`` (``gate``, ``up``), each part's rows broadcast by
+    the ranks holding them, never gathered whole; any other sharded tensor is gathered whole, once (its own
+    ``full_tensor``: the checkpoint's shape)."""
+    checkpoint = checkpoints[RUNS[run][0]]
+    originals = read_tensors(checkpoint)
+    for record in _records(mesh_run, run, "fused"):
+        restructured = _restructured_shapes(record, checkpoint)
+        moved = _moved_shapes(record, call)
+        assert not [shape for shape in moved if shape in restructured], moved
+        # Rows of a part: never more than the part (the largest, q), each of the model's tensors' width.
+        assert all(math.prod(shape) <= originals["model.layers.0.self_attn.q_proj.weight"].numel() for shape in moved)
+        gathered = [name for name, _ in record["collectives"][call] if name.endswith("all_gather_single")]
+        unfused = [p for name, p in record["layout"]["params"].items() if name in originals]
+        assert len(gathered) == len(unfused), (gathered, len(unfused))
+
+
+@NEEDS_DISTRIBUTED_API
+@FSDP2_RUNS_ON_CPU
+@pytest.mark.parametrize("run", ["fsdp4", "hsdp"])
+def test_the_counted_collectives_include_dtensor_gathers(mesh_run, run):
+    """The counting sees what DTensor gathers: stock's ``save_pretrained`` gathers each parameter once
+    (``full_tensor``), and every gather is counted with the parameter's full shape."""
+    for stock in _records(mesh_run, run, "stock"):
+        shapes = sorted(params[2] for params in stock["layout"]["params"].values())
+        assert sorted(_moved_shapes(stock, "method")) == shapes
 
 
 @NEEDS_DISTRIBUTED_API
@@ -180,7 +261,7 @@ def test_saves_after_training_are_stocks_save_of_its_trained_model(mesh_run, che
     stock = read_tensors(mesh_run / f"{run}_stock_save")
     saved = read_tensors(mesh_run / f"{run}_{case}_{save}_save")
     assert sorted(saved) == sorted(read_tensors(checkpoints[RUNS[run][0]]))
-    if run == "fsdp4_tied":
+    if RUNS[run][0] == "llama_tied":
         # Stock's save of its FSDP2 model writes the tied head too (its gathered state no longer shares storage),
         # equal to the embeddings; an unsharded save, stock's or modelpatch's, writes the embeddings alone.
         assert_bitwise_equal({"tied": stock.pop("lm_head.weight")}, {"tied": stock["model.embed_tokens.weight"]})
@@ -247,3 +328,30 @@ def test_an_fsdp_load_this_process_cannot_do_is_refused_by_name(checkpoints):
         message = r"FSDP2 loading \(fsdp_size=4\) drives the distributed API of transformers 5\.23; .* predates it"
     with pytest.raises(TensorParallelError, match=message):
         modelpatch.from_pretrained(LlamaForCausalLM, checkpoints["llama"], distributed_config={"fsdp_size": 4})
+
+
+@NEEDS_DISTRIBUTED_API
+@FSDP2_RUNS_ON_CPU
+def test_from_config_with_a_distributed_config_is_refused_by_name_as_stock_cannot_take_it(mesh_run):
+    """Stock transformers' ``from_config`` hands ``distributed_config`` to the model's ``__init__`` (a TypeError);
+    modelpatch's ``from_config`` and Auto class refuse it by name, on every rank of a torchrun launch, with the ways
+    to a sharded model."""
+    for rank in range(RANKS):
+        refused = json.loads((mesh_run / f"from_config_rank{rank}.json").read_text())
+        assert refused["stock"].startswith("TypeError: ") and "distributed_config" in refused["stock"]
+        for ours in (refused["function"], refused["auto"]):
+            assert ours.startswith("TensorParallelError: from_config takes no distributed_config"), ours
+            assert "from_pretrained(..., distributed_config=...)" in ours and "load_sharded" in ours
+
+
+@pytest.mark.parametrize(
+    "keywords", [{"distributed_config": {"fsdp_size": 4}}, {"tp_plan": "auto"}, {"tp_plan": "auto", "tp_size": 2}]
+)
+def test_from_config_refuses_sharding_keywords_in_one_process_too(keywords):
+    """The refusal is the keyword's, before anything is built, whatever the process (and the transformers) is."""
+    config = LlamaConfig(**TEXT)
+    given = " / ".join(keywords)
+    with pytest.raises(TensorParallelError, match=f"^from_config takes no {given}: stock transformers' from_config"):
+        modelpatch.from_config(LlamaForCausalLM, config, **keywords)
+    # Without them, the same call builds.
+    assert isinstance(modelpatch.from_config(LlamaForCausalLM, config), LlamaForCausalLM)

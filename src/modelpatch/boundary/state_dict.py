@@ -50,9 +50,10 @@ def iter_original_state_dict(model: PreTrainedModel) -> Iterator[tuple[str, torc
     ``model.embed_tokens.weight`` and no ``lm_head.weight``.
 
     On a tensor-parallel or FSDP2-sharded model (``fully_shard``) every rank must iterate, to the end and in step:
-    each tensor is gathered from its shards when its turn comes (``DTensor.full_tensor()``, a collective), so a group
-    is gathered only while it is converted and yielded, and every rank receives the full tensors. Weights of modules
-    offloaded to disk are read from their files when their turn comes.
+    each tensor is gathered from its shards when its turn comes (``DTensor.full_tensor()``, a collective; a fused
+    ``qkv_proj`` / ``gate_up_proj`` sharded by rows part by part, never whole: ``ShardedTensors.save_group``), so a
+    group is gathered only while it is converted and yielded, and every rank receives the full tensors. Weights of
+    modules offloaded to disk are read from their files when their turn comes.
 
     A LoRA model (a ``PeftModel``, or the model it adapts, also after ``merge_adapter()``) yields its merged weights:
     bitwise what ``copy.deepcopy(peft_model).merge_and_unload()`` then this stream would yield, without that copy and
@@ -80,7 +81,8 @@ def iter_original_state_dict(model: PreTrainedModel) -> Iterator[tuple[str, torc
     for checkpoint_key, runtime_key in plan.layout.direct.items():
         yield checkpoint_key, fetch(runtime_key)
     for group in plan.layout.groups:
-        yield from group.run(fetch).items()
+        # A sharded model's groups as its save mode computes them (a fused tensor gathered part by part).
+        yield from (plan.group_tensors(group) if merged is None else group.run(fetch)).items()
 
 
 def _keeping_metadata(

@@ -47,7 +47,7 @@ from ..checkpoint.json_file import MAX_CONFIG_BYTES, read_json
 from ..checkpoint.prefetch import prefetching
 from ..conversion.planner import TensorMeta
 from ..conversion.transforms import WeightTransform
-from ..errors import CheckpointError, FusionError, LoadPlanError, ModelPatchError
+from ..errors import CheckpointError, FusionError, LoadPlanError, ModelPatchError, TensorParallelError
 from ..fusions.apply import PreparedFusions, has_enabled_fusions, prepare_fusions, resolve_fusion_config
 from ..fusions.generated import finish_fused_modules
 from ..modes.base import LoadMode, TensorSource
@@ -713,11 +713,18 @@ def from_config(
     patcher: Patcher | None = None,
     fusion_config: FusionConfig | None = None,
     dtype: torch.dtype | str | None = None,
+    distributed_config: DistributedConfig | Mapping[str, Any] | None = None,
+    tp_plan: str | Mapping[str, str] | None = None,
+    tp_size: int | None = None,
 ) -> PreTrainedModel:
     """Build a freshly initialised model from ``config`` with patches and fusions applied (no weights read).
 
-    Args mirror :func:`from_pretrained`; ``model_class`` may be an Auto class.
+    Args mirror :func:`from_pretrained`; ``model_class`` may be an Auto class. ``distributed_config``, ``tp_plan``
+    and ``tp_size`` are refused (:class:`~modelpatch.TensorParallelError`, naming the keyword and what to do): stock
+    transformers' ``from_config`` does not take them either (it hands them to the model's ``__init__``, which fails
+    with a ``TypeError``), and a freshly initialised model has no checkpoint whose shards each rank could read.
     """
+    _refuse_sharded_build(distributed_config=distributed_config, tp_plan=tp_plan, tp_size=tp_size)
     options = LoadOptions(patcher=patcher, fusion_config=fusion_config, dtype=dtype)
     if not isinstance(config, PretrainedConfig):
         raise TypeError(f"config must be a transformers PretrainedConfig, got {config!r}.")
@@ -734,6 +741,18 @@ def from_config(
     ensure_model_record(model).transforms = tuple(_conversions(model, options.patcher, fusions))
     _record_build(model, model_expectations(model), _conversions(model, options.patcher, PreparedFusions()))
     return model
+
+
+def _refuse_sharded_build(**keywords: Any) -> None:
+    """Refuse the sharding keywords given to :func:`from_config` by name, with the two ways to a sharded model."""
+    if given := [name for name, value in keywords.items() if value is not None]:
+        raise TensorParallelError(
+            f"from_config takes no {' / '.join(given)}: stock transformers' from_config does not shard a model at "
+            "build time either (it passes the keyword to the model's __init__, which refuses it). Save the built "
+            "model (save_pretrained) and load it under torchrun with modelpatch.from_pretrained(..., "
+            f"{given[0]}=...), or build it on the meta device, fully_shard it yourself and fill it with "
+            "modelpatch.load_sharded."
+        )
 
 
 def _record_build(

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..conversion.planner import ConversionPlan
+from ..conversion.planner import ConversionGroup, ConversionPlan
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -42,7 +42,9 @@ class SaveMode:
     1. :meth:`save_writer` — how the save's files are written (the last mode naming one wins);
     2. :meth:`plan_save` — the plan made, before any tensor data is read or any byte is written: refuse here;
     3. :meth:`save_tensor` — each runtime tensor on its way out, when the writer reads it (each mode is given the
-       previous mode's tensor, in load order).
+       previous mode's tensor, in load order);
+    4. :meth:`save_group` — a conversion group's written tensors, where a mode computes them otherwise than from its
+       sources fetched whole (the first mode answering wins).
 
     The loader records the modes of a load on the model (its record's ``load_modes``); a save of the model, or of a
     copy of it, calls these hooks with the model being saved (``plan.model``): a mode must read what it needs there.
@@ -65,6 +67,11 @@ class SaveMode:
         for a sharded one).
         """
         return tensor
+
+    def save_group(self, plan: SavePlan, group: ConversionGroup) -> dict[str, torch.Tensor] | None:
+        """The tensors ``group`` (runtime -> checkpoint) writes, whole, computed by this mode (a sharded model's rows
+        gathered target by target); None: the group is run on its sources fetched whole (:meth:`save_tensor`)."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -157,10 +164,22 @@ class SavePlan:
             tensor = mode.save_tensor(self, key, tensor, rows)
         return tensor.detach()
 
+    def group_tensors(self, group: ConversionGroup) -> dict[str, torch.Tensor]:
+        """The tensors ``group`` writes, whole: as a mode computes them (:meth:`SaveMode.save_group`), else run on its
+        sources fetched whole."""
+        with torch.no_grad():
+            for mode in self.modes:
+                if (outputs := mode.save_group(self, group)) is not None:
+                    return outputs
+            return group.run(self.fetch)
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor the save writes, whole, each owning its storage (views of one fused parameter copied)."""
         with torch.no_grad():
-            return independent(self.layout.run(self.fetch))
+            tensors = {key: self.fetch(runtime) for key, runtime in self.layout.direct.items()}
+            for group in self.layout.groups:
+                tensors.update(self.group_tensors(group))
+            return independent(tensors)
 
     def checkpoint_metas(self) -> dict[str, torch.Tensor]:
         """Each written tensor's full shape and dtype (meta tensors), by written key."""

@@ -166,6 +166,53 @@ class ShardedTensors(SaveMode):
             return tensor
         return tensor.to_local() if rows is not None else tensor.full_tensor()
 
+    def save_group(self, plan: SavePlan, group: ConversionGroup) -> dict[str, torch.Tensor] | None:
+        """A fused ``q/k/v`` or ``gate/up`` of FSDP2's ``Shard(0)`` (a group splitting one tensor by rows) gathered
+        part by part: each part's rows come from the ranks holding them, so no rank gathers the fused tensor whole
+        (a collective: every rank of the mesh runs it). None for any other group."""
+        source = group.source_keys()[0]
+        tensor = plan.written()[source]
+        rows = plan.rows(source)
+        if not (_splits_rows(group) and isinstance(tensor, DTensor) and rows is not None):
+            return None
+        shards = [dim for dim, placement in enumerate(tensor.placements) if placement.is_shard()]
+        if len(shards) != 1:
+            return None
+        local = plan.fetch(source, rows)
+        parts = group.operations[0].sizes  # type: ignore[attr-defined]  # a Chunk with sizes: _splits_rows
+        outputs, start = {}, 0
+        for key, size in zip(group.target_keys(), parts, strict=True):
+            outputs[key] = _gathered_rows(tensor, shards[0], local, rows, start, start + size)
+            start += size
+        return outputs
+
+
+def _gathered_rows(tensor: DTensor, dim: int, local: torch.Tensor, rows: Rows, start: int, stop: int) -> torch.Tensor:
+    """Rows ``start:stop`` of ``tensor`` (sharded by rows along mesh dimension ``dim``, replicated along the others;
+    this rank holds ``local``, its ``rows``), on every rank: each rank holding some of them broadcasts them over
+    that mesh dimension's group (a collective of every rank of the mesh), so only these rows move.
+
+    Which rows each rank holds follows from the full size alone: ``Shard(0)`` splits as ``torch.chunk`` does (blocks
+    of ``ceil(rows / ranks)``, the last ones shorter or empty)."""
+    mesh = tensor.device_mesh
+    group, ranks, mine = mesh.get_group(dim), mesh.size(dim), mesh.get_local_rank(dim)
+    total = tensor.shape[0]
+    block = -(-total // ranks)
+    if rows.start != min(mine * block, total):
+        raise SaveError(f"rows {rows.start}:{rows.stop} of a tensor of {total} rows are not torch.chunk's block {mine}")
+    pieces = []
+    for index in range(ranks):
+        first, last = max(start, index * block), min(stop, (index + 1) * block, total)
+        if first >= last:
+            continue
+        if index == mine:
+            piece = local[first - rows.start : last - rows.start].contiguous()
+        else:
+            piece = torch.empty((last - first, *local.shape[1:]), dtype=local.dtype, device=local.device)
+        dist.broadcast(piece, src=dist.get_global_rank(group, index), group=group)
+        pieces.append(piece)
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
 
 class ShardedState:
     """A sharded model's save plan, the checkpoint layout it is written in, and each rank's part of it."""
