@@ -30,8 +30,9 @@ which matches nothing there and only warns, is refused when it loads their weigh
 from __future__ import annotations
 
 import sys
+import weakref
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from torch import nn
@@ -65,18 +66,47 @@ def output_embeddings(model: PreTrainedModel) -> nn.Module | None:
 
 def install_adapter_guard(model: nn.Module) -> None:
     """Give each transformers model within ``model`` (itself included) :func:`output_embeddings` as its
-    ``get_output_embeddings``, and each fused experts module :func:`refuse_per_expert_lora_save` as a state-dict
-    hook."""
+    ``get_output_embeddings``, and ``model`` the state-dict hooks that refuse stock PEFT's saves and loads of expert
+    LoRA it would carry partly (:func:`refuse_per_expert_lora_save`, :func:`refuse_stock_expert_lora_load`), once.
+
+    The hooks sit on ``model`` itself, not on its experts modules: a live ``fuse`` / ``unfuse`` replaces those, and a
+    state-dict hook of modelpatch's own there would read to the restructuring as a user's hook losing its meaning.
+    """
     for module in model.modules():
         if isinstance(module, PreTrainedModel):
             bind_method(module, "get_output_embeddings", output_embeddings)
-        elif callable(getattr(type(module), "original_names", None)):
-            module.register_state_dict_post_hook(refuse_per_expert_lora_save)
-            module.register_load_state_dict_pre_hook(refuse_stock_expert_lora_load)
+    if model not in _GUARDED:
+        _GUARDED.add(model)
+        model.register_state_dict_post_hook(_saving)
+        model.register_load_state_dict_pre_hook(_loading)
 
 
-def refuse_stock_expert_lora_load(module: nn.Module, state_dict: Mapping[str, Any], prefix: str, *args: Any) -> None:
-    """The load pre-hook of a fused experts module: PEFT loading LoRA that the module has no layer for is refused.
+# The models given the state-dict hooks (a restructuring installs the guard again on the same model).
+_GUARDED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _fused_experts(model: nn.Module, prefix: str) -> Iterator[tuple[nn.Module, str]]:
+    """Each module of ``model`` that stands for stock parameters (``original_names()``: the fused experts), with the
+    prefix of its keys."""
+    for name, module in model.named_modules():
+        if callable(getattr(type(module), "original_names", None)):
+            yield module, f"{prefix}{name}."
+
+
+def _saving(model: nn.Module, state_dict: Mapping[str, Any], prefix: str, metadata: Any) -> None:
+    if door.saves_adapter(sys._getframe(1)):
+        for _, experts_prefix in _fused_experts(model, prefix):
+            refuse_per_expert_lora_save(state_dict, experts_prefix)
+
+
+def _loading(model: nn.Module, state_dict: Mapping[str, Any], prefix: str, *args: Any) -> None:
+    if door.loads_adapter(sys._getframe(1)):
+        for experts, experts_prefix in _fused_experts(model, prefix):
+            refuse_stock_expert_lora_load(experts, state_dict, experts_prefix)
+
+
+def refuse_stock_expert_lora_load(module: nn.Module, state_dict: Mapping[str, Any], prefix: str) -> None:
+    """PEFT loading LoRA that the fused experts ``module`` (its keys under ``prefix``) has no layer for is refused.
 
     Stock ``PeftModel.from_pretrained(fused_model, dir)`` (or ``load_adapter`` on a PeftModel stock PEFT made) of an
     adapter with ``target_parameters`` of the stock 3-D experts finds no such parameter on the fused experts (they
@@ -85,8 +115,6 @@ def refuse_stock_expert_lora_load(module: nn.Module, state_dict: Mapping[str, An
     (``peft.set_peft_model_state_dict``), where the experts' keys (``<experts>.lora_A.<adapter>.weight``, nested
     ``base_layer.`` for the second parameter) arrive at a module that has nothing of that name.
     """
-    if not door.loads_adapter(sys._getframe(1)):
-        return
     own = {name for name, _ in module.named_children()} | set(module._parameters) | set(module._buffers)
     relative = [key[len(prefix) :] for key in state_dict if key.startswith(prefix)]
     lost = [f"{prefix}{key}" for key in relative if ".lora_" in f".{key}" and key.split(".")[0] not in own]
@@ -100,8 +128,8 @@ def refuse_stock_expert_lora_load(module: nn.Module, state_dict: Mapping[str, An
         )
 
 
-def refuse_per_expert_lora_save(module: nn.Module, state_dict: Mapping[str, Any], prefix: str, metadata: Any) -> None:
-    """The state-dict hook of a fused experts module: PEFT saving LoRA of its per-expert Linears is refused.
+def refuse_per_expert_lora_save(state_dict: Mapping[str, Any], prefix: str) -> None:
+    """PEFT saving LoRA of the per-expert Linears of the fused experts whose keys lie under ``prefix`` is refused.
 
     Stock PEFT given those Linears by name (``LoraConfig(target_modules=["gate_proj", "up_proj", "down_proj"])``,
     for model types PEFT does not rewrite into ``target_parameters``) adapts each Linear: its adapter names modules
@@ -111,8 +139,6 @@ def refuse_per_expert_lora_save(module: nn.Module, state_dict: Mapping[str, Any]
     modelpatch is the save (``peft.get_peft_model_state_dict`` collects the weights through ``state_dict``), and its
     config (names, no ``target_parameters``) is PEFT's, so that save cannot be made the stock adapter here.
     """
-    if not door.saves_adapter(sys._getframe(1)):
-        return
     held = [key for key in state_dict if key.startswith(prefix) and ".lora_" in key]
     if held:
         raise PeftIntegrationError(
