@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextvars
 import copy
-import functools
 import logging
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -44,6 +43,7 @@ from ..errors import PeftIntegrationError
 from ..fusions.linear_experts.modules import LinearExperts
 from ..fusions.projections import ProjectionSlice
 from ..modes.distributed import refuse_adapters
+from .lazy_classes import lazy_class, module_getattr
 from .peft_experts import (
     DOWN,
     GATE_UP,
@@ -72,7 +72,7 @@ class _TargetsModules(Protocol):
     target_modules: Any
 
 
-@functools.cache
+@lazy_class(__name__)
 def _slice_lora_class() -> type[nn.Module]:
     """The LoRA layer class for :class:`ProjectionSlice`, created on first use because it subclasses PEFT's."""
 
@@ -121,16 +121,11 @@ def _slice_lora_class() -> type[nn.Module]:
                 if bias is not None:
                     bias.data[rows] = rows_linear.bias.data
 
-    ProjectionSliceLoraLinear.__module__ = __name__
-    ProjectionSliceLoraLinear.__qualname__ = ProjectionSliceLoraLinear.__name__
     return ProjectionSliceLoraLinear
 
 
-def __getattr__(name: str) -> Any:
-    # The layer class is created on first use; this makes it importable (and picklable) by name all the same.
-    if name == "ProjectionSliceLoraLinear":
-        return _slice_lora_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# The layer class is created on first use, and importable (and picklable) by name all the same.
+__getattr__ = module_getattr(__name__, {"ProjectionSliceLoraLinear": _slice_lora_class})
 
 
 def _fused_parameters(part: ProjectionSlice) -> tuple[torch.Tensor, torch.Tensor | None]:

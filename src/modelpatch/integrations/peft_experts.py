@@ -34,6 +34,7 @@ from .. import _peft as door
 from ..errors import PeftIntegrationError
 from ..fusions.linear_experts.modules import ExpertMLP, LinearExperts
 from ..fusions.linear_experts.spec import ExpertsLayout
+from .lazy_classes import lazy_class, module_getattr
 
 # The stock experts' 3-D parameters, in the order the stock classes register them (gate_up_proj first in every
 # experts class linear_experts fuses), which is the order PEFT wraps them in: the first is the innermost wrapper.
@@ -136,7 +137,7 @@ class _ExpertHook:
         return output
 
 
-@functools.cache
+@lazy_class(__name__)
 def experts_lora_class() -> type[nn.Module]:
     """:class:`ExpertsLora`, created on first use because it derives from PEFT's ``LoraLayer``."""
 
@@ -238,16 +239,11 @@ def experts_lora_class() -> type[nn.Module]:
                     raise
                 return getattr(self.base_layer, name)  # what the MoE block reads of its experts
 
-    ExpertsLora.__module__ = __name__
-    ExpertsLora.__qualname__ = ExpertsLora.__name__
     return ExpertsLora
 
 
-def __getattr__(name: str) -> Any:
-    # The layer class is created on first use; this makes it importable (and picklable) by name all the same.
-    if name == "ExpertsLora":
-        return experts_lora_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# The layer class is created on first use, and importable (and picklable) by name all the same.
+__getattr__ = module_getattr(__name__, {"ExpertsLora": experts_lora_class})
 
 
 def _scaled_product(b: torch.Tensor, a: torch.Tensor, scale: float) -> torch.Tensor:
