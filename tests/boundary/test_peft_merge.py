@@ -22,25 +22,13 @@ from peft import IA3Config, LoraConfig
 import modelpatch
 from modelpatch.errors import PeftIntegrationError
 from support.compare import assert_bitwise_equal
+from support.expert_adapters import EXPERT_FAMILIES
 from support.files import read_tensors
 from support.zoo import load_zoo
 
 FUSED = {"qkv": True, "gate_up": True}
 MOE_FUSED = {**FUSED, "linear_experts": True}
 STOCK_EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
-# Every experts layout linear_experts fuses (transposed weights, with is_transposed and Llama 4's without, interleaved
-# gate/up with biases, other checkpoint names, a vision-language model), as tests/integrations/test_peft_experts.py.
-EXPERT_FAMILIES = [
-    "AriaTextForCausalLM",
-    "DeepseekV4ForCausalLM",
-    "GptOssForCausalLM",
-    "GraniteMoeForCausalLM",
-    "HYV4ForCausalLM",
-    "InklingForConditionalGeneration",
-    "Llama4ForCausalLM",
-    "MiniMaxM3VLForCausalLM",
-    "MixtralForCausalLM",
-]
 
 
 def _lora(**kwargs) -> LoraConfig:

@@ -26,6 +26,7 @@ import modelpatch
 from modelpatch.errors import PeftIntegrationError
 from modelpatch.fusions.linear_experts.modules import LinearExperts
 from support.compare import assert_outputs_close
+from support.expert_adapters import EXPERT_FAMILIES, write_per_expert_adapter
 from support.models import VOCAB
 from support.zoo import load_zoo
 
@@ -35,20 +36,6 @@ TOLERANCE = {"atol": 1e-5}
 EXPERTS = {"linear_experts": True}
 FUSED = {"qkv": True, "gate_up": True, "linear_experts": True}
 STOCK_TARGETS = ["experts.gate_up_proj", "experts.down_proj"]
-# Every experts layout linear_experts fuses (see test_linear_experts_layouts.py): the plain forward, the experts'
-# own _apply_gate, transposed weights (with is_transposed, and Llama 4's without), interleaved gate/up with biases,
-# other checkpoint names, a vision-language model.
-FAMILIES = [
-    "AriaTextForCausalLM",
-    "DeepseekV4ForCausalLM",
-    "GptOssForCausalLM",
-    "GraniteMoeForCausalLM",
-    "HYV4ForCausalLM",
-    "InklingForConditionalGeneration",
-    "Llama4ForCausalLM",
-    "MiniMaxM3VLForCausalLM",
-    "MixtralForCausalLM",
-]
 
 
 def _checkpoint(name: str, root: Path) -> tuple[type, Path]:
@@ -92,7 +79,7 @@ def _no_adapter_layers(model: torch.nn.Module) -> bool:
     return not any(isinstance(module, BaseTunerLayer) for module in model.modules())
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", EXPERT_FAMILIES)
 def test_stock_expert_adapter_loads_computes_and_saves_back_bitwise(tmp_path, name):
     """Stock PEFT's target_parameters adapter of the stock experts, loaded onto the fused model: the same outputs,
     merged too; saved again, the same tensors and targets."""
@@ -115,7 +102,7 @@ def test_stock_expert_adapter_loads_computes_and_saves_back_bitwise(tmp_path, na
     assert_outputs_close(_outputs(fused.merge_and_unload()), _outputs(stock.merge_and_unload()), **TOLERANCE)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", EXPERT_FAMILIES)
 def test_adapter_made_on_the_fused_model_is_the_stock_adapter(tmp_path, name):
     """modelpatch.get_peft_model with expert targets by module name: saved in the target_parameters form, which stock
     PeftModel.from_pretrained loads on the stock model and computes the same with."""
@@ -135,7 +122,7 @@ def test_adapter_made_on_the_fused_model_is_the_stock_adapter(tmp_path, name):
     assert_outputs_close(_outputs(fused.merge_and_unload()), _outputs(stock.merge_and_unload()), **TOLERANCE)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", EXPERT_FAMILIES)
 def test_one_seed_draws_stocks_initial_expert_adapter_bitwise(tmp_path, name):
     """Under one seed, modelpatch.get_peft_model on the fused model draws the initial LoRA weights stock PEFT draws
     on the stock model with the stock config (what the fused side saves): PEFT itself makes the experts' layers, on a
@@ -298,7 +285,7 @@ def _per_expert_targets(model: torch.nn.Module, children: str = "gate|up|down") 
 
 # Mixtral: stock PEFT rewrites per-expert targets into target_parameters for it (its transformers-v5 table), so it makes
 # no per-expert LoRA there; its transformers-4 adapters are the next test's.
-@pytest.mark.parametrize("name", [name for name in FAMILIES if name != "MixtralForCausalLM"])
+@pytest.mark.parametrize("name", [name for name in EXPERT_FAMILIES if name != "MixtralForCausalLM"])
 def test_per_expert_adapter_converts_to_the_stock_adapter_exactly(tmp_path, name):
     """A transformers-4-era adapter (per-expert LoRA, here made by stock PEFT on the linear_experts Linears, which
     compute it) loaded by modelpatch: the same outputs as its source; saved, the stock target_parameters adapter
@@ -343,20 +330,8 @@ def test_transformers_4_adapter_converts_as_stock_peft_converts_it(tiny, tmp_pat
     else:
         cls, path = _checkpoint(name, tmp_path)
     fused_model = modelpatch.from_pretrained(cls, path, fusion_config=EXPERTS)
-    experts = {n: m for n, m in fused_model.named_modules() if isinstance(m, LinearExperts)}
-    names = next(iter(experts.values()))[0].names
-    generator = torch.Generator().manual_seed(3)
-    state = {}
-    for path_, module in experts.items():
-        for index in range(len(module)):
-            for child in names:
-                linear = getattr(module[index], child)
-                key = f"base_model.model.{path_}.{index}.{child}"
-                state[f"{key}.lora_A.weight"] = torch.randn(2, linear.in_features, generator=generator) / 10
-                state[f"{key}.lora_B.weight"] = torch.randn(linear.out_features, 2, generator=generator) / 10
     directory = tmp_path / "transformers4"
-    _lora(target_modules=list(names)).save_pretrained(directory)
-    save_file(state, directory / "adapter_model.safetensors")
+    write_per_expert_adapter(fused_model, directory, lambda names: _lora(target_modules=names))
 
     stock = peft.PeftModel.from_pretrained(cls.from_pretrained(path), directory)
     fused = modelpatch.load_adapter(fused_model, directory)

@@ -15,11 +15,11 @@ import peft
 import pytest
 import torch
 from peft import LoraConfig
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import modelpatch
 from modelpatch.errors import PeftIntegrationError
-from modelpatch.fusions.linear_experts.modules import LinearExperts
+from support.expert_adapters import write_per_expert_adapter
 from support.models import VOCAB
 
 TOLERANCE = {"atol": 1e-5, "rtol": 0}
@@ -154,20 +154,8 @@ def test_a_transformers_4_adapter_as_the_second_converts_as_a_first_one(tiny, tm
     computes and saves on the stock model."""
     ckpt = tiny(name)
     fused_model = ckpt.load({"linear_experts": True})
-    experts = {n: m for n, m in fused_model.named_modules() if isinstance(m, LinearExperts)}
-    names = next(iter(experts.values()))[0].names
-    generator = torch.Generator().manual_seed(3)
-    state = {}
-    for path, module in experts.items():
-        for index in range(len(module)):
-            for child in names:
-                linear = getattr(module[index], child)
-                key = f"base_model.model.{path}.{index}.{child}"
-                state[f"{key}.lora_A.weight"] = torch.randn(2, linear.in_features, generator=generator) / 10
-                state[f"{key}.lora_B.weight"] = torch.randn(linear.out_features, 2, generator=generator) / 10
     directory = tmp_path / "transformers4"
-    _lora(target_modules=list(names)).save_pretrained(directory)
-    save_file(state, directory / "adapter_model.safetensors")
+    write_per_expert_adapter(fused_model, directory, lambda names: _lora(target_modules=names))
     first = _lora(target_modules=["q_proj"], target_parameters=["gate_up_proj", "down_proj"])
 
     fused = _two_adapters(fused_model, modelpatch.get_peft_model, first, first, "load_adapter", directory)
