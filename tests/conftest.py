@@ -15,6 +15,7 @@ import torch
 import transformers
 
 import modelpatch
+from modelpatch.checkpoint import Checkpoint
 from modelpatch.testing import scoped_registries
 from support.checkpoints import STOCK_CHECKPOINTS, CheckpointFactory
 
@@ -59,3 +60,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if item.get_closest_marker("slow") is not None:
                 item.add_marker(skip)
+
+
+@pytest.fixture
+def no_tensor_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test during which reading any checkpoint tensor fails: what is refused must be refused from the headers."""
+
+    def refuse(self, key):
+        raise AssertionError(f"tensor {key!r} was read")
+
+    monkeypatch.setattr(Checkpoint, "tensor", refuse)

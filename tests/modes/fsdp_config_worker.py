@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 
 import modelpatch
 from modelpatch.modes import fsdp
+from support.distributed import training_losses
 
 transformers.logging.set_verbosity_error()
 
@@ -149,15 +150,7 @@ def train(model: torch.nn.Module, rank: int) -> torch.Tensor:
     tokens = torch.randint(0, model.config.vocab_size, (2, 7), generator=generator)
     targets = torch.randint(0, model.config.vocab_size, (2, 7), generator=generator)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
-    losses = []
-    for _ in range(STEPS):
-        logits = model(input_ids=tokens).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.detach().clone())
-    return torch.stack(losses)
+    return training_losses(model, optimizer, tokens, targets, STEPS)
 
 
 def main() -> None:

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 import modelpatch
 from modelpatch.errors import FusionError, ModelPatchError
 from modelpatch.saving.contents import model_layout
+from support.distributed import training_losses
 
 transformers.logging.set_verbosity_error()
 
@@ -71,18 +72,12 @@ def train(model: torch.nn.Module, rank: int, record: dict) -> None:
     tokens, targets = batch(rank, model.config.vocab_size)
     with torch.no_grad():  # inference on the sharded model first
         record["inference"] = model(input_ids=tokens).logits
-    losses = []
-    for step in range(STEPS):
-        logits = model(input_ids=tokens).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        loss.backward()
-        if step == 0:
-            grads = {name: full(p.grad) for name, p in model.named_parameters() if p.grad is not None}
-            record["grads"] = original_layout(model, grads)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.detach().clone())
-    record["losses"] = torch.stack(losses)
+
+    def read_grads() -> None:
+        grads = {name: full(p.grad) for name, p in model.named_parameters() if p.grad is not None}
+        record["grads"] = original_layout(model, grads)
+
+    record["losses"] = training_losses(model, optimizer, tokens, targets, STEPS, read_grads)
     record["trained"] = original_layout(model, {name: full(p) for name, p in model.named_parameters()})
 
 
@@ -204,15 +199,7 @@ def adapters_then_fsdp(path: Path, mesh, rank: int) -> dict[str, torch.Tensor]:
         model = build()
         shard(model.base_model.model, mesh, None)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, foreach=False)
-        steps = []
-        for _ in range(STEPS):
-            logits = model(input_ids=tokens).logits
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            steps.append(loss.detach().clone())
-        losses[name] = torch.stack(steps)
+        losses[name] = training_losses(model, optimizer, tokens, targets, STEPS)
     return losses
 
 

@@ -22,7 +22,6 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 import modelpatch
-from modelpatch.checkpoint import Checkpoint
 from modelpatch.errors import LoadPlanError, SaveError
 from modelpatch.modes.quantization import quantizer_api_supported
 from support.compare import assert_bitwise_equal, bits
@@ -94,14 +93,6 @@ def torchao_checkpoint(plain_llama, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("torchao") / "llama"
     AutoModelForCausalLM.from_pretrained(plain_llama, quantization_config=int8_config()).save_pretrained(path)
     return path
-
-
-@pytest.fixture
-def no_tensor_reads(monkeypatch):
-    def refuse(self, key):
-        raise AssertionError(f"tensor {key!r} was read")
-
-    monkeypatch.setattr(Checkpoint, "tensor", refuse)
 
 
 def flat_state(model) -> dict[str, torch.Tensor]:

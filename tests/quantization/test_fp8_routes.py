@@ -75,14 +75,6 @@ def fp8_checkpoint(tmp_path_factory):
     return get
 
 
-@pytest.fixture
-def no_tensor_reads(monkeypatch):
-    def refuse(self, key):
-        raise AssertionError(f"tensor {key!r} was read")
-
-    monkeypatch.setattr(Checkpoint, "tensor", refuse)
-
-
 def _logits(model) -> torch.Tensor:
     vocab = model.config.get_text_config().vocab_size
     input_ids = torch.randint(0, vocab - 8, (2, 10), generator=torch.Generator().manual_seed(0))

@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -50,3 +51,26 @@ def run_ranks(worker: Path, job: Path, ranks: int, timeout: float = 300) -> None
     ]
     result = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+
+
+def training_losses(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
+    steps: int,
+    after_first_backward: Callable[[], None] | None = None,
+) -> torch.Tensor:
+    """The losses of ``steps`` optimizer steps of ``model`` on one batch (cross-entropy of its logits against
+    ``targets``), with ``after_first_backward`` called once the first step's gradients exist (to read them)."""
+    losses = []
+    for step in range(steps):
+        logits = model(input_ids=tokens).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss.backward()
+        if step == 0 and after_first_backward is not None:
+            after_first_backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach().clone())
+    return torch.stack(losses)
