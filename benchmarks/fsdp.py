@@ -33,7 +33,7 @@ import shutil
 import time
 from pathlib import Path
 
-from tensor_parallel import launch_two_ranks  # noqa: E402  (benchmarks/tensor_parallel.py: the same launch)
+from tensor_parallel import launch_ranks  # noqa: E402  (benchmarks/tensor_parallel.py: the same launch)
 
 HERE = Path(__file__).resolve()
 FUSIONS = {"qkv": True, "gate_up": True}
@@ -198,7 +198,7 @@ def main() -> None:
             build_checkpoint(path, args.quick)
         size = sum(file.stat().st_size for file in path.glob("*.safetensors"))
         print(f"checkpoint: {size / 1e9:.2f} GB; load average before: {os.getloadavg()}")
-        launch_two_ranks(HERE, ["--worker", str(path), "--out", str(args.out)], port=29518)
+        launch_ranks(HERE, ["--worker", str(path), "--out", str(args.out)], port=29518)
         print(f"load average after: {os.getloadavg()}")
     finally:
         if not args.keep:

@@ -105,16 +105,16 @@ def main() -> None:
     if not (path / "config.json").exists():
         config = LlamaConfig(**(QUICK["llama"] if args.quick else CASES["llama"][1]), dtype="bfloat16")
         LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
-    launch_two_ranks(HERE, ["--worker", str(path), "--rounds", str(args.rounds)], port=29517)
+    launch_ranks(HERE, ["--worker", str(path), "--rounds", str(args.rounds)], port=29517)
 
 
-def launch_two_ranks(script: Path, arguments: list[str], *, port: int) -> None:
-    """Run ``script arguments`` on two processes under ``torchrun`` (this folder importable)."""
+def launch_ranks(script: Path, arguments: list[str], *, port: int, ranks: int = 2) -> None:
+    """Run ``script arguments`` on ``ranks`` processes under ``torchrun`` (this folder importable)."""
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--nproc-per-node=2",
+        f"--nproc-per-node={ranks}",
         "--master-addr=127.0.0.1",
         f"--master-port={port}",
         str(script),
