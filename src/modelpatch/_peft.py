@@ -129,7 +129,7 @@ def _sized_by_hook(base: type, name: str) -> type:
     """A subclass ``name`` of ``base``, a LoRA layer class of the installed PEFT that reads its base layer's sizes in
     ``_get_in_out_features(module)``, that asks its public hook ``base_features(module)`` first."""
 
-    class Sized(base):  # type: ignore[misc, valid-type]  # a class of the installed PEFT
+    class Sized(base):  # base: a class of the installed PEFT
         def base_features(self, module: nn.Module) -> tuple[int, int] | None:
             return None
 
