@@ -4,8 +4,8 @@ Every module of ``src/modelpatch`` is parsed with ``ast``; each import of the pa
 module level, under ``TYPE_CHECKING`` or inside a function) is resolved to the module it names and checked against
 the layers, bottom-up:
 
-* ``errors.py``, ``state.py``, ``registry.py``, ``_transformers.py``, ``_peft.py``, ``_torch.py``, ``_installs.py``
-  and ``_border.py`` sit beside the layers: every layer may import them, they import only each other;
+* ``errors.py``, ``state.py``, ``registry.py``, ``_transformers.py``, ``_peft.py``, ``_torch.py``, ``_doors.py``,
+  ``_installs.py`` and ``_border.py`` sit beside the layers: every layer may import them, they import only each other;
 * ``checkpoint/`` (file I/O), then ``conversion/`` (tensors; it may read checkpoints, never the reverse), then
   ``_transformers_mapping.py`` (transformers' conversion objects, translated);
 * ``patching/``, then ``fusions/`` (a fusion is a class patch with transforms);
@@ -43,6 +43,7 @@ LAYERS: dict[str, float] = {
     "_installs": 0,
     "_peft": 0,
     "_torch": 0,
+    "_doors": 0,
     "_border": 0,
     "checkpoint": 1,
     "conversion": 2,

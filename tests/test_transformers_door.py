@@ -21,7 +21,7 @@ from transformers.models.auto.auto_factory import _BaseAutoModelClass
 import modelpatch
 from modelpatch import TransformersVersionError
 from modelpatch import _transformers as door
-from support.doors import private_uses, required_paths, uses_outside
+from support.doors import assert_only_the_door_uses, private_uses, required_paths
 from support.models import sized_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,8 +70,7 @@ def test_the_private_names_are_known_to_this_transformers():
 
 
 def test_no_module_but_the_door_uses_transformers_private_api():
-    violations = uses_outside(SOURCE, DOOR, _violations)
-    assert violations == [], "private transformers API outside modelpatch/_transformers.py:\n" + "\n".join(violations)
+    assert_only_the_door_uses(SOURCE, DOOR, _violations)
 
 
 def test_the_scan_finds_private_uses():
@@ -153,17 +152,21 @@ def test_every_private_name_the_door_lists_is_in_this_transformers():
         assert not hasattr(PreTrainedModel, path)  # set on instances only: exercised below instead
 
 
-def test_a_name_this_transformers_lacks_is_refused_by_name():
+def test_a_name_this_transformers_lacks_is_refused_by_name(monkeypatch):
     """The door's lookup, given names the installed transformers really does not have, raises modelpatch's error
     naming the release, the name, the feature that needs it and the supported range (not an AttributeError)."""
+    internal = "transformers.modeling_utils:PreTrainedModel._no_such_internal"
+    monkeypatch.setitem(door.PRIVATE_API, internal, ("5.15", "building a model"))
+    monkeypatch.setitem(door.PRIVATE_API, "transformers.no_such_module", ("5.15", "conversions"))
     expected = (
         f"transformers {transformers.__version__} lacks transformers.modeling_utils.PreTrainedModel._no_such_internal"
         ", which building a model needs; supported: transformers>=5.15,<5.25"
     )
     with pytest.raises(TransformersVersionError, match=re.escape(expected)):
-        door.lookup("transformers.modeling_utils", "PreTrainedModel._no_such_internal", "building a model")
+        door.require(internal)
+    assert not door.available(internal)
     with pytest.raises(TransformersVersionError, match=r"lacks transformers\.no_such_module, which conversions need"):
-        door.lookup("transformers.no_such_module", "", "conversions")
+        door.require("transformers.no_such_module")
     assert issubclass(TransformersVersionError, modelpatch.ModelPatchError)
     # A name the installed release lacks among the door's own (5.15-5.22 have no _resolve_parallel_plans): refused.
     for path, (_, feature) in door.PRIVATE_API.items():

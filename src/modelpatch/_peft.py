@@ -21,7 +21,6 @@ import contextlib
 import contextvars
 import copy
 import functools
-import importlib
 import inspect
 from collections.abc import Iterator, Mapping
 from types import FrameType
@@ -29,42 +28,64 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
+from ._doors import Door, private_api
 from .errors import PeftVersionError
 
 # The PEFT releases the door was read against and the suite exercises ("Checked against" in the functions below);
 # pyproject.toml's ``peft`` extra requires the first of them.
 CHECKED = ("0.21.2",)
 
-# Every private name of PEFT the door relies on: "module:attribute path" (no attribute: the module itself) -> (the
-# first PEFT release modelpatch supports that has it, the feature that needs it).
-PRIVATE_API: dict[str, tuple[str, str]] = {
-    "peft.tuners.lora:Linear": ("0.21", "LoRA on the original names of fused projections"),
-    "peft.tuners.lora:Linear._get_in_out_features": ("0.21", "LoRA on the original names of fused projections"),
-    "peft.tuners.lora:LoraConfig._register_custom_module": ("0.21", "LoRA on the original names of fused projections"),
-    "peft.utils.constants:INCLUDE_LINEAR_LAYERS_SHORTHAND": ("0.21", 'LoRA on "all-linear" of a fused model'),
-    "peft.tuners.tuners_utils:_maybe_include_all_linear_layers": ("0.21", 'LoRA on "all-linear" of a fused model'),
-    "peft.tuners.tuners_utils:check_target_module_exists": ("0.21", "adapters on a fused model (which modules)"),
-    "peft.tuners.tuners_utils:BaseTuner._prepare_adapter_config": ("0.21", "adapters on a fused model (defaults)"),
-    "peft.utils.transformers_weight_conversion:convert_peft_config_for_transformers": (
-        "0.21",
-        "LoRA on a linear_experts model (PEFT's transformers-v5 expert targets)",
-    ),
-    "peft.mapping:PEFT_TYPE_TO_PREFIX_MAPPING": ("0.21", "load_adapter on a linear_experts model"),
-    "peft.utils.constants:SAFETENSORS_WEIGHTS_NAME": ("0.21", "load_adapter on a linear_experts model"),
-    "peft.utils.other:get_pattern_key": ("0.21", "LoRA on a linear_experts model (ranks of the experts)"),
-    "peft.utils.constants:DUMMY_TARGET_MODULES": ("0.21", "LoRA on a linear_experts model (experts only)"),
-    "peft.tuners.lora:LoraLayer": ("0.21", "LoRA on a linear_experts model (the experts' layer)"),
-    "peft.tuners.lora:LoraLayer._get_in_out_features": ("0.21", "LoRA on a linear_experts model (the experts' layer)"),
-    "peft.tuners.tuners_utils:BaseTunerLayer": ("0.21", "the merged weights of a LoRA model streamed"),
-    "peft.tuners.lora:Embedding": ("0.21", "the merged weights of a LoRA model streamed"),
-    "peft.tuners.lora:ParamWrapper": ("0.21", "the merged weights of a LoRA model streamed; a further expert adapter"),
-    "peft.tuners.tuners_utils:BaseTunerLayer._active_adapter": ("0.21", "a further adapter on a linear_experts model"),
-    "peft.tuners.tuners_utils:BaseTunerLayer._disable_adapters": (
-        "0.21",
-        "a further adapter on a linear_experts model",
-    ),
-    "peft.utils.other:AuxiliaryTrainingWrapper": ("0.21", "the merged weights of a LoRA model streamed"),
-}
+# Every private name of PEFT the door relies on, by the feature that needs it: "module:attribute path" (no attribute:
+# the module itself), each in the first PEFT release modelpatch supports. PRIVATE_API: path -> (that release, feature).
+PRIVATE_API: dict[str, tuple[str, str]] = private_api(
+    "0.21",
+    {
+        "LoRA on the original names of fused projections": [
+            "peft.tuners.lora:Linear",
+            "peft.tuners.lora:Linear._get_in_out_features",
+            "peft.tuners.lora:LoraConfig._register_custom_module",
+        ],
+        'LoRA on "all-linear" of a fused model': [
+            "peft.utils.constants:INCLUDE_LINEAR_LAYERS_SHORTHAND",
+            "peft.tuners.tuners_utils:_maybe_include_all_linear_layers",
+        ],
+        "adapters on a fused model (which modules)": ["peft.tuners.tuners_utils:check_target_module_exists"],
+        "adapters on a fused model (defaults)": ["peft.tuners.tuners_utils:BaseTuner._prepare_adapter_config"],
+        "LoRA on a linear_experts model (PEFT's transformers-v5 expert targets)": [
+            "peft.utils.transformers_weight_conversion:convert_peft_config_for_transformers"
+        ],
+        "load_adapter on a linear_experts model": [
+            "peft.mapping:PEFT_TYPE_TO_PREFIX_MAPPING",
+            "peft.utils.constants:SAFETENSORS_WEIGHTS_NAME",
+        ],
+        "LoRA on a linear_experts model (ranks of the experts)": ["peft.utils.other:get_pattern_key"],
+        "LoRA on a linear_experts model (experts only)": ["peft.utils.constants:DUMMY_TARGET_MODULES"],
+        "LoRA on a linear_experts model (the experts' layer)": [
+            "peft.tuners.lora:LoraLayer",
+            "peft.tuners.lora:LoraLayer._get_in_out_features",
+        ],
+        "the merged weights of a LoRA model streamed": [
+            "peft.tuners.tuners_utils:BaseTunerLayer",
+            "peft.tuners.lora:Embedding",
+            "peft.tuners.lora:ParamWrapper",
+            "peft.utils.other:AuxiliaryTrainingWrapper",
+        ],
+        "a further adapter on a linear_experts model": [
+            "peft.tuners.lora:ParamWrapper",
+            "peft.tuners.tuners_utils:BaseTunerLayer._active_adapter",
+            "peft.tuners.tuners_utils:BaseTunerLayer._disable_adapters",
+        ],
+    },
+)
+
+
+_DOOR = Door(
+    PRIVATE_API,
+    PeftVersionError,
+    lambda: f"PEFT {import_peft().__version__}",
+    f"; modelpatch's PEFT integration was checked against PEFT {', '.join(CHECKED)}. Install one of those: "
+    f"pip install 'peft=={CHECKED[-1]}'.",
+)
 
 
 def require(path: str) -> Any:
@@ -74,28 +95,8 @@ def require(path: str) -> Any:
         PeftVersionError: the installed PEFT lacks it (named, with the feature that needs it).
         ImportError: PEFT is not installed.
     """
-    module, _, attribute = path.partition(":")
-    feature = PRIVATE_API[path][1]
-    peft = import_peft()
-    try:
-        value: Any = importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        if exc.name is None or not (module == exc.name or module.startswith(exc.name + ".")):
-            raise
-        raise _missing(peft.__version__, module, feature) from None
-    for part in attribute.split(".") if attribute else ():
-        try:
-            value = getattr(value, part)
-        except AttributeError:
-            raise _missing(peft.__version__, f"{module}.{attribute}", feature) from None
-    return value
-
-
-def _missing(version: str, name: str, feature: str) -> PeftVersionError:
-    return PeftVersionError(
-        f"PEFT {version} lacks {name}, which {feature} needs; modelpatch's PEFT integration was checked against "
-        f"PEFT {', '.join(CHECKED)}. Install one of those: pip install 'peft=={CHECKED[-1]}'."
-    )
+    import_peft()
+    return _DOOR.require(path)
 
 
 def import_peft() -> Any:
@@ -121,8 +122,14 @@ def lora_linear() -> Any:
     """
     base = require("peft.tuners.lora:Linear")
     require("peft.tuners.lora:Linear._get_in_out_features")
+    return _sized_by_hook(base, "LoraLinear")
 
-    class LoraLinear(base):  # type: ignore[misc, valid-type]  # a class of the installed PEFT
+
+def _sized_by_hook(base: type, name: str) -> type:
+    """A subclass ``name`` of ``base``, a LoRA layer class of the installed PEFT that reads its base layer's sizes in
+    ``_get_in_out_features(module)``, that asks its public hook ``base_features(module)`` first."""
+
+    class Sized(base):  # base: a class of the installed PEFT
         def base_features(self, module: nn.Module) -> tuple[int, int] | None:
             return None
 
@@ -130,7 +137,8 @@ def lora_linear() -> Any:
             features = self.base_features(module)
             return features if features is not None else super()._get_in_out_features(module)
 
-    return LoraLinear
+    Sized.__name__ = Sized.__qualname__ = name
+    return Sized
 
 
 def register_custom_lora_module(config: Any, mapping: Mapping[type[nn.Module], type[nn.Module]]) -> None:
@@ -318,16 +326,7 @@ def lora_layer() -> Any:
     """
     base = require("peft.tuners.lora:LoraLayer")
     require("peft.tuners.lora:LoraLayer._get_in_out_features")
-
-    class LoraLayer(base):  # type: ignore[misc, valid-type]  # a class of the installed PEFT
-        def base_features(self, module: nn.Module) -> tuple[int, int] | None:
-            return None
-
-        def _get_in_out_features(self, module: nn.Module) -> tuple[int, int] | tuple[None, None]:
-            features = self.base_features(module)
-            return features if features is not None else super()._get_in_out_features(module)
-
-    return LoraLayer
+    return _sized_by_hook(base, "LoraLayer")
 
 
 class LoraMergeLayers(NamedTuple):

@@ -27,7 +27,6 @@ instead, and tests/test_torch_door.py fails on any other private torch name used
 
 from __future__ import annotations
 
-import importlib
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -36,6 +35,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
+from ._doors import Door, private_api
 from .errors import TorchVersionError
 
 # The torch releases this door was read against and the suite exercises: the lowest and the newest CI runs
@@ -43,18 +43,24 @@ from .errors import TorchVersionError
 # those releases' source and exercised by the suite on both.
 CHECKED = ("2.6.0", "2.15.0")
 
-# Every private module- or class-level name of torch the door relies on: "module:attribute path" -> (the first torch
-# release that has it, 2.6 for "in the floor already"; the feature that needs it).
-PRIVATE_API: dict[str, tuple[str, str]] = {
-    "torch.nn.modules.module:_WrappedHook": ("2.6", "moving state-dict hooks onto restructured modules"),
-    "torch.nn.modules.module:_global_forward_hooks": ("2.6", "fused modules' shortcuts (hooks on every module)"),
-    "torch.nn.modules.module:_global_forward_pre_hooks": ("2.6", "fused modules' shortcuts (hooks on every module)"),
-    "torch.nn.modules.module:_global_backward_hooks": ("2.6", "fused modules' shortcuts (hooks on every module)"),
-    "torch.nn.modules.module:_global_backward_pre_hooks": ("2.6", "fused modules' shortcuts (hooks on every module)"),
-    "torch:_grouped_mm": ("2.8", "linear_experts' grouped product before torch.nn.functional.grouped_mm (2.10)"),
-    "torch.distributed.tensor.placement_types:_StridedShard": ("2.6", "tensor-parallel loads of stacked experts"),
-    "torch.distributed.distributed_c10d:_get_default_store": ("2.6", "collective saves (the ranks' agreement)"),
-}
+# Every private module- or class-level name of torch the door relies on, by the feature that needs it: each in torch
+# 2.6, the floor, but _grouped_mm (2.8). PRIVATE_API: "module:attribute path" -> (first release, feature).
+PRIVATE_API: dict[str, tuple[str, str]] = private_api(
+    "2.6",
+    {
+        "moving state-dict hooks onto restructured modules": ["torch.nn.modules.module:_WrappedHook"],
+        "fused modules' shortcuts (hooks on every module)": [
+            "torch.nn.modules.module:_global_forward_hooks",
+            "torch.nn.modules.module:_global_forward_pre_hooks",
+            "torch.nn.modules.module:_global_backward_hooks",
+            "torch.nn.modules.module:_global_backward_pre_hooks",
+        ],
+        "linear_experts' grouped product before torch.nn.functional.grouped_mm (2.10)": ["torch:_grouped_mm"],
+        "tensor-parallel loads of stacked experts": ["torch.distributed.tensor.placement_types:_StridedShard"],
+        "collective saves (the ranks' agreement)": ["torch.distributed.distributed_c10d:_get_default_store"],
+    },
+    since={"torch:_grouped_mm": "2.8"},
+)
 
 # torch's per-module hook dicts (set by nn.Module.__init__), with what error messages call them: those run around a
 # call, and those run around state-dict saves and loads. A dict labelled "" holds flags of forward hooks.
@@ -88,32 +94,16 @@ INSTANCE_ATTRIBUTES: dict[str, tuple[str, str]] = {
 MODULE_INTERNALS: dict[str, str] = {"_parameters": "2.6", "_buffers": "2.6", "_modules": "2.6", "_apply": "2.6"}
 
 
-def require(path: str) -> Any:
-    """The private name ``path`` of :data:`PRIVATE_API` ("module:attribute"), looked up now.
-
-    Raises:
-        TorchVersionError: the installed torch lacks it (named, with the feature that needs it).
-    """
-    module, _, attribute = path.partition(":")
-    value: Any = importlib.import_module(module)
-    for part in attribute.split(".") if attribute else ():
-        try:
-            value = getattr(value, part)
-        except AttributeError:
-            raise TorchVersionError(
-                f"torch {torch.__version__} lacks {module}.{attribute}, which {PRIVATE_API[path][1]} needs "
-                f"(modelpatch was checked against torch {' and '.join(CHECKED)})."
-            ) from None
-    return value
-
-
-def available(path: str) -> bool:
-    """Whether the installed torch has the private name ``path`` of :data:`PRIVATE_API`."""
-    try:
-        require(path)
-    except TorchVersionError:
-        return False
-    return True
+# require(path): the private name path of PRIVATE_API, looked up now (TorchVersionError, naming it and the feature
+# that needs it, where the installed torch lacks it); available(path): whether the installed torch has it.
+_DOOR = Door(
+    PRIVATE_API,
+    TorchVersionError,
+    lambda: f"torch {torch.__version__}",
+    f" (modelpatch was checked against torch {' and '.join(CHECKED)}).",
+)
+require = _DOOR.require
+available = _DOOR.available
 
 
 def grouped_mm() -> Callable[..., torch.Tensor] | None:

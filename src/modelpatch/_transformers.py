@@ -40,6 +40,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 # Public from its submodule in every supported release (exported at the top level only from 5.16 on).
 from transformers.distributed import DistributedConfig
 
+from ._doors import Door, private_api
 from .errors import TransformersVersionError
 
 if TYPE_CHECKING:
@@ -55,129 +56,112 @@ logger = logging.getLogger(__name__)
 SUPPORTED = ">=5.15,<5.25"
 CHECKED = ("5.15.1", "5.24.0")
 
-# Every private name of transformers the door relies on: "module:attribute path" (no attribute: the module itself)
-# -> (the first supported release that has it, the feature that needs it).
-PRIVATE_API: dict[str, tuple[str, str]] = {
-    # Building and finalising a model
-    "transformers.modeling_utils:PreTrainedModel.get_init_context": ("5.15", "building a model (from_pretrained)"),
-    "transformers.modeling_utils:PreTrainedModel._from_config": ("5.15", "building a model from its config"),
-    "transformers.modeling_utils:PreTrainedModel._get_dtype_plan": ("5.15", "keeping modules in float32"),
-    "transformers.configuration_utils:PretrainedConfig._attn_implementation": ("5.15", "attn_implementation="),
-    "transformers.configuration_utils:PretrainedConfig._experts_implementation": ("5.15", "experts_implementation="),
-    "transformers.monkey_patching": ("5.15", "class patching (transformers' own patch registry)"),
-    "transformers.monkey_patching:get_patch_mapping": ("5.15", "class patching (transformers' own patch registry)"),
-    "transformers.modeling_utils:PreTrainedModel._move_missing_keys_from_meta_to_device": (
-        "5.15",
-        "initialising what a checkpoint does not hold",
-    ),
-    "transformers.modeling_utils:PreTrainedModel._initialize_missing_keys": (
-        "5.15",
-        "initialising what a checkpoint does not hold",
-    ),
-    "transformers.modeling_utils:PreTrainedModel.tie_weights": ("5.15", "tying weights"),
-    "transformers.modeling_utils:PreTrainedModel._keys_to_ignore_on_load_missing": ("5.15", "load reports"),
-    "transformers.modeling_utils:PreTrainedModel._keys_to_ignore_on_load_unexpected": ("5.15", "load reports"),
-    "transformers.modeling_utils:PreTrainedModel._no_split_modules": ("5.15", "device maps"),
-    "transformers.modeling_utils:PreTrainedModel._skip_keys_device_placement": ("5.15", "device maps"),
-    "transformers.modeling_utils:PreTrainedModel._hf_peft_config_loaded": ("5.15", "saving a model with an adapter"),
-    # Output recorders
-    "transformers.utils.output_capturing:OutputRecorder": ("5.15", "output_attentions / output_hidden_states"),
-    "transformers.modeling_utils:PreTrainedModel._can_record_outputs": (
-        "5.15",
-        "output_attentions / output_hidden_states",
-    ),
-    # Auto classes
-    "transformers.models.auto.auto_factory:_BaseAutoModelClass": ("5.15", "modelpatch's Auto classes"),
-    "transformers.models.auto.auto_factory:_BaseAutoModelClass._model_mapping": ("5.15", "modelpatch's Auto classes"),
-    "transformers.models.auto.auto_factory:_get_model_class": ("5.15", "modelpatch's Auto classes"),
-    "transformers.models.auto.modeling_auto": ("5.15", "finding a model type's classes"),
-    # Conversions
-    "transformers.conversion_mapping": ("5.15", "checkpoint conversions (transformers' mapping)"),
-    "transformers.conversion_mapping:get_checkpoint_conversion_mapping": ("5.15", "checkpoint conversions"),
-    "transformers.conversion_mapping:_checkpoint_conversion_mapping_cache": ("5.15", "checkpoint conversions"),
-    "transformers.conversion_mapping:USER_REGISTERED_MAPPINGS": ("5.15", "checkpoint conversions"),
-    "transformers.core_model_loading": ("5.15", "checkpoint conversions (transformers' operations)"),
-    "transformers.core_model_loading:WeightTransform._original_source_patterns": ("5.15", "checkpoint conversions"),
-    "transformers.core_model_loading:WeightTransform._original_target_patterns": ("5.15", "checkpoint conversions"),
-    # Quantizers
-    "transformers.quantizers:HfQuantizer": ("5.15", "quantized loads"),
-    "transformers.quantizers:HfQuantizer.update_weight_conversions": ("5.15", "quantized loads"),
-    "transformers.quantizers.auto:get_hf_quantizer": ("5.15", "quantized loads"),
-    "transformers.integrations.finegrained_fp8:Fp8Dequantize": ("5.15", "loading FP8 checkpoints"),
-    "transformers.integrations.torchao:TorchAoDeserialize": ("5.15", "loading torchao checkpoints"),
-    # Tensor parallelism (releases before 5.23 have another distributed API: tensor_parallel_supported() is False there)
-    "transformers.modeling_utils:PreTrainedModel._resolve_parallel_plans": ("5.23", "tensor-parallel loads"),
-    "transformers.modeling_utils:PreTrainedModel.prepare_distribute_model": ("5.15", "tensor-parallel loads"),
-    "transformers.modeling_utils:PreTrainedModel._tp_plan": ("5.15", "tensor-parallel loads"),
-    "transformers.modeling_utils:PreTrainedModel._mesh_manager": ("5.19", "tensor-parallel loads"),
-    "transformers.modeling_utils:PreTrainedModel._device_mesh": ("5.15", "tensor-parallel loads"),
-    "transformers.modeling_utils:PreTrainedModel._is_distributed_loading_by_transformers": (
-        "5.19",
-        "tensor-parallel loads",
-    ),
-    "transformers.modeling_utils:PreTrainedModel._tp_size": ("5.15", "tensor-parallel loads"),
-    "transformers.modeling_utils:PreTrainedModel._fsdp_size": ("5.18", "tensor-parallel loads"),
-    "transformers.distributed.parallel_utils:ALL_PARALLEL_STYLES": ("5.22", "tensor-parallel loads"),
-    "transformers.distributed.parallel_utils:replace_layer_number_by_wildcard": ("5.23", "tensor-parallel loads"),
-    "transformers.distributed.tensor_parallel:apply_tensor_parallelism": ("5.16", "tensor-parallel loads"),
-    "transformers.distributed.tensor_parallel:PackedColwiseParallel": ("5.16", "tensor-parallel loads"),
-    "transformers.distributed.sharding_utils:DtensorShardOperation": ("5.15", "tensor-parallel loads"),
-    # FSDP2 / HSDP loads (distributed_config with fsdp_size / dp_replicate_size), on the same distributed API
-    "transformers.distributed.fsdp:apply_fully_sharded_data_parallelism": ("5.15", "FSDP2 loads"),
-}
+# Every private name of transformers the door relies on, by the feature that needs it: "module:attribute path" (no
+# attribute: the module itself). Each is in transformers 5.15, the lowest supported release, but those of ``since``.
+# PRIVATE_API: path -> (the first supported release that has it, the feature).
+PRIVATE_API: dict[str, tuple[str, str]] = private_api(
+    "5.15",
+    {
+        # Building and finalising a model
+        "building a model (from_pretrained)": ["transformers.modeling_utils:PreTrainedModel.get_init_context"],
+        "building a model from its config": ["transformers.modeling_utils:PreTrainedModel._from_config"],
+        "keeping modules in float32": ["transformers.modeling_utils:PreTrainedModel._get_dtype_plan"],
+        "attn_implementation=": ["transformers.configuration_utils:PretrainedConfig._attn_implementation"],
+        "experts_implementation=": ["transformers.configuration_utils:PretrainedConfig._experts_implementation"],
+        "class patching (transformers' own patch registry)": [
+            "transformers.monkey_patching",
+            "transformers.monkey_patching:get_patch_mapping",
+        ],
+        "initialising what a checkpoint does not hold": [
+            "transformers.modeling_utils:PreTrainedModel._move_missing_keys_from_meta_to_device",
+            "transformers.modeling_utils:PreTrainedModel._initialize_missing_keys",
+        ],
+        "tying weights": ["transformers.modeling_utils:PreTrainedModel.tie_weights"],
+        "load reports": [
+            "transformers.modeling_utils:PreTrainedModel._keys_to_ignore_on_load_missing",
+            "transformers.modeling_utils:PreTrainedModel._keys_to_ignore_on_load_unexpected",
+        ],
+        "device maps": [
+            "transformers.modeling_utils:PreTrainedModel._no_split_modules",
+            "transformers.modeling_utils:PreTrainedModel._skip_keys_device_placement",
+        ],
+        "saving a model with an adapter": ["transformers.modeling_utils:PreTrainedModel._hf_peft_config_loaded"],
+        # Output recorders
+        "output_attentions / output_hidden_states": [
+            "transformers.utils.output_capturing:OutputRecorder",
+            "transformers.modeling_utils:PreTrainedModel._can_record_outputs",
+        ],
+        # Auto classes
+        "modelpatch's Auto classes": [
+            "transformers.models.auto.auto_factory:_BaseAutoModelClass",
+            "transformers.models.auto.auto_factory:_BaseAutoModelClass._model_mapping",
+            "transformers.models.auto.auto_factory:_get_model_class",
+        ],
+        "finding a model type's classes": ["transformers.models.auto.modeling_auto"],
+        # Conversions
+        "checkpoint conversions (transformers' mapping)": ["transformers.conversion_mapping"],
+        "checkpoint conversions": [
+            "transformers.conversion_mapping:get_checkpoint_conversion_mapping",
+            "transformers.conversion_mapping:_checkpoint_conversion_mapping_cache",
+            "transformers.conversion_mapping:USER_REGISTERED_MAPPINGS",
+            "transformers.core_model_loading:WeightTransform._original_source_patterns",
+            "transformers.core_model_loading:WeightTransform._original_target_patterns",
+        ],
+        "checkpoint conversions (transformers' operations)": ["transformers.core_model_loading"],
+        # Quantizers
+        "quantized loads": [
+            "transformers.quantizers:HfQuantizer",
+            "transformers.quantizers:HfQuantizer.update_weight_conversions",
+            "transformers.quantizers.auto:get_hf_quantizer",
+        ],
+        "loading FP8 checkpoints": ["transformers.integrations.finegrained_fp8:Fp8Dequantize"],
+        "loading torchao checkpoints": ["transformers.integrations.torchao:TorchAoDeserialize"],
+        # Tensor parallelism (releases before 5.23 have another distributed API: tensor_parallel_supported() is False
+        # there)
+        "tensor-parallel loads": [
+            "transformers.modeling_utils:PreTrainedModel._resolve_parallel_plans",
+            "transformers.modeling_utils:PreTrainedModel.prepare_distribute_model",
+            "transformers.modeling_utils:PreTrainedModel._tp_plan",
+            "transformers.modeling_utils:PreTrainedModel._mesh_manager",
+            "transformers.modeling_utils:PreTrainedModel._device_mesh",
+            "transformers.modeling_utils:PreTrainedModel._is_distributed_loading_by_transformers",
+            "transformers.modeling_utils:PreTrainedModel._tp_size",
+            "transformers.modeling_utils:PreTrainedModel._fsdp_size",
+            "transformers.distributed.parallel_utils:ALL_PARALLEL_STYLES",
+            "transformers.distributed.parallel_utils:replace_layer_number_by_wildcard",
+            "transformers.distributed.tensor_parallel:apply_tensor_parallelism",
+            "transformers.distributed.tensor_parallel:PackedColwiseParallel",
+            "transformers.distributed.sharding_utils:DtensorShardOperation",
+        ],
+        # FSDP2 / HSDP loads (distributed_config with fsdp_size / dp_replicate_size), on the same distributed API
+        "FSDP2 loads": ["transformers.distributed.fsdp:apply_fully_sharded_data_parallelism"],
+    },
+    since={
+        "transformers.distributed.tensor_parallel:apply_tensor_parallelism": "5.16",
+        "transformers.distributed.tensor_parallel:PackedColwiseParallel": "5.16",
+        "transformers.modeling_utils:PreTrainedModel._fsdp_size": "5.18",
+        "transformers.modeling_utils:PreTrainedModel._mesh_manager": "5.19",
+        "transformers.modeling_utils:PreTrainedModel._is_distributed_loading_by_transformers": "5.19",
+        "transformers.distributed.parallel_utils:ALL_PARALLEL_STYLES": "5.22",
+        "transformers.modeling_utils:PreTrainedModel._resolve_parallel_plans": "5.23",
+        "transformers.distributed.parallel_utils:replace_layer_number_by_wildcard": "5.23",
+    },
+)
 # Markers transformers sets on instances (no class declares them), exercised by the suite rather than looked up.
 INSTANCE_ATTRIBUTES = ("all_tied_weights_keys", "_is_hf_initialized")
 
 
-def lookup(module: str, attribute: str, feature: str) -> Any:
-    """``attribute`` (a dotted path: ``PreTrainedModel._from_config``; empty: the module itself) of transformers'
-    ``module``.
-
-    Raises:
-        TransformersVersionError: the installed transformers has no such module or attribute; the message names it,
-            ``feature`` (what needs it), the installed release and :data:`SUPPORTED`.
-    """
-    try:
-        value: Any = importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        # Only the module asked for (or a package above it) being absent is a missing name; anything else is a
-        # broken install, reported as it is.
-        if exc.name is None or not (module == exc.name or module.startswith(exc.name + ".")):
-            raise
-        raise _missing(module, feature) from None
-    for part in attribute.split(".") if attribute else ():
-        try:
-            value = getattr(value, part)
-        except AttributeError:
-            raise _missing(f"{module}.{attribute}", feature) from None
-    return value
-
-
-def _missing(name: str, feature: str) -> TransformersVersionError:
-    return TransformersVersionError(
-        f"transformers {transformers.__version__} lacks {name}, which {feature} needs; "
-        f"supported: transformers{SUPPORTED}. Install a supported release: pip install 'transformers{SUPPORTED}'."
-    )
-
-
-def require(path: str) -> Any:
-    """The private name ``path`` of :data:`PRIVATE_API` ("module:attribute"), looked up now (not cached: a module
-    global such as the conversion registry's cache is rebound by transformers).
-
-    Raises:
-        TransformersVersionError: the installed transformers lacks it (named, with the feature that needs it).
-    """
-    module, _, attribute = path.partition(":")
-    return lookup(module, attribute, PRIVATE_API[path][1])
-
-
-def available(path: str) -> bool:
-    """Whether the installed transformers has the private name ``path`` of :data:`PRIVATE_API`."""
-    try:
-        require(path)
-    except TransformersVersionError:
-        return False
-    return True
+# require(path): the private name path of PRIVATE_API, looked up now (TransformersVersionError, naming it, the feature
+# that needs it, the installed release and SUPPORTED, where the installed transformers lacks it); available(path):
+# whether the installed transformers has it.
+_DOOR = Door(
+    PRIVATE_API,
+    TransformersVersionError,
+    lambda: f"transformers {transformers.__version__}",
+    f"; supported: transformers{SUPPORTED}. Install a supported release: pip install 'transformers{SUPPORTED}'.",
+)
+require = _DOOR.require
+available = _DOOR.available
 
 
 def supports(version: str) -> bool:

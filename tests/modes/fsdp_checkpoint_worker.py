@@ -19,7 +19,6 @@ its first rows); that one ends the process group, so it comes last and rank 1 th
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -30,13 +29,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import transformers
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: the support package
 
 import modelpatch
 import modelpatch.saving.sharded
 from modelpatch.errors import ModelPatchError
+from support.distributed import joined_job
 
 transformers.logging.set_verbosity_error()
 
@@ -115,11 +116,8 @@ def refused_saves(model, job: dict, out: Path, mesh) -> None:
 
 
 def main() -> None:
-    job = json.loads(Path(sys.argv[1]).read_text())
+    job, rank, mesh = joined_job()
     out = Path(job["out"])
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for case in job["cases"]:
         name, path, fusion_config = case["id"], case["path"], case["fusion_config"]
         model = sharded_model(path, fusion_config, mesh)

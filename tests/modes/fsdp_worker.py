@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 import modelpatch
 from modelpatch.errors import FusionError, ModelPatchError
 from modelpatch.saving.contents import model_layout
-from support.distributed import training_losses
+from support.distributed import joined_job, training_losses
 
 transformers.logging.set_verbosity_error()
 
@@ -204,11 +204,8 @@ def adapters_then_fsdp(path: Path, mesh, rank: int) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
-    job = json.loads(Path(sys.argv[1]).read_text())
+    job, rank, mesh = joined_job()
     out = Path(job["out"])
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for case in job["cases"]:
         torch.manual_seed(0)
         path = Path(case["path"])

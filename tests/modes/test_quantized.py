@@ -26,8 +26,7 @@ from modelpatch.errors import LoadPlanError, SaveError
 from modelpatch.modes.quantization import quantizer_api_supported
 from support.compare import assert_bitwise_equal, bits
 from support.files import read_tensors
-from support.models import sized_config
-from support.quantized import BLOCK, FP8_MAX, declare_quantization, quantize_projections, write_fp8_checkpoint
+from support.quantized import BLOCK, FP8_MAX, declare_quantization, fp8_checkpoints, fp8_config, quantize_projections
 
 # The oldest transformers releases of the supported range have another quantizer API: there modelpatch refuses
 # quantized checkpoints by name (tests/loading/test_load_errors.py checks that).
@@ -39,18 +38,9 @@ torchao = pytest.importorskip("torchao")
 from torchao.quantization import Int8WeightOnlyConfig  # noqa: E402
 from transformers import TorchAoConfig  # noqa: E402
 
-
-def _config(model_type: str, **overrides):
-    # hidden 256 and intermediate 384: 2 x 3 blocks of 128 per projection, so block scales matter.
-    fixed = {"max_position_embeddings": 64, "tie_word_embeddings": False}
-    return sized_config(
-        model_type, vocab=128, hidden=256, intermediate=384, layers=2, heads=4, kv_heads=2, **{**fixed, **overrides}
-    )
-
-
 FP8_MODELS = {
-    "llama": _config("llama"),
-    "qwen2_moe": _config(
+    "llama": fp8_config("llama"),
+    "qwen2_moe": fp8_config(
         "qwen2_moe",
         moe_intermediate_size=128,
         num_experts=4,
@@ -62,22 +52,14 @@ FP8_MODELS = {
 
 @pytest.fixture(scope="module")
 def fp8_checkpoint(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fp8")
-    built: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in built:
-            built[name] = write_fp8_checkpoint(FP8_MODELS[name], root / name)
-        return built[name]
-
-    return get
+    return fp8_checkpoints(tmp_path_factory.mktemp("fp8"), FP8_MODELS.__getitem__)
 
 
 @pytest.fixture(scope="module")
 def plain_llama(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("plain") / "llama"
     torch.manual_seed(1)
-    config = _config("llama", hidden_size=64, intermediate_size=96)
+    config = fp8_config("llama", hidden_size=64, intermediate_size=96)  # narrower: it is quantized by torchao
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(path)
     return path

@@ -27,8 +27,7 @@ from modelpatch.checkpoint import Checkpoint
 from modelpatch.errors import LoadPlanError, SaveError
 from modelpatch.modes.quantization import quantizer_api_supported
 from support.compare import assert_bitwise_equal
-from support.models import sized_config
-from support.quantized import write_fp8_checkpoint
+from support.quantized import fp8_checkpoints, fp8_config
 
 pytestmark = pytest.mark.skipif(
     not quantizer_api_supported(),
@@ -47,32 +46,12 @@ ROUTES = [("llama", FUSED), ("qwen3_moe", {"linear_experts": True, **FUSED})]
 
 
 def _config(name: str):
-    overrides = dict(FP8_CONFIGS[name])
-    return sized_config(
-        overrides.pop("model_type"),
-        vocab=128,
-        hidden=256,
-        intermediate=384,
-        layers=2,
-        heads=4,
-        kv_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        **overrides,
-    )
+    return fp8_config(**FP8_CONFIGS[name])
 
 
 @pytest.fixture(scope="module")
 def fp8_checkpoint(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fp8_routes")
-    built: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in built:
-            built[name] = write_fp8_checkpoint(_config(name), root / name)
-        return built[name]
-
-    return get
+    return fp8_checkpoints(tmp_path_factory.mktemp("fp8_routes"), _config)
 
 
 def _logits(model) -> torch.Tensor:

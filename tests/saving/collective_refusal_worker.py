@@ -23,10 +23,12 @@ import peft
 import torch
 import torch.distributed as dist
 import transformers
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: the support package
+
 import modelpatch
+from support.distributed import joined_job
 
 transformers.logging.set_verbosity_error()
 
@@ -54,11 +56,8 @@ def outcome(save) -> dict:
 
 
 def main() -> None:
-    job = json.loads(Path(sys.argv[1]).read_text())
+    job, rank, mesh = joined_job()
     out, path = Path(job["out"]), job["path"]
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = sharded_model(path, mesh)
     target = out / "target"
     modelpatch.save_pretrained(model, target)

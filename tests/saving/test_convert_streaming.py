@@ -56,21 +56,30 @@ def _convert(
         )
 
 
-def _load_and_save(
-    source: Path,
-    destination: Path,
-    model_class: type,
-    *,
-    fusion_config=None,
-    dtype="auto",
-    runtime_format=False,
-    max_shard_size="50GB",
-) -> list[Path]:
+def _convert_as_load_and_save(source: Path, destination: Path, model_class: type, **options) -> list[Path]:
+    """:func:`_convert` ``source`` into ``destination`` with ``options``, and assert that it wrote the files a load
+    of ``source`` with the same options and a save of that model write (into ``destination`` + ``_reference``)."""
+    files = _convert(source, destination, model_class, **options)
+    reference = destination.with_name(f"{destination.name}_reference")
+    _load_and_save(source, reference, model_class, **options)
+    _assert_same_files(destination, reference)
+    return files
+
+
+def _load_and_save(source: Path, destination: Path, model_class: type, **options) -> list[Path]:
+    """The conversion as it was done before streaming (``options``: :func:`_convert`'s, but ``recorded_fusions``)."""
     model = modelpatch.from_pretrained(
-        model_class, source, fusion_config=fusion_config, dtype=dtype, unexpected_keys="error"
+        model_class,
+        source,
+        fusion_config=options.get("fusion_config"),
+        dtype=options.get("dtype", "auto"),
+        unexpected_keys="error",
     )
     return modelpatch.save_pretrained(
-        model, destination, save_original_format=not runtime_format, max_shard_size=max_shard_size
+        model,
+        destination,
+        save_original_format=not options.get("runtime_format", False),
+        max_shard_size=options.get("max_shard_size", "50GB"),
     )
 
 
@@ -97,31 +106,20 @@ def test_to_the_runtime_layout_and_back_is_what_load_and_save_write(tiny, tmp_pa
     ckpt = tiny(name)
     caplog.set_level(logging.INFO, logger="modelpatch.saving.convert")
 
-    runtime, runtime_reference = tmp_path / "runtime", tmp_path / "runtime_reference"
-    files = _convert(
+    runtime = tmp_path / "runtime"
+    files = _convert_as_load_and_save(
         ckpt.path, runtime, ckpt.model_class, fusion_config=fusions, runtime_format=True, max_shard_size=max_shard_size
     )
-    _load_and_save(
-        ckpt.path,
-        runtime_reference,
-        ckpt.model_class,
-        fusion_config=fusions,
-        runtime_format=True,
-        max_shard_size=max_shard_size,
-    )
     assert _streamed(caplog)
-    _assert_same_files(runtime, runtime_reference)
     assert sorted(files) == sorted(runtime.iterdir())
     if max_shard_size == "20KB":
         assert (runtime / "model.safetensors.index.json").is_file()
 
     # Back: the runtime layout is loaded with its recorded fusions and written in the original layout.
     caplog.clear()
-    back, back_reference = tmp_path / "back", tmp_path / "back_reference"
-    _convert(runtime, back, ckpt.model_class, max_shard_size=max_shard_size)
-    _load_and_save(runtime, back_reference, ckpt.model_class, max_shard_size=max_shard_size)
+    back = tmp_path / "back"
+    _convert_as_load_and_save(runtime, back, ckpt.model_class, max_shard_size=max_shard_size)
     assert _streamed(caplog)
-    _assert_same_files(back, back_reference)
 
     if name.endswith("_3d"):
         return
@@ -143,12 +141,10 @@ def test_a_dtype_change_and_an_original_layout_target(tiny, tmp_path, caplog, dt
     ckpt = tiny("qwen2_moe")
     caplog.set_level(logging.INFO, logger="modelpatch.saving.convert")
     fusions = {"qkv": True, "gate_up": True, "linear_experts": True}
-    _convert(ckpt.path, tmp_path / "out", ckpt.model_class, fusion_config=fusions, dtype=dtype, max_shard_size="30KB")
-    _load_and_save(
-        ckpt.path, tmp_path / "reference", ckpt.model_class, fusion_config=fusions, dtype=dtype, max_shard_size="30KB"
+    _convert_as_load_and_save(
+        ckpt.path, tmp_path / "out", ckpt.model_class, fusion_config=fusions, dtype=dtype, max_shard_size="30KB"
     )
     assert _streamed(caplog)
-    _assert_same_files(tmp_path / "out", tmp_path / "reference")
 
 
 def test_tied_embeddings_stream_and_an_untied_source_goes_through_a_model(stock_checkpoint, tmp_path, caplog):
@@ -156,12 +152,10 @@ def test_tied_embeddings_stream_and_an_untied_source_goes_through_a_model(stock_
     head fills the embedding by tying (transformers' swap at load), which only the loaded model can give."""
     ckpt = stock_checkpoint("llama_tied")
     caplog.set_level(logging.INFO, logger="modelpatch.saving.convert")
-    _convert(ckpt.path, tmp_path / "out", ckpt.model_class, fusion_config={"qkv": True}, runtime_format=True)
-    _load_and_save(
-        ckpt.path, tmp_path / "reference", ckpt.model_class, fusion_config={"qkv": True}, runtime_format=True
+    _convert_as_load_and_save(
+        ckpt.path, tmp_path / "out", ckpt.model_class, fusion_config={"qkv": True}, runtime_format=True
     )
     assert _streamed(caplog)
-    _assert_same_files(tmp_path / "out", tmp_path / "reference")
 
     head_only = tmp_path / "head_only"
     shutil.copytree(ckpt.path, head_only)
@@ -169,12 +163,10 @@ def test_tied_embeddings_stream_and_an_untied_source_goes_through_a_model(stock_
     tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
     save_file(tensors, head_only / "model.safetensors", metadata={"format": "pt"})
     caplog.clear()
-    _convert(head_only, tmp_path / "out2", ckpt.model_class)
-    _load_and_save(head_only, tmp_path / "reference2", ckpt.model_class)
+    _convert_as_load_and_save(head_only, tmp_path / "out2", ckpt.model_class)
     assert any(
         THROUGH_A_MODEL in r.getMessage() and "model.embed_tokens.weight" in r.getMessage() for r in caplog.records
     )
-    _assert_same_files(tmp_path / "out2", tmp_path / "reference2")
 
 
 def _record(directory: Path):

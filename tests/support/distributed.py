@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import modelpatch
 
@@ -51,6 +55,14 @@ def run_ranks(worker: Path, job: Path, ranks: int, timeout: float = 300) -> None
     ]
     result = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+
+
+def joined_job() -> tuple[dict[str, Any], int, DeviceMesh]:
+    """In a worker :func:`run_ranks` runs: its job (the JSON file named on its command line), once this rank joined the
+    gloo process group, with the rank and a 1-D CPU mesh over every rank."""
+    job = json.loads(Path(sys.argv[1]).read_text())
+    dist.init_process_group("gloo")
+    return job, dist.get_rank(), init_device_mesh("cpu", (dist.get_world_size(),))
 
 
 def training_losses(

@@ -31,9 +31,10 @@ def private_uses(
     return found
 
 
-def uses_outside(root: Path, door: Path, scan: Callable[[Path], list[str]]) -> list[str]:
-    """What ``scan`` finds in every module under ``root`` but the ``door``."""
-    return [use for path in sorted(root.rglob("*.py")) if path != door for use in scan(path)]
+def assert_only_the_door_uses(root: Path, door: Path, scan: Callable[[Path], list[str]]) -> None:
+    """Fail, listing each use, where ``scan`` finds private API in a module under ``root`` other than the ``door``."""
+    outside = [use for path in sorted(root.rglob("*.py")) if path != door for use in scan(path)]
+    assert outside == [], f"private API outside modelpatch/{door.name}:\n" + "\n".join(outside)
 
 
 def required_paths(node: ast.AST) -> list[str]:

@@ -10,10 +10,13 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from support.models import sized_config
 
 BLOCK = 128
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
@@ -48,6 +51,29 @@ def write_fp8_checkpoint(config: PretrainedConfig, path: Path) -> Path:
         "weight_block_size": [BLOCK, BLOCK],
     }
     return quantize_projections(path, _fp8_blockwise, settings)
+
+
+def fp8_config(model_type: str, **overrides: Any) -> PretrainedConfig:
+    """A text config of ``model_type`` whose projections are whole fp8 blocks: width 256 and MLP 384 (2 x 3 blocks of
+    128 per projection, so block scales matter), q/k/v 256/128/128 rows (4 query, 2 key/value heads), two layers, 128
+    tokens, an untied head; ``overrides`` applied last."""
+    fixed = {"max_position_embeddings": 64, "tie_word_embeddings": False}
+    return sized_config(
+        model_type, vocab=128, hidden=256, intermediate=384, layers=2, heads=4, kv_heads=2, **{**fixed, **overrides}
+    )
+
+
+def fp8_checkpoints(root: Path, config: Callable[[str], PretrainedConfig]) -> Callable[[str], Path]:
+    """The block-fp8 checkpoint of each model named to the returned function (``config(name)``: its config), written
+    under ``root`` by :func:`write_fp8_checkpoint` when first asked for."""
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = write_fp8_checkpoint(config(name), root / name)
+        return built[name]
+
+    return get
 
 
 def _fp8_blockwise(weight: torch.Tensor) -> dict[str, torch.Tensor]:

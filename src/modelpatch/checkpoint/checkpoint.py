@@ -28,7 +28,7 @@ from .layout import (
     read_weight_map,
     symlink_escape,
 )
-from .safetensors_file import ClosesOnExit, FileIdentity, SafetensorsFile, TensorInfo
+from .safetensors_file import ClosesOnExit, FileIdentity, SafetensorsFile, TensorInfo, tensor_info
 
 logger = logging.getLogger(__name__)
 
@@ -360,10 +360,7 @@ class Checkpoint(ClosesOnExit):
 
     def info(self, key: str) -> TensorInfo:
         """Location, dtype and shape of tensor ``key``."""
-        info = self._infos.get(key)
-        if info is None:
-            raise CheckpointError(f"{self.directory}: checkpoint has no tensor named {key!r}")
-        return info
+        return tensor_info(self._infos, key, self.directory)
 
     def tensor(self, key: str) -> torch.Tensor:
         """Tensor ``key``; a zero-copy memory-mapped view for safetensors files."""

@@ -9,7 +9,7 @@ import os
 import stat
 import struct
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -82,6 +82,18 @@ class TensorInfo:
     def nbytes(self) -> int:
         """Size of the tensor data in bytes."""
         return self.numel * self.dtype.itemsize
+
+
+def tensor_info(infos: Mapping[str, TensorInfo], key: str, holder: object) -> TensorInfo:
+    """The :class:`TensorInfo` of tensor ``key`` among ``infos``, those of a file or a checkpoint (``holder``).
+
+    Raises:
+        CheckpointError: ``holder`` has no tensor ``key`` (naming both).
+    """
+    info = infos.get(key)
+    if info is None:
+        raise CheckpointError(f"{holder}: no tensor named {key!r}")
+    return info
 
 
 def _is_int(value: object) -> bool:
@@ -224,10 +236,7 @@ class SafetensorsFile(ClosesOnExit):
         return cls(path, metadata, tensors, fd, FileIdentity.of(status))
 
     def _info(self, key: str) -> TensorInfo:
-        info = self.tensors.get(key)
-        if info is None:
-            raise CheckpointError(f"{self.path}: no tensor named {key!r}")
-        return info
+        return tensor_info(self.tensors, key, self.path)
 
     def tensor(self, key: str) -> torch.Tensor:
         """Return tensor ``key`` as a writable view of the memory-mapped file (no copy)."""
